@@ -1,0 +1,75 @@
+"""Activities of the OutboxShard workflow.
+
+``drain_shard`` is the healthy path: it handles many coalescing groups per call and is run as a
+local activity (about one history event per call). When a handler fails, the workflow switches
+to a *category activity*: a normal activity whose type is the category's name (for example
+``PROJECT_UPDATE``), retried by the server with capped backoff for as long as it takes. It is
+what the Temporal UI shows as the pending activity of a blocked shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from temporalio import activity
+from temporalio.common import RawValue
+from temporalio.exceptions import ApplicationError
+
+from outbox_bridge.drain import HandlerFailed, ShardDrainer
+from workflows.models import DrainInput, DrainResult, HandleHeadInput, HandleHeadResult
+
+
+class OutboxActivities:
+    """Activity implementations bound to one :class:`ShardDrainer`."""
+
+    def __init__(self, drainer: ShardDrainer) -> None:
+        self._drainer = drainer
+
+    @activity.defn(name="drain_shard")
+    async def drain_shard(self, request: DrainInput) -> DrainResult:
+        return await self._drainer.drain(request)
+
+    @activity.defn(dynamic=True)
+    async def handle_category(self, args: Sequence[RawValue]) -> HandleHeadResult:
+        """Any activity type not registered otherwise is a category activity."""
+        if len(args) != 1:
+            raise ApplicationError(
+                f"a category activity takes one HandleHeadInput, got {len(args)} arguments",
+                type="InvalidActivityInput",
+            )
+        request = activity.payload_converter().from_payload(args[0].payload, HandleHeadInput)
+        async with _heartbeating():
+            try:
+                return await self._drainer.handle_head(request, heartbeat=activity.heartbeat)
+            except HandlerFailed as failed:
+                raise ApplicationError(
+                    failed.failure.message or failed.failure.error_type,
+                    type=failed.failure.error_type,
+                ) from None
+
+    def all(self) -> list[object]:
+        return [self.drain_shard, self.handle_category]
+
+
+@contextlib.asynccontextmanager
+async def _heartbeating() -> AsyncIterator[None]:
+    """Heartbeat while a handler runs, so the attempt learns of a cancellation (a skip) and a
+    dead worker is noticed within the heartbeat timeout."""
+    info = activity.info()
+    timeout = info.heartbeat_timeout.total_seconds() if info.heartbeat_timeout else 30.0
+    interval = max(0.5, timeout / 3)
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(interval)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,327 @@
+"""The bridge: makes sure every shard with committed rows has a running shard workflow that
+knows about them.
+
+It wakes on NOTIFY (one notification per INSERT statement, carrying each shard's highest new
+id), scans for new ids on a short timer, and sweeps the whole table on a longer one. It signals
+only what changed: one signal-with-start per shard per wake-up, none when this bridge already
+told the workflow about that id. The full sweep catches what the fast paths can miss: rows that
+committed late with lower ids, lost notifications, and workflows that were terminated or lost;
+it asks Temporal (describe and query, which add no history) before signalling a shard that
+made no progress.
+
+Only one bridge per database and set of tables is active at a time (an advisory lock held by
+its LISTEN connection); other workers' bridges stand by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import psycopg
+from sqlalchemy import Table
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError, RPCStatusCode
+
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.schema import SWEEP_NOTIFICATION, notify_channel
+from outbox_bridge.store import ShardRange, read_shard_ranges
+from outbox_bridge.temporal import SCOPE_ATTRIBUTE, SHARD_ATTRIBUTE
+from workflows.models import NotifyInput, ShardInput, ShardOptions, ShardRef, ShardStatus
+
+log = logging.getLogger("outbox_bridge.bridge")
+
+ShardKey = tuple[str, str | None, int, int]  # table, region, scope, shard identifier
+
+
+@dataclass
+class BridgeOptions:
+    task_queue: str
+    shard_options: ShardOptions
+    poll_interval: float = 1.0
+    sweep_interval: float = 30.0
+    listen: bool = True
+    regions: Sequence[str] | None = None
+    signal_concurrency: int = 50
+    standby_retry: float = 5.0
+
+
+class Bridge:
+    def __init__(
+        self,
+        *,
+        app: OutboxApp,
+        engine: AsyncEngine,
+        client: Client,
+        listen_url: str,
+        options: BridgeOptions,
+    ) -> None:
+        self._app = app
+        self._engine = engine
+        self._client = client
+        self._listen_url = listen_url
+        self._options = options
+        self._known: dict[ShardKey, int] = {}
+        self._last_min: dict[ShardKey, int] = {}
+        self._watermark: dict[str, int] = {}
+        self._pending: dict[ShardKey, tuple[int, bool]] = {}
+        self._scan_requested: set[str] = set()
+        self._wake = asyncio.Event()
+        self._semaphore = asyncio.Semaphore(options.signal_concurrency)
+        self.signals_sent = 0
+        self.is_leader = False
+        self.ready = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set; reconnects by itself after database outages."""
+        delay = 1.0
+        while not stop.is_set():
+            try:
+                await self._run_connected(stop)
+                delay = 1.0
+            except (psycopg.Error, SQLAlchemyError, OSError) as exc:
+                self.is_leader = False
+                log.warning("bridge lost the database (%s); reconnecting in %.0fs", type(exc).__name__, delay)
+                await _wait(stop, delay)
+                delay = min(delay * 2, 30.0)
+
+    async def _run_connected(self, stop: asyncio.Event) -> None:
+        conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
+        async with conn:
+            if not await self._lead(conn, stop):
+                return
+            listener = None
+            if self._options.listen:
+                for table in self._tables():
+                    await conn.execute(f'LISTEN "{notify_channel(table.name)}"')
+                listener = asyncio.create_task(self._listen(conn))
+            try:
+                await self._loop(stop, listener)
+            finally:
+                self.is_leader = False
+                if listener is not None:
+                    listener.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                        await listener
+
+    async def _lead(self, conn: psycopg.AsyncConnection[tuple[object, ...]], stop: asyncio.Event) -> bool:
+        key = "outbox-bridge:bridge:" + ",".join(sorted(t.name for t in self._tables()))
+        announced = False
+        while not stop.is_set():
+            cur = await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", [key])
+            row = await cur.fetchone()
+            if row and row[0]:
+                self.is_leader = True
+                log.info("bridge active for tables %s", ", ".join(t.name for t in self._tables()))
+                return True
+            if not announced:
+                log.info("another bridge is active for these tables; standing by")
+                announced = True
+            self.ready.set()
+            await _wait(stop, self._options.standby_retry)
+        return False
+
+    async def _listen(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+        channels = {notify_channel(t.name): t.name for t in self._tables()}
+        async for notification in conn.notifies():
+            table = channels.get(notification.channel)
+            if table is not None:
+                self._take_notification(table, notification.payload)
+                self._wake.set()
+
+    async def _loop(self, stop: asyncio.Event, listener: asyncio.Task[None] | None) -> None:
+        await self._sweep()
+        self.ready.set()
+        next_sweep = time.monotonic() + self._options.sweep_interval
+        next_scan = time.monotonic() + self._options.poll_interval
+        while not stop.is_set():
+            timeout = max(0.0, min(next_sweep, next_scan) - time.monotonic())
+            await _wait_any(stop, self._wake, timeout)
+            self._wake.clear()
+            if listener is not None and listener.done():
+                listener.result()  # re-raises the connection error: reconnect
+                raise psycopg.OperationalError("the LISTEN connection closed")
+            await self._flush_notifications()
+            now = time.monotonic()
+            if now >= next_sweep:
+                await self._sweep()
+                next_sweep = now + self._options.sweep_interval
+                next_scan = now + self._options.poll_interval
+            elif now >= next_scan or self._scan_requested:
+                await self._scan()
+                next_scan = now + self._options.poll_interval
+
+    # -- notifications --------------------------------------------------------------------------
+
+    def _take_notification(self, table: str, payload: str) -> None:
+        if payload == SWEEP_NOTIFICATION:
+            self._scan_requested.add(table)
+            return
+        try:
+            shards = json.loads(payload)
+            for entry in shards:
+                region = entry[0] if len(entry) == 4 else None
+                scope, ident, max_id = (int(v) for v in entry[-3:])
+                key = (table, region, scope, ident)
+                if not self._wanted_region(region):
+                    continue
+                previous = self._pending.get(key)
+                if previous is None or max_id > previous[0]:
+                    self._pending[key] = (max_id, previous[1] if previous else False)
+                known = self._known.get(key, 0)
+                if max_id < known or (previous is not None and max_id < previous[0]):
+                    # Committed after a higher id was announced: the workflow may have drained
+                    # past it already, so it must look again.
+                    self._pending[key] = (self._pending[key][0], True)
+        except (ValueError, TypeError, IndexError):
+            log.warning("unreadable notification on %s; sweeping instead", table)
+            self._scan_requested.add(table)
+
+    async def _flush_notifications(self) -> None:
+        pending, self._pending = self._pending, {}
+        await self._signal_all(
+            (key, max_id, late)
+            for key, (max_id, late) in pending.items()
+            if late or max_id > self._known.get(key, 0)
+        )
+
+    # -- scans and sweeps -------------------------------------------------------------------------
+
+    async def _scan(self) -> None:
+        """Rows above the watermark: new commits since the last scan, in id order."""
+        self._scan_requested.clear()
+        for table in self._tables():
+            watermark = self._watermark.get(table.name, 0)
+            ranges = await self._ranges(table, after_id=watermark)
+            await self._signal_new(table, ranges)
+
+    async def _sweep(self) -> None:
+        """Every shard with rows: signal what is unknown, check shards that made no progress."""
+        self._scan_requested.clear()
+        for table in self._tables():
+            ranges = await self._ranges(table, after_id=None)
+            await self._signal_new(table, ranges)
+            present: set[ShardKey] = set()
+            stalled: list[ShardKey] = []
+            for r in ranges:
+                key = (table.name, r.region, r.scope, r.shard_identifier)
+                present.add(key)
+                if self._last_min.get(key) == r.min_id:
+                    stalled.append(key)
+                self._last_min[key] = r.min_id
+            for key in [k for k in self._last_min if k[0] == table.name and k not in present]:
+                self._last_min.pop(key, None)
+                self._known.pop(key, None)
+            await asyncio.gather(*(self._check_stalled(key) for key in stalled))
+
+    async def _ranges(self, table: Table, *, after_id: int | None) -> list[ShardRange]:
+        async with self._engine.connect() as conn:
+            ranges = await read_shard_ranges(
+                conn, table, after_id=after_id, regions=self._options.regions
+            )
+        if ranges:
+            top = max(r.max_id for r in ranges)
+            self._watermark[table.name] = max(self._watermark.get(table.name, 0), top)
+        return ranges
+
+    async def _signal_new(self, table: Table, ranges: Iterable[ShardRange]) -> None:
+        await self._signal_all(
+            ((table.name, r.region, r.scope, r.shard_identifier), r.max_id, False)
+            for r in ranges
+            if r.max_id > self._known.get((table.name, r.region, r.scope, r.shard_identifier), 0)
+        )
+
+    async def _check_stalled(self, key: ShardKey) -> None:
+        """A shard whose head did not move since the last sweep: make sure a workflow is on it."""
+        shard = self.shard_ref(key)
+        handle = self._client.get_workflow_handle(shard.workflow_id)
+        async with self._semaphore:
+            try:
+                description = await handle.describe()
+                if description.status != WorkflowExecutionStatus.RUNNING:
+                    reason = f"its workflow is {description.status.name if description.status else 'gone'}"
+                else:
+                    status = await handle.query("status", result_type=ShardStatus)
+                    if status.state != "idle":
+                        return  # draining, blocked, skipped or deferred: it is on it
+                    reason = "its workflow is idle"
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    log.warning("cannot check shard %s: %s", shard.key, exc.message)
+                    return
+                reason = "it has no workflow"
+        log.info("shard %s has pending rows but %s; signalling it", shard.key, reason)
+        await self._signal(key, self._known.get(key, 0), late=True)
+
+    # -- signalling ----------------------------------------------------------------------------
+
+    async def _signal_all(self, items: Iterable[tuple[ShardKey, int, bool]]) -> None:
+        await asyncio.gather(*(self._signal(key, max_id, late) for key, max_id, late in items))
+
+    def shard_ref(self, key: ShardKey) -> ShardRef:
+        table, region, scope, ident = key
+        return ShardRef(
+            table=table,
+            scope=scope,
+            scope_name=self._app.scope_name(scope),
+            shard_identifier=ident,
+            region=region,
+        )
+
+    async def _signal(self, key: ShardKey, max_id: int, late: bool) -> None:
+        shard = self.shard_ref(key)
+        async with self._semaphore:
+            try:
+                await self._client.start_workflow(
+                    "OutboxShard",
+                    ShardInput(shard=shard, options=self._options.shard_options),
+                    id=shard.workflow_id,
+                    task_queue=self._options.task_queue,
+                    start_signal="notify",
+                    start_signal_args=[NotifyInput(max_id=max_id, late=late)],
+                    search_attributes=TypedSearchAttributes(
+                        [
+                            SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
+                            SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
+                        ]
+                    ),
+                )
+            except RPCError as exc:
+                # Not remembered as known: the next scan or sweep signals it again.
+                log.warning("signal-with-start failed for shard %s: %s", shard.key, exc.message)
+                return
+        self.signals_sent += 1
+        self._known[key] = max(self._known.get(key, 0), max_id)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _tables(self) -> list[Table]:
+        return [self._app.table(name) for name in self._app.tables]
+
+    def _wanted_region(self, region: str | None) -> bool:
+        regions = self._options.regions
+        return region is None or regions is None or region in regions
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, timeout: float) -> None:
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(wake.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

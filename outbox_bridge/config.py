@@ -1,0 +1,194 @@
+"""All configuration in one settings model, read from environment variables and flags.
+
+Every field is an environment variable (``OUTBOX_*``, or ``TEMPORAL_*`` for the Temporal
+connection) and a ``worker.py`` flag of the same name in kebab case. Nothing else reads the
+environment; the settings object is passed down explicitly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from sqlalchemy.engine import URL, make_url
+from typing_extensions import Annotated
+
+from outbox_bridge.errors import ConfigurationError
+from workflows.models import ShardOptions
+
+
+def _temporal(name: str) -> AliasChoices:
+    return AliasChoices(f"TEMPORAL_{name.upper()}", f"temporal_{name}")
+
+
+class OutboxSettings(BaseSettings):
+    """Settings of the worker, the bridge and the command line."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_", populate_by_name=True, extra="ignore", case_sensitive=False
+    )
+
+    # -- where things are ---------------------------------------------------------------------
+    database_url: SecretStr | None = Field(
+        None,
+        description="PostgreSQL URL (postgresql://user:password@host/db). Unset: start an "
+        "embedded PostgreSQL with its data under --data-dir.",
+    )
+    temporal_address: str | None = Field(
+        None,
+        validation_alias=_temporal("address"),
+        description="Temporal frontend host:port. Unset: start a Temporal dev server with its "
+        "database file under --data-dir.",
+    )
+    temporal_namespace: str = Field(
+        "default", validation_alias=_temporal("namespace"), description="Temporal namespace."
+    )
+    temporal_api_key: SecretStr | None = Field(
+        None, validation_alias=_temporal("api_key"), description="API key (Temporal Cloud)."
+    )
+    temporal_tls: bool = Field(
+        False, validation_alias=_temporal("tls"), description="Connect to Temporal with TLS."
+    )
+    temporal_tls_cert: Path | None = Field(
+        None, validation_alias=_temporal("tls_cert"), description="mTLS client certificate (PEM)."
+    )
+    temporal_tls_key: Path | None = Field(
+        None, validation_alias=_temporal("tls_key"), description="mTLS client key (PEM)."
+    )
+    temporal_tls_ca: Path | None = Field(
+        None, validation_alias=_temporal("tls_ca"), description="CA bundle for the server (PEM)."
+    )
+    task_queue: str = Field("outbox", description="Temporal task queue of the shard workflows.")
+    app: str | None = Field(
+        None,
+        description="The OutboxApp to run, as module:attribute (e.g. myapp.outbox:app).",
+    )
+    demo: bool = Field(
+        False, description="Run the demo domain and write steady demo traffic (for a first look)."
+    )
+    data_dir: Path = Field(
+        Path(".outbox-bridge"),
+        description="Where embedded PostgreSQL and Temporal keep their data (reused on restart).",
+    )
+    temporal_port: int = Field(7233, description="Port of the embedded Temporal dev server.")
+    temporal_ui_port: int = Field(8233, description="Port of the embedded Temporal UI.")
+    regions: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="Regions this worker drains in regional tables, comma-separated "
+        "(unset: every region).",
+    )
+
+    # -- how shards are processed ----------------------------------------------------------------
+    idle_timeout: float = Field(
+        60.0, gt=0, description="Seconds a shard workflow waits for new rows before completing."
+    )
+    handler_timeout: float = Field(
+        300.0, gt=0, description="Seconds one handler call may take before it is retried."
+    )
+    heartbeat_timeout: float = Field(
+        30.0, gt=0, description="Seconds without heartbeat before a category activity is retried."
+    )
+    initial_retry_interval: float = Field(
+        1.0, gt=0, description="First retry delay of a failing handler (seconds)."
+    )
+    max_retry_interval: float = Field(
+        3600.0, gt=0, description="Cap of the exponential retry delay (seconds)."
+    )
+    drain_max_groups: int = Field(
+        100, ge=1, le=10_000, description="Coalescing groups handled per drain call at most."
+    )
+    drain_time_budget: float = Field(
+        2.0, gt=0, description="Seconds after which a drain call stops taking new groups."
+    )
+    max_history_events: int = Field(
+        10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
+    )
+    poll_interval: float = Field(
+        1.0, gt=0, description="Seconds between the bridge's scans for new rows."
+    )
+    sweep_interval: float = Field(
+        30.0, gt=0,
+        description="Seconds between full sweeps (late commits, lost notifications, lost "
+        "workflows).",
+    )
+    listen: bool = Field(True, description="Wake the bridge with LISTEN/NOTIFY (else poll only).")
+    redact_errors: bool = Field(
+        False, description="Keep only exception class names in Temporal failures."
+    )
+    handler_threads: int = Field(16, ge=1, description="Threads for plain-def handlers.")
+    max_concurrent_activities: int = Field(
+        20, ge=1, description="Activities (and drains) one worker runs at once."
+    )
+    database_pool_size: int = Field(
+        25, ge=2, description="Database connections of the worker (activities + bridge)."
+    )
+
+    # -- telemetry and logs -------------------------------------------------------------------
+    otel_exporter: Literal["none", "console", "otlp"] = Field(
+        "none", description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*)."
+    )
+    log_level: str = Field("INFO", description="Log level.")
+
+    @field_validator("regions", mode="before")
+    @classmethod
+    def _split_regions(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [r.strip() for r in value.split(",") if r.strip()] or None
+        return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> OutboxSettings:
+        if (self.temporal_tls_cert is None) != (self.temporal_tls_key is None):
+            raise ValueError("temporal_tls_cert and temporal_tls_key go together (mTLS)")
+        return self
+
+    # -- derived -------------------------------------------------------------------------------
+
+    def shard_options(self) -> ShardOptions:
+        return ShardOptions(
+            idle_timeout_seconds=self.idle_timeout,
+            handler_timeout_seconds=self.handler_timeout,
+            heartbeat_timeout_seconds=self.heartbeat_timeout,
+            initial_retry_seconds=self.initial_retry_interval,
+            max_retry_interval_seconds=self.max_retry_interval,
+            drain_max_groups=self.drain_max_groups,
+            drain_time_budget_seconds=self.drain_time_budget,
+            max_history_events=self.max_history_events,
+        )
+
+
+def env_name(name: str, field: FieldInfo) -> str:
+    alias = field.validation_alias
+    if isinstance(alias, AliasChoices):
+        first = alias.choices[0]
+        assert isinstance(first, str)
+        return first
+    return f"OUTBOX_{name.upper()}"
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """The URL for SQLAlchemy with the psycopg 3 driver, whatever scheme was given."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # the message of a parse error can echo the password: drop it
+        raise ConfigurationError(
+            "the database URL cannot be parsed; expected postgresql://user:password@host:port/db"
+        ) from None
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        raise ConfigurationError(
+            f"only PostgreSQL is supported, got a {parsed.get_backend_name()!r} URL"
+        )
+    return parsed.set(drivername="postgresql+psycopg")
+
+
+def libpq_url(url: URL) -> str:
+    """The same URL as a libpq connection string, for psycopg's own connections (LISTEN)."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def safe_url(url: URL) -> str:
+    """The URL with its password masked, for logs and status output."""
+    return url.render_as_string(hide_password=True)

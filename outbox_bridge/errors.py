@@ -1,0 +1,51 @@
+"""Every error outbox-bridge raises derives from :class:`OutboxError`.
+
+Driver and SDK errors are translated at the boundary into one of these leaves, with a message
+that says what to do next.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Root of every error raised by outbox-bridge."""
+
+
+class ConfigurationError(OutboxError):
+    """The settings are incomplete or contradict each other."""
+
+
+class RegistryError(OutboxError):
+    """The scope/category registry is malformed (a category in two scopes, in none, ...)."""
+
+
+class MissingHandlerError(RegistryError):
+    """A registered category has no handler; the worker refuses to start."""
+
+
+class InvalidRowError(OutboxError, ValueError):
+    """A row refused at write time: nothing was written."""
+
+
+class UnknownCategoryError(OutboxError):
+    """A row in the table carries a category this worker's registry does not know.
+
+    The row is kept and its shard blocks until a worker with a handler for it is deployed, or
+    an operator skips the shard.
+    """
+
+
+class CategoryScopeError(OutboxError):
+    """A row in the table carries a category that belongs to another scope."""
+
+
+class ShardLockedError(OutboxError):
+    """Another execution of the same shard still holds the shard lock; the attempt is retried."""
+
+
+class EmbeddedServiceError(OutboxError):
+    """An embedded PostgreSQL or Temporal dev server failed to start."""
+
+
+class ShardNameError(OutboxError, ValueError):
+    """A shard name given on the command line is not ``SCOPE:ID`` or ``REGION:SCOPE:ID``."""

@@ -1,0 +1,56 @@
+"""Command-line flags generated from :class:`OutboxSettings`, so that every setting is both an
+environment variable and a flag, documented once."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from pydantic import SecretStr, ValidationError
+
+from outbox_bridge.config import OutboxSettings, env_name
+from outbox_bridge.errors import ConfigurationError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _click_type(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if args else annotation
+    if typing.get_origin(base) is typing.Literal:
+        return click.Choice([str(v) for v in typing.get_args(base)])
+    if typing.get_origin(base) is typing.Annotated:
+        return _click_type(typing.get_args(base)[0])
+    return {int: int, float: float, Path: click.Path(path_type=Path), SecretStr: str}.get(base, str)
+
+
+def settings_options(fn: F) -> F:
+    """Decorate a click command with one option per setting (values land in ``**overrides``)."""
+    for name, field in reversed(list(OutboxSettings.model_fields.items())):
+        flag = "--" + name.replace("_", "-")
+        env = env_name(name, field)
+        default = field.default
+        shown = "" if default in (None, False) or name == "database_url" else f" [default: {default}]"
+        help_text = f"{field.description}{shown} [env: {env}]"
+        if field.annotation is bool:
+            option = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
+        else:
+            option = click.option(flag, name, type=_click_type(field.annotation), default=None,
+                                  help=help_text, metavar=name.upper().split("_")[-1])
+        fn = option(fn)
+    return fn
+
+
+def build_settings(overrides: Mapping[str, Any]) -> OutboxSettings:
+    """Settings from the environment, with the flags that were given taking precedence."""
+    given = {k: v for k, v in overrides.items() if v is not None and k in OutboxSettings.model_fields}
+    try:
+        return OutboxSettings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigurationError(f"invalid settings: {problems}") from None

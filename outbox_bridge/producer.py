@@ -1,0 +1,108 @@
+"""Writing outbox rows inside the caller's transaction.
+
+The producer validates a row against the registry, inserts it with the caller's session or
+connection, and never commits: the row commits, or rolls back, with the model change it
+describes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+from sqlalchemy import Insert, insert
+
+from outbox_bridge.errors import InvalidRowError
+
+if TYPE_CHECKING:
+    from outbox_bridge.registry import OutboxApp
+
+
+BIGINT_MIN = -(2**63)
+BIGINT_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What a producer asks for; validated by :func:`build_insert`."""
+
+    category: IntEnum | int
+    shard_identifier: int
+    object_identifier: int
+    payload: Any = None
+    shard_scope: IntEnum | int | None = None
+    region: str | None = None
+    scheduled_for: datetime | timedelta | None = None
+    table: str | None = None
+
+
+def _identifier(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRowError(f"{name} must be an integer, got {type(value).__name__}")
+    if not BIGINT_MIN <= value <= BIGINT_MAX:
+        raise InvalidRowError(f"{name} {value} does not fit a bigint")
+    return int(value)
+
+
+def _json_safe(payload: Any) -> Any:
+    if isinstance(payload, BaseModel):
+        return payload.model_dump(mode="json")
+    try:
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRowError(
+            f"payload is not JSON-serialisable ({exc}); pass JSON values or a pydantic model"
+        ) from None
+    return payload
+
+
+def _when(value: datetime | timedelta | None) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        if not math.isfinite(value.total_seconds()):
+            raise InvalidRowError("scheduled_for delay must be finite")
+        return datetime.now(timezone.utc) + value
+    if not isinstance(value, datetime):
+        raise InvalidRowError("scheduled_for must be a datetime or a timedelta")
+    if value.tzinfo is None:
+        raise InvalidRowError("scheduled_for must be timezone-aware (naive datetimes are ambiguous)")
+    return value
+
+
+def build_insert(app: OutboxApp, spec: RowSpec) -> Insert:
+    """Validate ``spec`` against ``app``'s registry and build its INSERT ... RETURNING id."""
+    table = app.table(spec.table)
+    regional = app.table_spec(table.name).regional
+    category = app.category(_identifier("category", spec.category))
+    if category is None:
+        raise InvalidRowError(f"category {spec.category!r} is not registered in any scope")
+    scope = app.scope_of(category)
+    assert scope is not None
+    if spec.shard_scope is not None and int(spec.shard_scope) != int(scope):
+        given = app.scope_name(int(spec.shard_scope))
+        raise InvalidRowError(
+            f"category {category.name} belongs to scope {scope.name}, not {given}"
+        )
+    values: dict[str, Any] = {
+        "shard_scope": int(scope),
+        "shard_identifier": _identifier("shard_identifier", spec.shard_identifier),
+        "category": int(category),
+        "object_identifier": _identifier("object_identifier", spec.object_identifier),
+        "payload": _json_safe(spec.payload),
+    }
+    if regional:
+        if not isinstance(spec.region, str) or not spec.region:
+            raise InvalidRowError(f"table {table.name} is regional: every row needs a region")
+        values["region"] = spec.region
+    elif spec.region is not None:
+        raise InvalidRowError(f"table {table.name} is not regional: region must be None")
+    scheduled_for = _when(spec.scheduled_for)
+    if scheduled_for is not None:
+        values["scheduled_for"] = scheduled_for
+    return insert(table).values(**values).returning(table.c.id)

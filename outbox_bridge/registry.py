@@ -1,0 +1,304 @@
+"""The registry: which categories belong to which scope, and which handler runs each category.
+
+Scopes and categories are the application's own ``IntEnum`` members. Their integer values are what
+the outbox table stores, so a value may be retired but never reused for something else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import IntEnum
+from typing import Any, TypeAlias
+
+from sqlalchemy import MetaData, Table
+
+from outbox_bridge.errors import MissingHandlerError, RegistryError
+from outbox_bridge.producer import RowSpec, build_insert
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,47}$")
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """What a handler receives: the newest row of a coalescing group.
+
+    Handlers must be idempotent: delivery is at least once, and a handler can run again for the
+    same row after a crash or a timeout. ``coalesced`` counts the rows of the group (this one
+    included) that are deleted when the handler returns.
+    """
+
+    id: int
+    shard_scope: IntEnum | int
+    shard_identifier: int
+    category: IntEnum | int
+    object_identifier: int
+    payload: Any
+    region: str | None
+    date_added: datetime
+    scheduled_for: datetime
+    coalesced: int = 1
+
+
+Handler: TypeAlias = Callable[[OutboxMessage], Awaitable[None] | None]
+
+
+@dataclass(frozen=True)
+class OutboxTable:
+    """One outbox table drained by the app.
+
+    A *regional* table has a ``region`` column that leads the shard key: a control-plane
+    outbox writes one row per target region and each region's worker drains its own rows.
+    """
+
+    name: str = "outbox"
+    regional: bool = False
+
+    def __post_init__(self) -> None:
+        if not _IDENTIFIER.match(self.name):
+            raise RegistryError(
+                f"table name {self.name!r} is not a plain lower-case SQL identifier "
+                "(letters, digits and underscores, at most 48 characters, not starting with a "
+                "digit)"
+            )
+
+
+def _enum_name(member: IntEnum | int) -> str:
+    return member.name if isinstance(member, IntEnum) else str(int(member))
+
+
+class OutboxApp:
+    """The scopes, categories, tables and handlers of one application.
+
+    Building the app checks the registry once: every category belongs to exactly one scope and
+    category values are unique. ``check_handlers()`` (called by the worker) refuses a category
+    without a handler.
+    """
+
+    def __init__(
+        self,
+        scopes: Mapping[IntEnum, Iterable[IntEnum]],
+        *,
+        categories: Iterable[type[IntEnum]] = (),
+        tables: Sequence[OutboxTable] = (OutboxTable(),),
+    ) -> None:
+        self._scope_of: dict[int, IntEnum] = {}
+        self._categories: dict[int, IntEnum] = {}
+        self._scopes: dict[int, IntEnum] = {}
+        self._handlers: dict[int, Handler] = {}
+        for scope, members in scopes.items():
+            self._add_scope(scope, members)
+        self._check_declared_enums(categories)
+        if not tables:
+            raise RegistryError("an OutboxApp needs at least one table")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise RegistryError(f"table names must be unique, got {names}")
+        self.tables: dict[str, OutboxTable] = {t.name: t for t in tables}
+        self.metadata = MetaData()
+        from outbox_bridge.schema import outbox_table  # schema imports this module's types
+
+        self._sql_tables: dict[str, Table] = {
+            t.name: outbox_table(t.name, self.metadata, regional=t.regional) for t in tables
+        }
+
+    def _add_scope(self, scope: IntEnum, members: Iterable[IntEnum]) -> None:
+        if not isinstance(scope, IntEnum):
+            raise RegistryError(f"scope {scope!r} must be an IntEnum member")
+        if int(scope) in self._scopes:
+            raise RegistryError(f"scope value {int(scope)} is declared twice")
+        self._scopes[int(scope)] = scope
+        for category in members:
+            if not isinstance(category, IntEnum):
+                raise RegistryError(f"category {category!r} of {scope.name} must be an IntEnum member")
+            owner = self._scope_of.get(int(category))
+            if owner is not None:
+                known = self._categories[int(category)]
+                raise RegistryError(
+                    f"category {category.name} (value {int(category)}) is in two scopes: "
+                    f"{owner.name} and {scope.name}"
+                    + (f" (it clashes with {known.name})" if known is not category else "")
+                    + "; every category belongs to exactly one scope"
+                )
+            self._scope_of[int(category)] = scope
+            self._categories[int(category)] = category
+
+    def _check_declared_enums(self, enums: Iterable[type[IntEnum]]) -> None:
+        for enum in enums:
+            orphans = [m.name for m in enum if int(m) not in self._categories]
+            if orphans:
+                raise RegistryError(
+                    f"categories {', '.join(orphans)} of {enum.__name__} belong to no scope; "
+                    "add each one to the scope it belongs to"
+                )
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    @property
+    def scopes(self) -> list[IntEnum]:
+        return list(self._scopes.values())
+
+    @property
+    def categories(self) -> list[IntEnum]:
+        return list(self._categories.values())
+
+    def scope(self, value: int) -> IntEnum | None:
+        return self._scopes.get(int(value))
+
+    def category(self, value: int) -> IntEnum | None:
+        return self._categories.get(int(value))
+
+    def scope_of(self, category: int) -> IntEnum | None:
+        return self._scope_of.get(int(category))
+
+    def scope_name(self, value: int) -> str:
+        scope = self._scopes.get(int(value))
+        return scope.name if scope is not None else str(int(value))
+
+    def category_name(self, value: int) -> str:
+        category = self._categories.get(int(value))
+        return category.name if category is not None else f"UNKNOWN_CATEGORY_{int(value)}"
+
+    def scope_by_name(self, name: str) -> IntEnum:
+        for scope in self._scopes.values():
+            if scope.name == name.upper():
+                return scope
+        if name.lstrip("-").isdigit() and int(name) in self._scopes:
+            return self._scopes[int(name)]
+        known = ", ".join(s.name for s in self._scopes.values())
+        raise RegistryError(f"unknown scope {name!r}; known scopes: {known}")
+
+    def table(self, name: str | None = None) -> Table:
+        """The SQLAlchemy Core table for ``name`` (the first table when omitted)."""
+        if name is None:
+            return next(iter(self._sql_tables.values()))
+        try:
+            return self._sql_tables[name]
+        except KeyError:
+            raise RegistryError(
+                f"table {name!r} is not part of this app; its tables are {list(self.tables)}"
+            ) from None
+
+    def table_spec(self, name: str | None = None) -> OutboxTable:
+        return self.tables[self.table(name).name]
+
+    # -- handlers --------------------------------------------------------------------------
+
+    def handler(self, *categories: IntEnum) -> Callable[[Handler], Handler]:
+        """Register the decorated function as the handler of ``categories``.
+
+        Handlers may be ``async def`` or plain ``def`` (run in a thread). They must be
+        idempotent. A handler that raises is retried forever with capped backoff while its
+        shard waits.
+        """
+        if not categories:
+            raise RegistryError("app.handler() needs at least one category")
+
+        def register(fn: Handler) -> Handler:
+            for category in categories:
+                if int(category) not in self._categories:
+                    raise RegistryError(
+                        f"cannot register a handler for {_enum_name(category)}: it is in no scope"
+                    )
+                if int(category) in self._handlers:
+                    other = self._handlers[int(category)]
+                    raise RegistryError(
+                        f"{_enum_name(category)} already has a handler "
+                        f"({getattr(other, '__qualname__', other)!s})"
+                    )
+                self._handlers[int(category)] = fn
+            return fn
+
+        return register
+
+    def handler_for(self, category: int) -> Handler | None:
+        return self._handlers.get(int(category))
+
+    def check_handlers(self) -> None:
+        """Raise :class:`MissingHandlerError` unless every category has a handler."""
+        missing = [c.name for c in self._categories.values() if int(c) not in self._handlers]
+        if missing:
+            raise MissingHandlerError(
+                f"no handler for categories {', '.join(missing)}; register one with "
+                "@app.handler(Category.X) for each (a retired category still needs a handler "
+                "while rows of it may exist)"
+            )
+
+    @staticmethod
+    def is_async_handler(fn: Handler) -> bool:
+        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)
+        )
+
+    # -- producing -------------------------------------------------------------------------
+
+    def write(
+        self,
+        session: Any,
+        *,
+        category: IntEnum | int,
+        shard_identifier: int,
+        object_identifier: int,
+        payload: Any = None,
+        shard_scope: IntEnum | int | None = None,
+        region: str | None = None,
+        scheduled_for: datetime | timedelta | None = None,
+        table: str | None = None,
+    ) -> int:
+        """Write one outbox row with ``session`` (a SQLAlchemy ``Session`` or ``Connection``)
+        and return its id. Never commits: the row commits or rolls back with the caller's
+        transaction. Raises :class:`~outbox_bridge.InvalidRowError` without writing anything
+        when the row does not fit the registry.
+
+        The scope follows from the category; pass ``shard_scope`` to have it checked.
+        ``scheduled_for`` (an aware datetime, or a delay) defers the row: its shard waits.
+        """
+        statement = build_insert(
+            self,
+            RowSpec(category, shard_identifier, object_identifier, payload, shard_scope, region,
+                    scheduled_for, table),
+        )
+        return int(session.execute(statement).scalar_one())
+
+    async def write_async(
+        self,
+        session: Any,
+        *,
+        category: IntEnum | int,
+        shard_identifier: int,
+        object_identifier: int,
+        payload: Any = None,
+        shard_scope: IntEnum | int | None = None,
+        region: str | None = None,
+        scheduled_for: datetime | timedelta | None = None,
+        table: str | None = None,
+    ) -> int:
+        """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
+        statement = build_insert(
+            self,
+            RowSpec(category, shard_identifier, object_identifier, payload, shard_scope, region,
+                    scheduled_for, table),
+        )
+        result = await session.execute(statement)
+        return int(result.scalar_one())
+
+
+def load_app(spec: str) -> OutboxApp:
+    """Import ``module:attribute`` and return the :class:`OutboxApp` it names."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise RegistryError(f"--app must look like module:attribute, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(f"cannot import {module_name!r} for --app {spec}: {exc}") from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, OutboxApp):
+        raise RegistryError(
+            f"{spec} is {type(app).__name__ if app is not None else 'missing'}, not an OutboxApp"
+        )
+    return app

@@ -1,0 +1,125 @@
+"""The outbox tables as SQLAlchemy Core, and the NOTIFY trigger that wakes the bridge.
+
+Add ``app.metadata`` (or :func:`outbox_table` on your own ``MetaData``) to your migrations to
+manage these tables yourself; :func:`create_outbox_tables` creates whatever is missing.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+# A NOTIFY payload is limited to 8,000 bytes; past this the trigger asks for a sweep instead.
+NOTIFY_PAYLOAD_LIMIT = 7000
+SWEEP_NOTIFICATION = "*"
+
+
+def notify_channel(table: str) -> str:
+    return f"{table}_rows"
+
+
+def shard_columns(regional: bool) -> list[str]:
+    return (["region"] if regional else []) + ["shard_scope", "shard_identifier"]
+
+
+def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Table:
+    """Define an outbox table named ``name`` on ``metadata``.
+
+    Columns follow the outbox vocabulary (see the README). Only the five core columns need a
+    value on insert (plus ``region`` for a regional table); the dates default to now.
+    """
+    shard = shard_columns(regional)
+    columns: list[Column[object]] = [
+        Column("id", BigInteger, Identity(always=False), primary_key=True),
+    ]
+    if regional:
+        columns.append(Column("region", Text, nullable=False))
+    columns += [
+        Column("shard_scope", Integer, nullable=False),
+        Column("shard_identifier", BigInteger, nullable=False),
+        Column("category", Integer, nullable=False),
+        Column("object_identifier", BigInteger, nullable=False),
+        Column("payload", JSONB(none_as_null=True), nullable=True),
+        Column("scheduled_from", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("scheduled_for", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("date_added", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    ]
+    table = Table(name, metadata, *columns)
+    # The head of a shard, its coalescing groups and its deferral barrier are all read through
+    # this index, mostly index-only.
+    Index(
+        f"{name}_shard_idx",
+        *[table.c[c] for c in shard],
+        table.c.id,
+        postgresql_include=["category", "object_identifier", "scheduled_for"],
+    )
+    Index(
+        f"{name}_group_idx",
+        *[table.c[c] for c in shard],
+        table.c.category,
+        table.c.object_identifier,
+        table.c.id,
+    )
+    table.info["regional"] = regional
+    return table
+
+
+def notify_ddl(table: Table) -> list[str]:
+    """Statements that install the statement-level NOTIFY trigger on ``table`` (idempotent).
+
+    One notification per INSERT statement, carrying the highest new id of each shard it
+    touched; a statement touching too many shards sends ``*`` and the bridge sweeps instead.
+    Notifications are delivered at commit, so a rolled-back row is never announced.
+    """
+    name = table.name
+    regional = bool(table.info.get("regional"))
+    shard = ", ".join(shard_columns(regional))
+    return [
+        f"""
+        CREATE OR REPLACE FUNCTION {name}_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+        DECLARE
+            message text;
+        BEGIN
+            SELECT json_agg(json_build_array({shard}, max_id))::text INTO message
+            FROM (SELECT {shard}, max(id) AS max_id FROM new_rows GROUP BY {shard}) AS shards;
+            IF message IS NULL THEN
+                RETURN NULL;
+            END IF;
+            IF length(message) > {NOTIFY_PAYLOAD_LIMIT} THEN
+                message := '{SWEEP_NOTIFICATION}';
+            END IF;
+            PERFORM pg_notify('{notify_channel(name)}', message);
+            RETURN NULL;
+        END
+        $$
+        """,
+        f"""
+        CREATE OR REPLACE TRIGGER {name}_notify AFTER INSERT ON {name}
+        REFERENCING NEW TABLE AS new_rows
+        FOR EACH STATEMENT EXECUTE FUNCTION {name}_notify()
+        """,
+    ]
+
+
+async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> None:
+    """Create missing outbox tables, indexes and NOTIFY triggers. Safe to run at every start."""
+    # Two workers starting at once must not race on CREATE TABLE.
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('outbox-bridge:ddl', 0))"))
+    await conn.run_sync(metadata.create_all, checkfirst=True)
+    for table in metadata.sorted_tables:
+        if "regional" in table.info:
+            for statement in notify_ddl(table):
+                await conn.execute(text(statement))

@@ -1,0 +1,183 @@
+"""Every SQL statement outbox-bridge runs against an outbox table, named and kept in one place.
+
+All statements are SQLAlchemy Core constructs with bound parameters; table names come from the
+registry, which accepts only plain identifiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, ColumnElement, Row, Table, Text, and_, any_, bindparam, delete, func, select, text
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from workflows.models import ShardRef
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """A coalescing group as read at the head of a shard: every visible id, ascending."""
+
+    category: int
+    object_identifier: int
+    ids: list[int]
+
+    @property
+    def first_id(self) -> int:
+        return self.ids[0]
+
+    @property
+    def last_id(self) -> int:
+        return self.ids[-1]
+
+
+@dataclass(frozen=True)
+class ShardHeadInfo:
+    highest_id: int | None
+    barrier_id: int | None
+    deferred_until: datetime | None
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """A shard with pending rows, as seen by a sweep."""
+
+    region: str | None
+    scope: int
+    shard_identifier: int
+    min_id: int
+    max_id: int
+
+
+def _any_id(ids: Sequence[int]) -> ColumnElement[Any]:
+    # One array parameter, not one parameter per id: groups can hold many thousand rows.
+    return any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
+
+
+def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
+    clauses = [
+        table.c.shard_scope == shard.scope,
+        table.c.shard_identifier == shard.shard_identifier,
+    ]
+    if "region" in table.c:
+        clauses.insert(0, table.c.region == shard.region)
+    return and_(*clauses)
+
+
+def lock_key(shard: ShardRef) -> str:
+    return f"outbox:{shard.table}:{shard.region or ''}:{shard.scope}:{shard.shard_identifier}"
+
+
+async def try_lock_shard(conn: AsyncConnection, shard: ShardRef) -> bool:
+    """Take the session-level advisory lock of ``shard`` if it is free.
+
+    It is held by the connection, not a transaction, so no transaction stays open while a
+    handler runs; it is released on unlock or when the connection closes (a crashed worker).
+    """
+    result = await conn.execute(
+        text("SELECT pg_try_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
+    )
+    return bool(result.scalar_one())
+
+
+async def unlock_shard(conn: AsyncConnection, shard: ShardRef) -> bool:
+    result = await conn.execute(
+        text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
+    )
+    return bool(result.scalar_one())
+
+
+async def read_shard_head_info(conn: AsyncConnection, table: Table, shard: ShardRef) -> ShardHeadInfo:
+    """The shard's highest id, and its first row not yet due (the barrier that keeps order)."""
+    where = shard_where(table, shard)
+    stats = (
+        await conn.execute(
+            select(
+                func.max(table.c.id),
+                func.min(table.c.id).filter(table.c.scheduled_for > func.now()),
+            ).where(where)
+        )
+    ).one()
+    highest, barrier = stats
+    deferred_until = None
+    if barrier is not None:
+        deferred_until = (
+            await conn.execute(select(table.c.scheduled_for).where(table.c.id == barrier))
+        ).scalar_one_or_none()
+    return ShardHeadInfo(highest_id=highest, barrier_id=barrier, deferred_until=deferred_until)
+
+
+async def read_head_groups(
+    conn: AsyncConnection, table: Table, shard: ShardRef, *, barrier_id: int | None, limit: int
+) -> list[GroupRows]:
+    """The first ``limit`` coalescing groups of the shard, ordered by their lowest pending id,
+    with every due id below the barrier."""
+    where = shard_where(table, shard)
+    if barrier_id is not None:
+        where = and_(where, table.c.id < barrier_id)
+    first_id = func.min(table.c.id).label("first_id")
+    query = (
+        select(
+            table.c.category,
+            table.c.object_identifier,
+            first_id,
+            func.array_agg(table.c.id).label("ids"),
+        )
+        .where(where)
+        .group_by(table.c.category, table.c.object_identifier)
+        .order_by(first_id)
+        .limit(limit)
+    )
+    rows = (await conn.execute(query)).all()
+    return [
+        GroupRows(category=r.category, object_identifier=r.object_identifier, ids=sorted(r.ids))
+        for r in rows
+    ]
+
+
+async def read_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> dict[int, Row[Any]]:
+    result = await conn.execute(select(table).where(table.c.id == _any_id(ids)))
+    return {row.id: row for row in result}
+
+
+async def delete_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> int:
+    """Delete exactly the rows a handler covered: rows committed meanwhile survive, even with a
+    lower id (a late commit), and are handled next round."""
+    if not ids:
+        return 0
+    result = await conn.execute(delete(table).where(table.c.id == _any_id(ids)))
+    return int(result.rowcount)
+
+
+def _shard_key_columns(table: Table) -> list[Any]:
+    cols = [table.c.shard_scope, table.c.shard_identifier]
+    if "region" in table.c:
+        cols.insert(0, table.c.region)
+    return cols
+
+
+async def read_shard_ranges(
+    conn: AsyncConnection,
+    table: Table,
+    *,
+    after_id: int | None = None,
+    regions: Sequence[str] | None = None,
+) -> list[ShardRange]:
+    """Shards with rows (with ``after_id``, only rows above it), with their id range."""
+    keys = _shard_key_columns(table)
+    query = select(*keys, func.min(table.c.id), func.max(table.c.id)).group_by(*keys)
+    if after_id is not None:
+        query = query.where(table.c.id > after_id)
+    if regions is not None and "region" in table.c:
+        query = query.where(table.c.region == any_(bindparam("regions", list(regions), type_=ARRAY(Text))))
+    ranges = []
+    for row in await conn.execute(query):
+        values = tuple(row)
+        region = values[0] if "region" in table.c else None
+        scope, ident, lo, hi = values[-4:]
+        ranges.append(ShardRange(region, scope, ident, lo, hi))
+    return ranges

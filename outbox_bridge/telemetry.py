@@ -1,0 +1,60 @@
+"""Tracing setup: the OpenTelemetry tracer provider and Temporal's tracing interceptor."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from temporalio.contrib.opentelemetry import TracingInterceptor
+
+log = logging.getLogger("outbox_bridge.telemetry")
+
+
+def _otlp_exporter() -> SpanExporter:
+    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+    )
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+        return Http()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+    return Grpc()
+
+
+def setup_tracing(exporter: str) -> TracerProvider | None:
+    """Install a global tracer provider exporting to ``exporter`` (none, console, otlp).
+
+    ``service.name`` defaults to ``outbox-bridge``; ``OTEL_SERVICE_NAME`` and
+    ``OTEL_RESOURCE_ATTRIBUTES`` are honoured.
+    """
+    if exporter == "none":
+        return None
+    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "outbox-bridge")})
+    provider = TracerProvider(resource=resource)
+    if exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    elif exporter == "otlp":
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
+    else:
+        raise ValueError(f"unknown span exporter {exporter!r}")
+    trace.set_tracer_provider(provider)
+    log.info("spans are exported to %s", exporter)
+    return provider
+
+
+def tracing_interceptor() -> TracingInterceptor:
+    """Temporal's interceptor: client calls, workflows and activities get spans, and the trace
+    context crosses Temporal in headers (never in payloads)."""
+    return TracingInterceptor(trace.get_tracer("outbox_bridge"))

@@ -1,0 +1,114 @@
+"""Connecting to Temporal, and the custom search attributes of shard workflows."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import (
+    AddSearchAttributesRequest,
+    ListSearchAttributesRequest,
+)
+from temporalio.client import Client, Interceptor
+from temporalio.common import SearchAttributeKey
+from temporalio.service import RPCError, TLSConfig
+
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.errors import ConfigurationError
+
+log = logging.getLogger("outbox_bridge.temporal")
+
+SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
+SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
+STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")
+BLOCKED_CATEGORY_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxBlockedCategory")
+BLOCKED_SINCE_ATTRIBUTE = SearchAttributeKey.for_datetime("OutboxBlockedSince")
+
+SEARCH_ATTRIBUTES: dict[str, str] = {
+    "OutboxScope": "Keyword",
+    "OutboxShard": "Keyword",
+    "OutboxState": "Keyword",
+    "OutboxBlockedCategory": "Keyword",
+    "OutboxBlockedSince": "Datetime",
+}
+
+
+def dev_server_search_attribute_args() -> list[str]:
+    """``temporal server start-dev`` flags that register the search attributes."""
+    args: list[str] = []
+    for name, kind in SEARCH_ATTRIBUTES.items():
+        args += ["--search-attribute", f"{name}={kind}"]
+    return args
+
+
+def _tls(settings: OutboxSettings) -> TLSConfig | bool:
+    if not (settings.temporal_tls or settings.temporal_tls_cert or settings.temporal_tls_ca):
+        return False
+    try:
+        return TLSConfig(
+            server_root_ca_cert=settings.temporal_tls_ca.read_bytes()
+            if settings.temporal_tls_ca
+            else None,
+            client_cert=settings.temporal_tls_cert.read_bytes()
+            if settings.temporal_tls_cert
+            else None,
+            client_private_key=settings.temporal_tls_key.read_bytes()
+            if settings.temporal_tls_key
+            else None,
+        )
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read a Temporal TLS file: {exc.strerror}: {exc.filename}") from None
+
+
+async def connect(
+    settings: OutboxSettings, address: str, *, interceptors: Sequence[Interceptor] = ()
+) -> Client:
+    api_key = settings.temporal_api_key.get_secret_value() if settings.temporal_api_key else None
+    try:
+        return await Client.connect(
+            address,
+            namespace=settings.temporal_namespace,
+            tls=_tls(settings) or bool(api_key),
+            api_key=api_key,
+            interceptors=list(interceptors),
+        )
+    except RuntimeError as exc:
+        raise ConfigurationError(
+            f"cannot connect to Temporal at {address} (namespace "
+            f"{settings.temporal_namespace!r}): {exc}"
+        ) from None
+
+
+async def ensure_search_attributes(client: Client) -> None:
+    """Register the shard workflows' search attributes in the client's namespace if missing."""
+    service = client.operator_service
+    existing = await service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=client.namespace)
+    )
+    missing = {
+        name: kind for name, kind in SEARCH_ATTRIBUTES.items() if name not in existing.custom_attributes
+    }
+    if not missing:
+        return
+    request = AddSearchAttributesRequest(
+        namespace=client.namespace,
+        search_attributes={
+            name: IndexedValueType.Value(f"INDEXED_VALUE_TYPE_{kind.upper()}")
+            for name, kind in missing.items()
+        },
+    )
+    try:
+        await service.add_search_attributes(request)
+    except RPCError as exc:
+        commands = "; ".join(
+            f"temporal operator search-attribute create --namespace {client.namespace} "
+            f"--name {name} --type {kind}"
+            for name, kind in missing.items()
+        )
+        raise ConfigurationError(
+            f"the search attributes {', '.join(missing)} are not registered in namespace "
+            f"{client.namespace!r} and this worker may not register them ({exc.message}). "
+            f"Ask an operator to run: {commands}"
+        ) from None
+    log.info("registered search attributes %s", ", ".join(missing))

@@ -1,0 +1,5 @@
+"""Temporal workflow definitions of outbox-bridge."""
+
+from workflows.shard import OutboxShard
+
+__all__ = ["OutboxShard"]

@@ -1,0 +1,181 @@
+"""Inputs, results, signals and queries of the OutboxShard workflow and its activities.
+
+Everything here ends up in Temporal history, so it carries shard keys, ids, counts and error
+classes only, never a payload (DESIGN §3.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Which shard: the table, the scope (value and name), the identifier, and the region."""
+
+    table: str
+    scope: int
+    scope_name: str
+    shard_identifier: int
+    region: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The shard as operators name it: ``SCOPE:ID`` or ``REGION:SCOPE:ID``."""
+        prefix = f"{self.region}:" if self.region is not None else ""
+        return f"{prefix}{self.scope_name}:{self.shard_identifier}"
+
+    @property
+    def workflow_id(self) -> str:
+        return f"outbox:{self.table}:{self.key}"
+
+
+@dataclass
+class ShardOptions:
+    """Tuning handed to every run of a shard workflow (set by the bridge from the settings)."""
+
+    idle_timeout_seconds: float = 60.0
+    handler_timeout_seconds: float = 300.0
+    heartbeat_timeout_seconds: float = 30.0
+    initial_retry_seconds: float = 1.0
+    max_retry_interval_seconds: float = 3600.0
+    drain_max_groups: int = 100
+    drain_time_budget_seconds: float = 2.0
+    max_history_events: int = 10_000
+
+
+@dataclass
+class SkipInfo:
+    reason: str
+    by: str | None = None
+    at: str | None = None
+
+
+@dataclass
+class HandlerFailure:
+    """Why a head group failed: the exception class, and its message unless redacted."""
+
+    error_type: str
+    message: str = ""
+
+
+@dataclass
+class HeadGroup:
+    """A coalescing group at the head of a shard: handled once, with its newest row."""
+
+    category: int
+    category_name: str
+    object_identifier: int
+    first_id: int
+    last_id: int
+    rows: int
+
+    @property
+    def summary(self) -> str:
+        coalesced = f" (×{self.rows} coalesced)" if self.rows > 1 else ""
+        return f"{self.category_name} object={self.object_identifier}{coalesced}"
+
+
+@dataclass
+class ShardCarry:
+    """State carried across continue-as-new."""
+
+    max_known_id: int = 0
+    highest_seen_id: int = 0
+    rows_handled: int = 0
+    groups_handled: int = 0
+    skip: SkipInfo | None = None
+
+
+@dataclass
+class ShardInput:
+    shard: ShardRef
+    options: ShardOptions = field(default_factory=ShardOptions)
+    carry: ShardCarry | None = None
+
+
+@dataclass
+class NotifyInput:
+    """Signal ``notify``: rows up to ``max_id`` are committed. ``late`` marks a row that
+    committed after rows with higher ids had been announced."""
+
+    max_id: int = 0
+    late: bool = False
+
+
+@dataclass
+class SkipInput:
+    """Signal ``skip``: pause the shard, keeping every row."""
+
+    reason: str = ""
+    by: str | None = None
+
+
+@dataclass
+class ResumeInput:
+    """Signal ``resume``: continue a skipped shard; its head is retried at once."""
+
+    by: str | None = None
+
+
+@dataclass
+class DrainInput:
+    shard: ShardRef
+    max_groups: int = 100
+    time_budget_seconds: float = 2.0
+
+
+@dataclass
+class DrainResult:
+    """What one drain call did, and why it stopped."""
+
+    groups_handled: int = 0
+    rows_handled: int = 0
+    highest_seen_id: int = 0
+    more: bool = False
+    deferred_until: str | None = None
+    failed: HeadGroup | None = None
+    failure: HandlerFailure | None = None
+
+
+@dataclass
+class HandleHeadInput:
+    """Input of a category activity: handle the head group of the shard if it is this group."""
+
+    shard: ShardRef
+    category: int
+    object_identifier: int
+
+
+@dataclass
+class HandleHeadResult:
+    handled: bool
+    rows_handled: int = 0
+    last_id: int = 0
+
+
+@dataclass
+class ShardSummary:
+    """Result of a shard workflow run that went idle."""
+
+    shard: str
+    rows_handled: int
+    groups_handled: int
+
+
+@dataclass
+class ShardStatus:
+    """Answer of the ``status`` query."""
+
+    shard: str
+    state: str
+    max_known_id: int
+    highest_seen_id: int
+    rows_handled: int
+    groups_handled: int
+    head: HeadGroup | None = None
+    attempts: int = 0
+    last_error: HandlerFailure | None = None
+    blocked_since: str | None = None
+    deferred_until: str | None = None
+    skip: SkipInfo | None = None

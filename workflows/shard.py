@@ -1,0 +1,317 @@
+"""The OutboxShard workflow: one per active shard, running its handlers one at a time.
+
+The workflow holds no rows, only ids and counts. It drains with a local activity while handlers
+succeed, switches to a server-retried category activity when one fails (so the UI shows which
+category is stuck), sleeps on a durable timer while the head row is deferred, and completes
+after an idle period; the bridge starts it again when rows arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+from temporalio.workflow import ActivityCancellationType, ActivityHandle
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.models import (
+        DrainInput,
+        DrainResult,
+        HandleHeadInput,
+        HandleHeadResult,
+        HandlerFailure,
+        HeadGroup,
+        NotifyInput,
+        ResumeInput,
+        ShardCarry,
+        ShardInput,
+        ShardStatus,
+        ShardSummary,
+        SkipInfo,
+        SkipInput,
+    )
+
+DRAINING, BLOCKED, SKIPPED, DEFERRED, IDLE = "draining", "blocked", "skipped", "deferred", "idle"
+
+# Retries of the local drain before it falls back to a normal (visible, server-retried) one.
+LOCAL_DRAIN_ATTEMPTS = 3
+
+
+@workflow.defn(name="OutboxShard")
+class OutboxShard:
+    @workflow.init
+    def __init__(self, input: ShardInput) -> None:
+        self._shard = input.shard
+        self._options = input.options
+        carry = input.carry or ShardCarry()
+        self._max_known_id = carry.max_known_id
+        self._highest_seen_id = carry.highest_seen_id
+        self._rows_handled = carry.rows_handled
+        self._groups_handled = carry.groups_handled
+        self._skip: SkipInfo | None = carry.skip
+        # A run starts because rows exist (or carried on from a run that had some).
+        self._dirty = True
+        self._state = DRAINING
+        self._head: HeadGroup | None = None
+        self._attempts = 0
+        self._last_error: HandlerFailure | None = None
+        self._blocked_since: datetime | None = None
+        self._deferred_until: datetime | None = None
+
+    # -- main loop ------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, input: ShardInput) -> ShardSummary:
+        self._publish()
+        while True:
+            if self._continue_as_new_due():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(
+                    ShardInput(shard=self._shard, options=self._options, carry=self._carry())
+                )
+            if self._skip is not None:
+                await self._stay_skipped()
+            elif self._dirty:
+                await self._drain_once()
+            elif self._deferred_until is not None:
+                await self._wait_for_deferred()
+            elif await self._idle_expired():
+                return ShardSummary(self._shard.key, self._rows_handled, self._groups_handled)
+
+    def _continue_as_new_due(self) -> bool:
+        info = workflow.info()
+        return (
+            info.is_continue_as_new_suggested()
+            or info.get_current_history_length() >= self._options.max_history_events
+        )
+
+    async def _stay_skipped(self) -> None:
+        self._set_state(SKIPPED)
+        await workflow.wait_condition(
+            lambda: self._skip is None or self._continue_as_new_due()
+        )
+        if self._skip is None:
+            self._dirty = True  # resuming retries the head at once
+
+    async def _wait_for_deferred(self) -> None:
+        assert self._deferred_until is not None
+        self._set_state(DEFERRED)
+        remaining = (self._deferred_until - workflow.now()).total_seconds()
+        if remaining > 0:
+            try:
+                await workflow.wait_condition(
+                    lambda: self._dirty or self._skip is not None,
+                    timeout=timedelta(seconds=remaining),
+                )
+                return
+            except asyncio.TimeoutError:
+                pass
+        self._deferred_until = None
+        self._dirty = True
+
+    async def _idle_expired(self) -> bool:
+        self._set_state(IDLE)
+        try:
+            await workflow.wait_condition(
+                lambda: self._dirty or self._skip is not None or self._continue_as_new_due(),
+                timeout=timedelta(seconds=self._options.idle_timeout_seconds),
+            )
+        except asyncio.TimeoutError:
+            # A signal that races the completion fails this task and is replayed first, so
+            # returning here never drops work.
+            return not self._dirty and self._skip is None
+        return False
+
+    # -- draining --------------------------------------------------------------------------
+
+    async def _drain_once(self) -> None:
+        self._dirty = False
+        self._deferred_until = None
+        self._set_state(DRAINING)
+        result = await self._drain()
+        if result is None:  # skipped while draining
+            self._dirty = True
+            return
+        self._count(result.rows_handled, result.groups_handled)
+        self._highest_seen_id = max(self._highest_seen_id, result.highest_seen_id)
+        if result.failed is not None:
+            await self._unblock(result.failed, result.failure)
+            self._dirty = True
+            return
+        if result.more:
+            self._dirty = True
+        elif result.deferred_until is not None:
+            self._deferred_until = datetime.fromisoformat(result.deferred_until)
+
+    async def _drain(self) -> DrainResult | None:
+        request = DrainInput(
+            shard=self._shard,
+            max_groups=self._options.drain_max_groups,
+            time_budget_seconds=self._options.drain_time_budget_seconds,
+        )
+        timeout = timedelta(
+            seconds=self._options.handler_timeout_seconds
+            + self._options.drain_time_budget_seconds
+        )
+        try:
+            local = workflow.start_local_activity(
+                "drain_shard",
+                request,
+                result_type=DrainResult,
+                start_to_close_timeout=timeout,
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=self._options.initial_retry_seconds),
+                    maximum_interval=timedelta(seconds=10),
+                    maximum_attempts=LOCAL_DRAIN_ATTEMPTS,
+                ),
+            )
+            return await self._unless_skipped(local)
+        except ActivityError:
+            # The database or the shard lock kept failing: drain with a normal activity, which
+            # the server retries without adding history and the UI shows as pending.
+            remote = workflow.start_activity(
+                "drain_shard",
+                request,
+                result_type=DrainResult,
+                start_to_close_timeout=timeout,
+                retry_policy=self._retry_policy(),
+                cancellation_type=ActivityCancellationType.TRY_CANCEL,
+                summary=f"drain {self._shard.key}",
+            )
+            return await self._unless_skipped(remote)
+
+    async def _unblock(self, head: HeadGroup, failure: HandlerFailure | None) -> None:
+        """Retry the failed head group as a category activity until it succeeds or the shard is
+        skipped."""
+        self._head = head
+        self._attempts = 1
+        self._last_error = failure
+        self._blocked_since = workflow.now()
+        self._set_state(BLOCKED)
+        handle = workflow.start_activity(
+            head.category_name,
+            HandleHeadInput(self._shard, head.category, head.object_identifier),
+            result_type=HandleHeadResult,
+            start_to_close_timeout=timedelta(seconds=self._options.handler_timeout_seconds),
+            heartbeat_timeout=timedelta(seconds=self._options.heartbeat_timeout_seconds),
+            retry_policy=self._retry_policy(),
+            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+            summary=head.summary,
+        )
+        result = await self._unless_skipped(handle)
+        if result is None:
+            return  # skipped: keep showing what blocked the shard
+        if result.handled:
+            self._count(result.rows_handled, 1)
+        self._head = None
+        self._attempts = 0
+        self._last_error = None
+        self._blocked_since = None
+
+    async def _unless_skipped(self, handle: ActivityHandle[Any]) -> Any:
+        """Await ``handle``; a skip cancels it (TRY_CANCEL: no further retries) and yields None."""
+        await workflow.wait_condition(lambda: handle.done() or self._skip is not None)
+        if handle.done():
+            return await handle
+        handle.cancel()
+        try:
+            await handle
+        except (ActivityError, asyncio.CancelledError):
+            pass
+        return None
+
+    def _retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            initial_interval=timedelta(seconds=self._options.initial_retry_seconds),
+            backoff_coefficient=2.0,
+            maximum_interval=timedelta(seconds=self._options.max_retry_interval_seconds),
+            maximum_attempts=0,
+        )
+
+    def _count(self, rows: int, groups: int) -> None:
+        self._rows_handled += rows
+        self._groups_handled += groups
+
+    def _carry(self) -> ShardCarry:
+        return ShardCarry(
+            max_known_id=self._max_known_id,
+            highest_seen_id=self._highest_seen_id,
+            rows_handled=self._rows_handled,
+            groups_handled=self._groups_handled,
+            skip=self._skip,
+        )
+
+    # -- signals and queries -----------------------------------------------------------------
+
+    @workflow.signal
+    def notify(self, input: NotifyInput) -> None:
+        """Rows up to ``max_id`` are committed in this shard."""
+        self._max_known_id = max(self._max_known_id, input.max_id)
+        if input.late or input.max_id > self._highest_seen_id:
+            self._dirty = True
+
+    @workflow.signal
+    def skip(self, input: SkipInput) -> None:
+        """Pause the shard: the in-flight attempt is abandoned, no handler runs, rows are kept."""
+        reason = (input.reason or "").strip()
+        if not reason:
+            workflow.logger.warning("skip ignored for %s: a reason is required", self._shard.key)
+            return
+        self._skip = SkipInfo(reason=reason, by=input.by, at=workflow.now().isoformat())
+        self._set_state(SKIPPED)
+
+    @workflow.signal
+    def resume(self, input: ResumeInput | None = None) -> None:
+        """Continue a skipped shard; its head is retried at once."""
+        if self._skip is not None:
+            self._skip = None
+            self._dirty = True
+
+    @workflow.query
+    def status(self) -> ShardStatus:
+        return ShardStatus(
+            shard=self._shard.key,
+            state=self._state,
+            max_known_id=self._max_known_id,
+            highest_seen_id=self._highest_seen_id,
+            rows_handled=self._rows_handled,
+            groups_handled=self._groups_handled,
+            head=self._head,
+            attempts=self._attempts,
+            last_error=self._last_error,
+            blocked_since=self._blocked_since.isoformat() if self._blocked_since else None,
+            deferred_until=self._deferred_until.isoformat() if self._deferred_until else None,
+            skip=self._skip,
+        )
+
+    # -- what the UI shows ---------------------------------------------------------------------
+
+    def _set_state(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+        self._publish()
+
+    def _publish(self) -> None:
+        # Current details are not carried over continue-as-new; every run sets them again.
+        lines = [
+            f"**Shard** `{self._shard.key}` (table `{self._shard.table}`)",
+            f"**State** {self._state}",
+            f"**Rows handled** {self._rows_handled} in {self._groups_handled} groups",
+        ]
+        if self._head is not None:
+            lines.append(f"**Head group** {self._head.summary}, ids {self._head.first_id}–{self._head.last_id}")
+        if self._last_error is not None:
+            lines.append(f"**Attempts** {self._attempts}+, last error `{self._last_error.error_type}`")
+        if self._blocked_since is not None:
+            lines.append(f"**Blocked since** {self._blocked_since.isoformat()}")
+        if self._deferred_until is not None:
+            lines.append(f"**Deferred until** {self._deferred_until.isoformat()}")
+        if self._skip is not None:
+            lines.append(
+                f"**Skipped** by {self._skip.by or 'an operator'} at {self._skip.at}: {self._skip.reason}"
+            )
+        workflow.set_current_details("\n\n".join(lines))

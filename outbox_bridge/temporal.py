@@ -58,7 +58,9 @@ def _tls(settings: OutboxSettings) -> TLSConfig | bool:
             else None,
         )
     except OSError as exc:
-        raise ConfigurationError(f"cannot read a Temporal TLS file: {exc.strerror}: {exc.filename}") from None
+        raise ConfigurationError(
+            f"cannot read a Temporal TLS file: {exc.strerror}: {exc.filename}"
+        ) from None
 
 
 async def connect(
@@ -87,7 +89,9 @@ async def ensure_search_attributes(client: Client) -> None:
         ListSearchAttributesRequest(namespace=client.namespace)
     )
     missing = {
-        name: kind for name, kind in SEARCH_ATTRIBUTES.items() if name not in existing.custom_attributes
+        name: kind
+        for name, kind in SEARCH_ATTRIBUTES.items()
+        if name not in existing.custom_attributes
     }
     if not missing:
         return

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,11 @@ class Category(IntEnum):
 
 
 SCOPES = {
-    Scope.ORGANIZATION: {Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, Category.MEMBER_UPDATE},
+    Scope.ORGANIZATION: {
+        Category.ORGANIZATION_UPDATE,
+        Category.PROJECT_UPDATE,
+        Category.MEMBER_UPDATE,
+    },
     Scope.USER: {Category.USER_UPDATE},
 }
 
@@ -63,7 +67,9 @@ async def start_servers(base: Path) -> Servers:
         url = await asyncio.to_thread(postgres.start)
     temporal = EmbeddedTemporal(base / "temporal", port=free_port(), ui_port=None, in_memory=True)
     address = await temporal.start()
-    return Servers(str(sqlalchemy_url(url).render_as_string(hide_password=False)), address, temporal, postgres)
+    return Servers(
+        str(sqlalchemy_url(url).render_as_string(hide_password=False)), address, temporal, postgres
+    )
 
 
 def fast_settings(**overrides: Any) -> OutboxSettings:
@@ -92,7 +98,7 @@ class Call:
     payload: Any
     started: float
     finished: float = 0.0
-    at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 @dataclass
@@ -104,7 +110,8 @@ class Recorder:
 
     async def handle(self, message: OutboxMessage) -> None:
         call = Call(
-            shard=f"{message.region + ':' if message.region else ''}{int(message.shard_scope)}:{message.shard_identifier}",
+            shard=(f"{message.region}:" if message.region else "")
+            + f"{int(message.shard_scope)}:{message.shard_identifier}",
             category=int(message.category),
             object_identifier=message.object_identifier,
             id=message.id,
@@ -122,10 +129,12 @@ class Recorder:
         return [c.id for c in self.calls]
 
 
-def make_app(table: str, recorder: Recorder, *, regional: bool = False,
-             handle_all: bool = True) -> OutboxApp:
-    app = OutboxApp(scopes=SCOPES, categories=[Category],
-                    tables=[OutboxTable(table, regional=regional)])
+def make_app(
+    table: str, recorder: Recorder, *, regional: bool = False, handle_all: bool = True
+) -> OutboxApp:
+    app = OutboxApp(
+        scopes=SCOPES, categories=[Category], tables=[OutboxTable(table, regional=regional)]
+    )
     if handle_all:
         app.handler(*Category)(recorder.handle)
     return app
@@ -136,15 +145,24 @@ def unique_table() -> str:
 
 
 @contextlib.asynccontextmanager
-async def running_worker(servers: Servers, app: OutboxApp, settings: OutboxSettings | None = None,
-                         ) -> AsyncIterator[OutboxSettings]:
+async def running_worker(
+    servers: Servers,
+    app: OutboxApp,
+    settings: OutboxSettings | None = None,
+) -> AsyncIterator[OutboxSettings]:
     """Run the bridge and the Temporal worker in-process until the block ends."""
     settings = settings or fast_settings()
     stop = asyncio.Event()
     ready = asyncio.Event()
     task = asyncio.create_task(
-        serve(settings, app, stop=stop, database_url=servers.database_url,
-              temporal_address=servers.temporal_address, ready=ready)
+        serve(
+            settings,
+            app,
+            stop=stop,
+            database_url=servers.database_url,
+            temporal_address=servers.temporal_address,
+            ready=ready,
+        )
     )
     waiter = asyncio.create_task(ready.wait())
     await asyncio.wait([task, waiter], timeout=30, return_when=asyncio.FIRST_COMPLETED)
@@ -159,8 +177,13 @@ async def running_worker(servers: Servers, app: OutboxApp, settings: OutboxSetti
         await asyncio.wait_for(task, timeout=30)
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool] | bool], *, timeout: float = 30.0,
-                     interval: float = 0.05, what: str = "condition") -> None:
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool] | bool],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

@@ -54,16 +54,24 @@ class Failing:
             raise ConnectionError("replica unavailable")
 
 
-async def scenario_drain(app: OutboxApp, recorder: Recorder, client: Client, engine, settings) -> None:
-    for batch in range(3):
-        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i % 3) for i in range(5)]
-                         + [row(Category.ORGANIZATION_UPDATE, 1, 1)])
+async def scenario_drain(
+    app: OutboxApp, recorder: Recorder, client: Client, engine, settings
+) -> None:
+    for _ in range(3):
+        await write_rows(
+            engine,
+            app,
+            [row(Category.PROJECT_UPDATE, 1, i % 3) for i in range(5)]
+            + [row(Category.ORGANIZATION_UPDATE, 1, 1)],
+        )
         await wait_until(lambda: table_empty(engine, app))
 
 
 async def scenario_failing_then_succeeding(app, recorder, client, engine, settings) -> None:
     recorder.behaviour[Category.PROJECT_UPDATE] = Failing(4)
-    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.MEMBER_UPDATE, 1, 2)])
+    await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.MEMBER_UPDATE, 1, 2)]
+    )
     await wait_until(lambda: table_empty(engine, app))
 
 
@@ -91,8 +99,14 @@ async def scenario_skip_resume(app, recorder, client, engine, settings) -> None:
 async def scenario_deferred(app, recorder, client, engine, settings) -> None:
     from datetime import timedelta
 
-    await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=timedelta(seconds=2)),
-                                   row(Category.PROJECT_UPDATE, 1, 2)])
+    await write_rows(
+        engine,
+        app,
+        [
+            row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=timedelta(seconds=2)),
+            row(Category.PROJECT_UPDATE, 1, 2),
+        ],
+    )
     await wait_until(lambda: table_empty(engine, app))
 
 
@@ -112,7 +126,9 @@ SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
 }
 
 
-async def record(servers: Servers, name: str, scenario: Scenario, overrides: dict[str, object]) -> list[Path]:
+async def record(
+    servers: Servers, name: str, scenario: Scenario, overrides: dict[str, object]
+) -> list[Path]:
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
     engine = new_engine(servers)
@@ -124,12 +140,16 @@ async def record(servers: Servers, name: str, scenario: Scenario, overrides: dic
         await scenario(app, recorder, client, engine, settings)
 
         async def closed() -> bool:
-            return (await client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.COMPLETED
+            return (
+                await client.get_workflow_handle(workflow_id).describe()
+            ).status == WorkflowExecutionStatus.COMPLETED
 
         await wait_until(closed, what=f"{name} to complete")
     await engine.dispose()
-    runs = sorted([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')],
-                  key=lambda w: w.start_time)
+    runs = sorted(
+        [w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')],
+        key=lambda w: w.start_time,
+    )
     written = []
     for index, run in enumerate(runs):
         history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
@@ -147,7 +167,7 @@ async def main() -> None:
         try:
             for name, (scenario, overrides) in SCENARIOS.items():
                 for path in await record(servers, name, scenario, overrides):
-                    print(f"recorded {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+                    print(f"recorded {path}")
         finally:
             servers.temporal.stop()
             if servers.postgres is not None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import json
 from collections import defaultdict
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select, text
@@ -27,7 +29,9 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from workflows.models import ResumeInput, ShardStatus, SkipInput
+from outbox_bridge.embedded import temporal_cli as temporal_binary
+from outbox_bridge.shards import parse_shard, shard_status
+from workflows.models import ShardStatus, SkipInput
 
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
@@ -47,6 +51,16 @@ async def shard_rows(engine, app, shard: int) -> int:
     async with engine.connect() as conn:
         query = select(func.count()).select_from(table).where(table.c.shard_identifier == shard)
         return int((await conn.execute(query)).scalar_one())
+
+
+async def temporal_cli(servers, command: str, *args: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        temporal_binary(), "workflow", command, "--address", servers.temporal_address, *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    return out.decode()
 
 
 class Gate:
@@ -116,12 +130,16 @@ async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, eng
     assert organization.started < user_call.finished <= organization.finished
 
 
-async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(servers, engine) -> None:
+async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(
+    servers, engine
+) -> None:
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
     await create_tables(engine, app)
     ids = await write_rows(
-        engine, app, [row(Category.PROJECT_UPDATE, 3, 42, payload={"version": v}) for v in range(1000)]
+        engine,
+        app,
+        [row(Category.PROJECT_UPDATE, 3, 42, payload={"version": v}) for v in range(1000)],
     )
     async with running_worker(servers, app):
         await wait_until(lambda: table_empty(engine, app), what="the group handled")
@@ -129,7 +147,9 @@ async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(ser
     assert (call.id, call.coalesced, call.payload) == (ids[-1], 1000, {"version": 999})
 
 
-async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(servers, engine) -> None:
+async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
+    servers, engine
+) -> None:
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
     await create_tables(engine, app)
@@ -150,17 +170,26 @@ async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(s
     assert [(c.id, c.coalesced) for c in recorder.calls] == [(first[-1], 5), (late[-1], 2)]
 
 
-async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(servers, engine, client) -> None:
+async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(
+    servers, engine, client
+) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
     await create_tables(engine, app)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
-    blocked = await write_rows(engine, app, [
-        row(Category.PROJECT_UPDATE, 1, 10), row(Category.ORGANIZATION_UPDATE, 1, 1),
-    ])
-    others = await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, s, s) for s in (2, 3, 4)])
+    blocked = await write_rows(
+        engine,
+        app,
+        [
+            row(Category.PROJECT_UPDATE, 1, 10),
+            row(Category.ORGANIZATION_UPDATE, 1, 1),
+        ],
+    )
+    others = await write_rows(
+        engine, app, [row(Category.ORGANIZATION_UPDATE, s, s) for s in (2, 3, 4)]
+    )
     async with running_worker(servers, app):
         await wait_until(lambda: gate.failures >= 3, what="three failed attempts")
         await wait_until(lambda: {c.id for c in recorder.calls} >= set(others), what="other shards")
@@ -177,7 +206,9 @@ async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(servers
     assert shard_one == blocked  # the head first, then the row behind it
 
 
-async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept(servers, engine, client) -> None:
+async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept(
+    servers, engine, client
+) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
@@ -200,6 +231,11 @@ async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept
         assert pending.activity_type.name == "PROJECT_UPDATE"
         assert "downstream unavailable" in pending.last_failure.message
         assert description.status == WorkflowExecutionStatus.RUNNING
+        status = await shard_status(client, parse_shard("ORGANIZATION:5", app))
+        assert status.state == "blocked" and status.attempts >= 4
+        assert status.last_error is not None
+        assert status.last_error.error_type == "ConnectionError"
+        assert "downstream unavailable" in status.last_error.message
         assert await count_rows(engine, app) == 1
         await handle.signal("skip", SkipInput(reason="test over"))
 
@@ -212,8 +248,10 @@ async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
     await create_tables(engine, app)
-    due = datetime.now(timezone.utc) + timedelta(seconds=3)
-    [deferred] = await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=due)])
+    due = datetime.now(UTC) + timedelta(seconds=3)
+    [deferred] = await write_rows(
+        engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=due)]
+    )
     [behind] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 2)])
     [elsewhere] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 2, 2)])
     async with running_worker(servers, app):
@@ -232,12 +270,16 @@ async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, 
     await create_tables(engine, app)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
-    ids = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 8, 80), row(Category.MEMBER_UPDATE, 8, 81)])
+    ids = await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 8, 80), row(Category.MEMBER_UPDATE, 8, 81)]
+    )
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 8))
     async with running_worker(servers, app):
         await wait_until(lambda: gate.failures >= 2, what="a blocked head")
         await handle.signal("skip", SkipInput(reason=""))  # no reason: ignored
-        await handle.signal("skip", SkipInput(reason="deploying a fix", by="ops"))
+        # Operators use the temporal CLI, with plain JSON input.
+        await temporal_cli(servers, "signal", "--workflow-id", handle.id, "--name", "skip",
+                           "--input", '{"reason": "deploying a fix", "by": "ops"}')
 
         async def skipped() -> bool:
             return (await status_of(client, handle.id)).state == "skipped"
@@ -251,23 +293,29 @@ async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, 
         failures = gate.failures
         await asyncio.sleep(2.5)  # several retry intervals: a skipped shard must not retry
         assert gate.failures == failures
-        status = await status_of(client, handle.id)
-        assert status.skip is not None and status.skip.reason == "deploying a fix"
+        status = json.loads(await temporal_cli(servers, "query", "--workflow-id", handle.id,
+                                               "--type", "status", "--output", "json"))
+        assert status["queryResult"][0]["state"] == "skipped"
+        assert status["queryResult"][0]["skip"]["reason"] == "deploying a fix"
         assert await count_rows(engine, app) == 2
         gate.open = True
-        await handle.signal("resume", ResumeInput(by="ops"))
+        await temporal_cli(servers, "signal", "--workflow-id", handle.id, "--name", "resume")
         await wait_until(lambda: table_empty(engine, app), what="delivery after resume")
     assert [c.id for c in recorder.calls] == ids
 
 
-async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(servers, engine, client) -> None:
+async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
+    servers, engine, client
+) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
     await create_tables(engine, app)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
-    ids = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1), row(Category.PROJECT_UPDATE, 4, 2)])
+    ids = await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 4, 1), row(Category.PROJECT_UPDATE, 4, 2)]
+    )
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 4))
     async with running_worker(servers, app):
         await wait_until(lambda: gate.failures >= 1, what="a blocked head")
@@ -285,12 +333,14 @@ async def test_plain_sql_rows_are_processed(servers, engine) -> None:
     async with running_worker(servers, app):
         await sql(
             engine,
-            f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier, payload) "
-            "VALUES (2, 77, 10, 77, '{\"email\": \"a@example.com\"}'), (1, 5, 1, 5, NULL)",
+            f"INSERT INTO {table} "
+            "(shard_scope, shard_identifier, category, object_identifier, payload) "
+            'VALUES (2, 77, 10, 77, \'{"email": "a@example.com"}\'), (1, 5, 1, 5, NULL)',
         )
         await wait_until(lambda: table_empty(engine, app), what="plain SQL rows")
     assert sorted((c.shard, c.category, c.payload) for c in recorder.calls) == [
-        ("1:5", 1, None), ("2:77", 10, {"email": "a@example.com"})
+        ("1:5", 1, None),
+        ("2:77", 10, {"email": "a@example.com"}),
     ]
 
 
@@ -301,7 +351,9 @@ async def test_rolled_back_rows_are_never_seen(servers, engine) -> None:
     async with running_worker(servers, app):
         async with engine.connect() as conn:
             transaction = await conn.begin()
-            await app.write_async(conn, category=Category.PROJECT_UPDATE, shard_identifier=9, object_identifier=1)
+            await app.write_async(
+                conn, category=Category.PROJECT_UPDATE, shard_identifier=9, object_identifier=1
+            )
             await transaction.rollback()
         [committed] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 9, 2)])
         await wait_until(lambda: table_empty(engine, app), what="the committed row")
@@ -315,7 +367,9 @@ async def test_a_late_commit_with_a_lower_id_is_not_deleted_unhandled(servers, e
     async with running_worker(servers, app):
         async with engine.connect() as slow:
             transaction = await slow.begin()
-            late_id = await app.write_async(slow, category=Category.PROJECT_UPDATE, shard_identifier=6, object_identifier=1)
+            late_id = await app.write_async(
+                slow, category=Category.PROJECT_UPDATE, shard_identifier=6, object_identifier=1
+            )
             [early_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 6, 1)])
             assert late_id < early_id
             await wait_until(lambda: early_id in recorder.ids(), what="the higher id first")
@@ -329,10 +383,14 @@ async def test_regional_table_is_drained_per_region(servers, engine, client) -> 
     table = unique_table()
     app = make_app(table, recorder, regional=True)
     await create_tables(engine, app)
-    await write_rows(engine, app, [
-        row(Category.PROJECT_UPDATE, 1, 1, region="us"),
-        row(Category.PROJECT_UPDATE, 1, 1, region="eu"),
-    ])
+    await write_rows(
+        engine,
+        app,
+        [
+            row(Category.PROJECT_UPDATE, 1, 1, region="us"),
+            row(Category.PROJECT_UPDATE, 1, 1, region="eu"),
+        ],
+    )
     async with running_worker(servers, app, fast_settings(regions=["us"])):
         await wait_until(lambda: len(recorder.calls) == 1, what="the us row")
         await wait_until(lambda: _rows_left(engine, table, 1), what="the us row deleted")
@@ -349,14 +407,19 @@ async def _rows_left(engine, table: str, expected: int) -> bool:
         return (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == expected
 
 
-async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(servers, engine, client) -> None:
+async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(
+    servers, engine, client
+) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
     await create_tables(engine, app)
     async with running_worker(servers, app):
-        await sql(engine, f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
-                          "VALUES (1, 11, 99, 1), (1, 12, 1, 1), (2, 13, 1, 1)")
+        await sql(
+            engine,
+            f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
+            "VALUES (1, 11, 99, 1), (1, 12, 1, 1), (2, 13, 1, 1)",
+        )
         await wait_until(lambda: len(recorder.calls) == 1, what="the healthy shard")
 
         async def blocked(wid: str, error: str) -> bool:
@@ -364,12 +427,20 @@ async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(
                 status = await status_of(client, wid)
             except Exception:
                 return False
-            return status.state == "blocked" and status.last_error is not None and status.last_error.error_type == error
+            return (
+                status.state == "blocked"
+                and status.last_error is not None
+                and status.last_error.error_type == error
+            )
 
-        await wait_until(lambda: blocked(workflow_id(table, Scope.ORGANIZATION, 11), "UnknownCategoryError"),
-                         what="unknown category blocked")
-        await wait_until(lambda: blocked(workflow_id(table, Scope.USER, 13), "CategoryScopeError"),
-                         what="category outside its scope blocked")
+        await wait_until(
+            lambda: blocked(workflow_id(table, Scope.ORGANIZATION, 11), "UnknownCategoryError"),
+            what="unknown category blocked",
+        )
+        await wait_until(
+            lambda: blocked(workflow_id(table, Scope.USER, 13), "CategoryScopeError"),
+            what="category outside its scope blocked",
+        )
         assert await count_rows(engine, app) == 2
         for wid in (workflow_id(table, Scope.ORGANIZATION, 11), workflow_id(table, Scope.USER, 13)):
             await client.get_workflow_handle(wid).signal("skip", SkipInput(reason="test over"))
@@ -400,6 +471,33 @@ async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine,
         runs = [w async for w in client.list_workflows(f'WorkflowId = "{handle.id}"')]
         assert len(runs) >= 2
         first_run = min(runs, key=lambda w: w.start_time)
-        history = await client.get_workflow_handle(handle.id, run_id=first_run.run_id).fetch_history()
-        assert history.events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+        history = await client.get_workflow_handle(
+            handle.id, run_id=first_run.run_id
+        ).fetch_history()
+        assert (
+            history.events[-1].event_type
+            == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+        )
     assert len(recorder.calls) == written
+
+
+async def test_a_timed_out_attempt_never_overlaps_its_retry(servers, engine) -> None:
+    """A plain-def handler cannot be interrupted: the retry waits on the shard lock."""
+    table = unique_table()
+    app = make_app(table, Recorder(), handle_all=False)
+    calls: list[tuple[float, float]] = []
+
+    def slow_once(message: OutboxMessage) -> None:
+        started = time.monotonic()
+        if not calls:
+            time.sleep(5)  # past the 2 s handler timeout
+        calls.append((started, time.monotonic()))
+
+    app.handler(*Category)(slow_once)
+    await create_tables(engine, app)
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    async with running_worker(servers, app, fast_settings(handler_timeout=2.0)):
+        await wait_until(lambda: table_empty(engine, app), timeout=60, what="the retry")
+    assert len(calls) >= 2
+    for (_, first_end), (second_start, _) in zip(calls, calls[1:], strict=False):
+        assert second_start >= first_end

@@ -21,7 +21,13 @@ def load(path: Path) -> WorkflowHistory:
 
 def test_the_corpus_covers_the_required_scenarios() -> None:
     names = {p.stem.split("_run")[0] for p in HISTORIES}
-    assert {"drain", "failing_then_succeeding", "skip_resume", "continue_as_new", "deferred"} <= names
+    assert {
+        "drain",
+        "failing_then_succeeding",
+        "skip_resume",
+        "continue_as_new",
+        "deferred",
+    } <= names
     kinds = {e.event_type for p in HISTORIES for e in load(p).events}
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW in kinds
     assert EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED in kinds  # skip cancels the attempt

@@ -1,6 +1,16 @@
 from __future__ import annotations
 
-from tests.harness import Category, Recorder, count_rows, create_tables, make_app, running_worker, table_empty, unique_table, wait_until, write_rows
+from tests.harness import (
+    Category,
+    Recorder,
+    create_tables,
+    make_app,
+    running_worker,
+    table_empty,
+    unique_table,
+    wait_until,
+    write_rows,
+)
 
 
 async def test_rows_are_handled(servers, engine) -> None:
@@ -8,10 +18,19 @@ async def test_rows_are_handled(servers, engine) -> None:
     app = make_app(unique_table(), recorder)
     await create_tables(engine, app)
     async with running_worker(servers, app):
-        ids = await write_rows(engine, app, [
-            {"category": Category.PROJECT_UPDATE, "shard_identifier": 1, "object_identifier": 5, "payload": {"n": i}}
-            for i in range(3)
-        ])
+        ids = await write_rows(
+            engine,
+            app,
+            [
+                {
+                    "category": Category.PROJECT_UPDATE,
+                    "shard_identifier": 1,
+                    "object_identifier": 5,
+                    "payload": {"n": i},
+                }
+                for i in range(3)
+            ],
+        )
         await wait_until(lambda: len(recorder.calls) >= 1, what="a handler call")
         await wait_until(lambda: table_empty(engine, app), what="empty table")
     assert recorder.ids() == [ids[-1]]

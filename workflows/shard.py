@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -34,6 +34,8 @@ with workflow.unsafe.imports_passed_through():
         SkipInfo,
         SkipInput,
     )
+
+T = TypeVar("T")
 
 DRAINING, BLOCKED, SKIPPED, DEFERRED, IDLE = "draining", "blocked", "skipped", "deferred", "idle"
 
@@ -91,9 +93,7 @@ class OutboxShard:
 
     async def _stay_skipped(self) -> None:
         self._set_state(SKIPPED)
-        await workflow.wait_condition(
-            lambda: self._skip is None or self._continue_as_new_due()
-        )
+        await workflow.wait_condition(lambda: self._skip is None or self._continue_as_new_due())
         if self._skip is None:
             self._dirty = True  # resuming retries the head at once
 
@@ -108,7 +108,7 @@ class OutboxShard:
                     timeout=timedelta(seconds=remaining),
                 )
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self._deferred_until = None
         self._dirty = True
@@ -120,7 +120,7 @@ class OutboxShard:
                 lambda: self._dirty or self._skip is not None or self._continue_as_new_due(),
                 timeout=timedelta(seconds=self._options.idle_timeout_seconds),
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # A signal that races the completion fails this task and is replayed first, so
             # returning here never drops work.
             return not self._dirty and self._skip is None
@@ -154,8 +154,7 @@ class OutboxShard:
             time_budget_seconds=self._options.drain_time_budget_seconds,
         )
         timeout = timedelta(
-            seconds=self._options.handler_timeout_seconds
-            + self._options.drain_time_budget_seconds
+            seconds=self._options.handler_timeout_seconds + self._options.drain_time_budget_seconds
         )
         try:
             local = workflow.start_local_activity(
@@ -212,7 +211,7 @@ class OutboxShard:
         self._last_error = None
         self._blocked_since = None
 
-    async def _unless_skipped(self, handle: ActivityHandle[Any]) -> Any:
+    async def _unless_skipped(self, handle: ActivityHandle[T]) -> T | None:
         """Await ``handle``; a skip cancels it (TRY_CANCEL: no further retries) and yields None."""
         await workflow.wait_condition(lambda: handle.done() or self._skip is not None)
         if handle.done():
@@ -303,15 +302,17 @@ class OutboxShard:
             f"**Rows handled** {self._rows_handled} in {self._groups_handled} groups",
         ]
         if self._head is not None:
-            lines.append(f"**Head group** {self._head.summary}, ids {self._head.first_id}–{self._head.last_id}")
+            head = self._head
+            lines.append(f"**Head group** {head.summary}, ids {head.first_id}–{head.last_id}")
         if self._last_error is not None:
-            lines.append(f"**Attempts** {self._attempts}+, last error `{self._last_error.error_type}`")
+            lines.append(
+                f"**Attempts** {self._attempts}+, last error `{self._last_error.error_type}`"
+            )
         if self._blocked_since is not None:
             lines.append(f"**Blocked since** {self._blocked_since.isoformat()}")
         if self._deferred_until is not None:
             lines.append(f"**Deferred until** {self._deferred_until.isoformat()}")
         if self._skip is not None:
-            lines.append(
-                f"**Skipped** by {self._skip.by or 'an operator'} at {self._skip.at}: {self._skip.reason}"
-            )
+            skip = self._skip
+            lines.append(f"**Skipped** by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
         workflow.set_current_details("\n\n".join(lines))

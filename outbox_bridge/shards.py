@@ -1,0 +1,46 @@
+"""Naming shards and reading their status from Temporal."""
+
+from __future__ import annotations
+
+from temporalio.client import Client
+
+from outbox_bridge.errors import ShardNameError
+from outbox_bridge.registry import OutboxApp
+from workflows.models import HandlerFailure, ShardRef, ShardStatus
+
+
+def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
+    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`."""
+    parts = name.split(":")
+    spec = app.table_spec(table)
+    expected = 3 if spec.regional else 2
+    if len(parts) != expected or not all(parts):
+        form = "REGION:SCOPE:ID" if spec.regional else "SCOPE:ID"
+        raise ShardNameError(f"shard {name!r} is not {form} (table {spec.name})")
+    region = parts[0] if spec.regional else None
+    scope_text, ident_text = parts[-2:]
+    scope = app.scope_by_name(scope_text)
+    try:
+        ident = int(ident_text)
+    except ValueError:
+        raise ShardNameError(f"shard identifier {ident_text!r} of {name!r} is not an integer") from None
+    return ShardRef(spec.name, int(scope), scope.name, ident, region)
+
+
+async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
+    """The workflow's ``status`` query, completed with what only the server knows: the attempt
+    count and last failure of a category activity that is being retried (neither adds history,
+    so the workflow itself sees only the first failure)."""
+    handle = client.get_workflow_handle(shard.workflow_id)
+    status = await handle.query("status", result_type=ShardStatus)
+    description = await handle.describe()
+    for pending in description.raw_description.pending_activities:
+        if status.head is None or pending.activity_type.name != status.head.category_name:
+            continue
+        # Attempt n is pending once n - 1 attempts failed; the drain's failure is the first.
+        status.attempts = max(status.attempts, pending.attempt)
+        if pending.HasField("last_failure"):
+            failure = pending.last_failure
+            error_type = failure.application_failure_info.type or "Error"
+            status.last_error = HandlerFailure(error_type, failure.message)
+    return status

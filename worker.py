@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import quote
 
 import click
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -31,6 +32,7 @@ from outbox_bridge.drain import ShardDrainer
 from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal
 from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flags import build_settings, settings_options
+from outbox_bridge.hub import ShardHub
 from outbox_bridge.registry import OutboxApp, load_app
 from outbox_bridge.schema import create_outbox_tables
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
@@ -68,7 +70,9 @@ def build_worker(client: Client, settings: OutboxSettings, drainer: ShardDrainer
         workflows=[OutboxShard],
         activities=OutboxActivities(drainer).all(),
         max_concurrent_activities=settings.max_concurrent_activities,
-        max_concurrent_local_activities=settings.max_concurrent_activities,
+        # Lingering drains mostly wait; leave room for them beside the busy ones.
+        max_concurrent_local_activities=settings.max_concurrent_activities
+        + settings.linger_max_shards,
         graceful_shutdown_timeout=timedelta(seconds=10),
     )
 
@@ -85,12 +89,24 @@ async def serve(
     """Create missing tables, then run the bridge and the worker until ``stop`` is set."""
     app.check_handlers()
     engine = build_engine(database_url, settings)
+    hub = ShardHub()
     drainer = ShardDrainer(
-        engine, app, redact_errors=settings.redact_errors, handler_threads=settings.handler_threads
+        engine,
+        app,
+        redact_errors=settings.redact_errors,
+        handler_threads=settings.handler_threads,
+        hub=hub,
+        max_lingering=settings.linger_max_shards,
     )
     try:
-        async with engine.begin() as conn:
-            await create_outbox_tables(conn, app.metadata)
+        try:
+            async with engine.begin() as conn:
+                await create_outbox_tables(conn, app.metadata)
+        except OperationalError as exc:
+            raise ConfigurationError(
+                f"cannot reach PostgreSQL at {safe_url(sqlalchemy_url(database_url))}: "
+                f"{str(exc.orig).strip()}"
+            ) from None
         client = await connect(settings, temporal_address, interceptors=[tracing_interceptor()])
         await ensure_search_attributes(client)
         worker = build_worker(client, settings, drainer)
@@ -107,6 +123,7 @@ async def serve(
                 listen=settings.listen,
                 regions=settings.regions,
             ),
+            hub=hub,
         )
         tasks = [
             asyncio.create_task(worker.run(), name="worker"),
@@ -114,12 +131,12 @@ async def serve(
         ]
         if settings.demo:
             tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
-        await bridge.ready.wait()
-        if ready is not None:
-            ready.set()
+        announcer = asyncio.create_task(_announce(bridge.ready, ready))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        announcer.cancel()
         stop.set()
+        hub.close()
         await worker.shutdown()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -127,6 +144,12 @@ async def serve(
     finally:
         drainer.close()
         await engine.dispose()
+
+
+async def _announce(bridge_ready: asyncio.Event, ready: asyncio.Event | None) -> None:
+    await bridge_ready.wait()
+    if ready is not None:
+        ready.set()
 
 
 def print_banner(

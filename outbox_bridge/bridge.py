@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import psycopg
 from sqlalchemy import Table
@@ -29,15 +30,28 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from outbox_bridge.hub import ShardHub
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.schema import SWEEP_NOTIFICATION, notify_channel
 from outbox_bridge.store import ShardRange, read_shard_ranges
 from outbox_bridge.temporal import SCOPE_ATTRIBUTE, SHARD_ATTRIBUTE
-from workflows.models import NotifyInput, ShardInput, ShardOptions, ShardRef, ShardStatus
+from workflows.models import (
+    NotifyInput,
+    ShardCarry,
+    ShardInput,
+    ShardOptions,
+    ShardRef,
+    ShardStatus,
+)
 
 log = logging.getLogger("outbox_bridge.bridge")
+
+# A lingering local activity keeps its workflow task open; the SDK heartbeats that task at 80%
+# of this timeout, which stays under the SDK's 5 s slow-task warning.
+WORKFLOW_TASK_TIMEOUT = timedelta(seconds=5)
 
 ShardKey = tuple[str, str | None, int, int]  # table, region, scope, shard identifier
 
@@ -63,6 +77,7 @@ class Bridge:
         client: Client,
         listen_url: str,
         options: BridgeOptions,
+        hub: ShardHub | None = None,
     ) -> None:
         self._app = app
         self._engine = engine
@@ -76,41 +91,50 @@ class Bridge:
         self._scan_requested: set[str] = set()
         self._wake = asyncio.Event()
         self._semaphore = asyncio.Semaphore(options.signal_concurrency)
+        self._hub = hub
+        self._last_contact: dict[ShardKey, float] = {}
         self.signals_sent = 0
+        self.starts = 0
+        self.handed_to_drains = 0
         self.is_leader = False
         self.ready = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set; reconnects by itself after database outages."""
+        """Run until ``stop`` is set. Database and Temporal outages are waited out: the bridge
+        reconnects, listens again and sweeps, so nothing committed meanwhile is missed."""
         delay = 1.0
         while not stop.is_set():
             try:
                 await self._run_connected(stop)
                 delay = 1.0
             except (psycopg.Error, SQLAlchemyError, OSError) as exc:
-                self.is_leader = False
                 log.warning(
                     "bridge lost the database (%s); reconnecting in %.0fs",
                     type(exc).__name__,
                     delay,
                 )
-                await _wait(stop, delay)
-                delay = min(delay * 2, 30.0)
+            except Exception:
+                log.exception("bridge failed; restarting in %.0fs", delay)
+            else:
+                continue
+            self.is_leader = False
+            await _wait(stop, delay)
+            delay = min(delay * 2, 30.0)
 
     async def _run_connected(self, stop: asyncio.Event) -> None:
-        conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
-        async with conn:
-            if not await self._lead(conn, stop):
-                return
+        # Every worker listens (its lingering drains want the news); only the leader signals.
+        listen_conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
+        lock_conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
+        async with listen_conn, lock_conn:
             listener = None
             if self._options.listen:
                 for table in self._tables():
-                    await conn.execute(f'LISTEN "{notify_channel(table.name)}"')
-                listener = asyncio.create_task(self._listen(conn))
+                    await listen_conn.execute(f'LISTEN "{notify_channel(table.name)}"')
+                listener = asyncio.create_task(self._listen(listen_conn))
             try:
-                await self._loop(stop, listener)
+                await self._loop(stop, listener, lock_conn)
             finally:
                 self.is_leader = False
                 if listener is not None:
@@ -118,23 +142,20 @@ class Bridge:
                     with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
                         await listener
 
-    async def _lead(
-        self, conn: psycopg.AsyncConnection[tuple[object, ...]], stop: asyncio.Event
-    ) -> bool:
-        key = "outbox-bridge:bridge:" + ",".join(sorted(t.name for t in self._tables()))
-        announced = False
-        while not stop.is_set():
-            cur = await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", [key])
-            row = await cur.fetchone()
-            if row and row[0]:
-                self.is_leader = True
-                log.info("bridge active for tables %s", ", ".join(t.name for t in self._tables()))
-                return True
-            if not announced:
-                log.info("another bridge is active for these tables; standing by")
-                announced = True
-            self.ready.set()
-            await _wait(stop, self._options.standby_retry)
+    async def _try_lead(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> bool:
+        # Bridges of other regions on the same tables must not stand by for this one.
+        regions = ",".join(sorted(self._options.regions)) if self._options.regions else "*"
+        tables = ",".join(sorted(t.name for t in self._tables()))
+        key = f"outbox-bridge:bridge:{tables}:{regions}"
+        cur = await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", [key])
+        row = await cur.fetchone()
+        tables = tables.replace(",", ", ")
+        if row and row[0]:
+            self.is_leader = True
+            log.info("bridge active for tables %s", tables)
+            return True
+        if not self.ready.is_set():
+            log.info("another bridge is active for tables %s; standing by", tables)
         return False
 
     async def _listen(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
@@ -145,18 +166,32 @@ class Bridge:
                 self._take_notification(table, notification.payload)
                 self._wake.set()
 
-    async def _loop(self, stop: asyncio.Event, listener: asyncio.Task[None] | None) -> None:
-        await self._sweep()
-        self.ready.set()
-        next_sweep = time.monotonic() + self._options.sweep_interval
-        next_scan = time.monotonic() + self._options.poll_interval
+    async def _loop(
+        self,
+        stop: asyncio.Event,
+        listener: asyncio.Task[None] | None,
+        lock_conn: psycopg.AsyncConnection[tuple[object, ...]],
+    ) -> None:
+        next_sweep = next_scan = next_lead = 0.0
         while not stop.is_set():
-            timeout = max(0.0, min(next_sweep, next_scan) - time.monotonic())
-            await _wait_any(stop, self._wake, timeout)
+            now = time.monotonic()
+            if not self.is_leader and now >= next_lead:
+                if await self._try_lead(lock_conn):
+                    await self._sweep()
+                    now = time.monotonic()
+                    next_sweep = now + self._options.sweep_interval
+                    next_scan = now + self._options.poll_interval
+                next_lead = now + self._options.standby_retry
+                self.ready.set()
+            deadline = min(next_sweep, next_scan) if self.is_leader else next_lead
+            await _wait_any(stop, self._wake, max(0.0, deadline - time.monotonic()))
             self._wake.clear()
             if listener is not None and listener.done():
                 listener.result()  # re-raises the connection error: reconnect
                 raise psycopg.OperationalError("the LISTEN connection closed")
+            if not self.is_leader:
+                self._hand_to_lingering_drains()
+                continue
             await self._flush_notifications()
             now = time.monotonic()
             if now >= next_sweep:
@@ -193,6 +228,14 @@ class Bridge:
             log.warning("unreadable notification on %s; sweeping instead", table)
             self._scan_requested.add(table)
 
+    def _hand_to_lingering_drains(self) -> None:
+        """Standby: wake this process's lingering drains; the leader signals the rest."""
+        pending, self._pending = self._pending, {}
+        self._scan_requested.clear()
+        if self._hub is not None:
+            for key in pending:
+                self._hub.offer(key)
+
     async def _flush_notifications(self) -> None:
         pending, self._pending = self._pending, {}
         await self._signal_all(
@@ -228,6 +271,7 @@ class Bridge:
             for key in [k for k in self._last_min if k[0] == table.name and k not in present]:
                 self._last_min.pop(key, None)
                 self._known.pop(key, None)
+                self._last_contact.pop(key, None)
             await asyncio.gather(*(self._check_stalled(key) for key in stalled))
 
     async def _ranges(self, table: Table, *, after_id: int | None) -> list[ShardRange]:
@@ -268,7 +312,8 @@ class Bridge:
                     return
                 reason = "it has no workflow"
         log.info("shard %s has pending rows but %s; signalling it", shard.key, reason)
-        await self._signal(key, self._known.get(key, 0), late=True)
+        self._last_contact.pop(key, None)
+        await self._signal(key, self._known.get(key, 0), late=True, via_hub=False)
 
     # -- signalling ----------------------------------------------------------------------------
 
@@ -285,30 +330,80 @@ class Bridge:
             region=region,
         )
 
-    async def _signal(self, key: ShardKey, max_id: int, late: bool) -> None:
+    async def _signal(
+        self, key: ShardKey, max_id: int, late: bool, *, via_hub: bool = True
+    ) -> None:
+        if via_hub and self._hub is not None and self._hub.offer(key):
+            # A drain of this shard lingers in this process and takes the rows itself.
+            self.handed_to_drains += 1
+            self._known[key] = max(self._known.get(key, 0), max_id)
+            self._last_contact[key] = time.monotonic()
+            return
         shard = self.shard_ref(key)
         async with self._semaphore:
-            try:
-                await self._client.start_workflow(
-                    "OutboxShard",
-                    ShardInput(shard=shard, options=self._options.shard_options),
-                    id=shard.workflow_id,
-                    task_queue=self._options.task_queue,
-                    start_signal="notify",
-                    start_signal_args=[NotifyInput(max_id=max_id, late=late)],
-                    search_attributes=TypedSearchAttributes(
-                        [
-                            SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
-                            SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
-                        ]
-                    ),
-                )
-            except RPCError as exc:
-                # Not remembered as known: the next scan or sweep signals it again.
-                log.warning("signal-with-start failed for shard %s: %s", shard.key, exc.message)
+            if self._may_be_closed(key) and await self._start(shard, max_id):
+                self.starts += 1
+            elif not await self._signal_with_start(shard, max_id, late):
                 return
         self.signals_sent += 1
         self._known[key] = max(self._known.get(key, 0), max_id)
+        self._last_contact[key] = time.monotonic()
+
+    def _may_be_closed(self, key: ShardKey) -> bool:
+        """No contact with this shard's workflow for an idle period: it has likely completed."""
+        last = self._last_contact.get(key)
+        idle = self._options.shard_options.idle_timeout_seconds
+        return last is None or time.monotonic() - last > idle / 2
+
+    def _search_attributes(self, shard: ShardRef) -> TypedSearchAttributes:
+        return TypedSearchAttributes(
+            [
+                SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
+                SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
+            ]
+        )
+
+    async def _start(self, shard: ShardRef, max_id: int) -> bool:
+        """Start the shard's workflow, eagerly: its first task (which drains) runs in this
+        worker without a round trip through matching. False if it is already running."""
+        try:
+            await self._client.start_workflow(
+                "OutboxShard",
+                ShardInput(
+                    shard=shard,
+                    options=self._options.shard_options,
+                    carry=ShardCarry(max_known_id=max_id),
+                ),
+                id=shard.workflow_id,
+                task_queue=self._options.task_queue,
+                search_attributes=self._search_attributes(shard),
+                task_timeout=WORKFLOW_TASK_TIMEOUT,
+                request_eager_start=True,
+            )
+        except WorkflowAlreadyStartedError:
+            return False
+        except RPCError as exc:
+            log.warning("start failed for shard %s: %s", shard.key, exc.message)
+            return False
+        return True
+
+    async def _signal_with_start(self, shard: ShardRef, max_id: int, late: bool) -> bool:
+        try:
+            await self._client.start_workflow(
+                "OutboxShard",
+                ShardInput(shard=shard, options=self._options.shard_options),
+                id=shard.workflow_id,
+                task_queue=self._options.task_queue,
+                start_signal="notify",
+                start_signal_args=[NotifyInput(max_id=max_id, late=late)],
+                search_attributes=self._search_attributes(shard),
+                task_timeout=WORKFLOW_TASK_TIMEOUT,
+            )
+        except RPCError as exc:
+            # Not remembered as known: the next scan or sweep signals it again.
+            log.warning("signal-with-start failed for shard %s: %s", shard.key, exc.message)
+            return False
+        return True
 
     # -- helpers -------------------------------------------------------------------------------
 

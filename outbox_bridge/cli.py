@@ -7,11 +7,12 @@ import sys
 from typing import Any
 
 import click
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.embedded import EmbeddedPostgres
-from outbox_bridge.errors import OutboxError
+from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.registry import OutboxApp, load_app
 from outbox_bridge.schema import create_outbox_tables
@@ -26,6 +27,8 @@ def main() -> None:
 
 
 def _app(settings: OutboxSettings) -> OutboxApp:
+    if settings.demo and settings.app:
+        raise ConfigurationError("--demo uses the demo app; do not also give --app")
     if settings.demo:
         from outbox_bridge import demo
 
@@ -48,6 +51,12 @@ async def _init_db(settings: OutboxSettings) -> list[str]:
     try:
         async with engine.begin() as conn:
             await create_outbox_tables(conn, app.metadata)
+    except DBAPIError as exc:
+        # The driver's message names host and port, never the password; the URL is masked.
+        raise ConfigurationError(
+            f"cannot create the outbox tables in {safe_url(sqlalchemy_url(url))}: "
+            f"{str(exc.orig).strip()}"
+        ) from None
     finally:
         await engine.dispose()
         if postgres is not None:

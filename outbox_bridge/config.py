@@ -8,13 +8,12 @@ environment; the settings object is passed down explicitly.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import URL, make_url
-from typing_extensions import Annotated
 
 from outbox_bridge.errors import ConfigurationError
 from workflows.models import ShardOptions
@@ -98,10 +97,21 @@ class OutboxSettings(BaseSettings):
         3600.0, gt=0, description="Cap of the exponential retry delay (seconds)."
     )
     drain_max_groups: int = Field(
-        100, ge=1, le=10_000, description="Coalescing groups handled per drain call at most."
+        1000, ge=1, le=10_000, description="Coalescing groups handled per drain call at most."
     )
     drain_time_budget: float = Field(
         2.0, gt=0, description="Seconds after which a drain call stops taking new groups."
+    )
+    linger: float = Field(
+        3.0,
+        ge=0,
+        lt=7.0,
+        description="Seconds a drain that emptied its shard waits for new rows before "
+        "returning (steady traffic then costs no workflow task per row); 0 disables. Below "
+        "7 s, so that the workflow task needs no heartbeat.",
+    )
+    linger_max_shards: int = Field(
+        100, ge=0, description="Drains that may linger at once in one worker."
     )
     max_history_events: int = Field(
         10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
@@ -157,6 +167,7 @@ class OutboxSettings(BaseSettings):
             drain_max_groups=self.drain_max_groups,
             drain_time_budget_seconds=self.drain_time_budget,
             max_history_events=self.max_history_events,
+            linger_seconds=self.linger,
         )
 
 
@@ -190,5 +201,12 @@ def libpq_url(url: URL) -> str:
 
 
 def safe_url(url: URL) -> str:
-    """The URL with its password masked, for logs and status output."""
-    return url.render_as_string(hide_password=True)
+    """The URL with its password masked, for logs and status output.
+
+    libpq also takes the password as a query parameter (``?password=...``): masked too.
+    """
+    hidden = {k: "***" for k in url.query if k.lower() == "password"}
+    if hidden:
+        url = url.update_query_dict(hidden)
+    rendered = url.render_as_string(hide_password=True)
+    return rendered.replace("=%2A%2A%2A", "=***") if hidden else rendered

@@ -21,6 +21,7 @@ from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.errors import CategoryScopeError, ShardLockedError, UnknownCategoryError
+from outbox_bridge.hub import ShardHub
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.store import (
     GroupRows,
@@ -62,7 +63,11 @@ class ShardDrainer:
         *,
         redact_errors: bool = False,
         handler_threads: int = 16,
+        hub: ShardHub | None = None,
+        max_lingering: int = 100,
     ) -> None:
+        self._hub = hub
+        self._max_lingering = max_lingering
         self._engine = engine
         self._app = app
         self._redact = redact_errors
@@ -105,14 +110,49 @@ class ShardDrainer:
 
     async def drain(self, request: DrainInput) -> DrainResult:
         """Handle head groups in order until the shard is empty, a handler fails, the head is
-        deferred, or the batch limits are reached. Stops at the first failure."""
+        deferred, or the batch limits are reached; stops at the first failure.
+
+        With ``linger_seconds``, a drain that emptied its shard then waits that long for news of
+        new rows from the bridge (:class:`ShardHub`), handling them as they come, without
+        holding the shard lock or a connection while it waits.
+        """
+        result = DrainResult()
+        await self._drain_batch(request, result)
+        if self._hub is None or request.linger_seconds <= 0:
+            return result
+        if self._hub.closed or len(self._hub) >= self._max_lingering:
+            return result  # lingering drains hold activity slots: keep them for the busy
+        deadline = time.monotonic() + request.linger_seconds
+        key = request.shard.hub_key
+        while _emptied(result):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            event = self._hub.arrive(key)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+            self._hub.leave(key, event)
+            if not event.is_set():
+                break  # nothing was handed to us: the bridge signals what comes next
+            before = result.rows_handled
+            try:
+                await self._drain_batch(request, result)
+            except ShardLockedError:
+                result.more = True  # another execution holds the shard: let the workflow see
+                break
+            result.lingered_rows += result.rows_handled - before
+            if self._hub.closed:
+                break
+        return result
+
+    async def _drain_batch(self, request: DrainInput, result: DrainResult) -> None:
         shard = request.shard
         table = self._app.table(shard.table)
         deadline = time.monotonic() + request.time_budget_seconds
-        result = DrainResult()
+        result.more = False
         async with self._locked(shard) as conn:
             info = await read_shard_head_info(conn, table, shard)
-            result.highest_seen_id = info.highest_id or 0
+            result.highest_seen_id = max(result.highest_seen_id, info.highest_id or 0)
             groups = await read_head_groups(
                 conn, table, shard, barrier_id=info.barrier_id, limit=request.max_groups
             )
@@ -138,10 +178,10 @@ class ShardDrainer:
                 else:
                     result.more = len(groups) == request.max_groups
             finally:
-                result.rows_handled = await delete_rows(conn, table, done)
+                result.rows_handled += await delete_rows(conn, table, done)
+        result.deferred_until = None
         if not result.more and result.failed is None and info.deferred_until is not None:
             result.deferred_until = info.deferred_until.isoformat()
-        return result
 
     async def handle_head(
         self, request: HandleHeadInput, *, heartbeat: Callable[[], None] | None = None
@@ -257,3 +297,7 @@ class ShardDrainer:
             with contextlib.suppress(BaseException):
                 await future
             raise
+
+
+def _emptied(result: DrainResult) -> bool:
+    return not result.more and result.failed is None and result.deferred_until is None

@@ -18,13 +18,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _click_type(annotation: Any) -> Any:
+    if typing.get_origin(annotation) is typing.Literal:
+        return click.Choice([str(v) for v in typing.get_args(annotation)])
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _click_type(typing.get_args(annotation)[0])
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if args else annotation
-    if typing.get_origin(base) is typing.Literal:
-        return click.Choice([str(v) for v in typing.get_args(base)])
-    if typing.get_origin(base) is typing.Annotated:
-        return _click_type(typing.get_args(base)[0])
-    return {int: int, float: float, Path: click.Path(path_type=Path), SecretStr: str}.get(base, str)
+    if args and typing.get_origin(annotation) is not list:
+        return _click_type(args[0])
+    return {int: int, float: float, Path: click.Path(path_type=Path), SecretStr: str}.get(
+        annotation, str
+    )
 
 
 def settings_options(fn: F) -> F:
@@ -33,7 +36,8 @@ def settings_options(fn: F) -> F:
         flag = "--" + name.replace("_", "-")
         env = env_name(name, field)
         default = field.default
-        shown = "" if default in (None, False) or name == "database_url" else f" [default: {default}]"
+        hidden = default is None or default is False or name == "database_url"
+        shown = "" if hidden else f" [default: {default}]"
         help_text = f"{field.description}{shown} [env: {env}]"
         if field.annotation is bool:
             option = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
@@ -46,7 +50,8 @@ def settings_options(fn: F) -> F:
 
 def build_settings(overrides: Mapping[str, Any]) -> OutboxSettings:
     """Settings from the environment, with the flags that were given taking precedence."""
-    given = {k: v for k, v in overrides.items() if v is not None and k in OutboxSettings.model_fields}
+    fields = OutboxSettings.model_fields
+    given = {k: v for k, v in overrides.items() if v is not None and k in fields}
     try:
         return OutboxSettings(**given)
     except ValidationError as exc:

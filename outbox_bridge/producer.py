@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 
 BIGINT_MIN = -(2**63)
 BIGINT_MAX = 2**63 - 1
+
+# A \u0000 escape in JSON text (preceded by an even number of backslashes, i.e. not itself an
+# escaped backslash followed by "u0000"): PostgreSQL's jsonb cannot store it.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,30 @@ def _identifier(name: str, value: object) -> int:
 
 
 def _json_safe(payload: Any) -> Any:
+    """``payload`` as a JSON value PostgreSQL's jsonb accepts, or :class:`InvalidRowError`.
+
+    Everything that jsonb would refuse is refused here, before the INSERT: a database error
+    would abort the caller's transaction, model change included.
+    """
     if isinstance(payload, BaseModel):
-        return payload.model_dump(mode="json")
+        try:
+            payload = payload.model_dump(mode="json")
+        except ValueError as exc:  # pydantic's serialisation errors
+            raise InvalidRowError(f"payload model cannot be dumped to JSON ({exc})") from None
     try:
-        json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        dumped = json.dumps(payload, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRowError(
             f"payload is not JSON-serialisable ({exc}); pass JSON values or a pydantic model"
+        ) from None
+    if _JSON_NUL.search(dumped):
+        raise InvalidRowError("payload contains a NUL character (\\u0000), which PostgreSQL "
+                              "cannot store in JSON")
+    try:
+        dumped.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRowError(
+            "payload contains a lone surrogate (invalid Unicode), which PostgreSQL cannot store"
         ) from None
     return payload
 
@@ -67,11 +89,16 @@ def _when(value: datetime | timedelta | None) -> datetime | None:
     if isinstance(value, timedelta):
         if not math.isfinite(value.total_seconds()):
             raise InvalidRowError("scheduled_for delay must be finite")
-        return datetime.now(timezone.utc) + value
+        try:
+            return datetime.now(UTC) + value
+        except OverflowError:
+            raise InvalidRowError(f"scheduled_for delay {value} is out of range") from None
     if not isinstance(value, datetime):
         raise InvalidRowError("scheduled_for must be a datetime or a timedelta")
     if value.tzinfo is None:
-        raise InvalidRowError("scheduled_for must be timezone-aware (naive datetimes are ambiguous)")
+        raise InvalidRowError(
+            "scheduled_for must be timezone-aware (naive datetimes are ambiguous)"
+        )
     return value
 
 
@@ -84,7 +111,7 @@ def build_insert(app: OutboxApp, spec: RowSpec) -> Insert:
         raise InvalidRowError(f"category {spec.category!r} is not registered in any scope")
     scope = app.scope_of(category)
     assert scope is not None
-    if spec.shard_scope is not None and int(spec.shard_scope) != int(scope):
+    if spec.shard_scope is not None and _identifier("shard_scope", spec.shard_scope) != int(scope):
         given = app.scope_name(int(spec.shard_scope))
         raise InvalidRowError(
             f"category {category.name} belongs to scope {scope.name}, not {given}"
@@ -99,6 +126,8 @@ def build_insert(app: OutboxApp, spec: RowSpec) -> Insert:
     if regional:
         if not isinstance(spec.region, str) or not spec.region:
             raise InvalidRowError(f"table {table.name} is regional: every row needs a region")
+        if "\x00" in spec.region:
+            raise InvalidRowError("region must not contain a NUL character")
         values["region"] = spec.region
     elif spec.region is not None:
         raise InvalidRowError(f"table {table.name} is not regional: region must be None")

@@ -19,7 +19,21 @@ from sqlalchemy import MetaData, Table
 from outbox_bridge.errors import MissingHandlerError, RegistryError
 from outbox_bridge.producer import RowSpec, build_insert
 
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,47}$")
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,47}")
+
+# Words PostgreSQL reserves for table names (pg_get_keywords() catcode R or T, PostgreSQL 18):
+# the NOTIFY trigger DDL names the table unquoted, so such a name would fail at create time.
+_RESERVED_WORDS = frozenset(
+    """all analyse analyze and any array as asc asymmetric authorization binary both case cast
+    check collate collation column concurrently constraint create cross current_catalog
+    current_date current_role current_schema current_time current_timestamp current_user default
+    deferrable desc distinct do else end except false fetch for foreign freeze from full grant
+    group having ilike in initially inner intersect into is isnull join lateral leading left like
+    limit localtime localtimestamp natural not notnull null offset on only or order outer
+    overlaps placing primary references returning right select session_user similar some
+    symmetric system_user table tablesample then to trailing true union unique user using
+    variadic verbose when where window with""".split()
+)
 
 @dataclass(frozen=True)
 class OutboxMessage:
@@ -57,11 +71,17 @@ class OutboxTable:
     regional: bool = False
 
     def __post_init__(self) -> None:
-        if not _IDENTIFIER.match(self.name):
+        # fullmatch: with match() and "$", a trailing newline would pass.
+        if not isinstance(self.name, str) or not _IDENTIFIER.fullmatch(self.name):
             raise RegistryError(
                 f"table name {self.name!r} is not a plain lower-case SQL identifier "
                 "(letters, digits and underscores, at most 48 characters, not starting with a "
                 "digit)"
+            )
+        if self.name in _RESERVED_WORDS:
+            raise RegistryError(
+                f"table name {self.name!r} is a reserved word in PostgreSQL; choose another "
+                "name (e.g. outbox)"
             )
 
 
@@ -112,10 +132,19 @@ class OutboxApp:
         self._scopes[int(scope)] = scope
         for category in members:
             if not isinstance(category, IntEnum):
-                raise RegistryError(f"category {category!r} of {scope.name} must be an IntEnum member")
+                raise RegistryError(
+                    f"category {category!r} of {scope.name} must be an IntEnum member"
+                )
             owner = self._scope_of.get(int(category))
             if owner is not None:
                 known = self._categories[int(category)]
+                if owner is scope and known is category:
+                    continue  # listed twice in the same scope: harmless
+                if owner is scope:
+                    raise RegistryError(
+                        f"categories {known.name} and {category.name} of scope {scope.name} "
+                        f"share the value {int(category)}; category values must be unique"
+                    )
                 raise RegistryError(
                     f"category {category.name} (value {int(category)}) is in two scopes: "
                     f"{owner.name} and {scope.name}"
@@ -162,11 +191,17 @@ class OutboxApp:
         return category.name if category is not None else f"UNKNOWN_CATEGORY_{int(value)}"
 
     def scope_by_name(self, name: str) -> IntEnum:
+        """The scope called ``name`` (case-insensitive), or whose value is ``name``."""
+        wanted = name.strip().upper()
         for scope in self._scopes.values():
-            if scope.name == name.upper():
+            if scope.name.upper() == wanted:
                 return scope
-        if name.lstrip("-").isdigit() and int(name) in self._scopes:
-            return self._scopes[int(name)]
+        try:
+            value = int(name)
+        except ValueError:
+            value = None
+        if value is not None and value in self._scopes:
+            return self._scopes[value]
         known = ", ".join(s.name for s in self._scopes.values())
         raise RegistryError(f"unknown scope {name!r}; known scopes: {known}")
 
@@ -197,7 +232,17 @@ class OutboxApp:
             raise RegistryError("app.handler() needs at least one category")
 
         def register(fn: Handler) -> Handler:
+            if not callable(fn):
+                raise RegistryError(f"a handler must be callable, got {fn!r}")
+            # Check every category before registering any, so that a refused registration
+            # leaves the app unchanged.
+            seen: set[int] = set()
             for category in categories:
+                if isinstance(category, bool) or not isinstance(category, int):
+                    raise RegistryError(f"category {category!r} must be an IntEnum member")
+                if int(category) in seen:
+                    raise RegistryError(f"{_enum_name(category)} is given twice")
+                seen.add(int(category))
                 if int(category) not in self._categories:
                     raise RegistryError(
                         f"cannot register a handler for {_enum_name(category)}: it is in no scope"
@@ -208,6 +253,7 @@ class OutboxApp:
                         f"{_enum_name(category)} already has a handler "
                         f"({getattr(other, '__qualname__', other)!s})"
                     )
+            for category in categories:
                 self._handlers[int(category)] = fn
             return fn
 
@@ -228,8 +274,9 @@ class OutboxApp:
 
     @staticmethod
     def is_async_handler(fn: Handler) -> bool:
+        # A callable object with an ``async def __call__`` is async too.
         return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)
+            getattr(fn, "__call__", None)  # noqa: B004
         )
 
     # -- producing -------------------------------------------------------------------------
@@ -260,7 +307,13 @@ class OutboxApp:
             RowSpec(category, shard_identifier, object_identifier, payload, shard_scope, region,
                     scheduled_for, table),
         )
-        return int(session.execute(statement).scalar_one())
+        result = session.execute(statement)
+        if inspect.isawaitable(result):  # an AsyncSession / AsyncConnection: nothing ran
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+            raise TypeError("app.write() got an async session; use await app.write_async()")
+        return int(result.scalar_one())
 
     async def write_async(
         self,
@@ -290,7 +343,7 @@ def load_app(spec: str) -> OutboxApp:
     import importlib
 
     module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
+    if not module_name or not attribute or module_name.startswith("."):
         raise RegistryError(f"--app must look like module:attribute, got {spec!r}")
     try:
         module = importlib.import_module(module_name)

@@ -23,7 +23,9 @@ def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> Shard
     try:
         ident = int(ident_text)
     except ValueError:
-        raise ShardNameError(f"shard identifier {ident_text!r} of {name!r} is not an integer") from None
+        raise ShardNameError(
+            f"shard identifier {ident_text!r} of {name!r} is not an integer"
+        ) from None
     return ShardRef(spec.name, int(scope), scope.name, ident, region)
 
 
@@ -32,7 +34,7 @@ async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
     count and last failure of a category activity that is being retried (neither adds history,
     so the workflow itself sees only the first failure)."""
     handle = client.get_workflow_handle(shard.workflow_id)
-    status = await handle.query("status", result_type=ShardStatus)
+    status: ShardStatus = await handle.query("status", result_type=ShardStatus)
     description = await handle.describe()
     for pending in description.raw_description.pending_activities:
         if status.head is None or pending.activity_type.name != status.head.category_name:

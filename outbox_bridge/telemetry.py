@@ -41,7 +41,12 @@ def build_tracer_provider(exporter: str) -> TracerProvider | None:
     """
     if exporter == "none":
         return None
-    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "outbox-bridge")})
+    # Resource.create() reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; ours is only the
+    # default when neither names the service.
+    named = "OTEL_SERVICE_NAME" in os.environ or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    )
+    resource = Resource.create({} if named else {SERVICE_NAME: "outbox-bridge"})
     provider = TracerProvider(resource=resource)
     if exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))

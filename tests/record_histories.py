@@ -116,13 +116,21 @@ async def scenario_continue_as_new(app, recorder, client, engine, settings) -> N
         await wait_until(lambda: table_empty(engine, app))
 
 
+async def scenario_lingering(app, recorder, client, engine, settings) -> None:
+    for i in range(12):
+        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
+        await wait_until(lambda: table_empty(engine, app))
+        await asyncio.sleep(0.3)
+
+
 Scenario = Callable[..., Awaitable[None]]
 SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
     "drain": (scenario_drain, {}),
     "failing_then_succeeding": (scenario_failing_then_succeeding, {}),
     "skip_resume": (scenario_skip_resume, {}),
     "deferred": (scenario_deferred, {}),
-    "continue_as_new": (scenario_continue_as_new, {"max_history_events": 100}),
+    "continue_as_new": (scenario_continue_as_new, {"max_history_events": 100, "linger": 0}),
+    "lingering": (scenario_lingering, {}),
 }
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import itertools
 import json
+import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
@@ -13,8 +14,11 @@ from sqlalchemy import func, select, text
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from outbox_bridge import MissingHandlerError, OutboxMessage
+from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
+from outbox_bridge.embedded import temporal_cli as temporal_binary
+from outbox_bridge.shards import parse_shard, shard_status
 from tests.harness import (
+    SCOPES,
     Category,
     Recorder,
     Scope,
@@ -29,8 +33,6 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from outbox_bridge.embedded import temporal_cli as temporal_binary
-from outbox_bridge.shards import parse_shard, shard_status
 from workflows.models import ShardStatus, SkipInput
 
 
@@ -55,8 +57,14 @@ async def shard_rows(engine, app, shard: int) -> int:
 
 async def temporal_cli(servers, command: str, *args: str) -> str:
     process = await asyncio.create_subprocess_exec(
-        temporal_binary(), "workflow", command, "--address", servers.temporal_address, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        temporal_binary(),
+        "workflow",
+        command,
+        "--address",
+        servers.temporal_address,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await process.communicate()
     assert process.returncode == 0, err.decode()
@@ -278,8 +286,16 @@ async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, 
         await wait_until(lambda: gate.failures >= 2, what="a blocked head")
         await handle.signal("skip", SkipInput(reason=""))  # no reason: ignored
         # Operators use the temporal CLI, with plain JSON input.
-        await temporal_cli(servers, "signal", "--workflow-id", handle.id, "--name", "skip",
-                           "--input", '{"reason": "deploying a fix", "by": "ops"}')
+        await temporal_cli(
+            servers,
+            "signal",
+            "--workflow-id",
+            handle.id,
+            "--name",
+            "skip",
+            "--input",
+            '{"reason": "deploying a fix", "by": "ops"}',
+        )
 
         async def skipped() -> bool:
             return (await status_of(client, handle.id)).state == "skipped"
@@ -293,8 +309,11 @@ async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, 
         failures = gate.failures
         await asyncio.sleep(2.5)  # several retry intervals: a skipped shard must not retry
         assert gate.failures == failures
-        status = json.loads(await temporal_cli(servers, "query", "--workflow-id", handle.id,
-                                               "--type", "status", "--output", "json"))
+        status = json.loads(
+            await temporal_cli(
+                servers, "query", "--workflow-id", handle.id, "--type", "status", "--output", "json"
+            )
+        )
         assert status["queryResult"][0]["state"] == "skipped"
         assert status["queryResult"][0]["skip"]["reason"] == "deploying a fix"
         assert await count_rows(engine, app) == 2
@@ -402,6 +421,41 @@ async def test_regional_table_is_drained_per_region(servers, engine, client) -> 
     assert regions == ["eu"]
 
 
+async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, client) -> None:
+    recorder = Recorder()
+    plain, regional = unique_table(), unique_table()
+    app = OutboxApp(
+        scopes=SCOPES,
+        tables=[OutboxTable(plain), OutboxTable(regional, regional=True)],
+    )
+    app.handler(*Category)(recorder.handle)
+    await create_tables(engine, app)
+    async with running_worker(servers, app):
+        async with engine.begin() as conn:
+            await app.write_async(
+                conn, category=Category.USER_UPDATE, shard_identifier=3, object_identifier=3
+            )
+            for region in ("us", "eu"):
+                await app.write_async(
+                    conn,
+                    category=Category.USER_UPDATE,
+                    shard_identifier=3,
+                    object_identifier=3,
+                    region=region,
+                    table=regional,
+                )
+        await wait_until(lambda: len(recorder.calls) == 3, what="three shards")
+        for table in (plain, regional):
+            await wait_until(lambda t=table: _rows_left(engine, t, 0), what=f"{table} drained")
+    assert sorted(c.shard for c in recorder.calls) == ["2:3", "eu:2:3", "us:2:3"]
+    for wid in (
+        f"outbox:{plain}:USER:3",
+        f"outbox:{regional}:us:USER:3",
+        f"outbox:{regional}:eu:USER:3",
+    ):
+        assert (await client.get_workflow_handle(wid).describe()).id == wid
+
+
 async def _rows_left(engine, table: str, expected: int) -> bool:
     async with engine.connect() as conn:
         return (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == expected
@@ -461,7 +515,9 @@ async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine,
     await create_tables(engine, app)
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 2))
     written = 0
-    async with running_worker(servers, app, fast_settings(max_history_events=100, idle_timeout=10)):
+    async with running_worker(
+        servers, app, fast_settings(max_history_events=100, idle_timeout=10, linger=0)
+    ):
         for i in range(40):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 2, i)])
             written += 1
@@ -496,8 +552,29 @@ async def test_a_timed_out_attempt_never_overlaps_its_retry(servers, engine) -> 
     app.handler(*Category)(slow_once)
     await create_tables(engine, app)
     await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
-    async with running_worker(servers, app, fast_settings(handler_timeout=2.0)):
+    async with running_worker(servers, app, fast_settings(handler_timeout=2.0, linger=0)):
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="the retry")
     assert len(calls) >= 2
-    for (_, first_end), (second_start, _) in zip(calls, calls[1:], strict=False):
+    for (_, first_end), (second_start, _) in itertools.pairwise(calls):
         assert second_start >= first_end
+
+
+async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_row(
+    servers, engine, client
+) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    rows = 20
+    async with running_worker(servers, app, fast_settings(linger=3.0, idle_timeout=5)):
+        for i in range(rows):
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
+            await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
+            await asyncio.sleep(0.1)  # steady, not a burst
+        description = await client.get_workflow_handle(
+            workflow_id(table, Scope.ORGANIZATION, 1)
+        ).describe()
+    assert len(recorder.calls) == rows
+    # One signal, workflow task and local activity per row would be about seven events.
+    assert description.raw_description.workflow_execution_info.history_length <= 2 * rows

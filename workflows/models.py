@@ -29,6 +29,10 @@ class ShardRef:
     def workflow_id(self) -> str:
         return f"outbox:{self.table}:{self.key}"
 
+    @property
+    def hub_key(self) -> tuple[str, str | None, int, int]:
+        return (self.table, self.region, self.scope, self.shard_identifier)
+
 
 @dataclass
 class ShardOptions:
@@ -39,9 +43,10 @@ class ShardOptions:
     heartbeat_timeout_seconds: float = 30.0
     initial_retry_seconds: float = 1.0
     max_retry_interval_seconds: float = 3600.0
-    drain_max_groups: int = 100
+    drain_max_groups: int = 1000
     drain_time_budget_seconds: float = 2.0
     max_history_events: int = 10_000
+    linger_seconds: float = 0.0
 
 
 @dataclass
@@ -121,8 +126,9 @@ class ResumeInput:
 @dataclass
 class DrainInput:
     shard: ShardRef
-    max_groups: int = 100
+    max_groups: int = 1000
     time_budget_seconds: float = 2.0
+    linger_seconds: float = 0.0
 
 
 @dataclass
@@ -136,6 +142,7 @@ class DrainResult:
     deferred_until: str | None = None
     failed: HeadGroup | None = None
     failure: HandlerFailure | None = None
+    lingered_rows: int = 0
 
 
 @dataclass

@@ -142,7 +142,8 @@ class OutboxShard:
             await self._unblock(result.failed, result.failure)
             self._dirty = True
             return
-        if result.more:
+        if result.more or result.lingered_rows:
+            # Rows kept coming while the drain lingered: linger again rather than go idle.
             self._dirty = True
         elif result.deferred_until is not None:
             self._deferred_until = datetime.fromisoformat(result.deferred_until)
@@ -152,9 +153,13 @@ class OutboxShard:
             shard=self._shard,
             max_groups=self._options.drain_max_groups,
             time_budget_seconds=self._options.drain_time_budget_seconds,
+            linger_seconds=self._options.linger_seconds,
         )
+        options = self._options
         timeout = timedelta(
-            seconds=self._options.handler_timeout_seconds + self._options.drain_time_budget_seconds
+            seconds=options.handler_timeout_seconds
+            + options.drain_time_budget_seconds
+            + options.linger_seconds
         )
         try:
             local = workflow.start_local_activity(

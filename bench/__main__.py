@@ -1,0 +1,67 @@
+"""``python -m bench <workload>|all``: see ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from bench.context import DEFAULT_OUT, BenchConfig
+from bench.runner import WORKLOADS, quiet_logs, run
+
+
+def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark outbox-bridge against a direct PostgreSQL drain. Each run starts "
+        "its own embedded PostgreSQL and Temporal dev servers in a temporary directory, unless "
+        "OUTBOX_DATABASE_URL / TEMPORAL_ADDRESS are set.",
+    )
+    parser.add_argument("workload", choices=[*WORKLOADS, "all"])
+    parser.add_argument(
+        "--temporal", choices=["file", "memory", "both"], default=None,
+        help="Temporal dev server storage: its SQLite file (WAL) or memory. Default: both for "
+        "throughput workloads, file for latency.",
+    )
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply row and shard counts (latency: its duration)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument("--latency-seconds", type=float, default=None,
+                        help="writer duration of the latency workload (default 60 × scale)")
+    parser.add_argument("--budget", type=float, default=19 * 60.0,
+                        help="seconds the whole invocation may take; drains are capped to fit")
+    args = parser.parse_args(argv)
+    if args.scale <= 0:
+        parser.error("--scale must be positive")
+    config = BenchConfig(
+        scale=args.scale,
+        out=args.out,
+        temporal=args.temporal,
+        database_url=os.environ.get("OUTBOX_DATABASE_URL"),
+        temporal_address=os.environ.get("TEMPORAL_ADDRESS"),
+        latency_seconds=args.latency_seconds,
+        budget=args.budget,
+    )
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    return names, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    names, config = parse(argv)
+    quiet_logs()
+    try:
+        asyncio.run(run(names, config))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # A process that ran a Temporal worker can crash in interpreter teardown: leave explicitly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,207 @@
+"""The ``latency`` workload: commit→handler latency under steady traffic.
+
+A writer thread commits one row per transaction at 100 rows/s over 200 shards for 60 s (× scale,
+at least 3 s). Latency = handler start wall time minus the wall time at which the writer's COMMIT
+returned, per row id. Measured three times on fresh tables: the bridge with LISTEN/NOTIFY
+(default settings), the bridge polling only (``listen=False``), and the baseline direct drain
+running continuously (4 threads, each polling its partition every 100 ms when idle). Reports
+p50/p99, history events per row, and ``backlog_end``: rows still pending 5 s after the writer
+stopped (0 when the side keeps up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.app import HandlerProbe, make_app
+from bench.baseline import DirectDrain
+from bench.bridge_run import bench_settings, running_bridge, settings_summary
+from bench.context import Context
+from bench.progress import PROGRESS_EVERY, say, watch_drain
+from bench.rows import connect, count_rows, create_table, drop_table, table_name
+from bench.servers import TemporalServer
+from bench.writer import SteadyWriter
+
+RATE = 100.0
+SHARDS = 200
+BASELINE_POLL = 0.1
+DRAIN_AFTER_GRACE = 30.0
+
+
+@dataclass
+class Phase:
+    """One measurement: who drained, what the writer wrote, and what the handler saw."""
+
+    name: str
+    rows: int
+    seconds: float
+    backlog_end: int
+    remaining: int
+    handler_calls: int
+    latencies: list[tuple[float, float]]  # (seconds since the writer started, latency ms)
+    history: dict[str, Any]
+
+    @property
+    def rows_per_s(self) -> float:
+        return (self.rows - self.remaining) / self.seconds if self.seconds > 0 else 0.0
+
+    def percentile(self, p: float) -> float | None:
+        values = sorted(ms for _, ms in self.latencies)
+        if not values:
+            return None
+        return round(values[min(len(values) - 1, max(0, math.ceil(p / 100 * len(values)) - 1))], 2)
+
+
+def duration(ctx: Context) -> float:
+    return ctx.config.latency_seconds or max(3.0, 60.0 * ctx.config.scale)
+
+
+async def _write_and_settle(
+    ctx: Context, writer: SteadyWriter, table: str, label: str
+) -> tuple[float, int, int]:
+    """Run the writer, then wait the grace period; returns (seconds from the writer's start
+    until the table was empty or the wait ended, backlog at the end of the grace, rows left)."""
+    started = time.monotonic()
+    task = asyncio.create_task(asyncio.to_thread(writer.run))
+    while not task.done():
+        await asyncio.wait([task], timeout=PROGRESS_EVERY)
+        if not task.done():
+            say(label, f"{writer.written:,}/{writer.total:,} rows written, "
+                       f"{await asyncio.to_thread(_count, ctx, table):,} pending")
+    await task
+    grace = await watch_drain(
+        ctx.database_url, table, label=label, total=writer.total, started=started,
+        deadline=time.monotonic() + ctx.config.latency_grace,
+    )
+    if grace.completed:
+        return grace.ended - started, 0, 0
+    backlog_end = await asyncio.to_thread(_count, ctx, table)
+    say(label, f"{backlog_end:,} rows pending {ctx.config.latency_grace:.0f} s after the writer "
+               "stopped; waiting for them")
+    rest = await watch_drain(
+        ctx.database_url, table, label=label, total=writer.total, started=started,
+        deadline=ctx.phase_deadline(DRAIN_AFTER_GRACE),
+    )
+    return rest.ended - started, backlog_end, rest.remaining
+
+
+def _count(ctx: Context, table: str) -> int:
+    with connect(ctx.database_url) as conn:
+        return count_rows(conn, table)
+
+
+def _latencies(writer: SteadyWriter, probe: HandlerProbe) -> list[tuple[float, float]]:
+    since = writer.started_wall
+    return [
+        (round(committed - since, 3), round((probe.starts[id_] - committed) * 1000, 2))
+        for id_, committed in sorted(writer.commits.items())
+        if id_ in probe.starts
+    ]
+
+
+async def run_phase(ctx: Context, name: str, server: TemporalServer | None) -> Phase:
+    """One latency measurement: ``baseline`` (server None), ``listen`` or ``poll_only``."""
+    label = f"latency/{name}" + (f"-{server.mode}" if server else "")
+    probe = HandlerProbe(record_starts=True)
+    app = make_app(table_name(f"latency_{name}"), probe)
+    table = app.table().name
+    await create_table(ctx.database_url, app)
+    writer = SteadyWriter(
+        ctx.database_url, table, rate=RATE, shards=SHARDS, seconds=duration(ctx)
+    )
+    history: dict[str, Any] = {}
+    if server is None:
+        drain = DirectDrain(
+            ctx.database_url, app, threads=4, until_empty=False, poll_interval=BASELINE_POLL
+        )
+        drain_task = asyncio.create_task(asyncio.to_thread(drain.run))
+        seconds, backlog_end, remaining = await _write_and_settle(ctx, writer, table, label)
+        drain.stop()
+        await drain_task
+    else:
+        settings = bench_settings(ctx.config.idle_timeout, listen=name == "listen")
+        async with running_bridge(settings, app, ctx.database_url, server.address) as run:
+            seconds, backlog_end, remaining = await _write_and_settle(ctx, writer, table, label)
+            running, _ = await run.close_stats(close_timeout=ctx.config.idle_timeout + 30)
+        stats = await run.history()
+        history = {
+            "history_events": stats.events,
+            "workflow_executions": stats.executions,
+            "running_after_idle": running,
+            "settings": settings_summary(settings),
+        }
+    await asyncio.to_thread(drop_table, ctx.database_url, table)
+    phase = Phase(name, writer.written, seconds, backlog_end, remaining, probe.calls,
+                  _latencies(writer, probe), history)
+    say(label, f"p50 {phase.percentile(50)} ms, p99 {phase.percentile(99)} ms, "
+               f"backlog at the end {backlog_end}, writer max lag {writer.max_lag * 1000:.0f} ms")
+    return phase
+
+
+def _events_per_row(phase: Phase) -> float | None:
+    events = phase.history.get("history_events")
+    handled = phase.rows - phase.remaining
+    return round(events / handled, 3) if events is not None and handled else None
+
+
+def latency_entry(mode: str, listen: Phase, poll: Phase, baseline: Phase) -> dict[str, Any]:
+    events_per_row = _events_per_row(listen)
+    return {
+        "temporal": mode,
+        "rows": listen.rows,
+        "shards": SHARDS,
+        "rate": RATE,
+        "completed": listen.remaining == 0 and poll.remaining == 0 and baseline.remaining == 0,
+        "seconds": round(listen.seconds, 3),
+        "bridge_rows_per_s": round(listen.rows_per_s, 1),
+        "baseline_rows_per_s": round(baseline.rows_per_s, 1),
+        "ratio": round(listen.rows_per_s / baseline.rows_per_s, 4) if baseline.rows_per_s else None,
+        "handler_calls": listen.handler_calls,
+        "p50_ms": listen.percentile(50),
+        "p99_ms": listen.percentile(99),
+        "max_ms": listen.percentile(100),
+        "backlog_end": listen.backlog_end,
+        "events_per_row": events_per_row,
+        "history_events_per_row": events_per_row,
+        **{k: v for k, v in listen.history.items()},
+        "poll_only_p50_ms": poll.percentile(50),
+        "poll_only_p99_ms": poll.percentile(99),
+        "poll_only_max_ms": poll.percentile(100),
+        "poll_only_backlog_end": poll.backlog_end,
+        "poll_only_events_per_row": _events_per_row(poll),
+        "poll_only_rows": poll.rows,
+        "poll_only_handler_calls": poll.handler_calls,
+        "poll_only_rows_per_s": round(poll.rows_per_s, 1),
+        "baseline_p50_ms": baseline.percentile(50),
+        "baseline_p99_ms": baseline.percentile(99),
+        "baseline_backlog_end": baseline.backlog_end,
+        "baseline_rows": baseline.rows,
+        "baseline_handler_calls": baseline.handler_calls,
+        "samples": {p.name: p.latencies for p in (listen, poll, baseline)},
+    }
+
+
+async def run_latency(ctx: Context) -> dict[str, Any]:
+    say("latency", f"{RATE:.0f} rows/s over {SHARDS} shards for {duration(ctx):.0f} s per side")
+    baseline = await run_phase(ctx, "baseline", None)
+    entries = []
+    for mode in ctx.modes("file"):
+        async with ctx.temporal(mode) as server:  # a fresh server for each phase
+            listen = await run_phase(ctx, "listen", server)
+        async with ctx.temporal(mode) as server:
+            poll = await run_phase(ctx, "poll_only", server)
+        entries.append(latency_entry(server.mode, listen, poll, baseline))
+    return {
+        "workload": "latency",
+        "kind": "latency",
+        "description": __doc__.strip().splitlines()[0] if __doc__ else "latency",
+        "scale": ctx.config.scale,
+        "idle_timeout": ctx.config.idle_timeout,
+        "duration_s": duration(ctx),
+        "baseline_poll_interval_s": BASELINE_POLL,
+        "entries": entries,
+    }

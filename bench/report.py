@@ -1,0 +1,95 @@
+"""Results: the printed tables, the JSON files and the PNG charts (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+THROUGHPUT_COLUMNS = [
+    ("temporal", "temporal", "{}"),
+    ("rows", "rows", "{:,}"),
+    ("baseline_rows_per_s", "baseline rows/s", "{:,.0f}"),
+    ("bridge_rows_per_s", "bridge rows/s", "{:,.0f}"),
+    ("ratio", "ratio", "{:.3f}"),
+    ("history_events_per_row", "events/row", "{:.3f}"),
+    ("handler_calls", "handler calls", "{:,}"),
+    ("seconds", "bridge s", "{:.1f}"),
+    ("completed", "completed", "{}"),
+]
+LATENCY_COLUMNS = [
+    ("temporal", "temporal", "{}"),
+    ("rows", "rows", "{:,}"),
+    ("p50_ms", "p50 ms", "{:.0f}"),
+    ("p99_ms", "p99 ms", "{:.0f}"),
+    ("poll_only_p50_ms", "poll p50 ms", "{:.0f}"),
+    ("poll_only_p99_ms", "poll p99 ms", "{:.0f}"),
+    ("baseline_p50_ms", "baseline p50", "{:.0f}"),
+    ("baseline_p99_ms", "baseline p99", "{:.0f}"),
+    ("events_per_row", "events/row", "{:.2f}"),
+    ("poll_only_events_per_row", "poll ev/row", "{:.2f}"),
+    ("backlog_end", "backlog end", "{}"),
+    ("poll_only_backlog_end", "poll backlog", "{}"),
+]
+EXTRA_COLUMNS = {
+    "many-shards": [
+        ("running_after_idle", "running after idle", "{}"),
+        ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+    ],
+    "coalesce": [("baseline_handler_calls", "baseline calls", "{}")],
+}
+
+
+def _cell(entry: dict[str, Any], key: str, fmt: str) -> str:
+    value = entry.get(key)
+    return "-" if value is None else fmt.format(value)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result of one workload as a plain-text table."""
+    columns = LATENCY_COLUMNS if result["kind"] == "latency" else THROUGHPUT_COLUMNS
+    columns = columns + EXTRA_COLUMNS.get(result["workload"], [])
+    header = [title for _, title, _ in columns]
+    rows = [[_cell(e, key, fmt) for key, _, fmt in columns] for e in result["entries"]]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [f"{result['workload']}: {result['description']} (scale {result['scale']})"]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def write_json(out: Path, result: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result['workload']}.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    temporary.replace(path)
+    return path
+
+
+def load_results(out: Path) -> list[dict[str, Any]]:
+    results = []
+    for path in sorted(out.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "entries" in data and "kind" in data:
+            results.append(data)
+    return results
+
+
+def draw_charts(out: Path) -> list[Path]:
+    """Redraw ``throughput.png`` from every throughput JSON in ``out``, and ``latency.png``
+    from ``latency.json`` when present."""
+    from bench import charts
+
+    results = load_results(out)
+    drawn = []
+    throughput = [r for r in results if r["kind"] == "throughput"]
+    if throughput:
+        drawn.append(charts.throughput_chart(throughput, out / "throughput.png"))
+    latency = [r for r in results if r["kind"] == "latency"]
+    if latency:
+        drawn.append(charts.latency_chart(latency[0], out / "latency.png"))
+    return drawn

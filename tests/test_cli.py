@@ -1,0 +1,411 @@
+"""Acceptance tests of the command lines, run as real subprocesses: ``python worker.py`` and
+``python -m outbox_bridge`` (DESIGN §4 "worker.py").
+
+The worker is pointed at the test servers (OUTBOX_DATABASE_URL, TEMPORAL_ADDRESS), so nothing
+embedded starts. The database URL carries a password (the embedded PostgreSQL trusts any password
+on its Unix socket) that must never appear in any output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox_bridge.config import OutboxSettings, env_name
+from outbox_bridge.embedded import free_port
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.flags import build_settings
+from tests.harness import Servers, unique_table, wait_until
+from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
+
+ROOT = Path(__file__).resolve().parents[1]
+CANARY = "s3cr3t-canary"
+SAMPLE_APP = "tests.sample_app:app"
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess: no OUTBOX_*/TEMPORAL_* settings leak in from ours."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "SAMPLE_OUTBOX"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+async def run(*args: str, env: dict[str, str], timeout: float = 60) -> Run:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, cwd=ROOT, env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"{args} did not finish in {timeout}s: {out!r} {err!r}") from None
+    assert proc.returncode is not None
+    return Run(proc.returncode, out.decode(), err.decode())
+
+
+def canary_url(servers: Servers) -> tuple[str, str]:
+    """The test database URL with a password, and that password (the canary)."""
+    url = make_url(servers.database_url)
+    if url.password:  # an external test database: its own password is the canary
+        return servers.database_url, str(url.password)
+    return url.set(password=CANARY).render_as_string(hide_password=False), CANARY
+
+
+def worker_env(servers: Servers, table: str, **extra: str) -> dict[str, str]:
+    url, _ = canary_url(servers)
+    return clean_env(
+        OUTBOX_DATABASE_URL=url,
+        TEMPORAL_ADDRESS=servers.temporal_address,
+        OUTBOX_TASK_QUEUE=f"tq-cli-{uuid.uuid4().hex[:8]}",
+        SAMPLE_OUTBOX_TABLE=table,
+        OUTBOX_POLL_INTERVAL="0.2",
+        OUTBOX_SWEEP_INTERVAL="1",
+        OUTBOX_IDLE_TIMEOUT="1",
+        OUTBOX_INITIAL_RETRY_INTERVAL="0.2",
+        OUTBOX_MAX_RETRY_INTERVAL="1",
+        **extra,
+    )
+
+
+def one_line(text_: str) -> str:
+    return " ".join(text_.split())
+
+
+# -- worker.py: help and refusals -----------------------------------------------------------------
+
+
+async def test_worker_help_documents_every_setting(servers) -> None:
+    env = worker_env(servers, unique_table(), COLUMNS="80")
+    result = await run("worker.py", "--help", env=env)
+    assert result.code == 0, result.output
+    assert result.stdout.startswith("Usage: worker.py")
+    help_text = one_line(result.stdout)
+    for name, field in OutboxSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in help_text, f"{flag} missing from --help"
+        assert f"[env: {env_name(name, field)}]" in help_text, f"env of {name} missing"
+        if field.annotation is bool:
+            assert f"--no-{flag[2:]}" in help_text
+    assert "[env: OUTBOX_DATABASE_URL]" in help_text
+    assert "[env: TEMPORAL_ADDRESS]" in help_text
+    assert "-h, --help" in help_text
+    _, canary = canary_url(servers)
+    assert canary not in result.output
+
+
+async def test_worker_without_an_app_exits_2(servers) -> None:
+    env = worker_env(servers, unique_table())
+    result = await run("worker.py", env=env)
+    assert result.code == 2, result.output
+    assert result.stderr.startswith("outbox-bridge: error: no app to run")
+    assert "OUTBOX_APP" in result.stderr and "--app" in result.stderr
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+async def test_worker_refuses_a_category_without_handler(servers) -> None:
+    env = worker_env(servers, unique_table())
+    result = await run("worker.py", "--app", "tests.sample_app:incomplete_app", env=env)
+    assert result.code == 2, result.output
+    assert "PROJECT_UPDATE" in result.stderr
+    assert "no handler" in result.stderr
+    assert "ORGANIZATION_UPDATE" not in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--app", "tests.sample_app:not_an_app"],
+         "tests.sample_app:not_an_app is str, not an OutboxApp"),
+        (["--app", "no_such_module_for_outbox:app"], "cannot import 'no_such_module_for_outbox'"),
+        (["--app", "tests.sample_app"], "module:attribute"),
+        (["--app", SAMPLE_APP, "--demo"], "do not also give --app"),
+        (["--app", SAMPLE_APP, "--idle-timeout", "0"], "idle_timeout"),
+    ],
+    ids=["not-an-app", "no-module", "bad-format", "app-and-demo", "bad-setting"],
+)
+async def test_worker_refuses_bad_configuration(servers, args, expected) -> None:
+    result = await run("worker.py", *args, env=worker_env(servers, unique_table()))
+    assert result.code == 2, result.output
+    assert result.stderr.startswith("outbox-bridge: error: ")
+    assert expected in result.stderr
+    assert "Traceback" not in result.output
+
+
+async def test_worker_never_prints_the_database_password(servers) -> None:
+    # A URL that cannot be parsed: the parse error must not echo it.
+    table = unique_table()
+    unparsable = f"postgresql://postgres:{CANARY}@localhost:notaport/postgres"
+    result = await run("worker.py", "--app", SAMPLE_APP, "--database-url", unparsable,
+                       env=worker_env(servers, table))
+    assert result.code == 2, result.output
+    assert "cannot be parsed" in result.stderr
+    assert CANARY not in result.output
+    # A server that is not there: the worker fails, without the password in its report.
+    unreachable = f"postgresql://postgres:{CANARY}@127.0.0.1:{free_port()}/postgres"
+    result = await run("worker.py", "--app", SAMPLE_APP, env={
+        **worker_env(servers, table), "OUTBOX_DATABASE_URL": unreachable})
+    assert result.code != 0, result.output
+    assert "127.0.0.1" in result.stderr
+    assert CANARY not in result.output
+
+
+def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
+    """The env names shown by --help are the ones the settings read; a flag beats its env var."""
+    samples = {bool: ("true", True), int: ("300", 300), float: ("2.5", 2.5)}
+    for key in list(os.environ):
+        if key.upper().startswith(("OUTBOX_", "TEMPORAL_")):
+            monkeypatch.delenv(key)
+    for name, field in OutboxSettings.model_fields.items():
+        raw, expected = samples.get(field.annotation, ("x1", None))  # type: ignore[arg-type]
+        if name == "otel_exporter":
+            raw, expected = "console", "console"
+        elif name == "regions":
+            raw, expected = "eu, us", ["eu", "us"]
+        elif name in ("temporal_tls_cert", "temporal_tls_key"):
+            continue  # they go together; checked below
+        with monkeypatch.context() as patch:
+            patch.setenv(env_name(name, field), raw)
+            value = getattr(build_settings({}), name)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, Path):
+            value = str(value)
+        assert value == (raw if expected is None else expected), name
+    monkeypatch.setenv("TEMPORAL_TLS_CERT", "/c.pem")
+    monkeypatch.setenv("TEMPORAL_TLS_KEY", "/k.pem")
+    monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "7")
+    monkeypatch.setenv("OUTBOX_LISTEN", "false")
+    settings = build_settings({"idle_timeout": 9.0, "listen": None, "task_queue": None})
+    assert settings.temporal_tls_cert == Path("/c.pem")
+    assert settings.temporal_tls_key == Path("/k.pem")
+    assert settings.idle_timeout == 9.0  # the flag wins
+    assert settings.listen is False  # no flag: the environment
+    assert settings.task_queue == "outbox"  # neither: the default
+    monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "-1")
+    with pytest.raises(ConfigurationError, match="idle_timeout"):
+        build_settings({})
+
+
+# -- worker.py: end to end ------------------------------------------------------------------------
+
+
+class Output:
+    """Collects a subprocess's stdout and stderr while it runs."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.stdout = ""
+        self.stderr = ""
+        assert proc.stdout is not None and proc.stderr is not None
+        self.tasks = [asyncio.create_task(self._read(proc.stdout, "stdout")),
+                      asyncio.create_task(self._read(proc.stderr, "stderr"))]
+
+    async def _read(self, stream: asyncio.StreamReader, name: str) -> None:
+        while chunk := await stream.read(4096):
+            setattr(self, name, getattr(self, name) + chunk.decode(errors="replace"))
+
+    async def close(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), 10)
+
+    def __str__(self) -> str:
+        return f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+
+async def scalar(engine: AsyncEngine, statement: str, **params: object) -> object:
+    async with engine.connect() as conn:
+        return (await conn.execute(text(statement), params)).scalar_one()
+
+
+async def test_worker_end_to_end(servers, engine) -> None:
+    table = unique_table()
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
+                           {"k": CALLS_TABLE})
+        await conn.execute(text(CALLS_DDL))
+    _, canary = canary_url(servers)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "worker.py", "--app", SAMPLE_APP, cwd=ROOT,
+        env=worker_env(servers, table), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    output = Output(proc)
+    try:
+        await wait_until(
+            lambda: "outbox-bridge is running" in output.stdout or proc.returncode is not None,
+            timeout=60, what="the worker's banner",
+        )
+        assert proc.returncode is None, f"the worker exited early ({proc.returncode})\n{output}"
+        # The worker created its table; rows come from a plain SQL producer.
+        async with engine.begin() as conn:
+            insert = text(
+                f"INSERT INTO {table} (shard_scope, shard_identifier, category, "
+                "object_identifier, payload) VALUES (:scope, :shard, :category, :obj, "
+                "CAST(:payload AS jsonb)) RETURNING id"
+            )
+
+            async def write(scope: int, shard: int, category: int, obj: int,
+                            payload: str | None) -> int:
+                result = await conn.execute(insert, {"scope": scope, "shard": shard,
+                                                     "category": category, "obj": obj,
+                                                     "payload": payload})
+                return int(result.scalar_one())
+
+            org, user = int(SampleScope.ORGANIZATION), int(SampleScope.USER)
+            project = [await write(org, 7, SampleCategory.PROJECT_UPDATE, 5, f'{{"n": {n}}}')
+                       for n in range(3)]
+            organization = await write(org, 7, SampleCategory.ORGANIZATION_UPDATE, 7, None)
+            user_row = await write(user, 9, SampleCategory.USER_UPDATE, 9, '{"user": 9}')
+
+        async def drained() -> bool:
+            return await scalar(engine, f"SELECT count(*) FROM {table}") == 0
+
+        await wait_until(drained, timeout=30, what=f"an empty {table}")
+        async with engine.connect() as conn:
+            calls = (await conn.execute(text(
+                f"SELECT row_id, shard_scope, shard_identifier, category, object_identifier, "
+                f"coalesced, payload, handler, seq FROM {CALLS_TABLE} WHERE outbox_table = :t "
+                "ORDER BY seq"), {"t": table})).mappings().all()
+        handled = {c["row_id"]: c for c in calls}
+        # Each coalescing group was handled once, with its highest id (DESIGN §3.3).
+        assert set(handled) == {project[-1], organization, user_row}, calls
+        assert handled[project[-1]]["coalesced"] == 3
+        assert handled[project[-1]]["payload"] == {"n": 2}
+        assert handled[project[-1]]["handler"] == "sync"
+        assert (handled[project[-1]]["shard_scope"], handled[project[-1]]["shard_identifier"],
+                handled[project[-1]]["object_identifier"]) == (org, 7, 5)
+        assert handled[organization]["coalesced"] == 1
+        assert handled[organization]["payload"] is None
+        assert handled[organization]["handler"] == "sync"
+        assert handled[user_row]["handler"] == "async"
+        assert handled[user_row]["payload"] == {"user": 9}
+        user_call = handled[user_row]
+        assert (user_call["shard_scope"], user_call["shard_identifier"]) == (user, 9)
+        # Within shard ORGANIZATION:7, groups run in order of their lowest pending id (§3.2).
+        assert handled[project[-1]]["seq"] < handled[organization]["seq"]
+
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 30)
+        await output.close()
+        assert code == 0, str(output)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        with contextlib.suppress(Exception):
+            await output.close()
+    assert "outbox-bridge is running" in output.stdout
+    assert "***" in output.stdout  # the banner shows the database with its password masked
+    assert canary not in output.stdout, str(output)
+    assert canary not in output.stderr, str(output)
+    assert "Traceback" not in output.stderr, str(output)
+
+
+# -- python -m outbox_bridge --------------------------------------------------------------------
+
+
+async def test_module_help() -> None:
+    result = await run("-m", "outbox_bridge", "--help", env=clean_env())
+    assert result.code == 0, result.output
+    assert result.stdout.startswith("Usage: outbox-bridge")
+    assert "init-db" in result.stdout
+    result = await run("-m", "outbox_bridge", "init-db", "--help", env=clean_env())
+    assert result.code == 0, result.output
+    help_text = one_line(result.stdout)
+    assert "--database-url" in help_text and "[env: OUTBOX_DATABASE_URL]" in help_text
+    assert "--app" in help_text and "[env: OUTBOX_APP]" in help_text
+
+
+async def test_init_db_creates_the_tables_idempotently(servers, engine) -> None:
+    table = unique_table()
+    url, canary = canary_url(servers)
+    env = clean_env(SAMPLE_OUTBOX_TABLE=table)
+    args = ["-m", "outbox_bridge", "init-db", "--database-url", url, "--app", SAMPLE_APP]
+    first = await run(*args, env=env)
+    assert first.code == 0, first.output
+    assert f"tables ready: {table}" in first.stdout
+    assert canary not in first.output
+    assert await scalar(engine, "SELECT to_regclass(:t)::text", t=table) == table
+    assert await scalar(
+        engine, "SELECT count(*) FROM pg_trigger WHERE tgname = :n", n=f"{table}_notify") == 1
+    async with engine.begin() as conn:
+        await conn.execute(text(
+            f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
+            "VALUES (1, 1, 1, 1)"))
+    second = await run(*args, env=env)
+    assert second.code == 0, second.output
+    assert f"tables ready: {table}" in second.stdout
+    assert canary not in second.output
+    assert await scalar(engine, f"SELECT count(*) FROM {table}") == 1  # rows kept
+
+
+async def test_init_db_reads_the_environment(servers, engine) -> None:
+    table = unique_table()
+    url, canary = canary_url(servers)
+    env = clean_env(SAMPLE_OUTBOX_TABLE=table, OUTBOX_DATABASE_URL=url, OUTBOX_APP=SAMPLE_APP)
+    result = await run("-m", "outbox_bridge", "init-db", env=env)
+    assert result.code == 0, result.output
+    assert canary not in result.output
+    assert await scalar(engine, "SELECT to_regclass(:t)::text", t=table) == table
+
+
+async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engine) -> None:
+    table = unique_table()
+    url = make_url(servers.database_url)
+    password = str(url.password) if url.password else CANARY
+    in_query = url.set(password=None).update_query_dict({"password": password})
+    result = await run("-m", "outbox_bridge", "init-db", "--app", SAMPLE_APP, env=clean_env(
+        SAMPLE_OUTBOX_TABLE=table,
+        OUTBOX_DATABASE_URL=in_query.render_as_string(hide_password=False)))
+    assert result.code == 0, result.output
+    assert "password=***" in result.stdout
+    assert password not in result.output
+    assert await scalar(engine, "SELECT to_regclass(:t)::text", t=table) == table
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--app", "tests.sample_app:not_an_app"], "is str, not an OutboxApp"),
+        (["--database-url", f"mysql://root:{CANARY}@localhost/db"], "only PostgreSQL"),
+        (["--database-url", f"postgresql://postgres:{CANARY}@127.0.0.1:{free_port()}/postgres"],
+         "cannot create the outbox tables in postgresql+psycopg://postgres:***@127.0.0.1"),
+        (["--demo", "--app", SAMPLE_APP], "do not also give --app"),
+    ],
+    ids=["not-an-app", "not-postgres", "unreachable", "app-and-demo"],
+)
+async def test_init_db_refusals(args, expected) -> None:
+    result = await run("-m", "outbox_bridge", "init-db", *args, env=clean_env())
+    assert result.code == 2, result.output
+    assert result.stderr.startswith("outbox-bridge: error: ")
+    assert expected in result.stderr
+    assert CANARY not in result.output
+    assert "Traceback" not in result.output

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from bench import corelog
 from bench.context import DEFAULT_OUT, BenchConfig
 from bench.runner import WORKLOADS, quiet_logs, run
 
@@ -51,6 +52,7 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
 def main(argv: list[str] | None = None) -> int:
     names, config = parse(argv)
     quiet_logs()
+    corelog.install()
     try:
         asyncio.run(run(names, config))
     except KeyboardInterrupt:

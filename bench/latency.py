@@ -21,6 +21,7 @@ from bench.app import HandlerProbe, make_app
 from bench.baseline import DirectDrain
 from bench.bridge_run import bench_settings, running_bridge, settings_summary
 from bench.context import Context
+from bench.corelog import COUNTER
 from bench.progress import PROGRESS_EVERY, say, watch_drain
 from bench.rows import connect, count_rows, create_table, drop_table, table_name
 from bench.servers import TemporalServer
@@ -124,6 +125,7 @@ async def run_phase(ctx: Context, name: str, server: TemporalServer | None) -> P
         await drain_task
     else:
         settings = bench_settings(ctx.config.idle_timeout, listen=name == "listen")
+        warnings_mark = COUNTER.count
         async with running_bridge(settings, app, ctx.database_url, server.address) as run:
             seconds, backlog_end, remaining = await _write_and_settle(ctx, writer, table, label)
             running, _ = await run.close_stats(close_timeout=ctx.config.idle_timeout + 30)
@@ -133,6 +135,7 @@ async def run_phase(ctx: Context, name: str, server: TemporalServer | None) -> P
             "workflow_executions": stats.executions,
             "running_after_idle": running,
             "settings": settings_summary(settings),
+            **COUNTER.since(warnings_mark),
         }
     await asyncio.to_thread(drop_table, ctx.database_url, table)
     phase = Phase(name, writer.written, seconds, backlog_end, remaining, probe.calls,
@@ -198,7 +201,8 @@ async def run_latency(ctx: Context) -> dict[str, Any]:
     return {
         "workload": "latency",
         "kind": "latency",
-        "description": __doc__.strip().splitlines()[0] if __doc__ else "latency",
+        "description": f"steady {RATE:.0f} rows/s over {SHARDS} shards, one row per "
+        "transaction: commit→handler latency",
         "scale": ctx.config.scale,
         "idle_timeout": ctx.config.idle_timeout,
         "duration_s": duration(ctx),

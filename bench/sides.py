@@ -19,6 +19,7 @@ from bench.app import HandlerProbe, make_app
 from bench.baseline import DirectDrain
 from bench.bridge_run import bench_settings, running_bridge, settings_summary
 from bench.context import Context
+from bench.corelog import COUNTER
 from bench.progress import say, watch_drain
 from bench.rows import RowSet, connect, copy_rows, count_rows, create_table, drop_table, table_name
 from bench.servers import TemporalServer
@@ -98,6 +99,7 @@ async def bridge_side(
     table = app.table().name
     settings = bench_settings(ctx.config.idle_timeout)
     rss_before = psutil.Process().memory_info().rss / 2**20
+    warnings_mark = COUNTER.count
     async with running_bridge(settings, app, ctx.database_url, server.address) as run:
         watch = await watch_drain(
             ctx.database_url, table, label=label, total=len(rowset.rows), started=run.started,
@@ -125,5 +127,6 @@ async def bridge_side(
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "temporal_server_rss_mb": round(server_rss, 1) if server_rss is not None else None,
         "settings": settings_summary(settings),
+        **COUNTER.since(warnings_mark),
     }
     return SideResult(len(rowset.rows), rows_done, seconds, probe.calls, extra)

@@ -1,16 +1,18 @@
 """Record shard workflow histories from real runs into tests/histories/.
 
-    python -m tests.record_histories
+    python -m tests.record_histories v3
 
 Starts its own PostgreSQL and Temporal dev server, runs each scenario through the real worker,
-and writes every run's history as JSON. Re-record after a deliberate, patched change to the
-workflow, and keep the old files: replaying them is what proves the change is safe.
+and writes every run's history as ``<version>-<scenario>.json``. Record a new version after a
+deliberate change to the workflow and keep the old files: replaying them is what proves the
+change is safe. Existing files are never overwritten.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -135,7 +137,7 @@ SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
 
 
 async def record(
-    servers: Servers, name: str, scenario: Scenario, overrides: dict[str, object]
+    servers: Servers, version: str, name: str, scenario: Scenario, overrides: dict[str, object]
 ) -> list[Path]:
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
@@ -162,19 +164,21 @@ async def record(
     for index, run in enumerate(runs):
         history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
         suffix = f"_run{index + 1}" if len(runs) > 1 else ""
-        path = HISTORIES / f"{name}{suffix}.json"
+        path = HISTORIES / f"{version}-{name}{suffix}.json"
+        if path.exists():
+            raise SystemExit(f"{path} exists: record under a new version instead")
         path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
         written.append(path)
     return written
 
 
-async def main() -> None:
+async def main(version: str) -> None:
     HISTORIES.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as base:
         servers = await start_servers(Path(base))
         try:
             for name, (scenario, overrides) in SCENARIOS.items():
-                for path in await record(servers, name, scenario, overrides):
+                for path in await record(servers, version, name, scenario, overrides):
                     print(f"recorded {path}")
         finally:
             servers.temporal.stop()
@@ -183,4 +187,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m tests.record_histories VERSION  (e.g. v3)")
+    asyncio.run(main(sys.argv[1]))

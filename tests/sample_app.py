@@ -76,9 +76,17 @@ def record(message: OutboxMessage, handler: str) -> None:
             f"INSERT INTO {CALLS_TABLE} (outbox_table, row_id, shard_scope, shard_identifier, "
             "category, object_identifier, coalesced, payload, handler) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-            (TABLE, message.id, int(message.shard_scope), message.shard_identifier,
-             int(message.category), message.object_identifier, message.coalesced,
-             Jsonb(message.payload) if message.payload is not None else None, handler),
+            (
+                TABLE,
+                message.id,
+                int(message.shard_scope),
+                message.shard_identifier,
+                int(message.category),
+                message.object_identifier,
+                message.coalesced,
+                Jsonb(message.payload) if message.payload is not None else None,
+                handler,
+            ),
         )
 
 

@@ -48,8 +48,11 @@ class Run:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess: no OUTBOX_*/TEMPORAL_* settings leak in from ours."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "SAMPLE_OUTBOX"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "SAMPLE_OUTBOX"))
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
@@ -57,9 +60,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 async def run(*args: str, env: dict[str, str], timeout: float = 60) -> Run:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, cwd=ROOT, env=env,
+        sys.executable,
+        *args,
+        cwd=ROOT,
+        env=env,
         stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -144,8 +151,10 @@ async def test_worker_refuses_a_category_without_handler(servers) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--app", "tests.sample_app:not_an_app"],
-         "tests.sample_app:not_an_app is str, not an OutboxApp"),
+        (
+            ["--app", "tests.sample_app:not_an_app"],
+            "tests.sample_app:not_an_app is str, not an OutboxApp",
+        ),
         (["--app", "no_such_module_for_outbox:app"], "cannot import 'no_such_module_for_outbox'"),
         (["--app", "tests.sample_app"], "module:attribute"),
         (["--app", SAMPLE_APP, "--demo"], "do not also give --app"),
@@ -165,15 +174,25 @@ async def test_worker_never_prints_the_database_password(servers) -> None:
     # A URL that cannot be parsed: the parse error must not echo it.
     table = unique_table()
     unparsable = f"postgresql://postgres:{CANARY}@localhost:notaport/postgres"
-    result = await run("worker.py", "--app", SAMPLE_APP, "--database-url", unparsable,
-                       env=worker_env(servers, table))
+    result = await run(
+        "worker.py",
+        "--app",
+        SAMPLE_APP,
+        "--database-url",
+        unparsable,
+        env=worker_env(servers, table),
+    )
     assert result.code == 2, result.output
     assert "cannot be parsed" in result.stderr
     assert CANARY not in result.output
     # A server that is not there: the worker fails, without the password in its report.
     unreachable = f"postgresql://postgres:{CANARY}@127.0.0.1:{free_port()}/postgres"
-    result = await run("worker.py", "--app", SAMPLE_APP, env={
-        **worker_env(servers, table), "OUTBOX_DATABASE_URL": unreachable})
+    result = await run(
+        "worker.py",
+        "--app",
+        SAMPLE_APP,
+        env={**worker_env(servers, table), "OUTBOX_DATABASE_URL": unreachable},
+    )
     assert result.code != 0, result.output
     assert "127.0.0.1" in result.stderr
     assert CANARY not in result.output
@@ -226,8 +245,10 @@ class Output:
         self.stdout = ""
         self.stderr = ""
         assert proc.stdout is not None and proc.stderr is not None
-        self.tasks = [asyncio.create_task(self._read(proc.stdout, "stdout")),
-                      asyncio.create_task(self._read(proc.stderr, "stderr"))]
+        self.tasks = [
+            asyncio.create_task(self._read(proc.stdout, "stdout")),
+            asyncio.create_task(self._read(proc.stderr, "stderr")),
+        ]
 
     async def _read(self, stream: asyncio.StreamReader, name: str) -> None:
         while chunk := await stream.read(4096):
@@ -248,20 +269,28 @@ async def scalar(engine: AsyncEngine, statement: str, **params: object) -> objec
 async def test_worker_end_to_end(servers, engine) -> None:
     table = unique_table()
     async with engine.begin() as conn:
-        await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
-                           {"k": CALLS_TABLE})
+        await conn.execute(
+            text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": CALLS_TABLE}
+        )
         await conn.execute(text(CALLS_DDL))
     _, canary = canary_url(servers)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "worker.py", "--app", SAMPLE_APP, cwd=ROOT,
-        env=worker_env(servers, table), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "worker.py",
+        "--app",
+        SAMPLE_APP,
+        cwd=ROOT,
+        env=worker_env(servers, table),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     output = Output(proc)
     try:
         await wait_until(
             lambda: "outbox-bridge is running" in output.stdout or proc.returncode is not None,
-            timeout=60, what="the worker's banner",
+            timeout=60,
+            what="the worker's banner",
         )
         assert proc.returncode is None, f"the worker exited early ({proc.returncode})\n{output}"
         # The worker created its table; rows come from a plain SQL producer.
@@ -272,16 +301,26 @@ async def test_worker_end_to_end(servers, engine) -> None:
                 "CAST(:payload AS jsonb)) RETURNING id"
             )
 
-            async def write(scope: int, shard: int, category: int, obj: int,
-                            payload: str | None) -> int:
-                result = await conn.execute(insert, {"scope": scope, "shard": shard,
-                                                     "category": category, "obj": obj,
-                                                     "payload": payload})
+            async def write(
+                scope: int, shard: int, category: int, obj: int, payload: str | None
+            ) -> int:
+                result = await conn.execute(
+                    insert,
+                    {
+                        "scope": scope,
+                        "shard": shard,
+                        "category": category,
+                        "obj": obj,
+                        "payload": payload,
+                    },
+                )
                 return int(result.scalar_one())
 
             org, user = int(SampleScope.ORGANIZATION), int(SampleScope.USER)
-            project = [await write(org, 7, SampleCategory.PROJECT_UPDATE, 5, f'{{"n": {n}}}')
-                       for n in range(3)]
+            project = [
+                await write(org, 7, SampleCategory.PROJECT_UPDATE, 5, f'{{"n": {n}}}')
+                for n in range(3)
+            ]
             organization = await write(org, 7, SampleCategory.ORGANIZATION_UPDATE, 7, None)
             user_row = await write(user, 9, SampleCategory.USER_UPDATE, 9, '{"user": 9}')
 
@@ -290,18 +329,31 @@ async def test_worker_end_to_end(servers, engine) -> None:
 
         await wait_until(drained, timeout=30, what=f"an empty {table}")
         async with engine.connect() as conn:
-            calls = (await conn.execute(text(
-                f"SELECT row_id, shard_scope, shard_identifier, category, object_identifier, "
-                f"coalesced, payload, handler, seq FROM {CALLS_TABLE} WHERE outbox_table = :t "
-                "ORDER BY seq"), {"t": table})).mappings().all()
+            calls = (
+                (
+                    await conn.execute(
+                        text(
+                            f"SELECT row_id, shard_scope, shard_identifier, category, object_identifier, "
+                            f"coalesced, payload, handler, seq FROM {CALLS_TABLE} WHERE outbox_table = :t "
+                            "ORDER BY seq"
+                        ),
+                        {"t": table},
+                    )
+                )
+                .mappings()
+                .all()
+            )
         handled = {c["row_id"]: c for c in calls}
         # Each coalescing group was handled once, with its highest id (DESIGN §3.3).
         assert set(handled) == {project[-1], organization, user_row}, calls
         assert handled[project[-1]]["coalesced"] == 3
         assert handled[project[-1]]["payload"] == {"n": 2}
         assert handled[project[-1]]["handler"] == "sync"
-        assert (handled[project[-1]]["shard_scope"], handled[project[-1]]["shard_identifier"],
-                handled[project[-1]]["object_identifier"]) == (org, 7, 5)
+        assert (
+            handled[project[-1]]["shard_scope"],
+            handled[project[-1]]["shard_identifier"],
+            handled[project[-1]]["object_identifier"],
+        ) == (org, 7, 5)
         assert handled[organization]["coalesced"] == 1
         assert handled[organization]["payload"] is None
         assert handled[organization]["handler"] == "sync"
@@ -354,12 +406,19 @@ async def test_init_db_creates_the_tables_idempotently(servers, engine) -> None:
     assert f"tables ready: {table}" in first.stdout
     assert canary not in first.output
     assert await scalar(engine, "SELECT to_regclass(:t)::text", t=table) == table
-    assert await scalar(
-        engine, "SELECT count(*) FROM pg_trigger WHERE tgname = :n", n=f"{table}_notify") == 1
+    assert (
+        await scalar(
+            engine, "SELECT count(*) FROM pg_trigger WHERE tgname = :n", n=f"{table}_notify"
+        )
+        == 1
+    )
     async with engine.begin() as conn:
-        await conn.execute(text(
-            f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
-            "VALUES (1, 1, 1, 1)"))
+        await conn.execute(
+            text(
+                f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
+                "VALUES (1, 1, 1, 1)"
+            )
+        )
     second = await run(*args, env=env)
     assert second.code == 0, second.output
     assert f"tables ready: {table}" in second.stdout
@@ -382,9 +441,17 @@ async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engi
     url = make_url(servers.database_url)
     password = str(url.password) if url.password else CANARY
     in_query = url.set(password=None).update_query_dict({"password": password})
-    result = await run("-m", "outbox_bridge", "init-db", "--app", SAMPLE_APP, env=clean_env(
-        SAMPLE_OUTBOX_TABLE=table,
-        OUTBOX_DATABASE_URL=in_query.render_as_string(hide_password=False)))
+    result = await run(
+        "-m",
+        "outbox_bridge",
+        "init-db",
+        "--app",
+        SAMPLE_APP,
+        env=clean_env(
+            SAMPLE_OUTBOX_TABLE=table,
+            OUTBOX_DATABASE_URL=in_query.render_as_string(hide_password=False),
+        ),
+    )
     assert result.code == 0, result.output
     assert "password=***" in result.stdout
     assert password not in result.output
@@ -396,8 +463,10 @@ async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engi
     [
         (["--app", "tests.sample_app:not_an_app"], "is str, not an OutboxApp"),
         (["--database-url", f"mysql://root:{CANARY}@localhost/db"], "only PostgreSQL"),
-        (["--database-url", f"postgresql://postgres:{CANARY}@127.0.0.1:{free_port()}/postgres"],
-         "cannot create the outbox tables in postgresql+psycopg://postgres:***@127.0.0.1"),
+        (
+            ["--database-url", f"postgresql://postgres:{CANARY}@127.0.0.1:{free_port()}/postgres"],
+            "cannot create the outbox tables in postgresql+psycopg://postgres:***@127.0.0.1",
+        ),
         (["--demo", "--app", SAMPLE_APP], "do not also give --app"),
     ],
     ids=["not-an-app", "not-postgres", "unreachable", "app-and-demo"],

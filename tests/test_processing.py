@@ -122,7 +122,7 @@ async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, eng
     user_handled = asyncio.Event()
 
     async def organization_waits_for_user(message: OutboxMessage) -> None:
-        await asyncio.wait_for(user_handled.wait(), timeout=20)
+        await asyncio.wait_for(user_handled.wait(), timeout=60)
 
     async def user(message: OutboxMessage) -> None:
         user_handled.set()

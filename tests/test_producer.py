@@ -39,8 +39,11 @@ CORE = dict(category=Category.PROJECT_UPDATE, shard_identifier=7, object_identif
 
 
 def new_app(*, regional: bool = False) -> OutboxApp:
-    return OutboxApp(scopes=SCOPES, categories=[Category],
-                     tables=[OutboxTable(unique_table(), regional=regional)])
+    return OutboxApp(
+        scopes=SCOPES,
+        categories=[Category],
+        tables=[OutboxTable(unique_table(), regional=regional)],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +129,26 @@ async def test_sync_session_commit_leaves_exactly_the_row(engine, sync_engine, a
 
 async def test_sync_connection_write(engine, sync_engine, app) -> None:
     with sync_engine.connect() as conn:
-        first = app.write(conn, category=Category.USER_UPDATE, shard_identifier=3,
-                          object_identifier=3)
+        first = app.write(
+            conn, category=Category.USER_UPDATE, shard_identifier=3, object_identifier=3
+        )
         conn.rollback()
         with conn.begin():
-            second = app.write(conn, category=Category.USER_UPDATE, shard_identifier=3,
-                               object_identifier=3)
-            third = app.write(conn, category=Category.USER_UPDATE, shard_identifier=3,
-                              object_identifier=4, shard_scope=Scope.USER)
+            second = app.write(
+                conn, category=Category.USER_UPDATE, shard_identifier=3, object_identifier=3
+            )
+            third = app.write(
+                conn,
+                category=Category.USER_UPDATE,
+                shard_identifier=3,
+                object_identifier=4,
+                shard_scope=Scope.USER,
+            )
     assert first < second < third
     rows = await rows_of(engine, app)
     assert [(r["id"], r["shard_scope"], r["object_identifier"]) for r in rows] == [
-        (second, Scope.USER, 3), (third, Scope.USER, 4)
+        (second, Scope.USER, 3),
+        (third, Scope.USER, 4),
     ]
     assert rows[0]["payload"] is None
 
@@ -182,12 +193,18 @@ async def test_async_connection_rollback_and_commit(engine, app) -> None:
         # Leaving without commit rolls back.
     assert await rows_of(engine, app) == []
     async with engine.begin() as conn:
-        ids = [await app.write_async(conn, category=Category.MEMBER_UPDATE, shard_identifier=1,
-                                     object_identifier=obj) for obj in (30, 10, 20)]
+        ids = [
+            await app.write_async(
+                conn, category=Category.MEMBER_UPDATE, shard_identifier=1, object_identifier=obj
+            )
+            for obj in (30, 10, 20)
+        ]
     assert ids == sorted(ids)
     rows = await rows_of(engine, app)
     assert [(r["id"], r["object_identifier"]) for r in rows] == [
-        (ids[0], 30), (ids[1], 10), (ids[2], 20)
+        (ids[0], 30),
+        (ids[1], 10),
+        (ids[2], 20),
     ]
     assert {r["shard_scope"] for r in rows} == {Scope.ORGANIZATION}
 
@@ -230,8 +247,10 @@ INVALID_ROWS: list[tuple[str, dict[str, Any]]] = [
     ("payload NUL after a backslash", {**CORE, "payload": "\\\x00"}),
     ("payload lone surrogate", {**CORE, "payload": ["\ud800"]}),
     ("payload model with NaN", {**CORE, "payload": Measurement(value=math.nan)}),
-    ("payload too deep", {**CORE, "payload": functools.reduce(
-        lambda inner, _: [inner], range(100_000), [])}),
+    (
+        "payload too deep",
+        {**CORE, "payload": functools.reduce(lambda inner, _: [inner], range(100_000), [])},
+    ),
     ("naive scheduled_for", {**CORE, "scheduled_for": datetime.now()}),
     ("scheduled_for string", {**CORE, "scheduled_for": "2030-01-01T00:00:00Z"}),
     ("scheduled_for epoch seconds", {**CORE, "scheduled_for": 1_900_000_000}),
@@ -241,8 +260,9 @@ INVALID_ROWS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize("kwargs", [kw for _, kw in INVALID_ROWS],
-                         ids=[name for name, _ in INVALID_ROWS])
+@pytest.mark.parametrize(
+    "kwargs", [kw for _, kw in INVALID_ROWS], ids=[name for name, _ in INVALID_ROWS]
+)
 async def test_invalid_rows_are_refused_and_write_nothing(engine, app, kwargs) -> None:
     async with engine.begin() as conn:
         with pytest.raises(InvalidRowError):
@@ -287,20 +307,27 @@ async def test_unknown_table_is_a_registry_error(app) -> None:
 
 async def test_bigint_bounds_round_trip(engine, app) -> None:
     async with engine.begin() as conn:
-        await app.write_async(conn, category=Category.USER_UPDATE, shard_identifier=BIGINT_MAX,
-                              object_identifier=BIGINT_MIN)
-        await app.write_async(conn, category=Category.USER_UPDATE, shard_identifier=BIGINT_MIN,
-                              object_identifier=0)
+        await app.write_async(
+            conn,
+            category=Category.USER_UPDATE,
+            shard_identifier=BIGINT_MAX,
+            object_identifier=BIGINT_MIN,
+        )
+        await app.write_async(
+            conn, category=Category.USER_UPDATE, shard_identifier=BIGINT_MIN, object_identifier=0
+        )
     rows = await rows_of(engine, app)
     assert [(r["shard_identifier"], r["object_identifier"]) for r in rows] == [
-        (BIGINT_MAX, BIGINT_MIN), (BIGINT_MIN, 0)
+        (BIGINT_MAX, BIGINT_MIN),
+        (BIGINT_MIN, 0),
     ]
 
 
 async def test_plain_ints_are_accepted_for_categories_and_scopes(engine, app) -> None:
     async with engine.begin() as conn:
-        await app.write_async(conn, category=10, shard_identifier=1, object_identifier=1,
-                              shard_scope=2)
+        await app.write_async(
+            conn, category=10, shard_identifier=1, object_identifier=1, shard_scope=2
+        )
     rows = await rows_of(engine, app)
     assert [(r["shard_scope"], r["category"]) for r in rows] == [(2, 10)]
 
@@ -321,16 +348,22 @@ class Customer(BaseModel):
 
 
 async def test_pydantic_payload_is_stored_as_its_json_dump(engine, app) -> None:
-    customer = Customer(name="Zoë", balance=Decimal("12.50"),
-                        address=Address(city="Lyon", since=datetime(2024, 5, 1, 12, tzinfo=UTC)),
-                        tags={"vip"})
+    customer = Customer(
+        name="Zoë",
+        balance=Decimal("12.50"),
+        address=Address(city="Lyon", since=datetime(2024, 5, 1, 12, tzinfo=UTC)),
+        tags={"vip"},
+    )
     async with engine.begin() as conn:
         await app.write_async(conn, **CORE, payload=customer)
     [row] = await rows_of(engine, app)
     assert row["payload"] == customer.model_dump(mode="json")
-    assert row["payload"] == {"name": "Zoë", "balance": "12.50",
-                              "address": {"city": "Lyon", "since": "2024-05-01T12:00:00Z"},
-                              "tags": ["vip"]}
+    assert row["payload"] == {
+        "name": "Zoë",
+        "balance": "12.50",
+        "address": {"city": "Lyon", "since": "2024-05-01T12:00:00Z"},
+        "tags": ["vip"],
+    }
 
 
 @pytest.mark.parametrize(
@@ -351,8 +384,9 @@ async def test_json_payloads_round_trip(engine, app, payload) -> None:
     [row] = await rows_of(engine, app)
     assert row["payload"] == payload
     async with engine.connect() as conn:
-        is_sql_null = (await conn.execute(
-            text(f"SELECT payload IS NULL FROM {app.table().name}"))).scalar_one()
+        is_sql_null = (
+            await conn.execute(text(f"SELECT payload IS NULL FROM {app.table().name}"))
+        ).scalar_one()
     assert is_sql_null is (payload is None)  # None is SQL NULL, not JSON null
 
 
@@ -394,14 +428,16 @@ async def test_regional_table_requires_a_region(engine, regional_app) -> None:
         us = await regional_app.write_async(conn, **CORE, region="us-east-1")
     rows = await rows_of(engine, regional_app)
     assert [(r["id"], r["region"], r["shard_scope"]) for r in rows] == [
-        (eu, "eu-west-1", Scope.ORGANIZATION), (us, "us-east-1", Scope.ORGANIZATION)
+        (eu, "eu-west-1", Scope.ORGANIZATION),
+        (us, "us-east-1", Scope.ORGANIZATION),
     ]
 
 
 async def test_app_with_a_regional_and_a_normal_table(engine) -> None:
     normal, regional = unique_table(), unique_table()
-    app = OutboxApp(scopes=SCOPES, tables=[OutboxTable(normal),
-                                           OutboxTable(regional, regional=True)])
+    app = OutboxApp(
+        scopes=SCOPES, tables=[OutboxTable(normal), OutboxTable(regional, regional=True)]
+    )
     await create_tables(engine, app)
     async with engine.begin() as conn:
         await app.write_async(conn, **CORE)  # the first table is the default
@@ -419,11 +455,13 @@ async def test_plain_sql_insert_gets_defaults(engine, app) -> None:
     table = app.table().name
     async with engine.begin() as conn:
         before = (await conn.execute(text("SELECT clock_timestamp()"))).scalar_one()
-        result = await conn.execute(text(
-            f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier, "
-            "payload) VALUES (1, 42, 2, 9, '{\"from\": \"sql\"}'), (2, 43, 10, 8, NULL) "
-            "RETURNING id"
-        ))
+        result = await conn.execute(
+            text(
+                f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier, "
+                'payload) VALUES (1, 42, 2, 9, \'{"from": "sql"}\'), (2, 43, 10, 8, NULL) '
+                "RETURNING id"
+            )
+        )
         ids = [r[0] for r in result]
     after = datetime.now(UTC)
     rows = await rows_of(engine, app)
@@ -441,8 +479,10 @@ async def test_plain_sql_insert_gets_defaults(engine, app) -> None:
 
 
 async def test_create_outbox_tables_is_idempotent(engine) -> None:
-    app = OutboxApp(scopes=SCOPES, tables=[OutboxTable(unique_table()),
-                                           OutboxTable(unique_table(), regional=True)])
+    app = OutboxApp(
+        scopes=SCOPES,
+        tables=[OutboxTable(unique_table()), OutboxTable(unique_table(), regional=True)],
+    )
     names = list(app.tables)
     async with engine.begin() as conn:
         await create_outbox_tables(conn, app.metadata)
@@ -453,18 +493,48 @@ async def test_create_outbox_tables_is_idempotent(engine) -> None:
             await create_outbox_tables(conn, app.metadata)
     assert await count(engine, names[0]) == 1  # nothing dropped or recreated
     async with engine.connect() as conn:
-        triggers = (await conn.execute(text(
-            "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgrelid::regclass::text "
-            "= ANY(:names) ORDER BY tgname"), {"names": names})).scalars().all()
-        indexes = (await conn.execute(text(
-            "SELECT indexname FROM pg_indexes WHERE tablename = ANY(:names) ORDER BY indexname"),
-            {"names": names})).scalars().all()
-        region_columns = (await conn.execute(text(
-            "SELECT table_name FROM information_schema.columns WHERE column_name = 'region' "
-            "AND table_name = ANY(:names)"), {"names": names})).scalars().all()
+        triggers = (
+            (
+                await conn.execute(
+                    text(
+                        "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgrelid::regclass::text "
+                        "= ANY(:names) ORDER BY tgname"
+                    ),
+                    {"names": names},
+                )
+            )
+            .scalars()
+            .all()
+        )
+        indexes = (
+            (
+                await conn.execute(
+                    text(
+                        "SELECT indexname FROM pg_indexes WHERE tablename = ANY(:names) ORDER BY indexname"
+                    ),
+                    {"names": names},
+                )
+            )
+            .scalars()
+            .all()
+        )
+        region_columns = (
+            (
+                await conn.execute(
+                    text(
+                        "SELECT table_name FROM information_schema.columns WHERE column_name = 'region' "
+                        "AND table_name = ANY(:names)"
+                    ),
+                    {"names": names},
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert triggers == sorted(f"{n}_notify" for n in names)
     assert indexes == sorted(
-        [f"{n}_pkey" for n in names] + [f"{n}_shard_idx" for n in names]
+        [f"{n}_pkey" for n in names]
+        + [f"{n}_shard_idx" for n in names]
         + [f"{n}_group_idx" for n in names]
     )
     assert region_columns == [names[1]]
@@ -493,8 +563,9 @@ async def test_notification_only_for_committed_rows(servers, engine, app) -> Non
             await conn.rollback()
         async with engine.begin() as conn:
             first = await app.write_async(conn, **CORE)
-            second = await app.write_async(conn, category=Category.USER_UPDATE,
-                                           shard_identifier=3, object_identifier=1)
+            second = await app.write_async(
+                conn, category=Category.USER_UPDATE, shard_identifier=3, object_identifier=1
+            )
         received = [n.payload async for n in listener.notifies(timeout=5, stop_after=2)]
     assert len(received) == 2  # one per INSERT statement, none for the rolled-back one
     assert json.loads(received[0]) == [[int(Scope.ORGANIZATION), 7, first]]
@@ -505,9 +576,15 @@ async def test_reserved_words_are_refused_as_table_names(engine) -> None:
     """Every word PostgreSQL reserves for table names is refused when the table is declared,
     not when its DDL fails."""
     async with engine.connect() as conn:
-        words = (await conn.execute(text(
-            "SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')"
-        ))).scalars().all()
+        words = (
+            (
+                await conn.execute(
+                    text("SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')")
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert "user" in words and "select" in words
     for word in words:
         with pytest.raises(RegistryError):

@@ -79,10 +79,12 @@ def test_default_table_is_outbox() -> None:
 
 def test_category_in_two_scopes_names_both_scopes() -> None:
     with pytest.raises(RegistryError) as info:
-        OutboxApp(scopes={
-            Scope.ORGANIZATION: [Category.ORGANIZATION_UPDATE, Category.MEMBER_UPDATE],
-            Scope.USER: [Category.USER_UPDATE, Category.MEMBER_UPDATE],
-        })
+        OutboxApp(
+            scopes={
+                Scope.ORGANIZATION: [Category.ORGANIZATION_UPDATE, Category.MEMBER_UPDATE],
+                Scope.USER: [Category.USER_UPDATE, Category.MEMBER_UPDATE],
+            }
+        )
     message = str(info.value)
     assert "MEMBER_UPDATE" in message
     assert "ORGANIZATION" in message
@@ -93,10 +95,12 @@ def test_category_in_two_scopes_names_both_scopes() -> None:
 def test_category_values_clashing_across_enums_in_two_scopes() -> None:
     # The table stores values: BILLING_UPDATE (2) in USER would be PROJECT_UPDATE (2) too.
     with pytest.raises(RegistryError) as info:
-        OutboxApp(scopes={
-            Scope.ORGANIZATION: [Category.PROJECT_UPDATE],
-            Scope.USER: [OtherCategory.BILLING_UPDATE],
-        })
+        OutboxApp(
+            scopes={
+                Scope.ORGANIZATION: [Category.PROJECT_UPDATE],
+                Scope.USER: [OtherCategory.BILLING_UPDATE],
+            }
+        )
     message = str(info.value)
     assert "BILLING_UPDATE" in message
     assert "PROJECT_UPDATE" in message
@@ -105,9 +109,9 @@ def test_category_values_clashing_across_enums_in_two_scopes() -> None:
 
 def test_category_values_clashing_within_one_scope() -> None:
     with pytest.raises(RegistryError) as info:
-        OutboxApp(scopes={
-            Scope.ORGANIZATION: [Category.PROJECT_UPDATE, OtherCategory.BILLING_UPDATE]
-        })
+        OutboxApp(
+            scopes={Scope.ORGANIZATION: [Category.PROJECT_UPDATE, OtherCategory.BILLING_UPDATE]}
+        )
     message = str(info.value)
     assert "PROJECT_UPDATE" in message and "BILLING_UPDATE" in message
     assert "unique" in message
@@ -132,7 +136,8 @@ def test_category_in_no_scope_is_refused() -> None:
     assert "no scope" in message
     # Without the declaration of the enum the partial registry is accepted (nothing to check).
     assert set(OutboxApp(scopes=scopes).categories) == {
-        Category.ORGANIZATION_UPDATE, Category.USER_UPDATE
+        Category.ORGANIZATION_UPDATE,
+        Category.USER_UPDATE,
     }
 
 
@@ -189,15 +194,20 @@ def test_unknown_table() -> None:
 # -- names --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("given", ["organization", "Organization", "ORGANIZATION", " organization ",
-                                   "1"])
+@pytest.mark.parametrize(
+    "given", ["organization", "Organization", "ORGANIZATION", " organization ", "1"]
+)
 def test_scope_by_name(given: str) -> None:
     assert full_app().scope_by_name(given) is Scope.ORGANIZATION
 
 
 def test_scope_by_name_with_lower_case_enum_names() -> None:
-    app = OutboxApp(scopes={LowerScope.org: [Category.ORGANIZATION_UPDATE],
-                            LowerScope.user: [Category.USER_UPDATE]})
+    app = OutboxApp(
+        scopes={
+            LowerScope.org: [Category.ORGANIZATION_UPDATE],
+            LowerScope.user: [Category.USER_UPDATE],
+        }
+    )
     assert app.scope_by_name("ORG") is LowerScope.org
     assert app.scope_by_name("user") is LowerScope.user
 
@@ -226,8 +236,10 @@ def test_names_of_known_and_unknown_values() -> None:
 
 def test_sync_and_async_handlers_are_accepted() -> None:
     app = full_app()
-    assert app.handler(Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE)(_sync_handler) \
+    assert (
+        app.handler(Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE)(_sync_handler)
         is _sync_handler
+    )
 
     @app.handler(Category.MEMBER_UPDATE)
     async def member(message: OutboxMessage) -> None:
@@ -322,8 +334,9 @@ def test_load_app() -> None:
     assert load_app("tests.sample_app:incomplete_app") is sample_app.incomplete_app
 
 
-@pytest.mark.parametrize("spec", ["tests.sample_app", "tests.sample_app:", ":app", "", ":",
-                                  ".sample_app:app"])
+@pytest.mark.parametrize(
+    "spec", ["tests.sample_app", "tests.sample_app:", ":app", "", ":", ".sample_app:app"]
+)
 def test_load_app_bad_format(spec: str) -> None:
     with pytest.raises(RegistryError) as info:
         load_app(spec)

@@ -37,7 +37,7 @@ from outbox_bridge.registry import OutboxApp, load_app
 from outbox_bridge.schema import create_outbox_tables
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
 from outbox_bridge.temporal import connect, ensure_search_attributes
-from workflows import OutboxShard
+from workflows.shard import OutboxShard
 
 log = logging.getLogger("outbox_bridge.worker")
 
@@ -69,10 +69,9 @@ def build_worker(client: Client, settings: OutboxSettings, drainer: ShardDrainer
         task_queue=settings.task_queue,
         workflows=[OutboxShard],
         activities=OutboxActivities(drainer).all(),
-        max_concurrent_activities=settings.max_concurrent_activities,
         # Lingering drains mostly wait; leave room for them beside the busy ones.
-        max_concurrent_local_activities=settings.max_concurrent_activities
-        + settings.linger_max_shards,
+        max_concurrent_activities=settings.max_concurrent_activities + settings.linger_max_shards,
+        max_concurrent_local_activities=settings.max_concurrent_activities,
         graceful_shutdown_timeout=timedelta(seconds=10),
     )
 

@@ -31,6 +31,13 @@ class OutboxActivities:
     async def drain_shard(self, request: DrainInput) -> DrainResult:
         return await self._drainer.drain(request)
 
+    @activity.defn(name="linger_shard")
+    async def linger_shard(self, request: DrainInput) -> DrainResult:
+        """Drain, then keep handling the shard's new rows as the bridge hands them over, until
+        none came for ``linger_seconds``. Heartbeats (which add no history) while it waits."""
+        async with _heartbeating():
+            return await self._drainer.drain(request)
+
     @activity.defn(dynamic=True)
     async def handle_category(self, args: Sequence[RawValue]) -> HandleHeadResult:
         """Any activity type not registered otherwise is a category activity."""
@@ -50,7 +57,7 @@ class OutboxActivities:
                 ) from None
 
     def all(self) -> list[object]:
-        return [self.drain_shard, self.handle_category]
+        return [self.drain_shard, self.linger_shard, self.handle_category]
 
 
 @contextlib.asynccontextmanager

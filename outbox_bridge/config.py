@@ -103,15 +103,16 @@ class OutboxSettings(BaseSettings):
         2.0, gt=0, description="Seconds after which a drain call stops taking new groups."
     )
     linger: float = Field(
-        3.0,
+        10.0,
         ge=0,
-        lt=7.0,
-        description="Seconds a drain that emptied its shard waits for new rows before "
-        "returning (steady traffic then costs no workflow task per row); 0 disables. Below "
-        "7 s, so that the workflow task needs no heartbeat.",
+        description="Seconds a shard with steady traffic keeps a drain waiting for its next "
+        "row (handled at once, with no workflow task per row); 0 disables lingering.",
+    )
+    linger_max: float = Field(
+        120.0, gt=0, description="Seconds one lingering drain may last in all."
     )
     linger_max_shards: int = Field(
-        100, ge=0, description="Drains that may linger at once in one worker."
+        500, ge=0, description="Drains that may linger at once in one worker."
     )
     max_history_events: int = Field(
         10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
@@ -120,7 +121,8 @@ class OutboxSettings(BaseSettings):
         1.0, gt=0, description="Seconds between the bridge's scans for new rows."
     )
     sweep_interval: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="Seconds between full sweeps (late commits, lost notifications, lost "
         "workflows).",
     )
@@ -168,6 +170,7 @@ class OutboxSettings(BaseSettings):
             drain_time_budget_seconds=self.drain_time_budget,
             max_history_events=self.max_history_events,
             linger_seconds=self.linger,
+            linger_max_seconds=self.linger_max,
         )
 
 

@@ -122,10 +122,12 @@ class ShardDrainer:
             return result
         if self._hub.closed or len(self._hub) >= self._max_lingering:
             return result  # lingering drains hold activity slots: keep them for the busy
-        deadline = time.monotonic() + request.linger_seconds
+        started = time.monotonic()
+        until = started + max(request.linger_max_seconds, request.linger_seconds)
         key = request.shard.hub_key
         while _emptied(result):
-            remaining = deadline - time.monotonic()
+            # Wait at most linger_seconds for the next row, and linger_max_seconds in all.
+            remaining = min(request.linger_seconds, until - time.monotonic())
             if remaining <= 0:
                 break
             event = self._hub.arrive(key)

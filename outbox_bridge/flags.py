@@ -42,8 +42,14 @@ def settings_options(fn: F) -> F:
         if field.annotation is bool:
             option = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
         else:
-            option = click.option(flag, name, type=_click_type(field.annotation), default=None,
-                                  help=help_text, metavar=name.upper().split("_")[-1])
+            option = click.option(
+                flag,
+                name,
+                type=_click_type(field.annotation),
+                default=None,
+                help=help_text,
+                metavar=name.upper().split("_")[-1],
+            )
         fn = option(fn)
     return fn
 

@@ -72,8 +72,9 @@ def _json_safe(payload: Any) -> Any:
             f"payload is not JSON-serialisable ({exc}); pass JSON values or a pydantic model"
         ) from None
     if _JSON_NUL.search(dumped):
-        raise InvalidRowError("payload contains a NUL character (\\u0000), which PostgreSQL "
-                              "cannot store in JSON")
+        raise InvalidRowError(
+            "payload contains a NUL character (\\u0000), which PostgreSQL cannot store in JSON"
+        )
     try:
         dumped.encode("utf-8")
     except UnicodeEncodeError:

@@ -35,6 +35,7 @@ _RESERVED_WORDS = frozenset(
     variadic verbose when where window with""".split()
 )
 
+
 @dataclass(frozen=True)
 class OutboxMessage:
     """What a handler receives: the newest row of a coalescing group.
@@ -304,8 +305,16 @@ class OutboxApp:
         """
         statement = build_insert(
             self,
-            RowSpec(category, shard_identifier, object_identifier, payload, shard_scope, region,
-                    scheduled_for, table),
+            RowSpec(
+                category,
+                shard_identifier,
+                object_identifier,
+                payload,
+                shard_scope,
+                region,
+                scheduled_for,
+                table,
+            ),
         )
         result = session.execute(statement)
         if inspect.isawaitable(result):  # an AsyncSession / AsyncConnection: nothing ran
@@ -331,8 +340,16 @@ class OutboxApp:
         """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
         statement = build_insert(
             self,
-            RowSpec(category, shard_identifier, object_identifier, payload, shard_scope, region,
-                    scheduled_for, table),
+            RowSpec(
+                category,
+                shard_identifier,
+                object_identifier,
+                payload,
+                shard_scope,
+                region,
+                scheduled_for,
+                table,
+            ),
         )
         result = await session.execute(statement)
         return int(result.scalar_one())

@@ -10,7 +10,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from workflows import OutboxShard
+from workflows.shard import OutboxShard
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 

@@ -1,5 +1,5 @@
-"""Temporal workflow definitions of outbox-bridge."""
+"""Temporal workflow definitions of outbox-bridge (the workflow is in ``workflows.shard``).
 
-from workflows.shard import OutboxShard
-
-__all__ = ["OutboxShard"]
+Kept empty: every new workflow run re-imports its module in the sandbox, so this package must be
+cheap to import.
+"""

@@ -47,6 +47,7 @@ class ShardOptions:
     drain_time_budget_seconds: float = 2.0
     max_history_events: int = 10_000
     linger_seconds: float = 0.0
+    linger_max_seconds: float = 120.0
 
 
 @dataclass
@@ -129,6 +130,7 @@ class DrainInput:
     max_groups: int = 1000
     time_budget_seconds: float = 2.0
     linger_seconds: float = 0.0
+    linger_max_seconds: float = 0.0
 
 
 @dataclass

@@ -41,6 +41,8 @@ DRAINING, BLOCKED, SKIPPED, DEFERRED, IDLE = "draining", "blocked", "skipped", "
 
 # Retries of the local drain before it falls back to a normal (visible, server-retried) one.
 LOCAL_DRAIN_ATTEMPTS = 3
+# Rows arriving after the first drain are drained by a lingering normal activity.
+LINGER_ACTIVITY_PATCH = "linger-activity"
 
 
 @workflow.defn(name="OutboxShard")
@@ -57,6 +59,9 @@ class OutboxShard:
         self._skip: SkipInfo | None = carry.skip
         # A run starts because rows exist (or carried on from a run that had some).
         self._dirty = True
+        # Set when rows arrive after this run's first drain: traffic is steady, so linger.
+        self._drained = False
+        self._traffic = False
         self._state = DRAINING
         self._head: HeadGroup | None = None
         self._attempts = 0
@@ -136,6 +141,7 @@ class OutboxShard:
         if result is None:  # skipped while draining
             self._dirty = True
             return
+        self._drained = True
         self._count(result.rows_handled, result.groups_handled)
         self._highest_seen_id = max(self._highest_seen_id, result.highest_seen_id)
         if result.failed is not None:
@@ -149,17 +155,22 @@ class OutboxShard:
             self._deferred_until = datetime.fromisoformat(result.deferred_until)
 
     async def _drain(self) -> DrainResult | None:
+        if (
+            self._traffic
+            and self._options.linger_seconds > 0
+            and workflow.patched(LINGER_ACTIVITY_PATCH)
+        ):
+            lingered = await self._linger()
+            if lingered is not None or self._skip is not None:
+                return lingered
         request = DrainInput(
             shard=self._shard,
             max_groups=self._options.drain_max_groups,
             time_budget_seconds=self._options.drain_time_budget_seconds,
-            linger_seconds=self._options.linger_seconds,
         )
         options = self._options
         timeout = timedelta(
-            seconds=options.handler_timeout_seconds
-            + options.drain_time_budget_seconds
-            + options.linger_seconds
+            seconds=options.handler_timeout_seconds + options.drain_time_budget_seconds
         )
         try:
             local = workflow.start_local_activity(
@@ -187,6 +198,40 @@ class OutboxShard:
                 summary=f"drain {self._shard.key}",
             )
             return await self._unless_skipped(remote)
+
+    async def _linger(self) -> DrainResult | None:
+        """Rows keep arriving: drain with a normal activity that stays for the next rows, so
+        steady traffic costs a handful of events per linger period instead of several per
+        row. Its heartbeats add no history; a skip cancels it."""
+        options = self._options
+        request = DrainInput(
+            shard=self._shard,
+            max_groups=options.drain_max_groups,
+            time_budget_seconds=options.drain_time_budget_seconds,
+            linger_seconds=options.linger_seconds,
+            linger_max_seconds=options.linger_max_seconds,
+        )
+        handle = workflow.start_activity(
+            "linger_shard",
+            request,
+            result_type=DrainResult,
+            start_to_close_timeout=timedelta(
+                seconds=options.linger_max_seconds
+                + options.handler_timeout_seconds
+                + options.drain_time_budget_seconds
+            ),
+            heartbeat_timeout=timedelta(seconds=options.heartbeat_timeout_seconds),
+            retry_policy=RetryPolicy(
+                initial_interval=timedelta(seconds=options.initial_retry_seconds),
+                maximum_attempts=LOCAL_DRAIN_ATTEMPTS,
+            ),
+            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+            summary=f"linger {self._shard.key}",
+        )
+        try:
+            return await self._unless_skipped(handle)
+        except ActivityError:
+            return None  # fall back to the local drain and its own fallback
 
     async def _unblock(self, head: HeadGroup, failure: HandlerFailure | None) -> None:
         """Retry the failed head group as a category activity until it succeeds or the shard is
@@ -257,6 +302,7 @@ class OutboxShard:
         self._max_known_id = max(self._max_known_id, input.max_id)
         if input.late or input.max_id > self._highest_seen_id:
             self._dirty = True
+            self._traffic = self._traffic or self._drained
 
     @workflow.signal
     def skip(self, input: SkipInput) -> None:

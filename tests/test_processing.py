@@ -572,9 +572,15 @@ async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
             await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
             await asyncio.sleep(0.1)  # steady, not a burst
-        description = await client.get_workflow_handle(
-            workflow_id(table, Scope.ORGANIZATION, 1)
-        ).describe()
+        handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
+        description = await handle.describe()
     assert len(recorder.calls) == rows
     # One signal, workflow task and local activity per row would be about seven events.
-    assert description.raw_description.workflow_execution_info.history_length <= 2 * rows
+    assert description.raw_description.workflow_execution_info.history_length <= rows
+    history = await handle.fetch_history()
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+    assert scheduled and set(scheduled) == {"linger_shard"}

@@ -19,7 +19,6 @@ from typing import Any
 from urllib.parse import quote
 
 import click
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -34,7 +33,7 @@ from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.hub import ShardHub
 from outbox_bridge.registry import OutboxApp, load_app
-from outbox_bridge.schema import create_outbox_tables
+from outbox_bridge.schema import prepare_database
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
 from outbox_bridge.temporal import connect, ensure_search_attributes
 from workflows.shard import OutboxShard
@@ -98,14 +97,7 @@ async def serve(
         max_lingering=settings.linger_max_shards,
     )
     try:
-        try:
-            async with engine.begin() as conn:
-                await create_outbox_tables(conn, app.metadata)
-        except OperationalError as exc:
-            raise ConfigurationError(
-                f"cannot reach PostgreSQL at {safe_url(sqlalchemy_url(database_url))}: "
-                f"{str(exc.orig).strip()}"
-            ) from None
+        await prepare_database(engine, app.metadata)
         client = await connect(settings, temporal_address, interceptors=[tracing_interceptor()])
         await ensure_search_attributes(client)
         worker = build_worker(client, settings, drainer)

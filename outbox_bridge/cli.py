@@ -7,7 +7,6 @@ import sys
 from typing import Any
 
 import click
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
@@ -15,7 +14,7 @@ from outbox_bridge.embedded import EmbeddedPostgres
 from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.registry import OutboxApp, load_app
-from outbox_bridge.schema import create_outbox_tables
+from outbox_bridge.schema import prepare_database
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,14 +48,7 @@ async def _init_db(settings: OutboxSettings) -> list[str]:
         url = postgres.start()
     engine = create_async_engine(sqlalchemy_url(url))
     try:
-        async with engine.begin() as conn:
-            await create_outbox_tables(conn, app.metadata)
-    except DBAPIError as exc:
-        # The driver's message names host and port, never the password; the URL is masked.
-        raise ConfigurationError(
-            f"cannot create the outbox tables in {safe_url(sqlalchemy_url(url))}: "
-            f"{str(exc.orig).strip()}"
-        ) from None
+        await prepare_database(engine, app.metadata)
     finally:
         await engine.dispose()
         if postgres is not None:

@@ -20,7 +20,8 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 # A NOTIFY payload is limited to 8,000 bytes; past this the trigger asks for a sweep instead.
 NOTIFY_PAYLOAD_LIMIT = 7000
@@ -127,3 +128,19 @@ async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> Non
         if "regional" in table.info:
             for statement in notify_ddl(table):
                 await conn.execute(text(statement))
+
+
+async def prepare_database(engine: AsyncEngine, metadata: MetaData) -> None:
+    """:func:`create_outbox_tables` with the engine's own connection, a driver error turned
+    into a :class:`ConfigurationError` that names the database (password masked)."""
+    from outbox_bridge.config import safe_url
+    from outbox_bridge.errors import ConfigurationError
+
+    try:
+        async with engine.begin() as conn:
+            await create_outbox_tables(conn, metadata)
+    except DBAPIError as exc:
+        # The driver's message names host and port, never the password.
+        raise ConfigurationError(
+            f"cannot create the outbox tables in {safe_url(engine.url)}: {str(exc.orig).strip()}"
+        ) from None

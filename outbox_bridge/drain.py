@@ -131,9 +131,12 @@ class ShardDrainer:
             if remaining <= 0:
                 break
             event = self._hub.arrive(key)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), remaining)
-            self._hub.leave(key, event)
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+            finally:
+                # Also when cancelled (a skip): a stale entry would swallow the bridge's news.
+                self._hub.leave(key, event)
             if not event.is_set():
                 break  # nothing was handed to us: the bridge signals what comes next
             before = result.rows_handled

@@ -584,3 +584,32 @@ async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
     ]
     assert scheduled and set(scheduled) == {"linger_shard"}
+
+
+async def test_a_row_after_its_lingering_workflow_was_terminated_is_delivered_without_a_sweep(
+    servers, engine, client
+) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
+
+    async def linger_running() -> bool:
+        try:
+            pending = (await handle.describe()).raw_description.pending_activities
+        except Exception:
+            return False
+        return any(p.activity_type.name == "linger_shard" for p in pending)
+
+    settings = fast_settings(linger=30.0, sweep_interval=120.0, idle_timeout=60)
+    async with running_worker(servers, app, settings):
+        for i in range(3):  # rows after the first drain: steady traffic, so it lingers
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
+            await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
+        await wait_until(linger_running, what="a lingering drain")
+        await handle.terminate(reason="terminated while lingering")
+        await asyncio.sleep(3)  # the lingering attempt learns of it at its next heartbeat
+        [last] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 99)])
+        # No sweep runs in this test: only the bridge's signal can deliver this row.
+        await wait_until(lambda: last in recorder.ids(), timeout=15, what="the row")

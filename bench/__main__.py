@@ -31,7 +31,7 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument("--latency-seconds", type=float, default=None,
                         help="writer duration of the latency workload (default 60 × scale)")
-    parser.add_argument("--budget", type=float, default=19 * 60.0,
+    parser.add_argument("--budget", type=float, default=18 * 60.0,
                         help="seconds the whole invocation may take; drains are capped to fit")
     args = parser.parse_args(argv)
     if args.scale <= 0:

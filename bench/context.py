@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from bench.bridge_run import bench_settings
 from bench.servers import TemporalServer, temporal
+from outbox_bridge import OutboxSettings
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 MODES = {"file": ["file"], "memory": ["memory"], "both": ["file", "memory"]}
@@ -25,7 +28,12 @@ class BenchConfig:
     idle_timeout: float = 5.0
     latency_seconds: float | None = None  # None: 60 s × scale, at least 3 s
     latency_grace: float = 5.0
-    budget: float = 19 * 60.0  # seconds for the whole invocation
+    latency_rate: float = 100.0  # rows/s of the latency writer
+    latency_shards: int = 200
+    budget: float = 18 * 60.0  # seconds for the whole invocation
+    # OutboxSettings fields to override (the benchmark itself overrides none but
+    # idle_timeout; the smoke test shortens timers). Recorded in the results.
+    settings_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def scaled(count: int, scale: float, minimum: int = 1) -> int:
@@ -55,3 +63,15 @@ class Context:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def settings(self, **overrides: Any) -> OutboxSettings:
+        """Settings of one bridge run: defaults, a unique task queue, the idle timeout."""
+        return bench_settings(
+            self.config.idle_timeout, **{**self.config.settings_overrides, **overrides}
+        )
+
+    def close_timeout(self, settings: OutboxSettings) -> float:
+        """How long shard workflows may take to close once the table is empty: a lingering
+        drain waits for rows first, then the workflow idles."""
+        linger = float(getattr(settings, "linger", 0.0))
+        return min(settings.idle_timeout + linger + 30.0, max(self.left() - 20.0, 0.0))

@@ -19,16 +19,15 @@ from typing import Any
 
 from bench.app import HandlerProbe, make_app
 from bench.baseline import DirectDrain
-from bench.bridge_run import bench_settings, running_bridge, settings_summary
+from bench.bridge_run import running_bridge, settings_summary
 from bench.context import Context
 from bench.corelog import COUNTER
 from bench.progress import PROGRESS_EVERY, say, watch_drain
 from bench.rows import connect, count_rows, create_table, drop_table, table_name
 from bench.servers import TemporalServer
 from bench.writer import SteadyWriter
+from outbox_bridge import OutboxApp
 
-RATE = 100.0
-SHARDS = 200
 BASELINE_POLL = 0.1
 DRAIN_AFTER_GRACE = 30.0
 
@@ -44,7 +43,7 @@ class Phase:
     remaining: int
     handler_calls: int
     latencies: list[tuple[float, float]]  # (seconds since the writer started, latency ms)
-    history: dict[str, Any]
+    extra: dict[str, Any]  # history events, settings, writer lag
 
     @property
     def rows_per_s(self) -> float:
@@ -58,7 +57,10 @@ class Phase:
 
 
 def duration(ctx: Context) -> float:
-    return ctx.config.latency_seconds or max(3.0, 60.0 * ctx.config.scale)
+    """The writer's duration: 60 s × scale (at least 3 s), shortened to fit the three phases
+    into what is left of the invocation's budget."""
+    wanted = ctx.config.latency_seconds or max(3.0, 60.0 * ctx.config.scale)
+    return max(3.0, min(wanted, (ctx.left() - 120.0) / 3 - 20.0))
 
 
 async def _write_and_settle(
@@ -104,73 +106,93 @@ def _latencies(writer: SteadyWriter, probe: HandlerProbe) -> list[tuple[float, f
     ]
 
 
-async def run_phase(ctx: Context, name: str, server: TemporalServer | None) -> Phase:
+async def run_phase(
+    ctx: Context, name: str, server: TemporalServer | None, writer_seconds: float
+) -> Phase:
     """One latency measurement: ``baseline`` (server None), ``listen`` or ``poll_only``."""
     label = f"latency/{name}" + (f"-{server.mode}" if server else "")
     probe = HandlerProbe(record_starts=True)
     app = make_app(table_name(f"latency_{name}"), probe)
-    table = app.table().name
     await create_table(ctx.database_url, app)
     writer = SteadyWriter(
-        ctx.database_url, table, rate=RATE, shards=SHARDS, seconds=duration(ctx)
+        ctx.database_url, app.table().name, rate=ctx.config.latency_rate,
+        shards=ctx.config.latency_shards, seconds=writer_seconds,
     )
-    history: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     if server is None:
-        drain = DirectDrain(
-            ctx.database_url, app, threads=4, until_empty=False, poll_interval=BASELINE_POLL
-        )
-        drain_task = asyncio.create_task(asyncio.to_thread(drain.run))
-        seconds, backlog_end, remaining = await _write_and_settle(ctx, writer, table, label)
-        drain.stop()
-        await drain_task
+        outcome = await _with_baseline(ctx, app, writer, label)
     else:
-        settings = bench_settings(ctx.config.idle_timeout, listen=name == "listen")
-        warnings_mark = COUNTER.count
-        async with running_bridge(settings, app, ctx.database_url, server.address) as run:
-            seconds, backlog_end, remaining = await _write_and_settle(ctx, writer, table, label)
-            running, _ = await run.close_stats(close_timeout=ctx.config.idle_timeout + 30)
-        stats = await run.history()
-        history = {
-            "history_events": stats.events,
-            "workflow_executions": stats.executions,
-            "running_after_idle": running,
-            "settings": settings_summary(settings),
-            **COUNTER.since(warnings_mark),
-        }
-    await asyncio.to_thread(drop_table, ctx.database_url, table)
-    phase = Phase(name, writer.written, seconds, backlog_end, remaining, probe.calls,
-                  _latencies(writer, probe), history)
+        outcome, extra = await _with_bridge(ctx, app, writer, label, server, name == "listen")
+    await asyncio.to_thread(drop_table, ctx.database_url, app.table().name)
+    extra["writer_max_lag_ms"] = round(writer.max_lag * 1000, 1)
+    phase = Phase(name, writer.written, *outcome, probe.calls, _latencies(writer, probe), extra)
     say(label, f"p50 {phase.percentile(50)} ms, p99 {phase.percentile(99)} ms, "
-               f"backlog at the end {backlog_end}, writer max lag {writer.max_lag * 1000:.0f} ms")
+               f"backlog at the end {phase.backlog_end}")
     return phase
 
 
+async def _with_baseline(
+    ctx: Context, app: OutboxApp, writer: SteadyWriter, label: str
+) -> tuple[float, int, int]:
+    drain = DirectDrain(
+        ctx.database_url, app, threads=4, until_empty=False, poll_interval=BASELINE_POLL
+    )
+    task = asyncio.create_task(asyncio.to_thread(drain.run))
+    try:
+        return await _write_and_settle(ctx, writer, app.table().name, label)
+    finally:
+        drain.stop()
+        await task
+
+
+async def _with_bridge(
+    ctx: Context, app: OutboxApp, writer: SteadyWriter, label: str, server: TemporalServer,
+    listen: bool,
+) -> tuple[tuple[float, int, int], dict[str, Any]]:
+    settings = ctx.settings(listen=listen)
+    warnings_mark = COUNTER.count
+    async with running_bridge(settings, app, ctx.database_url, server.address) as run:
+        outcome = await _write_and_settle(ctx, writer, app.table().name, label)
+        running, _ = await run.close_stats(close_timeout=ctx.close_timeout(settings))
+    stats = await run.history(all_closed=running == 0)
+    return outcome, {
+        "history_events": stats.events,
+        "workflow_executions": stats.executions,
+        "running_after_idle": running,
+        "settings": settings_summary(settings),
+        **COUNTER.since(warnings_mark),
+    }
+
+
 def _events_per_row(phase: Phase) -> float | None:
-    events = phase.history.get("history_events")
+    events = phase.extra.get("history_events")
     handled = phase.rows - phase.remaining
     return round(events / handled, 3) if events is not None and handled else None
 
 
-def latency_entry(mode: str, listen: Phase, poll: Phase, baseline: Phase) -> dict[str, Any]:
+def latency_entry(
+    ctx: Context, mode: str, listen: Phase, poll: Phase, baseline: Phase
+) -> dict[str, Any]:
     events_per_row = _events_per_row(listen)
     return {
         "temporal": mode,
         "rows": listen.rows,
-        "shards": SHARDS,
-        "rate": RATE,
+        "shards": ctx.config.latency_shards,
+        "rate": ctx.config.latency_rate,
         "completed": listen.remaining == 0 and poll.remaining == 0 and baseline.remaining == 0,
         "seconds": round(listen.seconds, 3),
         "bridge_rows_per_s": round(listen.rows_per_s, 1),
         "baseline_rows_per_s": round(baseline.rows_per_s, 1),
         "ratio": round(listen.rows_per_s / baseline.rows_per_s, 4) if baseline.rows_per_s else None,
         "handler_calls": listen.handler_calls,
+        "duplicate_handler_calls": listen.handler_calls - len(listen.latencies),
         "p50_ms": listen.percentile(50),
         "p99_ms": listen.percentile(99),
         "max_ms": listen.percentile(100),
         "backlog_end": listen.backlog_end,
         "events_per_row": events_per_row,
         "history_events_per_row": events_per_row,
-        **{k: v for k, v in listen.history.items()},
+        **listen.extra,
         "poll_only_p50_ms": poll.percentile(50),
         "poll_only_p99_ms": poll.percentile(99),
         "poll_only_max_ms": poll.percentile(100),
@@ -189,23 +211,25 @@ def latency_entry(mode: str, listen: Phase, poll: Phase, baseline: Phase) -> dic
 
 
 async def run_latency(ctx: Context) -> dict[str, Any]:
-    say("latency", f"{RATE:.0f} rows/s over {SHARDS} shards for {duration(ctx):.0f} s per side")
-    baseline = await run_phase(ctx, "baseline", None)
+    rate, shards = ctx.config.latency_rate, ctx.config.latency_shards
+    seconds = duration(ctx)
+    say("latency", f"{rate:.0f} rows/s over {shards} shards for {seconds:.0f} s per side")
+    baseline = await run_phase(ctx, "baseline", None, seconds)
     entries = []
     for mode in ctx.modes("file"):
         async with ctx.temporal(mode) as server:  # a fresh server for each phase
-            listen = await run_phase(ctx, "listen", server)
+            listen = await run_phase(ctx, "listen", server, seconds)
         async with ctx.temporal(mode) as server:
-            poll = await run_phase(ctx, "poll_only", server)
-        entries.append(latency_entry(server.mode, listen, poll, baseline))
+            poll = await run_phase(ctx, "poll_only", server, seconds)
+        entries.append(latency_entry(ctx, server.mode, listen, poll, baseline))
     return {
         "workload": "latency",
         "kind": "latency",
-        "description": f"steady {RATE:.0f} rows/s over {SHARDS} shards, one row per "
+        "description": f"steady {rate:.0f} rows/s over {shards} shards, one row per "
         "transaction: commit→handler latency",
         "scale": ctx.config.scale,
         "idle_timeout": ctx.config.idle_timeout,
-        "duration_s": duration(ctx),
+        "duration_s": seconds,
         "baseline_poll_interval_s": BASELINE_POLL,
         "entries": entries,
     }

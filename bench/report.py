@@ -9,6 +9,7 @@ from typing import Any
 THROUGHPUT_COLUMNS = [
     ("temporal", "temporal", "{}"),
     ("rows", "rows", "{:,}"),
+    ("rows_done", "bridge done", "{:,}"),
     ("baseline_rows_per_s", "baseline rows/s", "{:,.0f}"),
     ("bridge_rows_per_s", "bridge rows/s", "{:,.0f}"),
     ("ratio", "ratio", "{:.3f}"),

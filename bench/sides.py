@@ -2,7 +2,8 @@
 
 Rows are inserted before the clock starts. The baseline's clock runs from the start of its
 threads until they found their partitions empty; the bridge's from the call of ``serve`` (so
-its start-up and first sweep are included) until the table is observed empty.
+its start-up and first sweep, which already starts shard workflows, are included) until the
+table is observed empty. ``bridge_rows_per_s_from_ready`` is the rate after ``ready`` alone.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import psutil
 
 from bench.app import HandlerProbe, make_app
 from bench.baseline import DirectDrain
-from bench.bridge_run import bench_settings, running_bridge, settings_summary
+from bench.bridge_run import running_bridge, settings_summary
 from bench.context import Context
 from bench.corelog import COUNTER
-from bench.progress import say, watch_drain
+from bench.progress import DrainWatch, say, watch_drain
 from bench.rows import RowSet, connect, copy_rows, count_rows, create_table, drop_table, table_name
 from bench.servers import TemporalServer
-
-CLOSE_MARGIN = 30.0
+from outbox_bridge import OutboxApp
 
 
 @dataclass
@@ -44,7 +44,37 @@ class SideResult:
         return self.rows_done / self.seconds if self.seconds > 0 else 0.0
 
 
-async def prepared_table(ctx: Context, label: str, rowset: RowSet, probe: HandlerProbe) -> Any:
+class RssSampler:
+    """Resident memory of this process before and at its peak during a block (sampled twice a
+    second), in MB. ``peak_rss_mb`` (getrusage) is the peak of the whole process so far."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self.before = self.peak = self._mb()
+        self._task: asyncio.Task[None] | None = None
+
+    def _mb(self) -> float:
+        return float(self._process.memory_info().rss) / 2**20
+
+    async def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._mb())
+            await asyncio.sleep(0.5)
+
+    async def __aenter__(self) -> RssSampler:
+        self.before = self.peak = self._mb()
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.peak = max(self.peak, self._mb())
+
+
+async def prepared_table(
+    ctx: Context, label: str, rowset: RowSet, probe: HandlerProbe
+) -> OutboxApp:
     """A fresh table holding ``rowset`` (insertion is not measured); returns the app."""
     app = make_app(table_name(label), probe)
     await create_table(ctx.database_url, app)
@@ -75,15 +105,14 @@ async def baseline_side(
 
     started = time.monotonic()
     task = asyncio.create_task(asyncio.to_thread(timed))
-    watch = await watch_drain(
+    await watch_drain(
         ctx.database_url, table, label=label, total=len(rowset.rows), started=started,
         deadline=ctx.phase_deadline(share), stopped=task.done,
     )
     if not task.done():
         drain.stop()
-    finished = await task
-    left = 0 if remaining_rows(ctx, table) == 0 else max(watch.remaining, 1)
-    seconds = (finished if left == 0 else watch.ended) - started
+    seconds = await task - started  # the threads stop at once when capped
+    left = await asyncio.to_thread(remaining_rows, ctx, table)
     await asyncio.to_thread(drop_table, ctx.database_url, table)
     return SideResult(len(rowset.rows), len(rowset.rows) - left, seconds, probe.calls,
                       {"threads": threads})
@@ -92,41 +121,66 @@ async def baseline_side(
 async def bridge_side(
     ctx: Context, label: str, rowset: RowSet, server: TemporalServer, *, share: float
 ) -> SideResult:
-    """Drain ``rowset`` with ``worker.serve`` in-process; then wait for the shard workflows to
-    close and count their history events."""
+    """Drain ``rowset`` with ``worker.serve`` in-process; then wait (worker still running) for
+    the shard workflows to close after their idle timeout, and count their history events."""
     probe = HandlerProbe()
     app = await prepared_table(ctx, label, rowset, probe)
     table = app.table().name
-    settings = bench_settings(ctx.config.idle_timeout)
-    rss_before = psutil.Process().memory_info().rss / 2**20
+    settings = ctx.settings()
+    rss = RssSampler()
     warnings_mark = COUNTER.count
-    async with running_bridge(settings, app, ctx.database_url, server.address) as run:
+    async with rss, running_bridge(settings, app, ctx.database_url, server.address) as run:
+        ready_after = run.ready_after
+        left_at_ready = await asyncio.to_thread(remaining_rows, ctx, table)
         watch = await watch_drain(
             ctx.database_url, table, label=label, total=len(rowset.rows), started=run.started,
             deadline=ctx.phase_deadline(share), stopped=run.task.done,
         )
-        seconds = watch.ended - run.started
-        close_timeout = 0.0
-        if watch.completed:
-            close_timeout = min(ctx.config.idle_timeout + CLOSE_MARGIN, max(ctx.left() - 20, 0))
+        # A capped run: count what still runs, do not wait.
+        close_timeout = ctx.close_timeout(settings) if watch.completed else 0.0
         running, close_wait = await run.close_stats(close_timeout=close_timeout)
         server_rss = server.rss_mb()
-    history = await run.history()
-    left = watch.remaining
+    history = await run.history(all_closed=running == 0)
     await asyncio.to_thread(drop_table, ctx.database_url, table)
-    rows_done = len(rowset.rows) - left
+    rows_done = len(rowset.rows) - watch.remaining
     extra = {
-        "ready_s": round(run.ready_after, 3),
+        "ready_s": round(run.ready_after, 3) if run.ready_after is not None else None,
+        **_from_ready(watch, run.started, ready_after, left_at_ready),
         "history_events": history.events,
         "workflow_executions": history.executions,
-        "history_events_per_row": history.events / rows_done if rows_done else None,
+        "history_events_per_row": round(history.events / rows_done, 4) if rows_done else None,
         "history_complete": history.running == 0,
-        "running_after_idle": running,
+        # After a cap nothing is waited for: then only the count at the cap is known.
+        "running_after_idle": running if watch.completed else None,
+        "running_at_cap": None if watch.completed else running,
         "close_wait_s": round(close_wait, 2),
-        "rss_before_mb": round(rss_before, 1),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "temporal_server_rss_mb": round(server_rss, 1) if server_rss is not None else None,
+        **_memory(rss, server_rss),
         "settings": settings_summary(settings),
         **COUNTER.since(warnings_mark),
     }
-    return SideResult(len(rowset.rows), rows_done, seconds, probe.calls, extra)
+    return SideResult(
+        len(rowset.rows), rows_done, watch.ended - run.started, probe.calls, extra
+    )
+
+
+def _from_ready(
+    watch: DrainWatch, started: float, ready_after: float | None, left_at_ready: int
+) -> dict[str, Any]:
+    """The drain rate after the worker was ready (the bridge's first sweep excluded)."""
+    if ready_after is None:  # not ready when the measurement began
+        return {"rows_left_at_ready": None, "bridge_rows_per_s_from_ready": None}
+    after_ready = watch.ended - started - ready_after
+    rate = (left_at_ready - watch.remaining) / after_ready if after_ready > 0 else None
+    return {
+        "rows_left_at_ready": left_at_ready,
+        "bridge_rows_per_s_from_ready": round(rate, 1) if rate is not None else None,
+    }
+
+
+def _memory(rss: RssSampler, server_rss: float | None) -> dict[str, float | None]:
+    return {
+        "rss_before_mb": round(rss.before, 1),
+        "bridge_peak_rss_mb": round(rss.peak, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "temporal_server_rss_mb": round(server_rss, 1) if server_rss is not None else None,
+    }

@@ -30,7 +30,7 @@ async def wait_all_closed(client: Client, task_queue: str, *, timeout: float) ->
     deadline = time.monotonic() + timeout
     running = await count(client, shard_query(task_queue, "Running"))
     while running and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.25)
         running = await count(client, shard_query(task_queue, "Running"))
     return running
 
@@ -42,16 +42,19 @@ class HistoryStats:
     running: int
 
 
-async def history_stats(client: Client, task_queue: str, *, settle: float = 30.0) -> HistoryStats:
+async def history_stats(
+    client: Client, task_queue: str, *, all_closed: bool, settle: float = 30.0
+) -> HistoryStats:
     """Sum ``history_length`` over every execution (each continue-as-new run counts) once the
-    number of closed executions has stopped changing."""
-    deadline = time.monotonic() + settle
+    number of closed executions has stopped changing (at once when visibility already showed
+    every execution closed: then no more can appear)."""
+    deadline = time.monotonic() + (0.0 if all_closed else settle)
     closed_query = shard_query(task_queue) + ' AND ExecutionStatus != "Running"'
     previous = -1
     closed = await count(client, closed_query)
     while closed != previous and time.monotonic() < deadline:
         previous = closed
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         closed = await count(client, closed_query)
     events = executions = running = 0
     async for execution in client.list_workflows(shard_query(task_queue), page_size=1000):

@@ -22,7 +22,6 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import psycopg
 from sqlalchemy import Table
@@ -48,10 +47,6 @@ from workflows.models import (
 )
 
 log = logging.getLogger("outbox_bridge.bridge")
-
-# A lingering local activity keeps its workflow task open; the SDK heartbeats that task at 80%
-# of this timeout, which stays under the SDK's 5 s slow-task warning.
-WORKFLOW_TASK_TIMEOUT = timedelta(seconds=5)
 
 ShardKey = tuple[str, str | None, int, int]  # table, region, scope, shard identifier
 
@@ -377,7 +372,6 @@ class Bridge:
                 id=shard.workflow_id,
                 task_queue=self._options.task_queue,
                 search_attributes=self._search_attributes(shard),
-                task_timeout=WORKFLOW_TASK_TIMEOUT,
                 request_eager_start=True,
             )
         except WorkflowAlreadyStartedError:
@@ -397,7 +391,6 @@ class Bridge:
                 start_signal="notify",
                 start_signal_args=[NotifyInput(max_id=max_id, late=late)],
                 search_attributes=self._search_attributes(shard),
-                task_timeout=WORKFLOW_TASK_TIMEOUT,
             )
         except RPCError as exc:
             # Not remembered as known: the next scan or sweep signals it again.

@@ -237,6 +237,9 @@ def main(**overrides: Any) -> None:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         logging.getLogger("temporalio").setLevel(logging.WARNING)
+        # Handler failures are logged by the drain with shard and category; the SDK's own line
+        # for each failed attempt would repeat them.
+        logging.getLogger("temporalio.activity").setLevel(logging.ERROR)
         asyncio.run(run(settings))
     except OutboxError as exc:
         print(f"outbox-bridge: error: {exc}", file=sys.stderr)

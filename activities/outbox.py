@@ -49,7 +49,10 @@ class OutboxActivities:
         request = activity.payload_converter().from_payload(args[0].payload, HandleHeadInput)
         async with _heartbeating():
             try:
-                return await self._drainer.handle_head(request, heartbeat=activity.heartbeat)
+                # Attempt 1 of this activity is the head's second try: the drain made the first.
+                return await self._drainer.handle_head(
+                    request, heartbeat=activity.heartbeat, attempt=activity.info().attempt
+                )
             except HandlerFailed as failed:
                 raise ApplicationError(
                     failed.failure.message or failed.failure.error_type,

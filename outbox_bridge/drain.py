@@ -189,7 +189,11 @@ class ShardDrainer:
             result.deferred_until = info.deferred_until.isoformat()
 
     async def handle_head(
-        self, request: HandleHeadInput, *, heartbeat: Callable[[], None] | None = None
+        self,
+        request: HandleHeadInput,
+        *,
+        heartbeat: Callable[[], None] | None = None,
+        attempt: int = 1,
     ) -> HandleHeadResult:
         """Handle the shard's head group if it is still the given group (it may have been
         handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`."""
@@ -209,7 +213,7 @@ class ShardDrainer:
                 return HandleHeadResult(handled=False)
             if heartbeat is not None:
                 heartbeat()
-            await self._invoke(shard, group, rows[group.last_id])
+            await self._invoke(shard, group, rows[group.last_id], attempt=attempt + 1)
             deleted = await delete_rows(conn, table, group.ids)
             return HandleHeadResult(handled=True, rows_handled=deleted, last_id=group.last_id)
 
@@ -260,7 +264,9 @@ class ShardDrainer:
             coalesced=len(group.ids),
         )
 
-    async def _invoke(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> None:
+    async def _invoke(
+        self, shard: ShardRef, group: GroupRows, row: Row[Any], *, attempt: int = 1
+    ) -> None:
         category_name = self._app.category_name(group.category)
         try:
             handler = self._resolve_handler(shard, group.category)
@@ -272,14 +278,19 @@ class ShardDrainer:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a handler's SystemExit must not take the worker down
+            # The traceback on the first failure and every tenth retry; one line in between.
             log.warning(
-                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s",
+                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: "
+                "%s: %s",
                 shard.key,
                 category_name,
                 group.object_identifier,
                 group.last_id,
                 len(group.ids),
-                exc_info=exc,
+                attempt,
+                type(exc).__qualname__,
+                exc,
+                exc_info=exc if attempt % 10 == 1 else None,
             )
             message_text = "" if self._redact else str(exc)
             raise HandlerFailed(HandlerFailure(type(exc).__qualname__, message_text)) from exc

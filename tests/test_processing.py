@@ -71,6 +71,17 @@ async def temporal_cli(servers, command: str, *args: str) -> str:
     return out.decode()
 
 
+async def gated_app(engine) -> tuple[Recorder, str, OutboxApp, Gate]:
+    """An app on a fresh table whose PROJECT_UPDATE handler fails until its gate opens."""
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    gate = Gate()
+    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    return recorder, table, app, gate
+
+
 class Gate:
     """Makes a category fail while closed."""
 
@@ -181,12 +192,7 @@ async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
 async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(
     servers, engine, client
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
-    gate = Gate()
-    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    recorder, table, app, gate = await gated_app(engine)
     blocked = await write_rows(
         engine,
         app,
@@ -217,12 +223,7 @@ async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(
 async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept(
     servers, engine, client
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
-    gate = Gate()
-    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    _, table, app, gate = await gated_app(engine)
     await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 50)])
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 5))
     async with running_worker(servers, app):
@@ -272,12 +273,7 @@ async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
 
 
 async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, client) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
-    gate = Gate()
-    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    recorder, table, app, gate = await gated_app(engine)
     ids = await write_rows(
         engine, app, [row(Category.PROJECT_UPDATE, 8, 80), row(Category.MEMBER_UPDATE, 8, 81)]
     )
@@ -326,12 +322,7 @@ async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, 
 async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
     servers, engine, client
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
-    gate = Gate()
-    recorder.behaviour[Category.PROJECT_UPDATE] = gate
+    recorder, table, app, gate = await gated_app(engine)
     ids = await write_rows(
         engine, app, [row(Category.PROJECT_UPDATE, 4, 1), row(Category.PROJECT_UPDATE, 4, 2)]
     )

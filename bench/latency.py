@@ -29,6 +29,8 @@ from bench.writer import SteadyWriter
 from outbox_bridge import OutboxApp
 
 BASELINE_POLL = 0.1
+# Seconds after which every shard of the latency workload has had its first row.
+WARM_AFTER = 15.0
 DRAIN_AFTER_GRACE = 30.0
 
 
@@ -49,8 +51,9 @@ class Phase:
     def rows_per_s(self) -> float:
         return (self.rows - self.remaining) / self.seconds if self.seconds > 0 else 0.0
 
-    def percentile(self, p: float) -> float | None:
-        values = sorted(ms for _, ms in self.latencies)
+    def percentile(self, p: float, *, after: float = 0.0) -> float | None:
+        """The p-th percentile of the rows written ``after`` seconds into the run or later."""
+        values = sorted(ms for at, ms in self.latencies if at >= after)
         if not values:
             return None
         return round(values[min(len(values) - 1, max(0, math.ceil(p / 100 * len(values)) - 1))], 2)
@@ -188,6 +191,11 @@ def latency_entry(
         "duplicate_handler_calls": listen.handler_calls - len(listen.latencies),
         "p50_ms": listen.percentile(50),
         "p99_ms": listen.percentile(99),
+        # Once every shard's workflow has started: steady state without the cold start.
+        "warm_after_s": WARM_AFTER,
+        "warm_p50_ms": listen.percentile(50, after=WARM_AFTER),
+        "warm_p99_ms": listen.percentile(99, after=WARM_AFTER),
+        "poll_only_warm_p99_ms": poll.percentile(99, after=WARM_AFTER),
         "max_ms": listen.percentile(100),
         "backlog_end": listen.backlog_end,
         "events_per_row": events_per_row,

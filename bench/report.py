@@ -23,6 +23,7 @@ LATENCY_COLUMNS = [
     ("rows", "rows", "{:,}"),
     ("p50_ms", "p50 ms", "{:.0f}"),
     ("p99_ms", "p99 ms", "{:.0f}"),
+    ("warm_p99_ms", "warm p99 ms", "{:.0f}"),
     ("poll_only_p50_ms", "poll p50 ms", "{:.0f}"),
     ("poll_only_p99_ms", "poll p99 ms", "{:.0f}"),
     ("baseline_p50_ms", "baseline p50", "{:.0f}"),

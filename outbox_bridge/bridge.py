@@ -22,12 +22,18 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import psycopg
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -47,6 +53,8 @@ from workflows.models import (
 )
 
 log = logging.getLogger("outbox_bridge.bridge")
+
+STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
 ShardKey = tuple[str, str | None, int, int]  # table, region, scope, shard identifier
 
@@ -297,7 +305,9 @@ class Bridge:
                     state = description.status.name if description.status else "gone"
                     reason = f"its workflow is {state}"
                 else:
-                    status = await handle.query("status", result_type=ShardStatus)
+                    status = await handle.query(
+                        "status", result_type=ShardStatus, rpc_timeout=STATUS_QUERY_TIMEOUT
+                    )
                     if status.state != "idle":
                         return  # draining, blocked, skipped or deferred: it is on it
                     reason = "its workflow is idle"
@@ -306,6 +316,10 @@ class Bridge:
                     log.warning("cannot check shard %s: %s", shard.key, exc.message)
                     return
                 reason = "it has no workflow"
+            except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as exc:
+                # A busy or replaying worker: the next sweep asks again.
+                log.warning("cannot query shard %s: %s", shard.key, exc)
+                return
         log.info("shard %s has pending rows but %s; signalling it", shard.key, reason)
         self._last_contact.pop(key, None)
         await self._signal(key, self._known.get(key, 0), late=True, via_hub=False)

@@ -29,28 +29,16 @@ from outbox_bridge.bridge import Bridge, BridgeOptions
 from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy_url
 from outbox_bridge.drain import ShardDrainer
 from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal
-from outbox_bridge.errors import ConfigurationError, OutboxError
+from outbox_bridge.errors import OutboxError
 from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.hub import ShardHub
-from outbox_bridge.registry import OutboxApp, load_app
+from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
 from outbox_bridge.temporal import connect, ensure_search_attributes
 from workflows.shard import OutboxShard
 
 log = logging.getLogger("outbox_bridge.worker")
-
-
-def resolve_app(settings: OutboxSettings) -> OutboxApp:
-    if settings.demo and settings.app:
-        raise ConfigurationError("--demo runs the demo app; do not also give --app")
-    if settings.demo:
-        return demo.app
-    if not settings.app:
-        raise ConfigurationError(
-            "no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo"
-        )
-    return load_app(settings.app)
 
 
 def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
@@ -169,7 +157,7 @@ def print_banner(
 
 
 async def run(settings: OutboxSettings) -> None:
-    app = resolve_app(settings)
+    app = app_from_settings(settings.demo, settings.app)
     app.check_handlers()
     setup_tracing(settings.otel_exporter)
     postgres: EmbeddedPostgres | None = None

@@ -1,3 +1,3 @@
-from outbox_bridge.cli import main
+from outbox_bridge.cli import run
 
-main(prog_name="outbox-bridge")
+run()

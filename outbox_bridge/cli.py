@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import getpass
+import json
+import os
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.table import Table
 from sqlalchemy.ext.asyncio import create_async_engine
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.embedded import EmbeddedPostgres
-from outbox_bridge.errors import ConfigurationError, OutboxError
+from outbox_bridge.errors import OutboxError
 from outbox_bridge.flags import build_settings, settings_options
-from outbox_bridge.registry import OutboxApp, load_app
+from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
+from outbox_bridge.shards import parse_shard, shard_status
+from outbox_bridge.temporal import connect
+from workflows.models import ResumeInput, ShardRef, ShardStatus, SkipInput
+
+
+def run() -> None:
+    """Entry point: run the command line, then leave without interpreter teardown.
+
+    A process that used a Temporal client can crash while the interpreter finalizes (the SDK's
+    runtime threads), turning a success into a failure exit code: flush and exit explicitly.
+    """
+    code = 0
+    try:
+        main.main(prog_name="outbox-bridge")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,16 +54,7 @@ def main() -> None:
 
 
 def _app(settings: OutboxSettings) -> OutboxApp:
-    if settings.demo and settings.app:
-        raise ConfigurationError("--demo uses the demo app; do not also give --app")
-    if settings.demo:
-        from outbox_bridge import demo
-
-        return demo.app
-    if settings.app:
-        return load_app(settings.app)
-    # Without an app, the default table: `outbox`, not regional.
-    return OutboxApp(scopes={})
+    return app_from_settings(settings.demo, settings.app, allow_none=True)
 
 
 async def _init_db(settings: OutboxSettings) -> list[str]:
@@ -67,3 +86,122 @@ def init_db(**overrides: Any) -> None:
         click.echo(f"outbox-bridge: error: {exc}", err=True)
         sys.exit(2)
     click.echo(f"tables ready: {', '.join(tables)}")
+
+
+# -- steering one shard -----------------------------------------------------------------------
+
+
+def _shard_command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--table", help="The outbox table (default: the app's first table).")(fn)
+    fn = click.argument("shard")(fn)
+    return settings_options(fn)
+
+
+async def _shard_handle(
+    settings: OutboxSettings, name: str, table: str | None
+) -> tuple[Client, ShardRef]:
+    shard = parse_shard(name, _app(settings), table=table)
+    address = settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    return await connect(settings, address), shard
+
+
+def _run_or_exit(work: Awaitable[Any], shard: str) -> Any:
+    try:
+        return asyncio.run(work)  # type: ignore[arg-type]
+    except OutboxError as exc:
+        click.echo(f"outbox-bridge: error: {exc}", err=True)
+        sys.exit(2)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            click.echo(
+                f"outbox-bridge: shard {shard} has no workflow (no pending rows, or the bridge "
+                "has not started it yet)",
+                err=True,
+            )
+        else:
+            click.echo(f"outbox-bridge: error: Temporal answered {exc.message}", err=True)
+        sys.exit(1)
+
+
+def _status_table(status: ShardStatus) -> Table:
+    table = Table(title=f"shard {status.shard}", show_header=False)
+    rows: list[tuple[str, str]] = [
+        ("state", status.state),
+        ("rows handled", f"{status.rows_handled} in {status.groups_handled} groups"),
+        ("highest id known / seen", f"{status.max_known_id} / {status.highest_seen_id}"),
+    ]
+    if status.head is not None:
+        rows.append(
+            (
+                "head group",
+                f"{status.head.summary}, ids {status.head.first_id}-{status.head.last_id}",
+            )
+        )
+    if status.last_error is not None:
+        rows.append(("attempts", str(status.attempts)))
+        error = status.last_error
+        rows.append(("last error", f"{error.error_type}: {error.message}".rstrip(": ")))
+    if status.blocked_since:
+        rows.append(("blocked since", status.blocked_since))
+    if status.deferred_until:
+        rows.append(("deferred until", status.deferred_until))
+    if status.skip is not None:
+        rows.append(
+            (
+                "skipped",
+                f"by {status.skip.by or 'an operator'} at {status.skip.at}: {status.skip.reason}",
+            )
+        )
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+@main.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_shard_command
+def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
+    """Show a shard's state: SHARD is SCOPE:ID (REGION:SCOPE:ID for a regional table)."""
+
+    async def work() -> ShardStatus:
+        client, ref = await _shard_handle(build_settings(overrides), shard, table)
+        return await shard_status(client, ref)
+
+    result: ShardStatus = _run_or_exit(work(), shard)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+    else:
+        Console().print(_status_table(result))
+
+
+@main.command("skip")
+@click.option("--reason", required=True, help="Why the shard is paused (shown in the UI).")
+@_shard_command
+def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
+    """Pause a shard: its retrying attempt is cancelled, no handler runs, every row is kept."""
+    if not reason.strip():
+        raise click.BadParameter("a skip needs a reason", param_hint="--reason")
+
+    async def work() -> None:
+        client, ref = await _shard_handle(build_settings(overrides), shard, table)
+        await client.get_workflow_handle(ref.workflow_id).signal(
+            "skip", SkipInput(reason=reason.strip(), by=getpass.getuser())
+        )
+
+    _run_or_exit(work(), shard)
+    click.echo(f"shard {shard} skipped: {reason.strip()}")
+
+
+@main.command("resume")
+@_shard_command
+def resume(shard: str, table: str | None, **overrides: Any) -> None:
+    """Resume a skipped shard: its head is retried at once."""
+
+    async def work() -> None:
+        client, ref = await _shard_handle(build_settings(overrides), shard, table)
+        await client.get_workflow_handle(ref.workflow_id).signal(
+            "resume", ResumeInput(by=getpass.getuser())
+        )
+
+    _run_or_exit(work(), shard)
+    click.echo(f"shard {shard} resumed")

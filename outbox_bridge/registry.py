@@ -372,3 +372,22 @@ def load_app(spec: str) -> OutboxApp:
             f"{spec} is {type(app).__name__ if app is not None else 'missing'}, not an OutboxApp"
         )
     return app
+
+
+def app_from_settings(demo: bool, spec: str | None, *, allow_none: bool = False) -> OutboxApp:
+    """The app named by ``--app`` (``module:attribute``), or the demo app with ``--demo``.
+
+    With ``allow_none``, no app means a registry without scopes and the default ``outbox``
+    table (enough for commands that only need table names).
+    """
+    if demo and spec:
+        raise RegistryError("--demo runs the demo app; do not also give --app")
+    if demo:
+        from outbox_bridge import demo as demo_module
+
+        return demo_module.app
+    if spec:
+        return load_app(spec)
+    if allow_none:
+        return OutboxApp(scopes={})
+    raise RegistryError("no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo")

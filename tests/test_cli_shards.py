@@ -1,0 +1,112 @@
+"""`outbox-bridge status|skip|resume` against a real worker, run as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from outbox_bridge import OutboxMessage
+from tests.harness import (
+    Category,
+    Recorder,
+    create_tables,
+    make_app,
+    running_worker,
+    table_empty,
+    unique_table,
+    wait_until,
+    write_rows,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def cli(servers, table: str, *args: str) -> tuple[int, str, str]:
+    env = {
+        **os.environ,
+        "TEMPORAL_ADDRESS": servers.temporal_address,
+        "OUTBOX_APP": "tests.sample_app:app",  # same scope and category names as the harness
+        "SAMPLE_OUTBOX_TABLE": table,
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "outbox_bridge",
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_status_skip_and_resume_from_the_command_line(servers, engine) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    fixed = asyncio.Event()
+
+    async def failing_until_fixed(message: OutboxMessage) -> None:
+        if not fixed.is_set():
+            raise ConnectionError("replica unavailable")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = failing_until_fixed
+    [head] = await write_rows(
+        engine,
+        app,
+        [{"category": Category.PROJECT_UPDATE, "shard_identifier": 8, "object_identifier": 80}],
+    )
+
+    async def status() -> dict[str, object]:
+        code, out, err = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    async def state_is(state: str) -> bool:
+        code, out, _ = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
+        return code == 0 and json.loads(out)["state"] == state
+
+    async with running_worker(servers, app):
+        await wait_until(lambda: state_is("blocked"), what="a blocked shard")
+        await wait_until(lambda: _attempts_at_least(status(), 3), what="server-side retries")
+        shown = await status()
+        assert shown["head"]["category_name"] == "PROJECT_UPDATE"
+        assert shown["head"]["last_id"] == head
+        assert shown["last_error"]["error_type"] == "ConnectionError"
+
+        code, out, err = await cli(servers, table, "status", "ORGANIZATION:8")
+        assert code == 0, err
+        assert "blocked" in out and "PROJECT_UPDATE object=80" in out
+
+        code, _, err = await cli(servers, table, "skip", "ORGANIZATION:8", "--reason", "  ")
+        assert code == 2 and "reason" in err
+        code, out, err = await cli(servers, table, "skip", "ORGANIZATION:8", "--reason", "fix")
+        assert code == 0, err
+        await wait_until(lambda: state_is("skipped"), what="the skipped state")
+        assert (await status())["skip"]["reason"] == "fix"
+
+        fixed.set()
+        code, out, err = await cli(servers, table, "resume", "ORGANIZATION:8")
+        assert code == 0, err
+        await wait_until(lambda: table_empty(engine, app), what="delivery after resume")
+    assert recorder.ids() == [head]
+
+
+async def test_status_of_a_shard_without_workflow_says_so(servers) -> None:
+    code, _, err = await cli(servers, unique_table(), "status", "USER:424242")
+    assert code == 1
+    assert "has no workflow" in err
+    code, _, err = await cli(servers, unique_table(), "status", "TEAM:1")
+    assert code == 2
+    assert "unknown scope" in err
+
+
+async def _attempts_at_least(shown, minimum: int) -> bool:
+    return int((await shown)["attempts"]) >= minimum

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -205,3 +206,65 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
 
     _run_or_exit(work(), shard)
     click.echo(f"shard {shard} resumed")
+
+
+@main.group("history")
+def history() -> None:
+    """Export shard workflow histories (to keep a replay corpus of your own)."""
+
+
+@history.command("export")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write the history (JSON).",
+)
+@_shard_command
+def history_export(shard: str, table: str | None, output: Path, **overrides: Any) -> None:
+    """Write the history of SHARD's latest workflow run as JSON (ids and counts, no payloads)."""
+
+    async def work() -> int:
+        client, ref = await _shard_handle(build_settings(overrides), shard, table)
+        recorded = await client.get_workflow_handle(ref.workflow_id).fetch_history()
+        output.write_text(json.dumps(json.loads(recorded.to_json()), indent=1) + "\n")
+        return len(recorded.events)
+
+    events = _run_or_exit(work(), shard)
+    click.echo(f"wrote {events} events of shard {shard} to {output}")
+
+
+@main.command("replay")
+@click.argument(
+    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+def replay(files: tuple[Path, ...]) -> None:
+    """Replay exported histories against the current workflow code; exit 1 on nondeterminism."""
+    failed = asyncio.run(_replay(files))
+    click.echo(f"{len(files) - failed} replayed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+async def _replay(files: tuple[Path, ...]) -> int:
+    from temporalio.client import WorkflowHistory
+    from temporalio.worker import Replayer
+
+    from workflows.shard import OutboxShard
+
+    replayer = Replayer(workflows=[OutboxShard])
+    failed = 0
+    for path in files:
+        try:
+            recorded = WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+        except (ValueError, KeyError) as exc:
+            click.echo(f"FAIL {path}: not a workflow history ({exc})")
+            failed += 1
+            continue
+        result = await replayer.replay_workflow(recorded, raise_on_replay_failure=False)
+        if result.replay_failure is None:
+            click.echo(f"ok   {path}")
+        else:
+            click.echo(f"FAIL {path}: {result.replay_failure}")
+            failed += 1
+    return failed

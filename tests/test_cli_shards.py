@@ -110,3 +110,50 @@ async def test_status_of_a_shard_without_workflow_says_so(servers) -> None:
 
 async def _attempts_at_least(shown, minimum: int) -> bool:
     return int((await shown)["attempts"]) >= minimum
+
+
+async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
+    servers, engine, tmp_path
+) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    canary = "personal-data-canary-7f3a"
+    async with running_worker(servers, app):
+        await write_rows(
+            engine,
+            app,
+            [
+                {
+                    "category": Category.USER_UPDATE,
+                    "shard_identifier": 5,
+                    "object_identifier": 5,
+                    "payload": {"email": canary},
+                }
+            ],
+        )
+        await wait_until(lambda: table_empty(engine, app), what="the row handled")
+        exported = tmp_path / "user-5.json"
+        code, out, err = await cli(
+            servers, table, "history", "export", "USER:5", "-o", str(exported)
+        )
+        assert code == 0, err
+    text = exported.read_text()
+    assert "OutboxShard" in text and canary not in text  # ids and counts only, no payloads
+
+    code, out, err = await cli(servers, table, "replay", str(exported))
+    assert code == 0, out + err
+    assert "1 replayed, 0 failed" in out
+
+    # The same history as if the workflow had scheduled another category: nondeterminism.
+    recorded = json.loads((ROOT / "tests/histories/v3-failing_then_succeeding.json").read_text())
+    for event in recorded["events"]:
+        attributes = event.get("activityTaskScheduledEventAttributes")
+        if attributes:
+            attributes["activityType"]["name"] = "USER_UPDATE"
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(recorded))
+    code, out, err = await cli(servers, table, "replay", str(exported), str(tampered))
+    assert code == 1
+    assert "1 replayed, 1 failed" in out and "FAIL" in out

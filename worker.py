@@ -29,16 +29,31 @@ from outbox_bridge.bridge import Bridge, BridgeOptions
 from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy_url
 from outbox_bridge.drain import ShardDrainer
 from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal
-from outbox_bridge.errors import OutboxError
+from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.hub import ShardHub
 from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
+from outbox_bridge.shards import parse_shard
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
 from outbox_bridge.temporal import connect, ensure_search_attributes
 from workflows.shard import OutboxShard
 
 log = logging.getLogger("outbox_bridge.worker")
+
+
+def static_skips(app: OutboxApp, names: list[str] | None) -> frozenset[str]:
+    """Workflow ids of the shards named in ``skip_shards`` (each table of the app)."""
+    ids = set()
+    for name in names or []:
+        matched = False
+        for table, spec in app.tables.items():
+            if (name.count(":") == 2) == spec.regional:
+                ids.add(parse_shard(name, app, table=table).workflow_id)
+                matched = True
+        if not matched:
+            raise ConfigurationError(f"skip_shards: {name!r} names no shard of this app's tables")
+    return frozenset(ids)
 
 
 def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
@@ -101,6 +116,7 @@ async def serve(
                 sweep_interval=settings.sweep_interval,
                 listen=settings.listen,
                 regions=settings.regions,
+                skip_shards=static_skips(app, settings.skip_shards),
             ),
             hub=hub,
         )

@@ -50,6 +50,7 @@ from workflows.models import (
     ShardOptions,
     ShardRef,
     ShardStatus,
+    SkipInfo,
 )
 
 log = logging.getLogger("outbox_bridge.bridge")
@@ -68,6 +69,7 @@ class BridgeOptions:
     listen: bool = True
     regions: Sequence[str] | None = None
     signal_concurrency: int = 50
+    skip_shards: frozenset[str] = frozenset()  # workflow ids that start skipped
     standby_retry: float = 5.0
 
 
@@ -364,6 +366,12 @@ class Bridge:
         idle = self._options.shard_options.idle_timeout_seconds
         return last is None or time.monotonic() - last > idle / 2
 
+    def _static_skip(self, shard: ShardRef) -> SkipInfo | None:
+        """Shards listed in the skip setting start skipped (they stay so until resumed)."""
+        if shard.workflow_id not in self._options.skip_shards:
+            return None
+        return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
+
     def _search_attributes(self, shard: ShardRef) -> TypedSearchAttributes:
         return TypedSearchAttributes(
             [
@@ -381,7 +389,7 @@ class Bridge:
                 ShardInput(
                     shard=shard,
                     options=self._options.shard_options,
-                    carry=ShardCarry(max_known_id=max_id),
+                    carry=ShardCarry(max_known_id=max_id, skip=self._static_skip(shard)),
                 ),
                 id=shard.workflow_id,
                 task_queue=self._options.task_queue,
@@ -399,7 +407,11 @@ class Bridge:
         try:
             await self._client.start_workflow(
                 "OutboxShard",
-                ShardInput(shard=shard, options=self._options.shard_options),
+                ShardInput(
+                    shard=shard,
+                    options=self._options.shard_options,
+                    carry=ShardCarry(skip=self._static_skip(shard)),
+                ),
                 id=shard.workflow_id,
                 task_queue=self._options.task_queue,
                 start_signal="notify",

@@ -79,6 +79,11 @@ class OutboxSettings(BaseSettings):
         description="Regions this worker drains in regional tables, comma-separated "
         "(unset: every region).",
     )
+    skip_shards: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="Shards that start skipped, comma-separated SCOPE:ID (REGION:SCOPE:ID for "
+        "a regional table), e.g. ORGANIZATION:42,USER:7: a kill switch for poison shards.",
+    )
 
     # -- how shards are processed ----------------------------------------------------------------
     idle_timeout: float = Field(
@@ -144,7 +149,7 @@ class OutboxSettings(BaseSettings):
     )
     log_level: str = Field("INFO", description="Log level.")
 
-    @field_validator("regions", mode="before")
+    @field_validator("regions", "skip_shards", mode="before")
     @classmethod
     def _split_regions(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -210,6 +210,8 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
             raw, expected = "console", "console"
         elif name == "regions":
             raw, expected = "eu, us", ["eu", "us"]
+        elif name == "skip_shards":
+            raw, expected = "ORGANIZATION:42, USER:7", ["ORGANIZATION:42", "USER:7"]
         elif name in ("temporal_tls_cert", "temporal_tls_key"):
             continue  # they go together; checked below
         with monkeypatch.context() as patch:

@@ -33,7 +33,7 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from workflows.models import ShardStatus, SkipInput
+from workflows.models import ResumeInput, ShardStatus, SkipInput
 
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
@@ -604,3 +604,41 @@ async def test_a_row_after_its_lingering_workflow_was_terminated_is_delivered_wi
         [last] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 99)])
         # No sweep runs in this test: only the bridge's signal can deliver this row.
         await wait_until(lambda: last in recorder.ids(), timeout=15, what="the row")
+
+
+async def test_shards_in_the_static_skip_list_start_skipped(servers, engine, client) -> None:
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    [listed] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 1)])
+    [other] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 3))
+    async with running_worker(servers, app, fast_settings(skip_shards=["ORGANIZATION:3"])):
+        await wait_until(lambda: other in recorder.ids(), what="the other shard")
+
+        async def skipped() -> bool:
+            try:
+                return (await status_of(client, handle.id)).state == "skipped"
+            except Exception:
+                return False
+
+        await wait_until(skipped, what="the listed shard skipped")
+        status = await status_of(client, handle.id)
+        assert status.skip is not None and status.skip.by == "configuration"
+        assert listed not in recorder.ids()
+        await handle.signal("resume", ResumeInput())
+        await wait_until(lambda: table_empty(engine, app), what="the listed shard resumed")
+    assert recorder.ids() == [other, listed]
+
+
+def test_a_static_skip_naming_no_shard_is_refused() -> None:
+    from outbox_bridge import ConfigurationError, RegistryError
+    from worker import static_skips
+
+    app = make_app("outbox", Recorder())
+    assert static_skips(app, ["organization:42"]) == frozenset({"outbox:outbox:ORGANIZATION:42"})
+    with pytest.raises(ConfigurationError, match="eu:USER:7"):
+        static_skips(app, ["eu:USER:7"])
+    with pytest.raises(RegistryError, match="unknown scope"):
+        static_skips(app, ["TEAM:1"])

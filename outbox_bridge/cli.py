@@ -15,6 +15,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import create_async_engine
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
@@ -26,6 +27,7 @@ from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
 from outbox_bridge.shards import parse_shard, shard_status
+from outbox_bridge.store import read_shard_depths
 from outbox_bridge.temporal import connect
 from workflows.models import ResumeInput, ShardRef, ShardStatus, SkipInput
 
@@ -268,3 +270,125 @@ async def _replay(files: tuple[Path, ...]) -> int:
             click.echo(f"FAIL {path}: {result.replay_failure}")
             failed += 1
     return failed
+
+
+@main.command("shards")
+@click.option("--top", default=20, show_default=True, help="How many shards to list.")
+@click.option("--scope", "scope_name", help="Only shards of this scope.")
+@click.option(
+    "--state",
+    type=click.Choice(["draining", "blocked", "skipped", "deferred", "idle", "none"]),
+    help="Only shards whose workflow is in this state (none: no running workflow).",
+)
+@click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
+@click.option("--table", help="The outbox table (default: the app's first table).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@settings_options
+def shards(
+    top: int,
+    scope_name: str | None,
+    state: str | None,
+    oldest: bool,
+    table: str | None,
+    as_json: bool,
+    **overrides: Any,
+) -> None:
+    """The shards with pending rows, deepest (or oldest) first, with their workflow's state."""
+    listed = _run_or_exit(
+        _shards(build_settings(overrides), top, scope_name, state, oldest, table), "-"
+    )
+    if as_json:
+        click.echo(json.dumps(listed, indent=2, default=str))
+        return
+    view = Table(title="shards with pending rows")
+    for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
+        view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
+    for entry in listed:
+        view.add_row(
+            entry["shard"],
+            str(entry["rows"]),
+            str(entry["groups"]),
+            f"{entry['oldest_age_seconds']:.0f} s",
+            entry["state"],
+            entry["blocked_category"] or "",
+        )
+    Console().print(view)
+
+
+async def _shards(
+    settings: OutboxSettings,
+    top: int,
+    scope_name: str | None,
+    state: str | None,
+    oldest_first: bool,
+    table_name: str | None,
+) -> list[dict[str, Any]]:
+    app = _app(settings)
+    table = app.table(table_name)
+    scope = int(app.scope_by_name(scope_name)) if scope_name else None
+    postgres = None
+    if settings.database_url is not None:
+        url = settings.database_url.get_secret_value()
+    else:
+        postgres = EmbeddedPostgres(settings.data_dir / "postgres")
+        url = postgres.start()
+    engine = create_async_engine(sqlalchemy_url(url))
+    try:
+        async with engine.connect() as conn:
+            # With a state filter, look further down the list for matches.
+            depths = await read_shard_depths(
+                conn,
+                table,
+                scope=scope,
+                oldest_first=oldest_first,
+                limit=top if state is None else top * 20,
+            )
+            now = (await conn.execute(select(func.now()))).scalar_one()
+    finally:
+        await engine.dispose()
+        if postgres is not None:
+            postgres.stop()
+    address = settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    client = await connect(settings, address)
+    listed: list[dict[str, Any]] = []
+    for depth in depths:
+        ref = ShardRef(
+            table.name,
+            depth.scope,
+            app.scope_name(depth.scope),
+            depth.shard_identifier,
+            depth.region,
+        )
+        found = await _workflow_state(client, ref)
+        if state is not None and found[0] != state:
+            continue
+        listed.append(
+            {
+                "shard": ref.key,
+                "workflow_id": ref.workflow_id,
+                "rows": depth.rows,
+                "groups": depth.groups,
+                "oldest": depth.oldest.isoformat(),
+                "oldest_age_seconds": (now - depth.oldest).total_seconds(),
+                "state": found[0],
+                "blocked_category": found[1],
+            }
+        )
+        if len(listed) >= top:
+            break
+    return listed
+
+
+async def _workflow_state(client: Client, shard: ShardRef) -> tuple[str, str | None]:
+    try:
+        status = await client.get_workflow_handle(shard.workflow_id).query(
+            "status", result_type=ShardStatus
+        )
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return "none", None
+        raise
+    except Exception:  # a closed run cannot answer queries on some servers
+        return "none", None
+    blocked = status.head.category_name if status.head and status.state == "blocked" else None
+    return status.state, blocked

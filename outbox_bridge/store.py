@@ -198,3 +198,43 @@ async def read_shard_ranges(
         scope, ident, lo, hi = values[-4:]
         ranges.append(ShardRange(region, scope, ident, lo, hi))
     return ranges
+
+
+@dataclass(frozen=True)
+class ShardDepth:
+    """A shard's backlog: pending rows, coalescing groups, and its oldest row."""
+
+    region: str | None
+    scope: int
+    shard_identifier: int
+    rows: int
+    groups: int
+    oldest: datetime
+
+
+async def read_shard_depths(
+    conn: AsyncConnection,
+    table: Table,
+    *,
+    scope: int | None = None,
+    oldest_first: bool = False,
+    limit: int = 20,
+) -> list[ShardDepth]:
+    """The deepest shards (or those with the oldest pending row), one aggregate query."""
+    keys = _shard_key_columns(table)
+    rows = func.count().label("rows")
+    oldest = func.min(table.c.date_added).label("oldest")
+    groups = func.count(func.distinct(func.row(table.c.category, table.c.object_identifier)))
+    query = select(*keys, rows, groups.label("groups"), oldest).group_by(*keys)
+    if scope is not None:
+        query = query.where(table.c.shard_scope == scope)
+    query = query.order_by(oldest.asc() if oldest_first else rows.desc()).limit(limit)
+    depths = []
+    for row in await conn.execute(query):
+        region = row.region if "region" in table.c else None
+        depths.append(
+            ShardDepth(
+                region, row.shard_scope, row.shard_identifier, row.rows, row.groups, row.oldest
+            )
+        )
+    return depths

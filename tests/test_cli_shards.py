@@ -28,6 +28,7 @@ async def cli(servers, table: str, *args: str) -> tuple[int, str, str]:
     env = {
         **os.environ,
         "TEMPORAL_ADDRESS": servers.temporal_address,
+        "OUTBOX_DATABASE_URL": servers.database_url,
         "OUTBOX_APP": "tests.sample_app:app",  # same scope and category names as the harness
         "SAMPLE_OUTBOX_TABLE": table,
     }
@@ -157,3 +158,70 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     code, out, err = await cli(servers, table, "replay", str(exported), str(tampered))
     assert code == 1
     assert "1 replayed, 1 failed" in out and "FAIL" in out
+
+
+async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
+    from datetime import timedelta
+
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+
+    async def always_fails(message: OutboxMessage) -> None:
+        raise ConnectionError("replica unavailable")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = always_fails
+    await write_rows(
+        engine,
+        app,
+        [
+            {
+                "category": Category.USER_UPDATE,
+                "shard_identifier": 2,
+                "object_identifier": 2,
+                "scheduled_for": timedelta(hours=1),
+            },
+        ],
+    )
+    await write_rows(
+        engine,
+        app,
+        [
+            {"category": Category.PROJECT_UPDATE, "shard_identifier": 8, "object_identifier": 80},
+            {"category": Category.PROJECT_UPDATE, "shard_identifier": 8, "object_identifier": 80},
+            {
+                "category": Category.ORGANIZATION_UPDATE,
+                "shard_identifier": 8,
+                "object_identifier": 8,
+            },
+        ],
+    )
+
+    async def listed(*args: str) -> list[dict[str, object]]:
+        code, out, err = await cli(servers, table, "shards", "--json", *args)
+        assert code == 0, err
+        return json.loads(out)
+
+    async def settled() -> bool:
+        states = {e["shard"]: e["state"] for e in await listed()}
+        return states == {"ORGANIZATION:8": "blocked", "USER:2": "deferred"}
+
+    async with running_worker(servers, app):
+        await wait_until(settled, what="one blocked and one deferred shard")
+        deepest = await listed()
+        assert [(e["shard"], e["rows"], e["groups"]) for e in deepest] == [
+            ("ORGANIZATION:8", 3, 2),
+            ("USER:2", 1, 1),
+        ]
+        assert deepest[0]["blocked_category"] == "PROJECT_UPDATE"
+        assert [e["shard"] for e in await listed("--oldest")] == ["USER:2", "ORGANIZATION:8"]
+        assert [e["shard"] for e in await listed("--state", "blocked")] == ["ORGANIZATION:8"]
+        assert [e["shard"] for e in await listed("--scope", "user")] == ["USER:2"]
+        assert [e["shard"] for e in await listed("--top", "1")] == ["ORGANIZATION:8"]
+        code, out, err = await cli(servers, table, "shards")
+        assert code == 0, err
+        assert "ORGANIZATION:8" in out and "PROJECT_UPDATE" in out
+        for shard in ("ORGANIZATION:8", "USER:2"):
+            code, _, err = await cli(servers, table, "skip", shard, "--reason", "test over")
+            assert code == 0, err

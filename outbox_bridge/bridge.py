@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 from sqlalchemy import Table
@@ -372,30 +373,31 @@ class Bridge:
             return None
         return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
 
-    def _search_attributes(self, shard: ShardRef) -> TypedSearchAttributes:
-        return TypedSearchAttributes(
-            [
-                SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
-                SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
-            ]
+    async def _start_workflow(self, shard: ShardRef, max_id: int, **how: Any) -> None:
+        """Start (or, with a start signal, signal) the shard's workflow; ``how`` says which."""
+        await self._client.start_workflow(
+            "OutboxShard",
+            ShardInput(
+                shard=shard,
+                options=self._options.shard_options,
+                carry=ShardCarry(max_known_id=max_id, skip=self._static_skip(shard)),
+            ),
+            id=shard.workflow_id,
+            task_queue=self._options.task_queue,
+            search_attributes=TypedSearchAttributes(
+                [
+                    SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
+                    SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
+                ]
+            ),
+            **how,
         )
 
     async def _start(self, shard: ShardRef, max_id: int) -> bool:
         """Start the shard's workflow, eagerly: its first task (which drains) runs in this
         worker without a round trip through matching. False if it is already running."""
         try:
-            await self._client.start_workflow(
-                "OutboxShard",
-                ShardInput(
-                    shard=shard,
-                    options=self._options.shard_options,
-                    carry=ShardCarry(max_known_id=max_id, skip=self._static_skip(shard)),
-                ),
-                id=shard.workflow_id,
-                task_queue=self._options.task_queue,
-                search_attributes=self._search_attributes(shard),
-                request_eager_start=True,
-            )
+            await self._start_workflow(shard, max_id, request_eager_start=True)
         except WorkflowAlreadyStartedError:
             return False
         except RPCError as exc:
@@ -405,18 +407,11 @@ class Bridge:
 
     async def _signal_with_start(self, shard: ShardRef, max_id: int, late: bool) -> bool:
         try:
-            await self._client.start_workflow(
-                "OutboxShard",
-                ShardInput(
-                    shard=shard,
-                    options=self._options.shard_options,
-                    carry=ShardCarry(skip=self._static_skip(shard)),
-                ),
-                id=shard.workflow_id,
-                task_queue=self._options.task_queue,
+            await self._start_workflow(
+                shard,
+                max_id,
                 start_signal="notify",
                 start_signal_args=[NotifyInput(max_id=max_id, late=late)],
-                search_attributes=self._search_attributes(shard),
             )
         except RPCError as exc:
             # Not remembered as known: the next scan or sweep signals it again.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import getpass
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -60,8 +61,9 @@ def _app(settings: OutboxSettings) -> OutboxApp:
     return app_from_settings(settings.demo, settings.app, allow_none=True)
 
 
-async def _init_db(settings: OutboxSettings) -> list[str]:
-    app = _app(settings)
+@contextlib.asynccontextmanager
+async def _database(settings: OutboxSettings) -> AsyncIterator[AsyncEngine]:
+    """The configured database, or the embedded one under --data-dir (stopped afterwards)."""
     postgres = None
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
@@ -70,12 +72,18 @@ async def _init_db(settings: OutboxSettings) -> list[str]:
         url = postgres.start()
     engine = create_async_engine(sqlalchemy_url(url))
     try:
-        await prepare_database(engine, app.metadata)
+        yield engine
     finally:
         await engine.dispose()
         if postgres is not None:
             postgres.stop()
-    click.echo(f"database: {safe_url(sqlalchemy_url(url))}")
+
+
+async def _init_db(settings: OutboxSettings) -> list[str]:
+    app = _app(settings)
+    async with _database(settings) as engine:
+        await prepare_database(engine, app.metadata)
+        click.echo(f"database: {safe_url(engine.url)}")
     return list(app.tables)
 
 
@@ -326,28 +334,16 @@ async def _shards(
     app = _app(settings)
     table = app.table(table_name)
     scope = int(app.scope_by_name(scope_name)) if scope_name else None
-    postgres = None
-    if settings.database_url is not None:
-        url = settings.database_url.get_secret_value()
-    else:
-        postgres = EmbeddedPostgres(settings.data_dir / "postgres")
-        url = postgres.start()
-    engine = create_async_engine(sqlalchemy_url(url))
-    try:
-        async with engine.connect() as conn:
-            # With a state filter, look further down the list for matches.
-            depths = await read_shard_depths(
-                conn,
-                table,
-                scope=scope,
-                oldest_first=oldest_first,
-                limit=top if state is None else top * 20,
-            )
-            now = (await conn.execute(select(func.now()))).scalar_one()
-    finally:
-        await engine.dispose()
-        if postgres is not None:
-            postgres.stop()
+    async with _database(settings) as engine, engine.connect() as conn:
+        # With a state filter, look further down the list for matches.
+        depths = await read_shard_depths(
+            conn,
+            table,
+            scope=scope,
+            oldest_first=oldest_first,
+            limit=top if state is None else top * 20,
+        )
+        now = (await conn.execute(select(func.now()))).scalar_one()
     address = settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
     client = await connect(settings, address)
     listed: list[dict[str, Any]] = []

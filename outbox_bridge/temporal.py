@@ -21,9 +21,6 @@ log = logging.getLogger("outbox_bridge.temporal")
 
 SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
 SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
-STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")
-BLOCKED_CATEGORY_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxBlockedCategory")
-BLOCKED_SINCE_ATTRIBUTE = SearchAttributeKey.for_datetime("OutboxBlockedSince")
 
 SEARCH_ATTRIBUTES: dict[str, str] = {
     "OutboxScope": "Keyword",

@@ -144,6 +144,15 @@ def unique_table() -> str:
     return f"t_{uuid.uuid4().hex[:10]}"
 
 
+async def fresh_app(engine: AsyncEngine) -> tuple[Recorder, str, OutboxApp]:
+    """A recording app on a table of its own, created in the database."""
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    return recorder, table, app
+
+
 @contextlib.asynccontextmanager
 async def running_worker(
     servers: Servers,

@@ -11,9 +11,7 @@ from pathlib import Path
 from outbox_bridge import OutboxMessage
 from tests.harness import (
     Category,
-    Recorder,
-    create_tables,
-    make_app,
+    fresh_app,
     running_worker,
     table_empty,
     unique_table,
@@ -48,10 +46,7 @@ async def cli(servers, table: str, *args: str) -> tuple[int, str, str]:
 
 
 async def test_status_skip_and_resume_from_the_command_line(servers, engine) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     fixed = asyncio.Event()
 
     async def failing_until_fixed(message: OutboxMessage) -> None:
@@ -116,10 +111,7 @@ async def _attempts_at_least(shown, minimum: int) -> bool:
 async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     servers, engine, tmp_path
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    _, table, app = await fresh_app(engine)
     canary = "personal-data-canary-7f3a"
     async with running_worker(servers, app):
         await write_rows(
@@ -163,10 +155,7 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
 async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
     from datetime import timedelta
 
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
 
     async def always_fails(message: OutboxMessage) -> None:
         raise ConnectionError("replica unavailable")

@@ -25,6 +25,7 @@ from tests.harness import (
     count_rows,
     create_tables,
     fast_settings,
+    fresh_app,
     make_app,
     running_worker,
     sql,
@@ -73,10 +74,7 @@ async def temporal_cli(servers, command: str, *args: str) -> str:
 
 async def gated_app(engine) -> tuple[Recorder, str, OutboxApp, Gate]:
     """An app on a fresh table whose PROJECT_UPDATE handler fails until its gate opens."""
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
     return recorder, table, app, gate
@@ -96,9 +94,7 @@ class Gate:
 
 
 async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, engine) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     categories = [Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, Category.MEMBER_UPDATE]
     written: list[tuple[int, int, int, int]] = []  # id, shard, category, object
     for round_ in range(12):
@@ -127,9 +123,7 @@ async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, 
 
 
 async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, engine) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     user_handled = asyncio.Event()
 
     async def organization_waits_for_user(message: OutboxMessage) -> None:
@@ -152,9 +146,7 @@ async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, eng
 async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(
     servers, engine
 ) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     ids = await write_rows(
         engine,
         app,
@@ -169,9 +161,7 @@ async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(
 async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
     servers, engine
 ) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     entered, release = asyncio.Event(), asyncio.Event()
 
     async def slow_first_call(message: OutboxMessage) -> None:
@@ -254,9 +244,7 @@ async def _at_least(value, minimum: int) -> bool:
 
 
 async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     due = datetime.now(UTC) + timedelta(seconds=3)
     [deferred] = await write_rows(
         engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=due)]
@@ -336,10 +324,7 @@ async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
 
 
 async def test_plain_sql_rows_are_processed(servers, engine) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     async with running_worker(servers, app):
         await sql(
             engine,
@@ -355,9 +340,7 @@ async def test_plain_sql_rows_are_processed(servers, engine) -> None:
 
 
 async def test_rolled_back_rows_are_never_seen(servers, engine) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     async with running_worker(servers, app):
         async with engine.connect() as conn:
             transaction = await conn.begin()
@@ -371,9 +354,7 @@ async def test_rolled_back_rows_are_never_seen(servers, engine) -> None:
 
 
 async def test_a_late_commit_with_a_lower_id_is_not_deleted_unhandled(servers, engine) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     async with running_worker(servers, app):
         async with engine.connect() as slow:
             transaction = await slow.begin()
@@ -455,10 +436,7 @@ async def _rows_left(engine, table: str, expected: int) -> bool:
 async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(
     servers, engine, client
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     async with running_worker(servers, app):
         await sql(
             engine,
@@ -500,10 +478,7 @@ async def test_the_worker_refuses_a_category_without_handler(servers, engine) ->
 
 
 async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine, client) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 2))
     written = 0
     async with running_worker(
@@ -553,10 +528,7 @@ async def test_a_timed_out_attempt_never_overlaps_its_retry(servers, engine) -> 
 async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_row(
     servers, engine, client
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     rows = 20
     async with running_worker(servers, app, fast_settings(linger=3.0, idle_timeout=5)):
         for i in range(rows):
@@ -580,10 +552,7 @@ async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_
 async def test_a_row_after_its_lingering_workflow_was_terminated_is_delivered_without_a_sweep(
     servers, engine, client
 ) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
 
     async def linger_running() -> bool:
@@ -607,10 +576,7 @@ async def test_a_row_after_its_lingering_workflow_was_terminated_is_delivered_wi
 
 
 async def test_shards_in_the_static_skip_list_start_skipped(servers, engine, client) -> None:
-    recorder = Recorder()
-    table = unique_table()
-    app = make_app(table, recorder)
-    await create_tables(engine, app)
+    recorder, table, app = await fresh_app(engine)
     [listed] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 1)])
     [other] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 3))

@@ -2,21 +2,16 @@ from __future__ import annotations
 
 from tests.harness import (
     Category,
-    Recorder,
-    create_tables,
-    make_app,
+    fresh_app,
     running_worker,
     table_empty,
-    unique_table,
     wait_until,
     write_rows,
 )
 
 
 async def test_rows_are_handled(servers, engine) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    recorder, _, app = await fresh_app(engine)
     async with running_worker(servers, app):
         ids = await write_rows(
             engine,

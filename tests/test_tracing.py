@@ -13,12 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from outbox_bridge.telemetry import build_tracer_provider
 from tests.harness import (
     Category,
-    Recorder,
-    create_tables,
-    make_app,
+    fresh_app,
     running_worker,
     table_empty,
-    unique_table,
     wait_until,
     write_rows,
 )
@@ -55,9 +52,7 @@ def test_exporters_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_signals_and_activities_are_traced(servers, engine, spans) -> None:
-    recorder = Recorder()
-    app = make_app(unique_table(), recorder)
-    await create_tables(engine, app)
+    _, _, app = await fresh_app(engine)
     spans.clear()
     async with running_worker(servers, app):
         await write_rows(

@@ -341,8 +341,7 @@ class OutboxShard:
     # -- what the UI shows ---------------------------------------------------------------------
 
     def _set_state(self, state: str) -> None:
-        if state != self._state:
-            self._state = state
+        self._state = state
         self._publish()
 
     def _publish(self) -> None:

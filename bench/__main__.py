@@ -31,11 +31,16 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument("--latency-seconds", type=float, default=None,
                         help="writer duration of the latency workload (default 60 × scale)")
+    parser.add_argument("--idle-timeout", type=float, default=BenchConfig.idle_timeout,
+                        help="the workers' idle_timeout (0: shard workflows complete as soon "
+                        "as their shard is empty)")
     parser.add_argument("--budget", type=float, default=18 * 60.0,
                         help="seconds the whole invocation may take; drains are capped to fit")
     args = parser.parse_args(argv)
     if args.scale <= 0:
         parser.error("--scale must be positive")
+    if args.idle_timeout < 0:
+        parser.error("--idle-timeout must not be negative")
     config = BenchConfig(
         scale=args.scale,
         out=args.out,
@@ -44,6 +49,7 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
         temporal_address=os.environ.get("TEMPORAL_ADDRESS"),
         latency_seconds=args.latency_seconds,
         budget=args.budget,
+        idle_timeout=args.idle_timeout,
     )
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     return names, config

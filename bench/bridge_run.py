@@ -1,7 +1,8 @@
 """Running the bridge side: ``worker.serve`` in-process, exactly as ``worker.py`` runs it.
 
 Nothing in the core is tuned: settings are :class:`OutboxSettings` defaults except a unique task
-queue, ``idle_timeout`` (short, so shard workflows close and their histories can be counted)
+queue, ``idle_timeout`` (the default 0: shard workflows close once empty, so their histories
+can be counted)
 and ``listen`` for the poll-only latency run.
 """
 

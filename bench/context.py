@@ -25,7 +25,7 @@ class BenchConfig:
     temporal: str | None = None  # file | memory | both; None: each workload's default
     database_url: str | None = None
     temporal_address: str | None = None
-    idle_timeout: float = 5.0
+    idle_timeout: float = 0.0  # the settings' default: shard workflows close once empty
     latency_seconds: float | None = None  # None: 60 s × scale, at least 3 s
     latency_grace: float = 5.0
     latency_rate: float = 100.0  # rows/s of the latency writer

@@ -352,10 +352,11 @@ class Bridge:
             self._last_contact[key] = time.monotonic()
             return
         shard = self.shard_ref(key)
+        traffic = self._recent_traffic(key)
         async with self._semaphore:
-            if self._may_be_closed(key) and await self._start(shard, max_id):
+            if self._may_be_closed(key) and await self._start(shard, max_id, traffic):
                 self.starts += 1
-            elif not await self._signal_with_start(shard, max_id, late):
+            elif not await self._signal_with_start(shard, max_id, late, traffic):
                 return
         self.signals_sent += 1
         self._known[key] = max(self._known.get(key, 0), max_id)
@@ -367,20 +368,31 @@ class Bridge:
         idle = self._options.shard_options.idle_timeout_seconds
         return last is None or time.monotonic() - last > idle / 2
 
+    def _recent_traffic(self, key: ShardKey) -> bool:
+        """Rows for this shard again within a linger period of the last: a new run of its
+        workflow should linger for the next ones rather than complete and be started again."""
+        last = self._last_contact.get(key)
+        linger = self._options.shard_options.linger_seconds
+        return last is not None and linger > 0 and time.monotonic() - last <= linger
+
     def _static_skip(self, shard: ShardRef) -> SkipInfo | None:
         """Shards listed in the skip setting start skipped (they stay so until resumed)."""
         if shard.workflow_id not in self._options.skip_shards:
             return None
         return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
 
-    async def _start_workflow(self, shard: ShardRef, max_id: int, **how: Any) -> None:
+    async def _start_workflow(
+        self, shard: ShardRef, max_id: int, traffic: bool, **how: Any
+    ) -> None:
         """Start (or, with a start signal, signal) the shard's workflow; ``how`` says which."""
         await self._client.start_workflow(
             "OutboxShard",
             ShardInput(
                 shard=shard,
                 options=self._options.shard_options,
-                carry=ShardCarry(max_known_id=max_id, skip=self._static_skip(shard)),
+                carry=ShardCarry(
+                    max_known_id=max_id, skip=self._static_skip(shard), traffic=traffic
+                ),
             ),
             id=shard.workflow_id,
             task_queue=self._options.task_queue,
@@ -393,11 +405,11 @@ class Bridge:
             **how,
         )
 
-    async def _start(self, shard: ShardRef, max_id: int) -> bool:
+    async def _start(self, shard: ShardRef, max_id: int, traffic: bool) -> bool:
         """Start the shard's workflow, eagerly: its first task (which drains) runs in this
         worker without a round trip through matching. False if it is already running."""
         try:
-            await self._start_workflow(shard, max_id, request_eager_start=True)
+            await self._start_workflow(shard, max_id, traffic, request_eager_start=True)
         except WorkflowAlreadyStartedError:
             return False
         except RPCError as exc:
@@ -405,11 +417,14 @@ class Bridge:
             return False
         return True
 
-    async def _signal_with_start(self, shard: ShardRef, max_id: int, late: bool) -> bool:
+    async def _signal_with_start(
+        self, shard: ShardRef, max_id: int, late: bool, traffic: bool
+    ) -> bool:
         try:
             await self._start_workflow(
                 shard,
                 max_id,
+                traffic,
                 start_signal="notify",
                 start_signal_args=[NotifyInput(max_id=max_id, late=late)],
             )

@@ -87,7 +87,11 @@ class OutboxSettings(BaseSettings):
 
     # -- how shards are processed ----------------------------------------------------------------
     idle_timeout: float = Field(
-        60.0, gt=0, description="Seconds a shard workflow waits for new rows before completing."
+        0.0,
+        ge=0,
+        description="Seconds a shard workflow waits for new rows before completing. 0 (the "
+        "default) completes it as soon as its shard is empty: fewest history events; a shard "
+        "with steady traffic is kept open by a lingering drain instead (see linger).",
     )
     handler_timeout: float = Field(
         300.0, gt=0, description="Seconds one handler call may take before it is retried."

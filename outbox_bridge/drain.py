@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
+import dataclasses
 import logging
+import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,12 @@ from typing import Any
 from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from outbox_bridge.errors import CategoryScopeError, ShardLockedError, UnknownCategoryError
+from outbox_bridge.errors import (
+    CategoryScopeError,
+    OutboxError,
+    ShardLockedError,
+    UnknownCategoryError,
+)
 from outbox_bridge.hub import ShardHub
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.store import (
@@ -48,9 +55,10 @@ log = logging.getLogger("outbox_bridge.drain")
 class HandlerFailed(Exception):
     """A handler raised; carries what may enter Temporal history about it."""
 
-    def __init__(self, failure: HandlerFailure) -> None:
+    def __init__(self, failure: HandlerFailure, group: GroupRows) -> None:
         super().__init__(failure.message or failure.error_type)
         self.failure = failure
+        self.group = group
 
 
 class ShardDrainer:
@@ -162,26 +170,27 @@ class ShardDrainer:
                 conn, table, shard, barrier_id=info.barrier_id, limit=request.max_groups
             )
             rows = await read_rows(conn, table, [g.last_id for g in groups]) if groups else {}
+            calls: list[_Call] = []
+            for group in groups:
+                row = rows.get(group.last_id)
+                if row is None:  # deleted behind our back: read the head again
+                    break
+                calls.append(self._prepare(shard, group, row))
             done: list[int] = []
+
+            def handled(call: _Call) -> None:
+                done.extend(call.group.ids)
+                result.groups_handled += 1
+
             try:
-                for index, group in enumerate(groups):
-                    if index and time.monotonic() > deadline:
-                        result.more = True
-                        break
-                    row = rows.get(group.last_id)
-                    if row is None:  # deleted behind our back: read the head again
-                        result.more = True
-                        break
-                    try:
-                        await self._invoke(shard, group, row)
-                    except HandlerFailed as failed:
-                        result.failed = self._head(group)
-                        result.failure = failed.failure
-                        break
-                    done.extend(group.ids)
-                    result.groups_handled += 1
+                finished = await self._run(shard, calls, handled, deadline=deadline)
+                if finished:
+                    result.more = len(calls) < len(groups) or len(groups) == request.max_groups
                 else:
-                    result.more = len(groups) == request.max_groups
+                    result.more = True
+            except HandlerFailed as failed:
+                result.failed = self._head(failed.group)
+                result.failure = failed.failure
             finally:
                 result.rows_handled += await delete_rows(conn, table, done)
         result.deferred_until = None
@@ -213,7 +222,8 @@ class ShardDrainer:
                 return HandleHeadResult(handled=False)
             if heartbeat is not None:
                 heartbeat()
-            await self._invoke(shard, group, rows[group.last_id], attempt=attempt + 1)
+            call = self._prepare(shard, group, rows[group.last_id])
+            await self._run(shard, [call], lambda _: None, attempt=attempt + 1)
             deleted = await delete_rows(conn, table, group.ids)
             return HandleHeadResult(handled=True, rows_handled=deleted, last_id=group.last_id)
 
@@ -264,55 +274,138 @@ class ShardDrainer:
             coalesced=len(group.ids),
         )
 
-    async def _invoke(
-        self, shard: ShardRef, group: GroupRows, row: Row[Any], *, attempt: int = 1
-    ) -> None:
-        category_name = self._app.category_name(group.category)
+    def _prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> _Call:
+        message = self._message(shard, group, row)
         try:
             handler = self._resolve_handler(shard, group.category)
-            message = self._message(shard, group, row)
-            if OutboxApp.is_async_handler(handler):
-                returned = await handler(message)  # type: ignore[misc]
-            else:
-                returned = await self._in_thread(handler, message)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # a handler's SystemExit must not take the worker down
-            # The traceback on the first failure and every tenth retry; one line in between.
-            log.warning(
-                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: "
-                "%s: %s",
-                shard.key,
-                category_name,
-                group.object_identifier,
-                group.last_id,
-                len(group.ids),
-                attempt,
-                type(exc).__qualname__,
-                exc,
-                exc_info=exc if attempt % 10 == 1 else None,
-            )
-            message_text = "" if self._redact else str(exc)
-            raise HandlerFailed(HandlerFailure(type(exc).__qualname__, message_text)) from exc
-        if returned is not None:
-            log.warning(
-                "handler for %s returned %r; handlers should return None (the value is ignored)",
-                category_name,
-                type(returned).__name__,
-            )
+        except OutboxError as exc:
+            return _Call(group, None, message, exc)
+        return _Call(group, handler, message)
 
-    async def _in_thread(self, handler: Handler, message: OutboxMessage) -> Any:
+    async def _run(
+        self,
+        shard: ShardRef,
+        calls: list[_Call],
+        handled: Callable[[_Call], None],
+        *,
+        deadline: float = math.inf,
+        attempt: int = 1,
+    ) -> bool:
+        """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
+
+        Raises :class:`HandlerFailed` at the first failure; returns False when the deadline
+        stopped it early (the first call always runs). Runs of consecutive sync handlers go to
+        a worker thread in one hop, so a backlog of cheap handlers does not pay a thread switch
+        per row.
+        """
+        index = 0
+        while index < len(calls):
+            call = calls[index]
+            if call.is_sync:
+                end = index
+                while end < len(calls) and calls[end].is_sync:
+                    end += 1
+                count, error = await self._in_thread(calls[index:end], handled, deadline, index)
+                index += count
+                if error is not None:
+                    raise self._failure(shard, calls[index], error, attempt)
+                if index < end:
+                    return False
+                continue
+            if index and time.monotonic() > deadline:
+                return False
+            try:
+                if call.error is not None:
+                    raise call.error
+                assert call.handler is not None
+                returned = await call.handler(call.message)  # type: ignore[misc]
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # a handler's SystemExit must not take the worker down
+                raise self._failure(shard, call, exc, attempt) from exc
+            self._check_returned(call, returned)
+            handled(call)
+            index += 1
+        return True
+
+    async def _in_thread(
+        self, run: list[_Call], handled: Callable[[_Call], None], deadline: float, offset: int
+    ) -> tuple[int, BaseException | None]:
+        """Call the sync handlers of ``run`` in order in one worker thread; returns how many
+        succeeded and the exception of the one that failed, if any."""
+        stop = threading.Event()
+        count = 0
+
+        def call_all() -> BaseException | None:
+            nonlocal count
+            for call in run:
+                if stop.is_set() or (offset + count and time.monotonic() > deadline):
+                    return None
+                assert call.handler is not None
+                try:
+                    returned = call.handler(call.message)
+                except BaseException as exc:  # reported by the caller, like an async handler's
+                    return exc
+                self._check_returned(call, returned)
+                handled(call)
+                count += 1
+            return None
+
         loop = asyncio.get_running_loop()
-        call = functools.partial(contextvars.copy_context().run, handler, message)
-        future = loop.run_in_executor(self._executor, call)
+        future = loop.run_in_executor(self._executor, contextvars.copy_context().run, call_all)
         try:
-            return await asyncio.shield(future)
+            error = await asyncio.shield(future)
         except asyncio.CancelledError:
-            # A thread cannot be interrupted: keep the shard lock until the handler really
-            # returns, so that a retry never overlaps it.
+            # A thread cannot be interrupted: stop after the running handler and keep the shard
+            # lock until it really returns, so that a retry never overlaps it. What succeeded
+            # is deleted by the caller.
+            stop.set()
             with contextlib.suppress(BaseException):
                 await future
             raise
+        return count, error
+
+    def _failure(
+        self, shard: ShardRef, call: _Call, exc: BaseException, attempt: int
+    ) -> HandlerFailed:
+        group = call.group
+        # The traceback on the first failure and every tenth retry; one line in between.
+        log.warning(
+            "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: %s: %s",
+            shard.key,
+            self._app.category_name(group.category),
+            group.object_identifier,
+            group.last_id,
+            len(group.ids),
+            attempt,
+            type(exc).__qualname__,
+            exc,
+            exc_info=exc if attempt % 10 == 1 else None,
+        )
+        message_text = "" if self._redact else str(exc)
+        return HandlerFailed(HandlerFailure(type(exc).__qualname__, message_text), group)
+
+    def _check_returned(self, call: _Call, returned: object) -> None:
+        if returned is not None:
+            log.warning(
+                "handler for %s returned %r; handlers should return None (the value is ignored)",
+                self._app.category_name(call.group.category),
+                type(returned).__name__,
+            )
+
+
+@dataclasses.dataclass
+class _Call:
+    """One head group ready to be handled: its handler and message, or why it has none."""
+
+    group: GroupRows
+    handler: Handler | None
+    message: OutboxMessage
+    error: BaseException | None = None
+
+    @property
+    def is_sync(self) -> bool:
+        return self.handler is not None and not OutboxApp.is_async_handler(self.handler)
 
 
 def _emptied(result: DrainResult) -> bool:

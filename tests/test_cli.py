@@ -158,7 +158,7 @@ async def test_worker_refuses_a_category_without_handler(servers) -> None:
         (["--app", "no_such_module_for_outbox:app"], "cannot import 'no_such_module_for_outbox'"),
         (["--app", "tests.sample_app"], "module:attribute"),
         (["--app", SAMPLE_APP, "--demo"], "do not also give --app"),
-        (["--app", SAMPLE_APP, "--idle-timeout", "0"], "idle_timeout"),
+        (["--app", SAMPLE_APP, "--idle-timeout", "-1"], "idle_timeout"),
     ],
     ids=["not-an-app", "no-module", "bad-format", "app-and-demo", "bad-setting"],
 )

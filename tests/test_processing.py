@@ -503,25 +503,38 @@ async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine,
     assert len(recorder.calls) == written
 
 
-async def test_a_timed_out_attempt_never_overlaps_its_retry(servers, engine) -> None:
-    """A plain-def handler cannot be interrupted: the retry waits on the shard lock."""
+@pytest.mark.parametrize("late_outcome", ["raises", "returns"])
+async def test_a_timed_out_attempt_never_overlaps_its_retry(
+    servers, engine, late_outcome: str
+) -> None:
+    """A plain-def handler cannot be interrupted: the retry waits on the shard lock. A late
+    success still counts (its rows are deleted, not handled twice); a late failure is retried."""
     table = unique_table()
     app = make_app(table, Recorder(), handle_all=False)
-    calls: list[tuple[float, float]] = []
+    calls: list[tuple[int, float, float]] = []
 
     def slow_once(message: OutboxMessage) -> None:
         started = time.monotonic()
-        if not calls:
+        first = not calls
+        if first:
             time.sleep(5)  # past the 2 s handler timeout
-        calls.append((started, time.monotonic()))
+        calls.append((message.object_identifier, started, time.monotonic()))
+        if first and late_outcome == "raises":
+            raise RuntimeError("late and failing")
 
     app.handler(*Category)(slow_once)
     await create_tables(engine, app)
-    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.PROJECT_UPDATE, 1, 2)]
+    )
     async with running_worker(servers, app, fast_settings(handler_timeout=2.0, linger=0)):
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="the retry")
-    assert len(calls) >= 2
-    for (_, first_end), (second_start, _) in itertools.pairwise(calls):
+    objects = [obj for obj, _, _ in calls]
+    if late_outcome == "raises":
+        assert objects[:2] == [1, 1] and objects[-1] == 2
+    else:
+        assert objects == [1, 2]
+    for (_, _, first_end), (_, second_start, _) in itertools.pairwise(calls):
         assert second_start >= first_end
 
 

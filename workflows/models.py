@@ -38,7 +38,7 @@ class ShardRef:
 class ShardOptions:
     """Tuning handed to every run of a shard workflow (set by the bridge from the settings)."""
 
-    idle_timeout_seconds: float = 60.0
+    idle_timeout_seconds: float = 0.0
     handler_timeout_seconds: float = 300.0
     heartbeat_timeout_seconds: float = 30.0
     initial_retry_seconds: float = 1.0
@@ -91,6 +91,9 @@ class ShardCarry:
     rows_handled: int = 0
     groups_handled: int = 0
     skip: SkipInfo | None = None
+    # Rows kept arriving: the run drains with a lingering activity from the start (set by the
+    # bridge for a shard it started or signalled moments ago, and carried across runs).
+    traffic: bool = False
 
 
 @dataclass

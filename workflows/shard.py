@@ -61,7 +61,7 @@ class OutboxShard:
         self._dirty = True
         # Set when rows arrive after this run's first drain: traffic is steady, so linger.
         self._drained = False
-        self._traffic = False
+        self._traffic = carry.traffic
         self._state = DRAINING
         self._head: HeadGroup | None = None
         self._attempts = 0
@@ -120,6 +120,10 @@ class OutboxShard:
 
     async def _idle_expired(self) -> bool:
         self._set_state(IDLE)
+        if self._options.idle_timeout_seconds <= 0:
+            # Complete as soon as the shard is empty: a signal that races the completion fails
+            # this task and is replayed first; a later one starts a new run.
+            return True
         try:
             await workflow.wait_condition(
                 lambda: self._dirty or self._skip is not None or self._continue_as_new_due(),
@@ -292,6 +296,7 @@ class OutboxShard:
             rows_handled=self._rows_handled,
             groups_handled=self._groups_handled,
             skip=self._skip,
+            traffic=self._traffic,
         )
 
     # -- signals and queries -----------------------------------------------------------------

@@ -21,7 +21,7 @@ from urllib.parse import quote
 import click
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from temporalio.client import Client
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
 from activities import OutboxActivities
 from outbox_bridge import demo
@@ -29,46 +29,45 @@ from outbox_bridge.bridge import Bridge, BridgeOptions
 from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy_url
 from outbox_bridge.drain import ShardDrainer
 from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal
-from outbox_bridge.errors import ConfigurationError, OutboxError
+from outbox_bridge.errors import OutboxError
 from outbox_bridge.flags import build_settings, settings_options
+from outbox_bridge.health import HealthServer, ShutdownGrace
 from outbox_bridge.hub import ShardHub
+from outbox_bridge.logs import configure_logging
+from outbox_bridge.metrics import setup_metrics, temporal_runtime
 from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
-from outbox_bridge.shards import parse_shard
+from outbox_bridge.shards import static_skips
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
 from outbox_bridge.temporal import connect, ensure_search_attributes
+from outbox_bridge.timestamps import load_infinite_timestamps
 from workflows.shard import OutboxShard
 
 log = logging.getLogger("outbox_bridge.worker")
 
 
-def static_skips(app: OutboxApp, names: list[str] | None) -> frozenset[str]:
-    """Workflow ids of the shards named in ``skip_shards`` (each table of the app)."""
-    ids = set()
-    for name in names or []:
-        matched = False
-        for table, spec in app.tables.items():
-            if (name.count(":") == 2) == spec.regional:
-                ids.add(parse_shard(name, app, table=table).workflow_id)
-                matched = True
-        if not matched:
-            raise ConfigurationError(f"skip_shards: {name!r} names no shard of this app's tables")
-    return frozenset(ids)
-
-
 def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
-    return create_async_engine(
+    engine = create_async_engine(
         sqlalchemy_url(url),
         pool_size=settings.database_pool_size,
         max_overflow=5,
         pool_pre_ping=True,
     )
+    load_infinite_timestamps(engine)  # a plain-SQL scheduled_for = 'infinity' must not fail drains
+    return engine
 
 
-def build_worker(client: Client, settings: OutboxSettings, drainer: ShardDrainer) -> Worker:
+def build_worker(
+    client: Client,
+    settings: OutboxSettings,
+    drainer: ShardDrainer,
+    *,
+    interceptors: Sequence[Interceptor] = (),
+) -> Worker:
     return Worker(
         client,
         task_queue=settings.task_queue,
+        interceptors=interceptors,
         workflows=[OutboxShard],
         activities=OutboxActivities(drainer).all(),
         # The shard workflow is this library's code, never the user's, and the replay tests
@@ -78,7 +77,7 @@ def build_worker(client: Client, settings: OutboxSettings, drainer: ShardDrainer
         # Lingering drains mostly wait; leave room for them beside the busy ones.
         max_concurrent_activities=settings.max_concurrent_activities + settings.linger_max_shards,
         max_concurrent_local_activities=settings.max_concurrent_activities,
-        graceful_shutdown_timeout=timedelta(seconds=10),
+        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
 
 
@@ -103,11 +102,19 @@ async def serve(
         hub=hub,
         max_lingering=settings.linger_max_shards,
     )
+    health = HealthServer(settings, database_url=database_url, stop=stop)
     try:
+        await health.start()
         await prepare_database(engine, app.metadata)
-        client = await connect(settings, temporal_address, interceptors=[tracing_interceptor()])
+        client = await connect(
+            settings,
+            temporal_address,
+            interceptors=[tracing_interceptor()],
+            runtime=temporal_runtime(),  # the SDK's metrics, when metrics are on
+        )
         await ensure_search_attributes(client)
-        worker = build_worker(client, settings, drainer)
+        grace = ShutdownGrace(settings.shutdown_grace)
+        worker = build_worker(client, settings, drainer, interceptors=[grace])
         bridge = Bridge(
             app=app,
             engine=engine,
@@ -124,6 +131,7 @@ async def serve(
             ),
             hub=hub,
         )
+        health.attach(client=client, worker=worker, bridge=bridge)
         tasks = [
             asyncio.create_task(worker.run(), name="worker"),
             asyncio.create_task(bridge.run(stop), name="bridge"),
@@ -136,11 +144,12 @@ async def serve(
         announcer.cancel()
         stop.set()
         hub.close()
-        await worker.shutdown()
+        await grace.stop(worker)
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     finally:
+        await health.close()
         drainer.close()
         await engine.dispose()
 
@@ -179,7 +188,10 @@ def print_banner(
 async def run(settings: OutboxSettings) -> None:
     app = app_from_settings(settings.demo, settings.app)
     app.check_handlers()
-    setup_tracing(settings.otel_exporter)
+    tracing = setup_tracing(settings.otel_exporter)
+    metrics = setup_metrics(
+        settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
+    )
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
     try:
@@ -221,6 +233,10 @@ async def run(settings: OutboxSettings) -> None:
             temporal.stop()
         if postgres is not None:
             postgres.stop()
+        # The process leaves with os._exit: export what the providers still hold.
+        for provider in (tracing, metrics):
+            if provider is not None:
+                provider.shutdown()
 
 
 async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:
@@ -240,10 +256,7 @@ def main(**overrides: Any) -> None:
     code = 0
     try:
         settings = build_settings(overrides)
-        logging.basicConfig(
-            level=settings.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        configure_logging(settings.log_level, settings.log_format)
         logging.getLogger("temporalio").setLevel(logging.WARNING)
         # Handler failures are logged by the drain with shard and category; the SDK's own line
         # for each failed attempt would repeat them.

@@ -18,7 +18,15 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
 from outbox_bridge.drain import HandlerFailed, ShardDrainer
-from workflows.models import DrainInput, DrainResult, HandleHeadInput, HandleHeadResult
+from outbox_bridge.logs import log_context
+from workflows.models import (
+    DrainInput,
+    DrainResult,
+    FlushCheck,
+    FlushCheckInput,
+    HandleHeadInput,
+    HandleHeadResult,
+)
 
 
 class OutboxActivities:
@@ -29,14 +37,22 @@ class OutboxActivities:
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, request: DrainInput) -> DrainResult:
-        return await self._drainer.drain(request)
+        with log_context(shard=request.shard.key):
+            return await self._drainer.drain(request)
 
     @activity.defn(name="linger_shard")
     async def linger_shard(self, request: DrainInput) -> DrainResult:
         """Drain, then keep handling the shard's new rows as the bridge hands them over, until
         none came for ``linger_seconds``. Heartbeats (which add no history) while it waits."""
-        async with _heartbeating():
-            return await self._drainer.drain(request)
+        with log_context(shard=request.shard.key):
+            async with _heartbeating():
+                return await self._drainer.drain(request)
+
+    @activity.defn(name="flush_check")
+    async def flush_check(self, request: FlushCheckInput) -> FlushCheck:
+        """Run by the ``flush`` update (as a local activity): wait for rows to be handled."""
+        with log_context(shard=request.shard.key):
+            return await self._drainer.wait_handled(request)
 
     @activity.defn(dynamic=True)
     async def handle_category(self, args: Sequence[RawValue]) -> HandleHeadResult:
@@ -47,20 +63,23 @@ class OutboxActivities:
                 type="InvalidActivityInput",
             )
         request = activity.payload_converter().from_payload(args[0].payload, HandleHeadInput)
-        async with _heartbeating():
-            try:
-                # Attempt 1 of this activity is the head's second try: the drain made the first.
-                return await self._drainer.handle_head(
-                    request, heartbeat=activity.heartbeat, attempt=activity.info().attempt
-                )
-            except HandlerFailed as failed:
-                raise ApplicationError(
-                    failed.failure.message or failed.failure.error_type,
-                    type=failed.failure.error_type,
-                ) from None
+        # The activity's type is the category's name.
+        with log_context(shard=request.shard.key, category=activity.info().activity_type):
+            async with _heartbeating():
+                try:
+                    # Attempt 1 of this activity is the head's second try: the drain made the
+                    # first.
+                    return await self._drainer.handle_head(
+                        request, heartbeat=activity.heartbeat, attempt=activity.info().attempt
+                    )
+                except HandlerFailed as failed:
+                    raise ApplicationError(
+                        failed.failure.message or failed.failure.error_type,
+                        type=failed.failure.error_type,
+                    ) from None
 
     def all(self) -> list[object]:
-        return [self.drain_shard, self.linger_shard, self.handle_category]
+        return [self.drain_shard, self.linger_shard, self.flush_check, self.handle_category]
 
 
 @contextlib.asynccontextmanager

@@ -26,6 +26,9 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -35,23 +38,22 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowQueryRejectedError,
 )
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from outbox_bridge.backlog import observe_backlog, observe_shard_states
 from outbox_bridge.hub import ShardHub
+from outbox_bridge.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.schema import SWEEP_NOTIFICATION, notify_channel
-from outbox_bridge.store import ShardRange, read_shard_ranges
-from outbox_bridge.temporal import SCOPE_ATTRIBUTE, SHARD_ATTRIBUTE
+from outbox_bridge.shards import WORKFLOW, start_arguments, static_skip
+from outbox_bridge.store import ShardRange, read_shard_ranges, read_trace_contexts
+from outbox_bridge.telemetry import active_tracer, context_of
 from workflows.models import (
     NotifyInput,
-    ShardCarry,
-    ShardInput,
     ShardOptions,
     ShardRef,
     ShardStatus,
-    SkipInfo,
 )
 
 log = logging.getLogger("outbox_bridge.bridge")
@@ -143,6 +145,9 @@ class Bridge:
                 await self._loop(stop, listener, lock_conn)
             finally:
                 self.is_leader = False
+                metrics = active_metrics()
+                if metrics is not None:
+                    metrics.forget(self)  # a standby bridge reports no backlog
                 if listener is not None:
                     listener.cancel()
                     with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
@@ -166,11 +171,16 @@ class Bridge:
 
     async def _listen(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         channels = {notify_channel(t.name): t.name for t in self._tables()}
-        async for notification in conn.notifies():
-            table = channels.get(notification.channel)
-            if table is not None:
-                self._take_notification(table, notification.payload)
-                self._wake.set()
+        try:
+            async for notification in conn.notifies():
+                table = channels.get(notification.channel)
+                if table is not None:
+                    self._take_notification(table, notification.payload)
+                    self._wake.set()
+        finally:
+            # A lost connection must wake the loop, which reconnects and listens again: with
+            # a long --poll-interval it would otherwise notice only at its next scan.
+            self._wake.set()
 
     async def _loop(
         self,
@@ -245,9 +255,12 @@ class Bridge:
     async def _flush_notifications(self) -> None:
         pending, self._pending = self._pending, {}
         await self._signal_all(
-            (key, max_id, late)
-            for key, (max_id, late) in pending.items()
-            if late or max_id > self._known.get(key, 0)
+            [
+                (key, max_id, late)
+                for key, (max_id, late) in pending.items()
+                if late or max_id > self._known.get(key, 0)
+            ],
+            reason="notify",
         )
 
     # -- scans and sweeps -------------------------------------------------------------------------
@@ -258,14 +271,27 @@ class Bridge:
         for table in self._tables():
             watermark = self._watermark.get(table.name, 0)
             ranges = await self._ranges(table, after_id=watermark)
-            await self._signal_new(table, ranges)
+            await self._signal_new(table, ranges, reason="scan")
 
     async def _sweep(self) -> None:
-        """Every shard with rows: signal what is unknown, check shards that made no progress."""
+        """Every shard with rows: signal what is unknown, check shards that made no progress;
+        with metrics on, measure the backlog and count blocked and skipped shards."""
+        tracer = active_tracer()
+        if tracer is None:
+            await self._sweep_tables()
+            return
+        with tracer.start_as_current_span("outbox.bridge.sweep"):
+            await self._sweep_tables()
+
+    async def _sweep_tables(self) -> None:
         self._scan_requested.clear()
+        metrics = active_metrics()
         for table in self._tables():
             ranges = await self._ranges(table, after_id=None)
-            await self._signal_new(table, ranges)
+            await self._signal_new(table, ranges, reason="sweep")
+            if metrics is not None:
+                async with self._engine.connect() as conn:
+                    await observe_backlog(metrics, self, conn, self._app, table, ranges)
             present: set[ShardKey] = set()
             stalled: list[ShardKey] = []
             for r in ranges:
@@ -279,6 +305,8 @@ class Bridge:
                 self._known.pop(key, None)
                 self._last_contact.pop(key, None)
             await asyncio.gather(*(self._check_stalled(key) for key in stalled))
+        if metrics is not None:
+            await observe_shard_states(metrics, self, self._client, self._options.task_queue)
 
     async def _ranges(self, table: Table, *, after_id: int | None) -> list[ShardRange]:
         async with self._engine.connect() as conn:
@@ -290,11 +318,13 @@ class Bridge:
             self._watermark[table.name] = max(self._watermark.get(table.name, 0), top)
         return ranges
 
-    async def _signal_new(self, table: Table, ranges: Iterable[ShardRange]) -> None:
+    async def _signal_new(
+        self, table: Table, ranges: Iterable[ShardRange], *, reason: str
+    ) -> None:
+        keys = (((table.name, r.region, r.scope, r.shard_identifier), r.max_id) for r in ranges)
         await self._signal_all(
-            ((table.name, r.region, r.scope, r.shard_identifier), r.max_id, False)
-            for r in ranges
-            if r.max_id > self._known.get((table.name, r.region, r.scope, r.shard_identifier), 0)
+            [(key, max_id, False) for key, max_id in keys if max_id > self._known.get(key, 0)],
+            reason=reason,
         )
 
     async def _check_stalled(self, key: ShardKey) -> None:
@@ -329,8 +359,53 @@ class Bridge:
 
     # -- signalling ----------------------------------------------------------------------------
 
-    async def _signal_all(self, items: Iterable[tuple[ShardKey, int, bool]]) -> None:
-        await asyncio.gather(*(self._signal(key, max_id, late) for key, max_id, late in items))
+    async def _signal_all(self, items: list[tuple[ShardKey, int, bool]], *, reason: str) -> None:
+        """Signal each shard of ``items``. With tracing on, a wake-up that signals anything has
+        a span (the sweep has its own), and each shard's signal is a child of the producer span
+        of the row it announces, so that a row's trace runs from its producer into Temporal."""
+        if not items:
+            return
+        tracer = active_tracer()
+        if tracer is None:
+            await asyncio.gather(*(self._signal(key, max_id, late) for key, max_id, late in items))
+            return
+        producers = await self._producer_contexts(items)
+        wake = (
+            contextlib.nullcontext()
+            if reason == "sweep"
+            else tracer.start_as_current_span(
+                "outbox.bridge.wake",
+                attributes={"outbox.wake.reason": reason, "outbox.shards": len(items)},
+            )
+        )
+        with wake:
+            await asyncio.gather(
+                *(
+                    self._signal(key, max_id, late, parent=producers.get((key[0], max_id)))
+                    for key, max_id, late in items
+                )
+            )
+
+    async def _producer_contexts(
+        self, items: list[tuple[ShardKey, int, bool]]
+    ) -> dict[tuple[str, int], Context]:
+        """The producer trace context of each announced row that has one: one statement per
+        table, and only with tracing on."""
+        wanted: dict[str, list[int]] = {}
+        for key, max_id, _ in items:
+            wanted.setdefault(key[0], []).append(max_id)
+        found: dict[tuple[str, int], Context] = {}
+        try:
+            async with self._engine.connect() as conn:
+                for table, ids in wanted.items():
+                    carriers = await read_trace_contexts(conn, self._app.table(table), ids)
+                    for row_id, carrier in carriers.items():
+                        context = context_of(carrier)
+                        if context is not None:
+                            found[(table, row_id)] = context
+        except SQLAlchemyError as exc:  # the signals matter more than their parent spans
+            log.warning("cannot read the trace context of new rows: %s", type(exc).__name__)
+        return found
 
     def shard_ref(self, key: ShardKey) -> ShardRef:
         table, region, scope, ident = key
@@ -343,7 +418,13 @@ class Bridge:
         )
 
     async def _signal(
-        self, key: ShardKey, max_id: int, late: bool, *, via_hub: bool = True
+        self,
+        key: ShardKey,
+        max_id: int,
+        late: bool,
+        *,
+        via_hub: bool = True,
+        parent: Context | None = None,
     ) -> None:
         if via_hub and self._hub is not None and self._hub.offer(key):
             # A drain of this shard lingers in this process and takes the rows itself.
@@ -353,14 +434,42 @@ class Bridge:
             return
         shard = self.shard_ref(key)
         traffic = self._recent_traffic(key)
-        async with self._semaphore:
-            if self._may_be_closed(key) and await self._start(shard, max_id, traffic):
-                self.starts += 1
-            elif not await self._signal_with_start(shard, max_id, late, traffic):
-                return
+        with self._signal_span(shard, max_id, late, parent):
+            async with self._semaphore:
+                if self._may_be_closed(key) and await self._start(shard, max_id, traffic):
+                    self.starts += 1
+                elif not await self._signal_with_start(shard, max_id, late, traffic):
+                    return
         self.signals_sent += 1
         self._known[key] = max(self._known.get(key, 0), max_id)
         self._last_contact[key] = time.monotonic()
+
+    @staticmethod
+    def _signal_span(
+        shard: ShardRef, max_id: int, late: bool, parent: Context | None
+    ) -> contextlib.AbstractContextManager[object]:
+        """``outbox.bridge.signal``: a child of the announced row's producer span when it has
+        one (linked to the wake-up's span), else of the wake-up's or sweep's span. Temporal's
+        interceptor puts its StartWorkflow / SignalWithStartWorkflow span under it."""
+        tracer = active_tracer()
+        if tracer is None:
+            return contextlib.nullcontext()
+        links = []
+        current = trace.get_current_span().get_span_context()
+        if parent is not None and current.is_valid:
+            links.append(Link(current))
+        attributes: dict[str, Any] = {
+            "outbox.table": shard.table,
+            "outbox.scope": shard.scope_name,
+            "outbox.shard_identifier": shard.shard_identifier,
+            "outbox.max_id": max_id,
+            "outbox.late": late,
+        }
+        if shard.region is not None:
+            attributes["outbox.region"] = shard.region
+        return tracer.start_as_current_span(
+            "outbox.bridge.signal", context=parent, links=links, attributes=attributes
+        )
 
     def _may_be_closed(self, key: ShardKey) -> bool:
         """No contact with this shard's workflow for an idle period: it has likely completed."""
@@ -375,32 +484,19 @@ class Bridge:
         linger = self._options.shard_options.linger_seconds
         return last is not None and linger > 0 and time.monotonic() - last <= linger
 
-    def _static_skip(self, shard: ShardRef) -> SkipInfo | None:
-        """Shards listed in the skip setting start skipped (they stay so until resumed)."""
-        if shard.workflow_id not in self._options.skip_shards:
-            return None
-        return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
-
     async def _start_workflow(
         self, shard: ShardRef, max_id: int, traffic: bool, **how: Any
     ) -> None:
         """Start (or, with a start signal, signal) the shard's workflow; ``how`` says which."""
         await self._client.start_workflow(
-            "OutboxShard",
-            ShardInput(
-                shard=shard,
-                options=self._options.shard_options,
-                carry=ShardCarry(
-                    max_known_id=max_id, skip=self._static_skip(shard), traffic=traffic
-                ),
-            ),
-            id=shard.workflow_id,
-            task_queue=self._options.task_queue,
-            search_attributes=TypedSearchAttributes(
-                [
-                    SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
-                    SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
-                ]
+            WORKFLOW,
+            **start_arguments(
+                shard,
+                self._options.shard_options,
+                self._options.task_queue,
+                max_id=max_id,
+                skip=static_skip(shard, self._options.skip_shards),
+                traffic=traffic,
             ),
             **how,
         )

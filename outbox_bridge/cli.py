@@ -25,12 +25,13 @@ from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.embedded import EmbeddedPostgres
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.flags import build_settings, settings_options
+from outbox_bridge.flush import Flusher
 from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
 from outbox_bridge.shards import parse_shard, shard_status
-from outbox_bridge.store import read_shard_depths
-from outbox_bridge.temporal import connect
-from workflows.models import ResumeInput, ShardRef, ShardStatus, SkipInput
+from outbox_bridge.store import read_shard_depths, read_shard_max_id
+from outbox_bridge.temporal import connect, temporal_address
+from workflows.models import FlushResult, ResumeInput, ShardRef, ShardStatus, SkipInput
 
 
 def run() -> None:
@@ -112,7 +113,7 @@ async def _shard_handle(
     settings: OutboxSettings, name: str, table: str | None
 ) -> tuple[Client, ShardRef]:
     shard = parse_shard(name, _app(settings), table=table)
-    address = settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    address = temporal_address(settings)
     return await connect(settings, address), shard
 
 
@@ -216,6 +217,65 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
 
     _run_or_exit(work(), shard)
     click.echo(f"shard {shard} resumed")
+
+
+@main.command("flush")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=3600),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_shard_command
+def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overrides: Any) -> None:
+    """Wait until a shard has handled every row pending now (exit 0), or say why it cannot:
+    blocked, skipped, deferred or timed out (exit 1). Starts the shard's workflow if needed."""
+
+    async def work() -> FlushResult | None:
+        settings = build_settings(overrides)
+        app = _app(settings)
+        ref = parse_shard(shard, app, table=table)
+        async with _database(settings) as engine, engine.connect() as conn:
+            up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
+        if up_to is None:
+            return None
+        [result] = await Flusher(app, settings).flush({ref: up_to}, timeout)
+        return result
+
+    result: FlushResult | None = _run_or_exit(work(), shard)
+    if result is None:
+        click.echo(f"shard {shard} has no pending rows")
+        return
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+    else:
+        Console().print(_flush_table(result))
+    if not result.handled:
+        sys.exit(1)
+
+
+def _flush_table(result: FlushResult) -> Table:
+    view = Table(title=f"flush of shard {result.shard}", show_header=False)
+    view.add_row("outcome", result.outcome)
+    if result.head is not None:
+        view.add_row(
+            "head group", f"{result.head.summary}, ids {result.head.first_id}-{result.head.last_id}"
+        )
+    if result.error is not None:
+        view.add_row(
+            "last error", f"{result.error.error_type}: {result.error.message}".rstrip(": ")
+        )
+    if result.blocked_since:
+        view.add_row("blocked since", result.blocked_since)
+    if result.skip is not None:
+        view.add_row("skipped", f"by {result.skip.by or 'an operator'}: {result.skip.reason}")
+    if result.deferred_until:
+        view.add_row("deferred until", result.deferred_until)
+    if result.detail:
+        view.add_row("detail", result.detail)
+    return view
 
 
 @main.group("history")
@@ -344,7 +404,7 @@ async def _shards(
             limit=top if state is None else top * 20,
         )
         now = (await conn.execute(select(func.now()))).scalar_one()
-    address = settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    address = temporal_address(settings)
     client = await connect(settings, address)
     listed: list[dict[str, Any]] = []
     for depth in depths:

@@ -152,6 +152,44 @@ class OutboxSettings(BaseSettings):
         "none", description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*)."
     )
     log_level: str = Field("INFO", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines as text, or as JSON objects (one per line) with the shard, "
+        "category, trace_id and span_id of the activity or handler that logged them.",
+    )
+    metrics_exporter: Literal["none", "prometheus", "otlp", "console"] = Field(
+        "none",
+        description="Where metrics (outbox-bridge's and the Temporal SDK's) go: none, "
+        "prometheus (a scrape endpoint on --metrics-port), otlp (OTEL_EXPORTER_OTLP_*) or "
+        "console.",
+    )
+    metrics_port: int = Field(
+        9464, ge=0, le=65535, description="Port of the Prometheus scrape endpoint /metrics."
+    )
+    metrics_host: str = Field(
+        "0.0.0.0", description="Address the Prometheus scrape endpoint listens on."
+    )
+
+    # -- running in a container -----------------------------------------------------------------
+    health_port: int = Field(
+        8080,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP health endpoints /healthz (liveness) and /readyz "
+        "(readiness); 0 disables them.",
+    )
+    health_host: str = Field(
+        "0.0.0.0",
+        description="Address the health endpoints listen on. All interfaces by default, so "
+        "that probes reach a container from outside; 127.0.0.1 keeps them local, :: serves "
+        "an IPv6-only cluster.",
+    )
+    shutdown_grace: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a stopping worker (SIGTERM, SIGINT) gives in-flight handler calls "
+        "to finish before it cancels them; their rows are kept and retried.",
+    )
 
     @field_validator("regions", "skip_shards", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import Row
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.errors import (
@@ -29,19 +30,26 @@ from outbox_bridge.errors import (
     UnknownCategoryError,
 )
 from outbox_bridge.hub import ShardHub
+from outbox_bridge.logs import log_context
+from outbox_bridge.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
+from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
 from outbox_bridge.store import (
     GroupRows,
     delete_rows,
     read_head_groups,
+    read_pending_up_to,
     read_rows,
     read_shard_head_info,
+    read_trace_contexts,
     try_lock_shard,
     unlock_shard,
 )
 from workflows.models import (
     DrainInput,
     DrainResult,
+    FlushCheck,
+    FlushCheckInput,
     HandleHeadInput,
     HandleHeadResult,
     HandlerFailure,
@@ -50,6 +58,10 @@ from workflows.models import (
 )
 
 log = logging.getLogger("outbox_bridge.drain")
+
+# A waiting flush reads the table after 10 ms, then less and less often, at least every 250 ms.
+FLUSH_POLL_FIRST = 0.01
+FLUSH_POLL_MAX = 0.25
 
 
 class HandlerFailed(Exception):
@@ -176,6 +188,7 @@ class ShardDrainer:
                 if row is None:  # deleted behind our back: read the head again
                     break
                 calls.append(self._prepare(shard, group, row))
+            observer = await self._observer(conn, shard, calls, rows)
             done: list[int] = []
 
             def handled(call: _Call) -> None:
@@ -183,7 +196,7 @@ class ShardDrainer:
                 result.groups_handled += 1
 
             try:
-                finished = await self._run(shard, calls, handled, deadline=deadline)
+                finished = await self._run(shard, calls, handled, observer, deadline=deadline)
                 if finished:
                     result.more = len(calls) < len(groups) or len(groups) == request.max_groups
                 else:
@@ -193,9 +206,37 @@ class ShardDrainer:
                 result.failure = failed.failure
             finally:
                 result.rows_handled += await delete_rows(conn, table, done)
+                observer.finish()
         result.deferred_until = None
         if not result.more and result.failed is None and info.deferred_until is not None:
             result.deferred_until = info.deferred_until.isoformat()
+
+    async def wait_handled(self, request: FlushCheckInput) -> FlushCheck:
+        """Wait until no row of the shard up to ``up_to_id`` is pending (handled), one of them
+        holds the shard as a deferred head (not due yet), or the timeout passes. Polls the
+        table with growing pauses; takes no lock, so it never delays the drain."""
+        shard = request.shard
+        table = self._app.table(shard.table)
+        deadline = time.monotonic() + request.timeout_seconds
+        pause = FLUSH_POLL_FIRST
+        while True:
+            try:
+                async with self._engine.connect() as conn:
+                    pending, deferred_until = await read_pending_up_to(
+                        conn, table, shard, request.up_to_id
+                    )
+            except SQLAlchemyError as exc:
+                log.warning("flush of shard %s cannot read the table: %s", shard.key, exc)
+            else:
+                if not pending:
+                    return FlushCheck(handled=True)
+                if deferred_until is not None:
+                    return FlushCheck(handled=False, deferred_until=deferred_until.isoformat())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return FlushCheck(handled=False)
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 1.5, FLUSH_POLL_MAX)
 
     async def handle_head(
         self,
@@ -223,8 +264,10 @@ class ShardDrainer:
             if heartbeat is not None:
                 heartbeat()
             call = self._prepare(shard, group, rows[group.last_id])
-            await self._run(shard, [call], lambda _: None, attempt=attempt + 1)
+            observer = await self._observer(conn, shard, [call], rows)
+            await self._run(shard, [call], lambda _: None, observer, attempt=attempt + 1)
             deleted = await delete_rows(conn, table, group.ids)
+            observer.finish()
             return HandleHeadResult(handled=True, rows_handled=deleted, last_id=group.last_id)
 
     # -- handler invocation ----------------------------------------------------------------
@@ -276,17 +319,38 @@ class ShardDrainer:
 
     def _prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> _Call:
         message = self._message(shard, group, row)
+        category = self._app.category_name(group.category)
         try:
             handler = self._resolve_handler(shard, group.category)
         except OutboxError as exc:
-            return _Call(group, None, message, exc)
-        return _Call(group, handler, message)
+            return _Call(group, None, message, category, exc)
+        return _Call(group, handler, message, category)
+
+    async def _observer(
+        self, conn: AsyncConnection, shard: ShardRef, calls: list[_Call], rows: dict[int, Row[Any]]
+    ) -> BatchObserver:
+        """The batch's observer; with tracing on, given the producer trace context of every row
+        the calls cover (the handled rows' came with them; the others take one statement)."""
+        observer = BatchObserver(shard, redact_errors=self._redact)
+        if observer.traced and calls:
+            contexts = {
+                row_id: carrier
+                for row_id, row in rows.items()
+                if (carrier := getattr(row, TRACE_CONTEXT_COLUMN, None)) is not None
+            }
+            covered = [row_id for call in calls for row_id in call.group.ids[:-1]]
+            if covered:
+                table = self._app.table(shard.table)
+                contexts.update(await read_trace_contexts(conn, table, covered))
+            observer.set_trace_contexts(contexts)
+        return observer
 
     async def _run(
         self,
         shard: ShardRef,
         calls: list[_Call],
         handled: Callable[[_Call], None],
+        observer: BatchObserver,
         *,
         deadline: float = math.inf,
         attempt: int = 1,
@@ -296,7 +360,7 @@ class ShardDrainer:
         Raises :class:`HandlerFailed` at the first failure; returns False when the deadline
         stopped it early (the first call always runs). Runs of consecutive sync handlers go to
         a worker thread in one hop, so a backlog of cheap handlers does not pay a thread switch
-        per row.
+        per row. Each call gets its own span from ``observer`` (a child of the activity's).
         """
         index = 0
         while index < len(calls):
@@ -305,7 +369,9 @@ class ShardDrainer:
                 end = index
                 while end < len(calls) and calls[end].is_sync:
                     end += 1
-                count, error = await self._in_thread(calls[index:end], handled, deadline, index)
+                count, error = await self._in_thread(
+                    calls[index:end], handled, observer, deadline, index, attempt
+                )
                 index += count
                 if error is not None:
                     raise self._failure(shard, calls[index], error, attempt)
@@ -315,12 +381,17 @@ class ShardDrainer:
             if index and time.monotonic() > deadline:
                 return False
             try:
-                if call.error is not None:
-                    raise call.error
-                assert call.handler is not None
-                returned = await call.handler(call.message)  # type: ignore[misc]
-            except asyncio.CancelledError:
-                raise
+                with observer.call(call.group, call.message, call.category, attempt):
+                    if call.error is not None:
+                        raise call.error
+                    assert call.handler is not None
+                    returned = await call.handler(call.message)  # type: ignore[misc]
+            except asyncio.CancelledError as exc:
+                if _cancelled():
+                    raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
+                # The handler raised CancelledError itself: a failure like any other, or the
+                # local drain would fail the shard's workflow instead of blocking it.
+                raise self._failure(shard, call, exc, attempt) from exc
             except BaseException as exc:  # a handler's SystemExit must not take the worker down
                 raise self._failure(shard, call, exc, attempt) from exc
             self._check_returned(call, returned)
@@ -329,7 +400,13 @@ class ShardDrainer:
         return True
 
     async def _in_thread(
-        self, run: list[_Call], handled: Callable[[_Call], None], deadline: float, offset: int
+        self,
+        run: list[_Call],
+        handled: Callable[[_Call], None],
+        observer: BatchObserver,
+        deadline: float,
+        offset: int,
+        attempt: int,
     ) -> tuple[int, BaseException | None]:
         """Call the sync handlers of ``run`` in order in one worker thread; returns how many
         succeeded and the exception of the one that failed, if any."""
@@ -343,7 +420,8 @@ class ShardDrainer:
                     return None
                 assert call.handler is not None
                 try:
-                    returned = call.handler(call.message)
+                    with observer.call(call.group, call.message, call.category, attempt):
+                        returned = call.handler(call.message)
                 except BaseException as exc:  # reported by the caller, like an async handler's
                     return exc
                 self._check_returned(call, returned)
@@ -369,19 +447,21 @@ class ShardDrainer:
         self, shard: ShardRef, call: _Call, exc: BaseException, attempt: int
     ) -> HandlerFailed:
         group = call.group
-        # The traceback on the first failure and every tenth retry; one line in between.
-        log.warning(
-            "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: %s: %s",
-            shard.key,
-            self._app.category_name(group.category),
-            group.object_identifier,
-            group.last_id,
-            len(group.ids),
-            attempt,
-            type(exc).__qualname__,
-            exc,
-            exc_info=exc if attempt % 10 == 1 else None,
-        )
+        with log_context(shard=shard.key, category=call.category):
+            # The traceback on the first failure and every tenth retry; one line in between.
+            log.warning(
+                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: "
+                "%s: %s",
+                shard.key,
+                call.category,
+                group.object_identifier,
+                group.last_id,
+                len(group.ids),
+                attempt,
+                type(exc).__qualname__,
+                exc,
+                exc_info=exc if attempt % 10 == 1 else None,
+            )
         message_text = "" if self._redact else str(exc)
         return HandlerFailed(HandlerFailure(type(exc).__qualname__, message_text), group)
 
@@ -401,11 +481,19 @@ class _Call:
     group: GroupRows
     handler: Handler | None
     message: OutboxMessage
+    category: str  # the category's name, for spans, metrics and logs
     error: BaseException | None = None
 
     @property
     def is_sync(self) -> bool:
         return self.handler is not None and not OutboxApp.is_async_handler(self.handler)
+
+
+def _cancelled() -> bool:
+    """Whether the running task was asked to cancel (rather than something raising
+    CancelledError on its own)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _emptied(result: DrainResult) -> bool:

@@ -49,3 +49,13 @@ class EmbeddedServiceError(OutboxError):
 
 class ShardNameError(OutboxError, ValueError):
     """A shard name given on the command line is not ``SCOPE:ID`` or ``REGION:SCOPE:ID``."""
+
+
+class OutboxModelError(OutboxError):
+    """A model declared with :class:`~outbox_bridge.orm.OutboxModel` cannot produce its outbox
+    row: its app, category, shard identifier or object identifier cannot be inferred, or an
+    instance's identifier is not an integer when it is flushed.
+
+    Raised when the class is mapped for a declaration that does not fit, and from the flush for
+    an instance; a failed flush rolls back, so a model change never commits without its row.
+    """

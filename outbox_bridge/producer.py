@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from sqlalchemy import Insert, insert
 
 from outbox_bridge.errors import InvalidRowError
+from workflows.models import ShardRef
 
 if TYPE_CHECKING:
     from outbox_bridge.registry import OutboxApp
@@ -103,7 +104,15 @@ def _when(value: datetime | timedelta | None) -> datetime | None:
     return value
 
 
-def build_insert(app: OutboxApp, spec: RowSpec) -> Insert:
+@dataclass(frozen=True)
+class PreparedRow:
+    """A validated row: its INSERT ... RETURNING id, and the shard it goes to."""
+
+    statement: Insert
+    shard: ShardRef
+
+
+def build_insert(app: OutboxApp, spec: RowSpec) -> PreparedRow:
     """Validate ``spec`` against ``app``'s registry and build its INSERT ... RETURNING id."""
     table = app.table(spec.table)
     regional = app.table_spec(table.name).regional
@@ -135,4 +144,7 @@ def build_insert(app: OutboxApp, spec: RowSpec) -> Insert:
     scheduled_for = _when(spec.scheduled_for)
     if scheduled_for is not None:
         values["scheduled_for"] = scheduled_for
-    return insert(table).values(**values).returning(table.c.id)
+    shard = ShardRef(
+        table.name, int(scope), scope.name, values["shard_identifier"], values.get("region")
+    )
+    return PreparedRow(insert(table).values(**values).returning(table.c.id), shard)

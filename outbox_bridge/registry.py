@@ -12,12 +12,20 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.errors import MissingHandlerError, RegistryError
+from outbox_bridge.observe import observed_write
 from outbox_bridge.producer import RowSpec, build_insert
+from workflows.models import ShardRef
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
+
+    from outbox_bridge.config import OutboxSettings
+    from outbox_bridge.flush import Flusher
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,47}")
 
@@ -109,6 +117,7 @@ class OutboxApp:
         self._categories: dict[int, IntEnum] = {}
         self._scopes: dict[int, IntEnum] = {}
         self._handlers: dict[int, Handler] = {}
+        self._flusher: Flusher | None = None
         for scope, members in scopes.items():
             self._add_scope(scope, members)
         self._check_declared_enums(categories)
@@ -303,7 +312,7 @@ class OutboxApp:
         The scope follows from the category; pass ``shard_scope`` to have it checked.
         ``scheduled_for`` (an aware datetime, or a delay) defers the row: its shard waits.
         """
-        statement = build_insert(
+        row = build_insert(
             self,
             RowSpec(
                 category,
@@ -316,13 +325,15 @@ class OutboxApp:
                 table,
             ),
         )
-        result = session.execute(statement)
-        if inspect.isawaitable(result):  # an AsyncSession / AsyncConnection: nothing ran
-            close = getattr(result, "close", None)
-            if close is not None:
-                close()
-            raise TypeError("app.write() got an async session; use await app.write_async()")
-        return int(result.scalar_one())
+        with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
+            result = session.execute(seen.statement)
+            if inspect.isawaitable(result):  # an AsyncSession / AsyncConnection: nothing ran
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+                raise TypeError("app.write() got an async session; use await app.write_async()")
+            row_id = seen.written(int(result.scalar_one()))
+        return self._written(session, row.shard, row_id)
 
     async def write_async(
         self,
@@ -338,7 +349,7 @@ class OutboxApp:
         table: str | None = None,
     ) -> int:
         """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
-        statement = build_insert(
+        row = build_insert(
             self,
             RowSpec(
                 category,
@@ -351,8 +362,37 @@ class OutboxApp:
                 table,
             ),
         )
-        result = await session.execute(statement)
-        return int(result.scalar_one())
+        with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
+            result = await session.execute(seen.statement)
+            row_id = seen.written(int(result.scalar_one()))
+        return self._written(session, row.shard, row_id)
+
+    def _written(self, session: Any, shard: ShardRef, row_id: int) -> int:
+        from outbox_bridge.flush import record_write
+
+        record_write(session, self, shard, row_id)
+        return row_id
+
+    # -- flushing ------------------------------------------------------------------------------
+
+    def configure_flush(
+        self, settings: OutboxSettings | None = None, *, client: Client | None = None
+    ) -> Flusher:
+        """How ``outbox_context(session, flush=True)`` reaches the shard workflows: the
+        worker's settings (Temporal address, namespace, TLS or API key, task queue and shard
+        settings) and, for async code, optionally a connected Temporal ``client``. Without
+        this call, the settings come from the environment (``OutboxSettings()``)."""
+        from outbox_bridge.flush import Flusher
+
+        self._flusher = Flusher(self, settings, client=client)
+        return self._flusher
+
+    @property
+    def flusher(self) -> Flusher:
+        if self._flusher is None:
+            self.configure_flush()
+        assert self._flusher is not None
+        return self._flusher
 
 
 def load_app(spec: str) -> OutboxApp:

@@ -26,6 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 # A NOTIFY payload is limited to 8,000 bytes; past this the trigger asks for a sweep instead.
 NOTIFY_PAYLOAD_LIMIT = 7000
 SWEEP_NOTIFICATION = "*"
+# The producer's W3C trace context, a JSON object: {"traceparent": ..., "tracestate": ...}.
+TRACE_CONTEXT_COLUMN = "trace_context"
 
 
 def notify_channel(table: str) -> str:
@@ -59,6 +61,8 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
         ),
         Column("scheduled_for", DateTime(timezone=True), nullable=False, server_default=func.now()),
         Column("date_added", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        # Set when the row was written inside a span; rows from plain SQL have none.
+        Column(TRACE_CONTEXT_COLUMN, JSONB(none_as_null=True), nullable=True),
     ]
     table = Table(name, metadata, *columns)
     # The head of a shard, its coalescing groups and its deferral barrier are all read through
@@ -117,6 +121,38 @@ def notify_ddl(table: Table) -> list[str]:
     ]
 
 
+def drop_notify_ddl(table: Table) -> list[str]:
+    """Statements that remove what :func:`notify_ddl` installs on ``table`` (idempotent)."""
+    name = table.name
+    return [
+        f"DROP TRIGGER IF EXISTS {name}_notify ON {name}",
+        f"DROP FUNCTION IF EXISTS {name}_notify()",
+    ]
+
+
+def add_trace_context_ddl(table: Table) -> str:
+    """The statement that adds the ``trace_context`` column to an outbox table created before
+    it existed (idempotent; a nullable column without default: no table rewrite)."""
+    return f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} jsonb"
+
+
+async def add_missing_columns(conn: AsyncConnection, table: Table) -> None:
+    """Add the columns that later versions added to an existing outbox table.
+
+    The catalog is read first: ``ALTER TABLE`` locks the table out even when it has nothing to
+    do, and this runs at every worker start.
+    """
+    present = await conn.execute(
+        text(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(:table) "
+            "AND attname = :column AND NOT attisdropped"
+        ),
+        {"table": table.name, "column": TRACE_CONTEXT_COLUMN},
+    )
+    if present.first() is None:
+        await conn.execute(text(add_trace_context_ddl(table)))
+
+
 async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> None:
     """Create missing outbox tables, indexes and NOTIFY triggers. Safe to run at every start."""
     # Two workers starting at once must not race on CREATE TABLE.
@@ -126,6 +162,7 @@ async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> Non
     await conn.run_sync(metadata.create_all, checkfirst=True)
     for table in metadata.sorted_tables:
         if "regional" in table.info:
+            await add_missing_columns(conn, table)
             for statement in notify_ddl(table):
                 await conn.execute(text(statement))
 

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from temporalio.client import Client
+from typing import Any
 
-from outbox_bridge.errors import ShardNameError
+from temporalio.client import Client
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+from outbox_bridge.errors import ConfigurationError, ShardNameError
 from outbox_bridge.registry import OutboxApp
-from workflows.models import HandlerFailure, ShardRef, ShardStatus
+from workflows.models import (
+    DRAINING,
+    SCOPE_ATTRIBUTE,
+    SHARD_ATTRIBUTE,
+    SKIPPED,
+    STATE_ATTRIBUTE,
+    HandlerFailure,
+    ShardCarry,
+    ShardInput,
+    ShardOptions,
+    ShardRef,
+    ShardStatus,
+    SkipInfo,
+)
+
+WORKFLOW = "OutboxShard"
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
@@ -29,6 +47,27 @@ def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> Shard
     return ShardRef(spec.name, int(scope), scope.name, ident, region)
 
 
+def static_skips(app: OutboxApp, names: list[str] | None) -> frozenset[str]:
+    """Workflow ids of the shards named in ``skip_shards`` (each table of the app)."""
+    ids = set()
+    for name in names or []:
+        matched = False
+        for table, spec in app.tables.items():
+            if (name.count(":") == 2) == spec.regional:
+                ids.add(parse_shard(name, app, table=table).workflow_id)
+                matched = True
+        if not matched:
+            raise ConfigurationError(f"skip_shards: {name!r} names no shard of this app's tables")
+    return frozenset(ids)
+
+
+def static_skip(shard: ShardRef, skipped_ids: frozenset[str]) -> SkipInfo | None:
+    """How a shard listed in the skip setting starts: skipped, until resumed."""
+    if shard.workflow_id not in skipped_ids:
+        return None
+    return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
+
+
 async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
     """The workflow's ``status`` query, completed with what only the server knows: the attempt
     count and last failure of a category activity that is being retried (neither adds history,
@@ -46,3 +85,32 @@ async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
             error_type = failure.application_failure_info.type or "Error"
             status.last_error = HandlerFailure(error_type, failure.message)
     return status
+
+
+def start_arguments(
+    shard: ShardRef,
+    options: ShardOptions,
+    task_queue: str,
+    *,
+    max_id: int,
+    skip: SkipInfo | None = None,
+    traffic: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments that start ``shard``'s workflow, for ``Client.start_workflow`` and
+    ``WithStartWorkflowOperation`` alike: its input, id, task queue and search attributes."""
+    return {
+        "arg": ShardInput(
+            shard=shard,
+            options=options,
+            carry=ShardCarry(max_known_id=max_id, skip=skip, traffic=traffic),
+        ),
+        "id": shard.workflow_id,
+        "task_queue": task_queue,
+        "search_attributes": TypedSearchAttributes(
+            [
+                SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
+                SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
+                SearchAttributePair(STATE_ATTRIBUTE, SKIPPED if skip else DRAINING),
+            ]
+        ),
+    }

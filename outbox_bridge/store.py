@@ -21,6 +21,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     delete,
+    exists,
     func,
     select,
     text,
@@ -28,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
 from workflows.models import ShardRef
 
 
@@ -64,6 +66,7 @@ class ShardRange:
     shard_identifier: int
     min_id: int
     max_id: int
+    rows: int = 0
 
 
 def _any_id(ids: Sequence[int]) -> ColumnElement[Any]:
@@ -126,6 +129,30 @@ async def read_shard_head_info(
     return ShardHeadInfo(highest_id=highest, barrier_id=barrier, deferred_until=deferred_until)
 
 
+async def read_pending_up_to(
+    conn: AsyncConnection, table: Table, shard: ShardRef, up_to_id: int
+) -> tuple[bool, datetime | None]:
+    """Whether rows of the shard up to ``up_to_id`` are pending, and if the first of them not
+    yet due is among them, when it is due (the shard waits for it)."""
+    where = and_(shard_where(table, shard), table.c.id <= up_to_id)
+    barrier = (
+        select(table.c.scheduled_for)
+        .where(where, table.c.scheduled_for > func.now())
+        .order_by(table.c.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+    pending, deferred_until = (await conn.execute(select(exists().where(where), barrier))).one()
+    return bool(pending), deferred_until
+
+
+async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef) -> int | None:
+    """The shard's highest pending id, if it has rows."""
+    result = await conn.execute(select(func.max(table.c.id)).where(shard_where(table, shard)))
+    value = result.scalar_one()
+    return int(value) if value is not None else None
+
+
 async def read_head_groups(
     conn: AsyncConnection, table: Table, shard: ShardRef, *, barrier_id: int | None, limit: int
 ) -> list[GroupRows]:
@@ -159,6 +186,37 @@ async def read_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> 
     return {row.id: row for row in result}
 
 
+async def read_trace_contexts(
+    conn: AsyncConnection, table: Table, ids: Sequence[int]
+) -> dict[int, Any]:
+    """The stored producer trace context of each of ``ids`` that has one (read only when
+    tracing is on)."""
+    if not ids:
+        return {}
+    column = table.c[TRACE_CONTEXT_COLUMN]
+    result = await conn.execute(
+        select(table.c.id, column).where(table.c.id == _any_id(ids), column.is_not(None))
+    )
+    return {row_id: carrier for row_id, carrier in result}
+
+
+async def read_oldest_ages(
+    conn: AsyncConnection, table: Table, ids: Sequence[int]
+) -> dict[int, float]:
+    """Per scope, the age in seconds (by the database's clock) of the oldest of ``ids``: the
+    sweep passes each shard's lowest pending id, so this costs one index lookup per shard
+    rather than a scan of the table."""
+    if not ids:
+        return {}
+    age = func.extract("epoch", func.max(func.now() - table.c.date_added))
+    result = await conn.execute(
+        select(table.c.shard_scope, age)
+        .where(table.c.id == _any_id(ids))
+        .group_by(table.c.shard_scope)
+    )
+    return {int(scope): float(seconds) for scope, seconds in result}
+
+
 async def delete_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> int:
     """Delete exactly the rows a handler covered: rows committed meanwhile survive, even with a
     lower id (a late commit), and are handled next round."""
@@ -184,7 +242,9 @@ async def read_shard_ranges(
 ) -> list[ShardRange]:
     """Shards with rows (with ``after_id``, only rows above it), with their id range."""
     keys = _shard_key_columns(table)
-    query = select(*keys, func.min(table.c.id), func.max(table.c.id)).group_by(*keys)
+    query = select(*keys, func.min(table.c.id), func.max(table.c.id), func.count()).group_by(
+        *keys
+    )
     if after_id is not None:
         query = query.where(table.c.id > after_id)
     if regions is not None and "region" in table.c:
@@ -195,8 +255,8 @@ async def read_shard_ranges(
     for row in await conn.execute(query):
         values = tuple(row)
         region = values[0] if "region" in table.c else None
-        scope, ident, lo, hi = values[-4:]
-        ranges.append(ShardRange(region, scope, ident, lo, hi))
+        scope, ident, lo, hi, rows = values[-5:]
+        ranges.append(ShardRange(region, scope, ident, lo, hi, rows))
     return ranges
 
 

@@ -11,23 +11,30 @@ from temporalio.api.operatorservice.v1 import (
     ListSearchAttributesRequest,
 )
 from temporalio.client import Client, Interceptor
-from temporalio.common import SearchAttributeKey
+from temporalio.runtime import Runtime
 from temporalio.service import RPCError, TLSConfig
 
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
+from workflows.models import (
+    BLOCKED_CATEGORY_ATTRIBUTE,
+    BLOCKED_SINCE_ATTRIBUTE,
+    SCOPE_ATTRIBUTE,
+    SHARD_ATTRIBUTE,
+    STATE_ATTRIBUTE,
+)
 
 log = logging.getLogger("outbox_bridge.temporal")
 
-SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
-SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
-
 SEARCH_ATTRIBUTES: dict[str, str] = {
-    "OutboxScope": "Keyword",
-    "OutboxShard": "Keyword",
-    "OutboxState": "Keyword",
-    "OutboxBlockedCategory": "Keyword",
-    "OutboxBlockedSince": "Datetime",
+    key.name: "Datetime" if key is BLOCKED_SINCE_ATTRIBUTE else "Keyword"
+    for key in (
+        SCOPE_ATTRIBUTE,
+        SHARD_ATTRIBUTE,
+        STATE_ATTRIBUTE,
+        BLOCKED_CATEGORY_ATTRIBUTE,
+        BLOCKED_SINCE_ATTRIBUTE,
+    )
 }
 
 
@@ -60,8 +67,17 @@ def _tls(settings: OutboxSettings) -> TLSConfig | bool:
         ) from None
 
 
+def temporal_address(settings: OutboxSettings) -> str:
+    """The configured Temporal frontend, or the embedded dev server's port on this host."""
+    return settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+
+
 async def connect(
-    settings: OutboxSettings, address: str, *, interceptors: Sequence[Interceptor] = ()
+    settings: OutboxSettings,
+    address: str,
+    *,
+    interceptors: Sequence[Interceptor] = (),
+    runtime: Runtime | None = None,
 ) -> Client:
     api_key = settings.temporal_api_key.get_secret_value() if settings.temporal_api_key else None
     try:
@@ -71,6 +87,7 @@ async def connect(
             tls=_tls(settings) or bool(api_key),
             api_key=api_key,
             interceptors=list(interceptors),
+            runtime=runtime,
         )
     except RuntimeError as exc:
         raise ConfigurationError(

@@ -11,6 +11,7 @@ from pathlib import Path
 from outbox_bridge import OutboxMessage
 from tests.harness import (
     Category,
+    fast_settings,
     fresh_app,
     running_worker,
     table_empty,
@@ -22,9 +23,12 @@ from tests.harness import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def cli(servers, table: str, *args: str) -> tuple[int, str, str]:
+async def cli(
+    servers, table: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     env = {
         **os.environ,
+        **(env or {}),
         "TEMPORAL_ADDRESS": servers.temporal_address,
         "OUTBOX_DATABASE_URL": servers.database_url,
         "OUTBOX_APP": "tests.sample_app:app",  # same scope and category names as the harness
@@ -214,3 +218,53 @@ async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
         for shard in ("ORGANIZATION:8", "USER:2"):
             code, _, err = await cli(servers, table, "skip", shard, "--reason", "test over")
             assert code == 0, err
+
+
+async def test_flush_from_the_command_line(servers, engine) -> None:
+    recorder, table, app = await fresh_app(engine)
+
+    async def failing(message: OutboxMessage) -> None:
+        if message.shard_identifier == 21:
+            await asyncio.sleep(3)  # still pending when the command runs
+        if message.shard_identifier == 22:
+            raise ConnectionError("replica unavailable")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = failing
+    settings = fast_settings(idle_timeout=0)
+    env = {"OUTBOX_TASK_QUEUE": settings.task_queue}
+    async with running_worker(servers, app, settings):
+        code, out, err = await cli(servers, table, "flush", "ORGANIZATION:21", env=env)
+        assert code == 0 and "no pending rows" in out, err
+
+        await write_rows(
+            engine,
+            app,
+            [
+                {
+                    "category": Category.PROJECT_UPDATE,
+                    "shard_identifier": 21,
+                    "object_identifier": 1,
+                },
+                {
+                    "category": Category.PROJECT_UPDATE,
+                    "shard_identifier": 22,
+                    "object_identifier": 2,
+                },
+            ],
+        )
+        code, out, err = await cli(servers, table, "flush", "ORGANIZATION:21", "--json", env=env)
+        assert code == 0, err
+        assert json.loads(out)["outcome"] == "handled"
+        # Handled means the handler returned before the command did.
+        assert any(call.shard == "1:21" for call in recorder.calls)
+
+        code, out, err = await cli(
+            servers, table, "flush", "ORGANIZATION:22", "--timeout", "20", env=env
+        )
+        assert code == 1, (out, err)
+        assert "blocked" in out and "ConnectionError" in out and "PROJECT_UPDATE" in out
+
+        code, _, err = await cli(
+            servers, table, "flush", "ORGANIZATION:22", "--timeout", "0", env=env
+        )
+        assert code == 2 and "--timeout" in err

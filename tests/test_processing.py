@@ -613,7 +613,7 @@ async def test_shards_in_the_static_skip_list_start_skipped(servers, engine, cli
 
 def test_a_static_skip_naming_no_shard_is_refused() -> None:
     from outbox_bridge import ConfigurationError, RegistryError
-    from worker import static_skips
+    from outbox_bridge.shards import static_skips
 
     app = make_app("outbox", Recorder())
     assert static_skips(app, ["organization:42"]) == frozenset({"outbox:outbox:ORGANIZATION:42"})

@@ -1,35 +1,80 @@
-"""The Temporal client and worker carry OpenTelemetry spans; exporters follow the settings."""
+"""Traces: a row carries its producer's trace context; its handler runs in a span under the
+Temporal activity's, linked to the producer span of every row it covers; the bridge's wake-ups,
+sweeps and signals have spans; exporters follow the settings. No payload ever enters a span."""
 
 from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from sqlalchemy import select, text
 
+from outbox_bridge import OutboxMessage
 from outbox_bridge.telemetry import build_tracer_provider
 from tests.harness import (
     Category,
+    Recorder,
+    create_tables,
+    fast_settings,
     fresh_app,
+    make_app,
     running_worker,
+    sql,
     table_empty,
+    unique_table,
     wait_until,
     write_rows,
 )
+from tests.otel import span_exporter, span_texts
+
+MARKER = f"payload-{uuid.uuid4().hex}"  # must never appear in a span
+HANDLE_PROJECT = "outbox.handle PROJECT_UPDATE"
+tracer = trace.get_tracer("tests")
 
 
 @pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
-    exporter = InMemorySpanExporter()
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
+    return span_exporter()
+
+
+def row(category: Category, shard: int, obj: int) -> dict[str, object]:
+    return {
+        "category": category,
+        "shard_identifier": shard,
+        "object_identifier": obj,
+        "payload": {"secret": MARKER},
+    }
+
+
+def of_table(spans: InMemorySpanExporter, table: str, name: str) -> list[ReadableSpan]:
+    found = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == name and (s.attributes or {}).get("outbox.table") == table
+    ]
+    return sorted(found, key=lambda s: s.start_time or 0)
+
+
+def by_id(spans: InMemorySpanExporter) -> dict[int, ReadableSpan]:
+    return {s.context.span_id: s for s in spans.get_finished_spans() if s.context is not None}
+
+
+def parent_of(span: ReadableSpan, spans: InMemorySpanExporter) -> ReadableSpan:
+    assert span.parent is not None, f"{span.name} has no parent"
+    return by_id(spans)[span.parent.span_id]
+
+
+def assert_no_payload(spans: Iterable[ReadableSpan]) -> None:
+    for value in span_texts(spans):
+        assert MARKER not in value
 
 
 def _exporter(provider: TracerProvider | None) -> object:
@@ -45,26 +90,214 @@ def test_exporters_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(_exporter(build_tracer_provider("otlp")), GrpcExporter)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     assert isinstance(_exporter(build_tracer_provider("otlp")), HttpExporter)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging")
+    provider = build_tracer_provider("console")
+    assert provider is not None
+    assert provider.resource.attributes["service.name"] == "outbox-bridge"
+    assert provider.resource.attributes["deployment.environment"] == "staging"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "billing-outbox")
     provider = build_tracer_provider("console")
     assert provider is not None
     assert provider.resource.attributes["service.name"] == "billing-outbox"
 
 
-async def test_signals_and_activities_are_traced(servers, engine, spans) -> None:
-    _, _, app = await fresh_app(engine)
-    spans.clear()
-    async with running_worker(servers, app):
-        await write_rows(
-            engine,
-            app,
-            [{"category": Category.PROJECT_UPDATE, "shard_identifier": 1, "object_identifier": 1}],
+async def test_a_row_stores_the_trace_context_of_the_span_it_is_written_in(
+    engine, spans
+) -> None:
+    _, table, app = await fresh_app(engine)
+    with tracer.start_as_current_span("request") as request:
+        [inside] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    [outside] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 2)])
+    await sql(
+        engine,
+        f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
+        "VALUES (1, 1, 2, 3)",
+    )
+    async with engine.connect() as conn:
+        stored = dict(
+            (await conn.execute(select(app.table().c.id, app.table().c.trace_context))).all()
         )
+    [producer] = of_table(spans, table, "outbox.write PROJECT_UPDATE")
+    assert producer.parent is not None
+    assert producer.parent.span_id == request.get_span_context().span_id
+    assert producer.kind is trace.SpanKind.PRODUCER
+    assert producer.attributes is not None and producer.attributes["outbox.id"] == inside
+    context = producer.context
+    assert context is not None
+    flags = int(context.trace_flags)
+    traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
+    assert stored[inside] == {"traceparent": traceparent}
+    assert stored[outside] is None  # written outside any span
+    assert sorted(v for k, v in stored.items() if k not in (inside, outside)) == [None]
+    assert_no_payload([producer])
+
+
+async def test_an_existing_outbox_table_gets_the_trace_context_column(engine) -> None:
+    _, table, app = await fresh_app(engine)
+    await sql(engine, f"ALTER TABLE {table} DROP COLUMN trace_context")
+    await create_tables(engine, app)  # what the worker and init-db run at start
+    await create_tables(engine, app)  # and again: nothing left to do
+    [_] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    async with engine.connect() as conn:
+        columns = (
+            await conn.execute(
+                text(
+                    "SELECT data_type, is_nullable FROM information_schema.columns "
+                    "WHERE table_name = :t AND column_name = 'trace_context'"
+                ),
+                {"t": table},
+            )
+        ).all()
+    assert [tuple(c) for c in columns] == [("jsonb", "YES")]
+
+
+async def test_signals_and_activities_are_traced(servers, engine, spans) -> None:
+    _, table, app = await fresh_app(engine)
+    async with running_worker(servers, app):
+        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled")
     names = {span.name for span in spans.get_finished_spans()}
     starts = {"StartWorkflow:OutboxShard", "SignalWithStartWorkflow:OutboxShard"}
     assert names & starts
     assert "RunActivity:drain_shard" in names
-    run = next(s for s in spans.get_finished_spans() if s.name == "RunActivity:drain_shard")
-    start = next(s for s in spans.get_finished_spans() if s.name in starts)
+    signal = of_table(spans, table, "outbox.bridge.signal")[0]
+    start = next(
+        s for s in spans.get_finished_spans() if s.name in starts and parent_of(s, spans) is signal
+    )
+    [handler] = of_table(spans, table, HANDLE_PROJECT)
+    run = parent_of(handler, spans)
+    assert run.name == "RunActivity:drain_shard"
+    assert run.context is not None and start.context is not None
     assert run.context.trace_id == start.context.trace_id  # one trace across Temporal
+    # Rows written outside a span: the signal belongs to the bridge's wake-up (or sweep).
+    assert parent_of(signal, spans).name in ("outbox.bridge.wake", "outbox.bridge.sweep")
+    assert "outbox.bridge.sweep" in names
+    assert not handler.links
+
+
+async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engine, spans) -> None:
+    _, table, app = await fresh_app(engine)
+    async with running_worker(servers, app):
+        with tracer.start_as_current_span("request"):
+            [row_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 7)])
+        await wait_until(lambda: table_empty(engine, app), what="the row handled")
+    [producer] = of_table(spans, table, "outbox.write PROJECT_UPDATE")
+    [handler] = of_table(spans, table, HANDLE_PROJECT)
+    assert producer.context is not None and handler.context is not None
+    assert handler.context.trace_id == producer.context.trace_id
+    assert parent_of(handler, spans).name == "RunActivity:drain_shard"
+    assert handler.kind is trace.SpanKind.CONSUMER
+    assert [link.context.span_id for link in handler.links] == [producer.context.span_id]
+    attributes = dict(handler.attributes or {})
+    queue_time = attributes.pop("outbox.queue_time_seconds")
+    assert isinstance(queue_time, float) and queue_time >= 0
+    assert attributes == {
+        "outbox.table": table,
+        "outbox.scope": "ORGANIZATION",
+        "outbox.shard_identifier": 5,
+        "outbox.category": "PROJECT_UPDATE",
+        "outbox.object_identifier": 7,
+        "outbox.id": row_id,
+        "outbox.coalesced": 1,
+        "outbox.attempt": 1,
+    }
+    assert handler.status.status_code is StatusCode.UNSET
+    # The bridge signalled the shard as a child of the producer span, linked to its wake-up.
+    signal = of_table(spans, table, "outbox.bridge.signal")[0]
+    assert parent_of(signal, spans) is producer
+    [wake] = [by_id(spans)[link.context.span_id] for link in signal.links]
+    assert wake.name in ("outbox.bridge.wake", "outbox.bridge.sweep")
+    assert_no_payload(spans.get_finished_spans())
+
+
+async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans) -> None:
+    recorder, table, app = await fresh_app(engine)
+    # A row from plain SQL has no trace context; it is coalesced all the same.
+    await sql(
+        engine,
+        f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
+        "VALUES (1, 3, 2, 9)",
+    )
+    for _ in range(3):  # three requests, three transactions
+        with tracer.start_as_current_span("request"):
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 9)])
+    producers = of_table(spans, table, "outbox.write PROJECT_UPDATE")
+    assert len(producers) == 3
+    async with running_worker(servers, app):
+        await wait_until(lambda: table_empty(engine, app), what="the group handled")
+    assert [(c.coalesced, c.object_identifier) for c in recorder.calls] == [(4, 9)]
+    [handler] = of_table(spans, table, HANDLE_PROJECT)
+    linked = {link.context.span_id for link in handler.links}
+    assert linked == {p.context.span_id for p in producers if p.context is not None}
+    assert handler.attributes is not None and handler.attributes["outbox.coalesced"] == 4
+    newest = producers[-1].context
+    assert handler.context is not None and newest is not None
+    assert handler.context.trace_id == newest.trace_id  # the workflow started in its trace
+    assert_no_payload(spans.get_finished_spans())
+
+
+@pytest.mark.parametrize("redact", [False, True], ids=["messages", "redacted"])
+async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
+    servers, engine, spans, redact: bool
+) -> None:
+    recorder, table, app = await fresh_app(engine)
+    failed: list[int] = []
+
+    async def fail_once(message: OutboxMessage) -> None:
+        if not failed:
+            failed.append(message.id)
+            raise RuntimeError("the downstream service said no")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
+    async with running_worker(servers, app, fast_settings(redact_errors=redact)):
+        with tracer.start_as_current_span("request"):
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
+        await wait_until(lambda: table_empty(engine, app), what="the row handled on retry")
+    first, retry = of_table(spans, table, HANDLE_PROJECT)
+    assert first.status.status_code is StatusCode.ERROR
+    assert first.attributes is not None and first.attributes["error.type"] == "RuntimeError"
+    [event] = first.events
+    assert event.name == "exception"
+    assert event.attributes is not None
+    assert event.attributes["exception.type"] == "RuntimeError"
+    if redact:
+        assert "exception.message" not in event.attributes
+        assert "downstream" not in str(first.status.description)
+    else:
+        assert event.attributes["exception.message"] == "the downstream service said no"
+    assert parent_of(first, spans).name == "RunActivity:drain_shard"
+    # The retry is the category activity's first attempt: the head's second.
+    assert retry.status.status_code is StatusCode.UNSET
+    assert retry.attributes is not None and retry.attributes["outbox.attempt"] == 2
+    assert first.attributes["outbox.attempt"] == 1
+    assert parent_of(retry, spans).name == "RunActivity:PROJECT_UPDATE"
+    assert first.links and retry.links and first.links[0].context == retry.links[0].context
+    assert_no_payload(spans.get_finished_spans())
+
+
+async def test_sync_handlers_run_in_one_thread_each_get_their_own_span(
+    servers, engine, spans
+) -> None:
+    table = unique_table()
+    app = make_app(table, Recorder(), handle_all=False)
+    handled: list[int] = []
+
+    @app.handler(*Category)
+    def sync_handler(message: OutboxMessage) -> None:
+        span = trace.get_current_span()
+        assert span.is_recording()
+        handled.append(message.id)
+
+    await create_tables(engine, app)
+    rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
+    ids = await write_rows(engine, app, rows)  # before the worker: one batch
+    async with running_worker(servers, app):
+        await wait_until(lambda: table_empty(engine, app), what="the rows handled")
+    assert handled == ids
+    handlers = of_table(spans, table, HANDLE_PROJECT)
+    assert sorted(s.attributes["outbox.id"] for s in handlers if s.attributes) == ids
+    assert len({s.context.span_id for s in handlers if s.context}) == 3
+    [run] = {parent_of(s, spans) for s in handlers}
+    assert run.name == "RunActivity:drain_shard"
+    assert_no_payload(spans.get_finished_spans())

@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from temporalio.common import SearchAttributeKey
+
+# Custom search attributes of shard workflows (registered by the worker; see the README).
+SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
+SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
+STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")
+BLOCKED_CATEGORY_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxBlockedCategory")
+BLOCKED_SINCE_ATTRIBUTE = SearchAttributeKey.for_datetime("OutboxBlockedSince")
+
 
 @dataclass(frozen=True)
 class ShardRef:
@@ -191,3 +200,55 @@ class ShardStatus:
     blocked_since: str | None = None
     deferred_until: str | None = None
     skip: SkipInfo | None = None
+
+
+# A shard workflow's states (its OutboxState search attribute) ...
+DRAINING, BLOCKED, SKIPPED, DEFERRED, IDLE = "draining", "blocked", "skipped", "deferred", "idle"
+# ... and the outcomes of a flush: handled, timed out, or the state that stopped it.
+HANDLED, TIMED_OUT = "handled", "timed_out"
+FLUSH_MAX_TIMEOUT_SECONDS = 3600.0
+
+
+@dataclass
+class FlushInput:
+    """Update ``flush``: wait until every row of the shard up to ``up_to_id`` is handled."""
+
+    up_to_id: int = 0
+    timeout_seconds: float = 10.0
+
+
+@dataclass
+class FlushResult:
+    """Answer of ``flush``: ``handled``; ``blocked`` behind ``head`` (since ``blocked_since``,
+    failing with ``error``); ``skipped`` (``skip`` says why); ``deferred`` (the head row is
+    scheduled for ``deferred_until``); or ``timed_out``. Only ``handled`` means the rows were
+    processed; the others leave them for asynchronous processing, nothing is lost."""
+
+    shard: str
+    outcome: str
+    head: HeadGroup | None = None
+    blocked_since: str | None = None
+    error: HandlerFailure | None = None
+    skip: SkipInfo | None = None
+    deferred_until: str | None = None
+    detail: str | None = None  # why Temporal gave no answer (outcome "unavailable")
+
+    @property
+    def handled(self) -> bool:
+        return self.outcome == HANDLED
+
+
+@dataclass
+class FlushCheckInput:
+    """Local activity ``flush_check``: wait until no row of the shard up to ``up_to_id`` is
+    pending, or the head of those rows is deferred, for at most ``timeout_seconds``."""
+
+    shard: ShardRef
+    up_to_id: int
+    timeout_seconds: float
+
+
+@dataclass
+class FlushCheck:
+    handled: bool
+    deferred_until: str | None = None

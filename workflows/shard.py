@@ -9,18 +9,34 @@ after an idle period; the bridge starts it again when rows arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime, timedelta
 from typing import TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from workflows.models import (
+        BLOCKED,
+        BLOCKED_CATEGORY_ATTRIBUTE,
+        BLOCKED_SINCE_ATTRIBUTE,
+        DEFERRED,
+        DRAINING,
+        FLUSH_MAX_TIMEOUT_SECONDS,
+        HANDLED,
+        IDLE,
+        SKIPPED,
+        STATE_ATTRIBUTE,
+        TIMED_OUT,
         DrainInput,
         DrainResult,
+        FlushCheck,
+        FlushCheckInput,
+        FlushInput,
+        FlushResult,
         HandleHeadInput,
         HandleHeadResult,
         HandlerFailure,
@@ -36,13 +52,14 @@ with workflow.unsafe.imports_passed_through():
     )
 
 T = TypeVar("T")
-
-DRAINING, BLOCKED, SKIPPED, DEFERRED, IDLE = "draining", "blocked", "skipped", "deferred", "idle"
+V = TypeVar("V", str, datetime)
 
 # Retries of the local drain before it falls back to a normal (visible, server-retried) one.
 LOCAL_DRAIN_ATTEMPTS = 3
 # Rows arriving after the first drain are drained by a lingering normal activity.
 LINGER_ACTIVITY_PATCH = "linger-activity"
+# The state is kept in search attributes (OutboxState, OutboxBlockedCategory, ...).
+STATE_ATTRIBUTES_PATCH = "state-search-attributes"
 
 
 @workflow.defn(name="OutboxShard")
@@ -75,8 +92,7 @@ class OutboxShard:
     async def run(self, input: ShardInput) -> ShardSummary:
         self._publish()
         while True:
-            if self._continue_as_new_due():
-                await workflow.wait_condition(workflow.all_handlers_finished)
+            if self._may_continue_as_new():
                 workflow.continue_as_new(
                     ShardInput(shard=self._shard, options=self._options, carry=self._carry())
                 )
@@ -86,19 +102,33 @@ class OutboxShard:
                 await self._drain_once()
             elif self._deferred_until is not None:
                 await self._wait_for_deferred()
+            elif not workflow.all_handlers_finished():
+                # A flush is waiting for its answer: stay, and drain if rows arrive meanwhile.
+                await workflow.wait_condition(
+                    lambda: (
+                        workflow.all_handlers_finished() or self._dirty or self._skip is not None
+                    )
+                )
             elif await self._idle_expired():
                 return ShardSummary(self._shard.key, self._rows_handled, self._groups_handled)
 
-    def _continue_as_new_due(self) -> bool:
+    def _flush_answered_or_work(self) -> bool:
+        return workflow.all_handlers_finished() or self._dirty or self._skip is not None
+
+    def _may_continue_as_new(self) -> bool:
+        """The history is long enough to continue as new, and no flush is waiting. (Waiting
+        for flushes instead, with draining stopped, would deadlock them: they wait for rows
+        to be handled.)"""
         info = workflow.info()
-        return (
+        due = (
             info.is_continue_as_new_suggested()
             or info.get_current_history_length() >= self._options.max_history_events
         )
+        return due and workflow.all_handlers_finished()
 
     async def _stay_skipped(self) -> None:
         self._set_state(SKIPPED)
-        await workflow.wait_condition(lambda: self._skip is None or self._continue_as_new_due())
+        await workflow.wait_condition(lambda: self._skip is None or self._may_continue_as_new())
         if self._skip is None:
             self._dirty = True  # resuming retries the head at once
 
@@ -126,7 +156,7 @@ class OutboxShard:
             return True
         try:
             await workflow.wait_condition(
-                lambda: self._dirty or self._skip is not None or self._continue_as_new_due(),
+                lambda: self._dirty or self._skip is not None or self._may_continue_as_new(),
                 timeout=timedelta(seconds=self._options.idle_timeout_seconds),
             )
         except TimeoutError:
@@ -140,6 +170,12 @@ class OutboxShard:
     async def _drain_once(self) -> None:
         self._dirty = False
         self._deferred_until = None
+        # Resumed after a skip: the head that blocked is retried from scratch (if it fails
+        # again, the shard is blocked again, since then).
+        self._head = None
+        self._attempts = 0
+        self._last_error = None
+        self._blocked_since = None
         self._set_state(DRAINING)
         result = await self._drain()
         if result is None:  # skipped while draining
@@ -264,6 +300,7 @@ class OutboxShard:
         self._attempts = 0
         self._last_error = None
         self._blocked_since = None
+        self._set_state(DRAINING)
 
     async def _unless_skipped(self, handle: ActivityHandle[T]) -> T | None:
         """Await ``handle``; a skip cancels it (TRY_CANCEL: no further retries) and yields None."""
@@ -304,10 +341,80 @@ class OutboxShard:
     @workflow.signal
     def notify(self, input: NotifyInput) -> None:
         """Rows up to ``max_id`` are committed in this shard."""
-        self._max_known_id = max(self._max_known_id, input.max_id)
-        if input.late or input.max_id > self._highest_seen_id:
+        self._rows_committed(input.max_id, input.late)
+
+    def _rows_committed(self, max_id: int, late: bool) -> None:
+        self._max_known_id = max(self._max_known_id, max_id)
+        if late or max_id > self._highest_seen_id:
             self._dirty = True
             self._traffic = self._traffic or self._drained
+
+    @workflow.update
+    async def flush(self, input: FlushInput) -> FlushResult:
+        """Wait until every row of the shard up to ``up_to_id`` is handled (``handled``), or
+        say why not: ``blocked`` behind a failing head, ``skipped``, ``deferred`` head, or
+        ``timed_out``. The rows stay for asynchronous processing in every case."""
+        up_to = input.up_to_id
+        self._rows_committed(up_to, late=False)
+        stopped = self._flush_stopped(up_to)
+        if stopped is not None:
+            return stopped
+        # The table is the truth: a local activity watches it (the rows may be handled by a
+        # lingering drain the workflow hears from only when it returns).
+        check = workflow.start_local_activity(
+            "flush_check",
+            FlushCheckInput(self._shard, up_to, input.timeout_seconds),
+            result_type=FlushCheck,
+            start_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
+            retry_policy=RetryPolicy(maximum_attempts=1),
+        )
+        await workflow.wait_condition(
+            lambda: check.done() or self._flush_stopped(up_to) is not None
+        )
+        if not check.done():
+            check.cancel()
+            with contextlib.suppress(ActivityError, asyncio.CancelledError):
+                await check
+        else:
+            try:
+                checked = await check
+            except ActivityError:
+                checked = FlushCheck(handled=False)  # the table could not be read in time
+            if checked.handled:
+                return FlushResult(self._shard.key, HANDLED)
+            if checked.deferred_until is not None:
+                return FlushResult(self._shard.key, DEFERRED, deferred_until=checked.deferred_until)
+        return self._flush_stopped(up_to) or FlushResult(self._shard.key, TIMED_OUT)
+
+    @flush.validator
+    def _validate_flush(self, input: FlushInput) -> None:
+        up_to, timeout = input.up_to_id, input.timeout_seconds
+        if not isinstance(up_to, int) or isinstance(up_to, bool) or up_to < 1:
+            raise ValueError(f"flush needs up_to_id, a positive integer row id; got {up_to!r}")
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 0 < timeout <= FLUSH_MAX_TIMEOUT_SECONDS
+        ):
+            raise ValueError(
+                f"flush needs timeout_seconds between 0 and {FLUSH_MAX_TIMEOUT_SECONDS:.0f}; "
+                f"got {timeout!r}"
+            )
+
+    def _flush_stopped(self, up_to: int) -> FlushResult | None:
+        """Why rows up to ``up_to`` cannot be handled now, if they cannot."""
+        if self._skip is not None:
+            return FlushResult(self._shard.key, SKIPPED, head=self._head, skip=self._skip)
+        head = self._head
+        if self._state == BLOCKED and head is not None and head.first_id <= up_to:
+            return FlushResult(
+                self._shard.key,
+                BLOCKED,
+                head=head,
+                blocked_since=self._blocked_since.isoformat() if self._blocked_since else None,
+                error=self._last_error,
+            )
+        return None
 
     @workflow.signal
     def skip(self, input: SkipInput) -> None:
@@ -348,6 +455,32 @@ class OutboxShard:
     def _set_state(self, state: str) -> None:
         self._state = state
         self._publish()
+        self._index()
+
+    def _index(self) -> None:
+        """Keep the search attributes OutboxState, OutboxBlockedCategory and OutboxBlockedSince
+        current, so that the UI can list shards by state. Each upsert is a history event: only
+        changes are written, and the idle state of a run that completes at once is not."""
+        if self._state == IDLE and self._options.idle_timeout_seconds <= 0:
+            return
+        blocked = self._head is not None and self._blocked_since is not None
+        category = self._head.category_name if blocked and self._head else None
+        since = self._blocked_since if blocked else None
+        current = workflow.info().typed_search_attributes
+        updates = [
+            STATE_ATTRIBUTE.value_set(self._state)
+            if current.get(STATE_ATTRIBUTE) != self._state
+            else None,
+            _set_or_unset(BLOCKED_CATEGORY_ATTRIBUTE, category)
+            if current.get(BLOCKED_CATEGORY_ATTRIBUTE) != category
+            else None,
+            _set_or_unset(BLOCKED_SINCE_ATTRIBUTE, since)
+            if current.get(BLOCKED_SINCE_ATTRIBUTE) != since
+            else None,
+        ]
+        changed = [update for update in updates if update is not None]
+        if changed and workflow.patched(STATE_ATTRIBUTES_PATCH):
+            workflow.upsert_search_attributes(changed)
 
     def _publish(self) -> None:
         # Current details are not carried over continue-as-new; every run sets them again.
@@ -371,3 +504,7 @@ class OutboxShard:
             skip = self._skip
             lines.append(f"**Skipped** by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
         workflow.set_current_details("\n\n".join(lines))
+
+
+def _set_or_unset(key: SearchAttributeKey[V], value: V | None) -> SearchAttributeUpdate[V]:
+    return key.value_unset() if value is None else key.value_set(value)

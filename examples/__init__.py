@@ -1,0 +1,1 @@
+"""Examples of outbox-bridge in the stacks it fits into."""

@@ -1,0 +1,1 @@
+"""A FastAPI service whose ORM models write outbox rows; see examples/README.md."""

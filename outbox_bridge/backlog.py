@@ -1,0 +1,80 @@
+"""What the active bridge's sweep measures for the metrics: each scope's backlog, and how many
+shard workflows are blocked or skipped.
+
+Shard workflows cannot record metrics themselves (a workflow's code replays, so a counter in
+it would count again). Their state is in their ``OutboxState`` search attribute instead, and the
+sweep counts it with two ``count_workflows`` calls to Temporal's visibility store, which add no
+history. The backlog comes from the sweep's own aggregate query plus one index lookup per shard,
+never a scan of the table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from sqlalchemy import Table
+from sqlalchemy.ext.asyncio import AsyncConnection
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from outbox_bridge.metrics import Attributes, OutboxMetrics
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.shards import WORKFLOW
+from outbox_bridge.store import ShardRange, read_oldest_ages
+from workflows.models import BLOCKED, SKIPPED, STATE_ATTRIBUTE
+
+log = logging.getLogger("outbox_bridge.backlog")
+
+
+async def observe_backlog(
+    metrics: OutboxMetrics,
+    owner: object,
+    conn: AsyncConnection,
+    app: OutboxApp,
+    table: Table,
+    ranges: Iterable[ShardRange],
+) -> None:
+    """Report ``outbox.backlog.rows`` and ``outbox.backlog.oldest_age_seconds`` for every scope
+    of ``table`` (0 for an empty scope), from the shard ranges a sweep read.
+
+    The oldest age is that of the oldest shard head (each shard's lowest pending id), by the
+    database's clock.
+    """
+    rows = {int(scope): 0 for scope in app.scopes}
+    heads: list[int] = []
+    for shard in ranges:
+        rows[shard.scope] = rows.get(shard.scope, 0) + shard.rows
+        heads.append(shard.min_id)
+    ages = await read_oldest_ages(conn, table, heads)
+    counts: dict[Attributes, float] = {}
+    oldest: dict[Attributes, float] = {}
+    for scope, count in rows.items():
+        attributes = (("outbox.table", table.name), ("outbox.scope", app.scope_name(scope)))
+        counts[attributes] = float(count)
+        oldest[attributes] = ages.get(scope, 0.0) if count else 0.0
+    metrics.report(owner, "outbox.backlog.rows", counts)
+    metrics.report(owner, "outbox.backlog.oldest_age_seconds", oldest)
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+async def observe_shard_states(
+    metrics: OutboxMetrics, owner: object, client: Client, task_queue: str
+) -> None:
+    """Report ``outbox.shards.blocked`` and ``outbox.shards.skipped``: the running shard
+    workflows of ``task_queue`` in that state. A failed count keeps the previous value."""
+    attributes: Attributes = (("outbox.task_queue", task_queue),)
+    for state in (BLOCKED, SKIPPED):
+        query = (
+            f"WorkflowType = {_quoted(WORKFLOW)} AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = {_quoted(task_queue)} AND {STATE_ATTRIBUTE.name} = {_quoted(state)}"
+        )
+        try:
+            count = (await client.count_workflows(query)).count
+        except RPCError as exc:
+            log.warning("cannot count %s shards: %s", state, exc.message)
+            continue
+        metrics.report(owner, f"outbox.shards.{state}", {attributes: float(count)})

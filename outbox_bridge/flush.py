@@ -1,0 +1,427 @@
+"""Synchronous flush: after a transaction commits, wait until its rows are handled.
+
+``outbox_context(session, flush=True)`` records the rows written with ``app.write`` inside it.
+When the block ends, for every shard whose rows committed, it sends the shard's workflow the
+``flush`` update with start (starting the workflow if it is not running) and waits until the
+shard handled every row up to the highest id written, or says why it cannot: blocked behind a
+failing head, skipped, deferred, or timed out. Nothing is lost either way: rows that are not
+handled in time stay in the table and are handled asynchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Coroutine, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import event
+from temporalio.client import (
+    Client,
+    WithStartWorkflowOperation,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateHandle,
+    WorkflowUpdateStage,
+)
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.shards import WORKFLOW, start_arguments, static_skip, static_skips
+from outbox_bridge.temporal import connect, temporal_address
+from workflows.models import TIMED_OUT, FlushInput, FlushResult, ShardRef
+
+if TYPE_CHECKING:
+    from outbox_bridge.registry import OutboxApp
+
+log = logging.getLogger("outbox_bridge.flush")
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 10.0
+# Temporal did not answer: the rows are handled asynchronously (see the detail).
+UNAVAILABLE = "unavailable"
+# How much longer than the flush's own timeout the client waits for the update's answer.
+ANSWER_GRACE = 5.0
+# Errors that sending the update again cannot cure.
+FINAL_RPC_STATUSES = frozenset(
+    {
+        RPCStatusCode.INVALID_ARGUMENT,
+        RPCStatusCode.PERMISSION_DENIED,
+        RPCStatusCode.UNAUTHENTICATED,
+        RPCStatusCode.UNIMPLEMENTED,
+    }
+)
+CONTEXTS = "outbox_bridge.contexts"
+LISTENING = "outbox_bridge.listening"
+
+
+@dataclass
+class FlushReport:
+    """The answer of a flush: one :class:`FlushResult` per shard written to (in the order the
+    shards were first written), and the shards whose rows had not committed when the context
+    ended (not waited for)."""
+
+    results: list[FlushResult] = field(default_factory=list)
+    not_committed: list[str] = field(default_factory=list)
+
+    @property
+    def handled(self) -> bool:
+        """Every row written in the context is handled."""
+        return not self.not_committed and all(r.handled for r in self.results)
+
+    def __getitem__(self, shard: str) -> FlushResult:
+        for result in self.results:
+            if result.shard == shard:
+                return result
+        raise KeyError(shard)
+
+    def __iter__(self) -> Iterator[FlushResult]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+
+class Flusher:
+    """Sends ``flush`` updates to shard workflows, for :func:`outbox_context` and the
+    ``outbox-bridge flush`` command.
+
+    Configured like the worker (``OutboxSettings``: Temporal address, namespace, TLS or API
+    key, task queue and shard settings, which must match the worker's). Async callers may pass
+    their own ``client``; sync callers get a client on a background event loop.
+    """
+
+    def __init__(
+        self,
+        app: OutboxApp,
+        settings: OutboxSettings | None = None,
+        *,
+        client: Client | None = None,
+    ) -> None:
+        self._app = app
+        self._settings = settings if settings is not None else settings_from_environment()
+        self._skips = static_skips(app, self._settings.skip_shards)
+        self._client = client
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Client] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+
+    # -- async ---------------------------------------------------------------------------------
+
+    async def flush(
+        self, targets: Mapping[ShardRef, int], timeout: float = DEFAULT_TIMEOUT
+    ) -> list[FlushResult]:
+        """Flush every shard of ``targets`` (shard → highest id to wait for) concurrently."""
+        if not targets:
+            return []
+        if not 0 < timeout <= 3600:
+            raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
+        client = await self._client_for_loop()
+        flushes = [
+            self._flush_one(client, shard, up_to, timeout) for shard, up_to in targets.items()
+        ]
+        return list(await asyncio.gather(*flushes))
+
+    async def _client_for_loop(self) -> Client:
+        if self._client is not None:
+            return self._client
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            settings = self._settings
+            client = await connect(settings, temporal_address(settings))
+            self._clients[loop] = client
+        return client
+
+    async def _flush_one(
+        self, client: Client, shard: ShardRef, up_to: int, timeout: float
+    ) -> FlushResult:
+        deadline = time.monotonic() + timeout
+        try:
+            handle = await self._accepted(client, shard, up_to, deadline)
+            if handle is None:
+                return FlushResult(shard.key, TIMED_OUT)
+            # Accepted: the workflow does not complete before answering.
+            left = max(deadline - time.monotonic(), 0.0)
+            result: FlushResult = await asyncio.wait_for(handle.result(), left + ANSWER_GRACE)
+        except TimeoutError:
+            return FlushResult(shard.key, TIMED_OUT)
+        except (RPCError, WorkflowUpdateFailedError) as exc:
+            detail = getattr(exc, "message", None) or str(exc)
+            log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, detail)
+            return FlushResult(shard.key, UNAVAILABLE, detail=detail)
+        return result
+
+    async def _accepted(
+        self, client: Client, shard: ShardRef, up_to: int, deadline: float
+    ) -> WorkflowUpdateHandle[FlushResult] | None:
+        """Deliver the update with start until the shard's workflow accepts it.
+
+        A run that completes (its shard was empty) while the update waits for delivery drops
+        it; the server then reports the update as failed or not ready. Sending it again starts
+        a new run, which answers from the table.
+        """
+        pause = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return await client.start_update_with_start_workflow(
+                    "flush",
+                    FlushInput(up_to_id=up_to, timeout_seconds=left),
+                    start_workflow_operation=self._start_operation(shard, up_to),
+                    wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                    result_type=FlushResult,
+                    rpc_timeout=timedelta(seconds=left + ANSWER_GRACE),
+                )
+            except RPCError as exc:
+                if exc.status in FINAL_RPC_STATUSES:
+                    raise
+                log.debug("flush of shard %s not delivered yet: %s", shard.key, exc.message)
+            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 1.0)
+
+    def _start_operation(self, shard: ShardRef, up_to: int) -> WithStartWorkflowOperation[Any, Any]:
+        settings = self._settings
+        return WithStartWorkflowOperation(
+            WORKFLOW,
+            **start_arguments(
+                shard,
+                settings.shard_options(),
+                settings.task_queue,
+                max_id=up_to,
+                skip=static_skip(shard, self._skips),
+            ),
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+
+    # -- sync ----------------------------------------------------------------------------------
+
+    def flush_sync(
+        self, targets: Mapping[ShardRef, int], timeout: float = DEFAULT_TIMEOUT
+    ) -> list[FlushResult]:
+        """:meth:`flush` for sync code: runs on this flusher's background event loop."""
+        return self._run(self.flush(targets, timeout), timeout + 2 * ANSWER_GRACE)
+
+    def _run(self, work: Coroutine[Any, Any, T], timeout: float) -> T:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="outbox-flush", daemon=True)
+                thread.start()
+                self._loop = loop
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
+
+
+# -- outbox_context ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Written:
+    app: OutboxApp
+    up_to: int
+    flush: bool
+
+
+class OutboxContext:
+    """See :func:`outbox_context`. Use with ``with`` (a ``Session`` or ``Connection``) or
+    ``async with`` (an ``AsyncSession`` or ``AsyncConnection``); ``report`` holds the answer
+    once the block has ended."""
+
+    def __init__(
+        self, session: Any, *, flush: bool, timeout: float, flusher: Flusher | None
+    ) -> None:
+        if not 0 < timeout <= 3600:
+            raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
+        self._session = session
+        self._flush = flush
+        self._timeout = timeout
+        self._flusher = flusher
+        self._pending: dict[ShardRef, _Written] = {}
+        self._committed: dict[ShardRef, _Written] = {}
+        self._parent: OutboxContext | None = None
+        self.report = FlushReport()
+
+    # -- recording (called by app.write and the session's events) ------------------------------
+
+    def _written(self, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
+        self._add(self._pending, shard, _Written(app, row_id, self._flush))
+
+    @staticmethod
+    def _add(into: dict[ShardRef, _Written], shard: ShardRef, written: _Written) -> None:
+        known = into.get(shard)
+        if known is None:
+            into[shard] = written
+        else:
+            known.up_to = max(known.up_to, written.up_to)
+            known.flush = known.flush or written.flush
+
+    def _on_commit(self) -> None:
+        for shard, written in self._pending.items():
+            self._add(self._committed, shard, written)
+        self._pending.clear()
+
+    def _on_rollback(self) -> None:
+        self._pending.clear()
+
+    # -- entering and leaving ------------------------------------------------------------------
+
+    def _enter(self) -> OutboxContext:
+        info = _info(self._session)
+        stack: list[OutboxContext] = info.setdefault(CONTEXTS, [])
+        self._parent = stack[-1] if stack else None
+        stack.append(self)
+        if not info.get(LISTENING):
+            _listen(self._session)
+            info[LISTENING] = True
+        return self
+
+    def _leave(self, failed: bool) -> dict[ShardRef, _Written]:
+        """Pop this context; return what to flush now."""
+        stack: list[OutboxContext] = _info(self._session).get(CONTEXTS, [])
+        if stack and stack[-1] is self:
+            stack.pop()
+        if failed:
+            return {}
+        if self._pending:
+            if self._parent is not None:
+                # Commits with the enclosing transaction: the enclosing context waits for them.
+                for shard, written in self._pending.items():
+                    self._add(self._parent._pending, shard, written)
+            else:
+                self.report.not_committed = [shard.key for shard in self._pending]
+                log.warning(
+                    "outbox_context ended before its rows committed (shards %s): they are "
+                    "handled asynchronously; commit inside the block to wait for them",
+                    ", ".join(self.report.not_committed),
+                )
+        return {shard: w for shard, w in self._committed.items() if w.flush}
+
+    def _flusher_for(self, app: OutboxApp) -> Flusher:
+        return self._flusher if self._flusher is not None else app.flusher
+
+    def __enter__(self) -> OutboxContext:
+        return self._enter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for app, targets in _by_app(self._leave(exc_type is not None)).items():
+            self.report.results += self._flusher_for(app).flush_sync(targets, self._timeout)
+
+    async def __aenter__(self) -> OutboxContext:
+        return self._enter()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for app, targets in _by_app(self._leave(exc_type is not None)).items():
+            self.report.results += await self._flusher_for(app).flush(targets, self._timeout)
+
+
+def outbox_context(
+    session: Any,
+    *,
+    flush: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    flusher: Flusher | None = None,
+) -> OutboxContext:
+    """Track the outbox rows written with ``session`` inside the block.
+
+    With ``flush=True``, when the block ends, wait (at most ``timeout`` seconds) until every
+    shard written to has handled the rows that committed inside the block; ``.report`` says,
+    per shard, ``handled``, ``blocked``, ``skipped``, ``deferred``, ``timed_out`` or
+    ``unavailable``. Commit inside the block::
+
+        with outbox_context(session, flush=True) as outbox:
+            app.write(session, category=..., shard_identifier=..., object_identifier=...)
+            session.commit()
+        assert outbox.report.handled
+
+    Contexts nest: rows written in an inner ``flush=False`` context are not waited for; rows
+    that commit only after an inner context ended are waited for by the enclosing one. With
+    ``flush=False`` (the default) rows are handled asynchronously, as without a context.
+    ``flusher`` defaults to the app's (see :meth:`OutboxApp.configure_flush`).
+    """
+    return OutboxContext(session, flush=flush, timeout=timeout, flusher=flusher)
+
+
+def settings_from_environment() -> OutboxSettings:
+    """``OutboxSettings`` from ``OUTBOX_*`` / ``TEMPORAL_*`` variables (and a ``.env`` file)."""
+    nothing_given: dict[str, Any] = {}
+    return OutboxSettings(**nothing_given)
+
+
+def record_write(session: Any, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
+    """Called by ``app.write``: note the row in the innermost open context, if any."""
+    try:
+        stack = _info(session).get(CONTEXTS)
+    except TypeError:
+        return
+    if stack:
+        stack[-1]._written(app, shard, row_id)
+
+
+def _by_app(targets: dict[ShardRef, _Written]) -> dict[OutboxApp, dict[ShardRef, int]]:
+    grouped: dict[OutboxApp, dict[ShardRef, int]] = {}
+    for shard, written in targets.items():
+        grouped.setdefault(written.app, {})[shard] = written.up_to
+    return grouped
+
+
+def _sync_target(session: Any) -> Any:
+    """The sync Session or Connection behind ``session`` (async ones wrap one)."""
+    for attribute in ("sync_session", "sync_connection"):
+        inner = getattr(session, attribute, None)
+        if inner is not None:
+            return inner
+    return session
+
+
+def _info(session: Any) -> dict[str, Any]:
+    info = getattr(_sync_target(session), "info", None)
+    if not isinstance(info, dict):
+        raise TypeError(
+            f"outbox_context needs a SQLAlchemy Session, AsyncSession, Connection or "
+            f"AsyncConnection, got {type(session).__name__}"
+        )
+    return info
+
+
+def _listen(session: Any) -> None:
+    """Move the contexts' rows to committed on commit, forget them on rollback."""
+    target = _sync_target(session)
+    info = _info(session)
+
+    def committed(*_: Any) -> None:
+        for context in info.get(CONTEXTS, []):
+            context._on_commit()
+
+    def rolled_back(*_: Any) -> None:
+        for context in info.get(CONTEXTS, []):
+            context._on_rollback()
+
+    from sqlalchemy.engine import Connection
+
+    if isinstance(target, Connection):
+        event.listen(target, "commit", committed)
+        event.listen(target, "rollback", rolled_back)
+    else:
+        event.listen(target, "after_commit", committed)
+        event.listen(target, "after_rollback", rolled_back)

@@ -1,0 +1,339 @@
+"""What an orchestrator expects of the worker: health endpoints, and a bounded graceful stop.
+
+- ``GET /healthz`` (liveness) answers 200 whenever the worker's event loop does. It checks
+  nothing outside the process on purpose: an outage of PostgreSQL or Temporal must not get
+  every worker restarted, because restarting fixes neither.
+- ``GET /readyz`` (readiness) answers 200 when PostgreSQL answers ``SELECT 1`` on a new
+  connection, Temporal answers ``GetSystemInfo``, each within :data:`CHECK_TIMEOUT` seconds,
+  and the Temporal worker is running; otherwise 503. It is 503 while the worker starts and
+  from the moment it is asked to stop.
+
+Both answer JSON: ``status`` and, for ``/readyz``, one entry per check with ``ok`` and
+``detail`` (the reason, when a check fails) and the ``bridge`` role (``active`` or
+``standby``). No detail carries a password or an API key.
+
+A tiny HTTP/1.1 responder on asyncio streams serves them (GET and HEAD, one request per
+connection), so that no web framework is needed.
+
+:class:`ShutdownGrace` bounds a stop: handler calls in flight get ``shutdown_grace`` seconds,
+then they are cancelled and their rows are left for another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from temporalio import activity
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
+    from temporalio.worker import Worker
+
+    from outbox_bridge.bridge import Bridge
+
+log = logging.getLogger("outbox_bridge.health")
+
+LIVENESS_PATH = "/healthz"
+READINESS_PATH = "/readyz"
+CHECK_TIMEOUT = 2.0
+"""Seconds each readiness check (PostgreSQL, Temporal) may take before it counts as failed."""
+REUSE_SECONDS = 1.0
+"""Probes within this time share one check, so that frequent probes (or a probe flood: the
+port is often reachable from the network) cost at most one database connection a second."""
+READ_TIMEOUT = 5.0
+SELECT_ONE = "SELECT 1"
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    503: "Service Unavailable",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    detail: str
+
+
+class HealthServer:
+    """Serves ``/healthz`` and ``/readyz`` on ``settings.health_host:health_port`` (port 0:
+    nothing is served).
+
+    The readiness of Temporal and of the worker is known once :meth:`attach` has been called;
+    before that, ``/readyz`` says the worker is starting. Failing to listen (the port is taken)
+    is logged and the worker runs without the endpoints, so that several workers on one host,
+    or tests, never stop each other.
+    """
+
+    def __init__(self, settings: OutboxSettings, *, database_url: str, stop: asyncio.Event) -> None:
+        url = sqlalchemy_url(database_url)
+        self._libpq_url = libpq_url(url)
+        self._secrets = [
+            s
+            for s in (
+                url.password,
+                url.query.get("password"),
+                settings.temporal_api_key and settings.temporal_api_key.get_secret_value(),
+            )
+            if isinstance(s, str) and s
+        ]
+        self._host = settings.health_host
+        self._port = settings.health_port
+        self._task_queue = settings.task_queue
+        self._stop = stop
+        self._client: Client | None = None
+        self._worker: Worker | None = None
+        self._bridge: Bridge | None = None
+        self._server: asyncio.Server | None = None
+        self._remote: asyncio.Future[dict[str, Check]] | None = None
+        self._remote_at = 0.0
+        self._was_ready = False
+
+    def attach(self, *, client: Client, worker: Worker, bridge: Bridge | None = None) -> None:
+        """Start reporting on this Temporal client, worker and (when given) bridge."""
+        self._client, self._worker, self._bridge = client, worker, bridge
+
+    async def start(self) -> None:
+        if self._port == 0:
+            return
+        try:
+            self._server = await asyncio.start_server(self._connection, self._host, self._port)
+        except OSError as exc:
+            log.error(
+                "cannot serve the health endpoints on %s:%s (%s); running without them. Choose "
+                "a free --health-port (OUTBOX_HEALTH_PORT), or 0 to disable them",
+                self._host,
+                self._port,
+                exc.strerror or exc,
+            )
+            return
+        log.info(
+            "health endpoints on http://%s:%s%s and %s",
+            self._host,
+            self._port,
+            LIVENESS_PATH,
+            READINESS_PATH,
+        )
+
+    async def close(self) -> None:
+        if self._remote is not None:
+            self._remote.cancel()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+
+    # -- the checks --------------------------------------------------------------------------
+
+    async def liveness(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"status": "ok"}
+
+    async def readiness(self) -> tuple[bool, dict[str, Any]]:
+        checks = {**await self._remote_checks(), "worker": self._worker_check()}
+        ready = all(check.ok for check in checks.values())
+        self._log_change(ready, checks)
+        body: dict[str, Any] = {
+            "status": "ready" if ready else "not ready",
+            "checks": {name: asdict(check) for name, check in checks.items()},
+        }
+        if self._bridge is not None:
+            body["bridge"] = "active" if self._bridge.is_leader else "standby"
+        return ready, body
+
+    async def _remote_checks(self) -> dict[str, Check]:
+        loop = asyncio.get_running_loop()
+        stale = loop.time() - self._remote_at >= REUSE_SECONDS
+        if self._remote is None or (self._remote.done() and stale):
+            self._remote_at = loop.time()
+            self._remote = asyncio.ensure_future(self._check_remote())
+        return await asyncio.shield(self._remote)
+
+    async def _check_remote(self) -> dict[str, Check]:
+        database, temporal = await asyncio.gather(
+            self._guarded("PostgreSQL", self._check_database()),
+            self._guarded("Temporal", self._check_temporal()),
+        )
+        return {"database": database, "temporal": temporal}
+
+    async def _guarded(self, service: str, check: Awaitable[Check]) -> Check:
+        try:
+            async with asyncio.timeout(CHECK_TIMEOUT):
+                return await check
+        except TimeoutError:
+            return Check(False, f"{service} did not answer within {CHECK_TIMEOUT:g} s")
+        except Exception as exc:
+            return Check(False, f"{service} is unreachable: {self._describe(exc)}")
+
+    async def _check_database(self) -> Check:
+        # A new connection, not one from the worker's pool: a busy worker whose pool is taken
+        # by drains is ready, and a fresh connection is what proves PostgreSQL reachable.
+        conn = await psycopg.AsyncConnection.connect(self._libpq_url, autocommit=True)
+        async with conn:
+            await conn.execute(SELECT_ONE)
+        return Check(True, "PostgreSQL answered SELECT 1")
+
+    async def _check_temporal(self) -> Check:
+        if self._client is None:
+            return Check(False, "not connected to Temporal yet")
+        await self._client.workflow_service.get_system_info(
+            GetSystemInfoRequest(), retry=False, timeout=timedelta(seconds=CHECK_TIMEOUT)
+        )
+        return Check(True, f"Temporal answered, namespace {self._client.namespace}")
+
+    def _worker_check(self) -> Check:
+        if self._stop.is_set():
+            return Check(False, "stopping: in-flight handler calls get the shutdown grace")
+        if self._worker is None:
+            return Check(False, "starting")
+        if self._worker.is_shutdown:
+            return Check(False, "the Temporal worker has stopped")
+        if not self._worker.is_running:
+            return Check(False, "starting")
+        return Check(True, f"polling task queue {self._task_queue}")
+
+    def _describe(self, exc: Exception) -> str:
+        text = " ".join(str(getattr(exc, "message", None) or exc).split()) or type(exc).__name__
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text[:300]
+
+    def _log_change(self, ready: bool, checks: dict[str, Check]) -> None:
+        if ready == self._was_ready or self._stop.is_set():
+            return
+        self._was_ready = ready
+        if ready:
+            log.info("ready")
+        else:
+            failed = "; ".join(f"{n}: {c.detail}" for n, c in checks.items() if not c.ok)
+            log.warning("not ready: %s", failed)
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(READ_TIMEOUT):
+                request = await reader.readline()
+                while (await reader.readline()).strip():
+                    pass  # headers: none is needed
+            method, code, headers, body = await self._answer(request)
+            head = f"HTTP/1.1 {code} {_REASONS[code]}\r\n" + "".join(
+                f"{name}: {value}\r\n" for name, value in headers.items()
+            )
+            writer.write(head.encode("latin-1") + b"\r\n" + (b"" if method == "HEAD" else body))
+            await writer.drain()
+        except (TimeoutError, ValueError, ConnectionError):
+            pass  # a client that is too slow, sends too long a line, or leaves
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _answer(self, request: bytes) -> tuple[str, int, dict[str, str], bytes]:
+        parts = request.decode("latin-1").split()
+        headers = {"Content-Type": "application/json", "Cache-Control": "no-store"}
+        payload: dict[str, Any]
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            method, code, payload = "", 400, {"error": "bad request"}
+        else:
+            method, path = parts[0], parts[1].split("?", 1)[0]
+            routes = {LIVENESS_PATH: self.liveness, READINESS_PATH: self.readiness}
+            if path not in routes:
+                code, payload = 404, {"error": "not found", "paths": list(routes)}
+            elif method not in ("GET", "HEAD"):
+                code, payload = 405, {"error": "method not allowed"}
+                headers["Allow"] = "GET, HEAD"
+            else:
+                ok, payload = await routes[path]()
+                code = 200 if ok else 503
+        body = json.dumps(payload).encode()
+        headers |= {"Content-Length": str(len(body)), "Connection": "close"}
+        return method, code, headers, body
+
+
+# -- the shutdown grace ------------------------------------------------------------------------
+
+
+class ShutdownGrace(Interceptor):
+    """A worker interceptor that stops the worker within ``seconds``: see :meth:`stop`.
+
+    The Temporal worker's ``graceful_shutdown_timeout`` cancels the normal activities still
+    running when it ends, but it waits for local activities (the drains) until their own
+    timeout: the handler timeout, minutes. So this tracks the local activities running, and
+    cancels them when the grace ends. A cancelled drain fails without retry, so the shard
+    workflow hands its rows to a normal drain activity that another worker runs.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._running: set[asyncio.Task[Any]] = set()
+        self._abandoned = False
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _GraceActivityInterceptor(next, self)
+
+    async def stop(self, worker: Worker) -> None:
+        """Shut ``worker`` down, cancelling what still runs after the grace."""
+        shutdown = asyncio.ensure_future(worker.shutdown())
+        await asyncio.wait([shutdown], timeout=self.seconds)
+        if not shutdown.done():
+            self._abandoned = True
+            if self._running:
+                log.warning(
+                    "cancelling %d handler call(s) still running after the shutdown grace of "
+                    "%g s; their rows are kept and retried",
+                    len(self._running),
+                    self.seconds,
+                )
+            for task in self._running:
+                task.cancel()
+        await shutdown
+
+
+class _GraceActivityInterceptor(ActivityInboundInterceptor):
+    def __init__(self, next: ActivityInboundInterceptor, grace: ShutdownGrace) -> None:
+        super().__init__(next)
+        self._grace = grace
+
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        task = asyncio.current_task()
+        if not activity.info().is_local or task is None:
+            return await super().execute_activity(input)
+        if self._grace._abandoned:
+            raise _stopped()
+        self._grace._running.add(task)
+        try:
+            return await super().execute_activity(input)
+        except asyncio.CancelledError:
+            if not self._grace._abandoned:
+                raise  # a skip or a timeout: the SDK reports it as usual
+            task.uncancel()
+            raise _stopped() from None
+        finally:
+            self._grace._running.discard(task)
+
+
+def _stopped() -> ApplicationError:
+    # Not retryable: a retry would run in this worker, which is stopping. Benign: expected, so
+    # the SDK does not log it as a failure (stop() has said what it cancelled).
+    return ApplicationError(
+        "the worker stopped before this call finished",
+        type="WorkerStopped",
+        non_retryable=True,
+        category=ApplicationErrorCategory.BENIGN,
+    )

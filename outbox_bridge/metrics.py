@@ -1,0 +1,269 @@
+"""Metrics: the OpenTelemetry meter provider, outbox-bridge's instruments, and the Temporal SDK's
+own metrics exported through the same provider (so they share its endpoint).
+
+Every instrument is recorded only when an SDK meter provider is installed
+(:func:`active_metrics` is None otherwise), so metrics cost nothing when they are off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from temporalio.contrib.opentelemetry import MetricsExporter
+from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
+
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.telemetry import otlp_protocol, telemetry_resource
+
+log = logging.getLogger("outbox_bridge.metrics")
+
+METER_NAME = "outbox_bridge"
+
+# Seconds. A handler call takes milliseconds to minutes; a row waits milliseconds to days.
+# fmt: off
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                    60, 120, 300)
+QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600,
+                 4 * 3600, 24 * 3600)
+# fmt: on
+
+Attributes = tuple[tuple[str, Any], ...]
+
+
+class OutboxMetrics:
+    """outbox-bridge's instruments on one meter (see the README for what each one counts)."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.rows_written = meter.create_counter(
+            "outbox.rows.written", unit="{row}", description="Rows written with the producer API."
+        )
+        self.rows_handled = meter.create_counter(
+            "outbox.rows.handled",
+            unit="{row}",
+            description="Rows covered by a successful handler call (then deleted).",
+        )
+        self.rows_coalesced = meter.create_counter(
+            "outbox.rows.coalesced",
+            unit="{row}",
+            description="Rows covered by a handler call for a newer row of their coalescing "
+            "group, instead of a call of their own.",
+        )
+        self.handler_duration = meter.create_histogram(
+            "outbox.handler.duration",
+            unit="s",
+            description="Duration of handler calls, by category and outcome.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.handler_failures = meter.create_counter(
+            "outbox.handler.failures",
+            unit="{failure}",
+            description="Failed handler calls, by category and error class.",
+        )
+        self.queue_time = meter.create_histogram(
+            "outbox.queue.time",
+            unit="s",
+            description="Time from a handled row's date_added to its handler's success.",
+            explicit_bucket_boundaries_advisory=QUEUE_BUCKETS,
+        )
+        self._observed: dict[int, dict[str, dict[Attributes, float]]] = {}
+        self._lock = threading.Lock()
+        gauges = {
+            "outbox.shards.blocked": ("{shard}", "Shard workflows blocked by a failing handler."),
+            "outbox.shards.skipped": ("{shard}", "Shard workflows skipped by an operator."),
+            "outbox.backlog.rows": ("{row}", "Pending rows per scope, as of the last sweep."),
+            "outbox.backlog.oldest_age_seconds": (
+                "s",
+                "Age of the oldest pending row per scope, as of the last sweep.",
+            ),
+        }
+        for name, (unit, description) in gauges.items():
+            meter.create_observable_gauge(
+                name, callbacks=[self._observer(name)], unit=unit, description=description
+            )
+        self._attributes: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    # -- values computed elsewhere (the bridge's sweep), reported by observable gauges ---------
+
+    def report(self, owner: object, name: str, values: Mapping[Attributes, float]) -> None:
+        """Set ``owner``'s observations of gauge ``name`` for the given attribute sets."""
+        with self._lock:
+            self._observed.setdefault(id(owner), {}).setdefault(name, {}).update(values)
+
+    def forget(self, owner: object) -> None:
+        """Drop ``owner``'s observations (a bridge that stopped leading, or stopped)."""
+        with self._lock:
+            self._observed.pop(id(owner), None)
+
+    def _observer(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                return [
+                    Observation(value, dict(attributes))
+                    for owned in self._observed.values()
+                    for attributes, value in owned.get(name, {}).items()
+                ]
+
+        return observe
+
+    # -- attribute sets, built once per key ----------------------------------------------------
+
+    def category_attributes(self, table: str, scope: str, category: str) -> dict[str, Any]:
+        """``outbox.table``, ``outbox.scope`` and ``outbox.category``."""
+        return self._cached(("category", table, scope, category))
+
+    def outcome_attributes(
+        self, table: str, scope: str, category: str, outcome: str
+    ) -> dict[str, Any]:
+        """:meth:`category_attributes` and ``outbox.outcome`` (success or failure)."""
+        return self._cached(("outcome", table, scope, category, outcome))
+
+    def _cached(self, key: tuple[str, ...]) -> dict[str, Any]:
+        found = self._attributes.get(key)
+        if found is None:
+            found = {"outbox.table": key[1], "outbox.scope": key[2], "outbox.category": key[3]}
+            if key[0] == "outcome":
+                found["outbox.outcome"] = key[4]
+            self._attributes[key] = found
+        return found
+
+
+_active: tuple[object, OutboxMetrics] | None = None
+
+
+def active_metrics() -> OutboxMetrics | None:
+    """The instruments on the installed SDK meter provider, or None when metrics are off."""
+    global _active
+    provider = metrics.get_meter_provider()
+    if not isinstance(provider, MeterProvider):
+        return None
+    if _active is None or _active[0] is not provider:
+        _active = (provider, OutboxMetrics(provider.get_meter(METER_NAME)))
+    return _active[1]
+
+
+# -- providers and exporters --------------------------------------------------------------------
+
+
+def _otlp_exporter() -> MetricExporter:
+    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
+    if otlp_protocol("METRICS").startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter as Http,
+        )
+
+        return Http()
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
+
+    return Grpc()
+
+
+def metric_exporter(exporter: str) -> MetricExporter:
+    """The push exporter of ``exporter`` (console or otlp)."""
+    if exporter == "console":
+        return ConsoleMetricExporter()
+    if exporter == "otlp":
+        return _otlp_exporter()
+    raise ValueError(f"unknown metric exporter {exporter!r}")
+
+
+@dataclass
+class MetricsSetup:
+    """An installed meter provider and, for Prometheus, its scrape endpoint."""
+
+    provider: MeterProvider
+    endpoint: str | None = None
+    _server: Any = None
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self.provider.shutdown()
+
+
+def build_meter_provider(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
+    """A meter provider for ``exporter`` (none, prometheus, otlp, console), or None for none.
+
+    ``prometheus`` serves ``http://host:port/metrics``; ``otlp`` and ``console`` push every
+    ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds (60 s by default).
+    """
+    if exporter == "none":
+        return None
+    server = None
+    endpoint = None
+    reader: MetricReader
+    if exporter == "prometheus":
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        try:
+            server, _ = start_http_server(port, addr=host)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another "
+                "--metrics-port"
+            ) from None
+        reader = PrometheusMetricReader()
+        endpoint = f"http://{host}:{server.server_port}/metrics"
+    else:
+        reader = PeriodicExportingMetricReader(metric_exporter(exporter))
+    provider = MeterProvider(metric_readers=[reader], resource=telemetry_resource())
+    return MetricsSetup(provider, endpoint, server)
+
+
+def setup_metrics(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
+    """Install :func:`build_meter_provider`'s provider as the process-wide one."""
+    setup = build_meter_provider(exporter, host=host, port=port)
+    if setup is not None:
+        metrics.set_meter_provider(setup.provider)
+        log.info("metrics are exported to %s", setup.endpoint or exporter)
+    return setup
+
+
+# -- the Temporal SDK's metrics ----------------------------------------------------------------
+
+_runtime: tuple[object, Runtime] | None = None
+_runtime_lock = threading.Lock()
+
+
+def temporal_runtime() -> Runtime | None:
+    """A Temporal runtime whose SDK metrics (polls, task latencies, slots...) are exported
+    through the installed meter provider, or None when metrics are off (the default runtime).
+
+    The SDK records into a buffer that :class:`MetricsExporter` drains every second, in a
+    thread of its own, into the provider: the same Prometheus endpoint or OTLP collector as
+    outbox-bridge's metrics, with the same resource. One runtime per process and provider
+    (each runtime owns a thread pool).
+    """
+    global _runtime
+    provider = metrics.get_meter_provider()
+    if not isinstance(provider, MeterProvider):
+        return None
+    with _runtime_lock:
+        if _runtime is None or _runtime[0] is not provider:
+            buffer = MetricBuffer(100_000, MetricBufferDurationFormat.SECONDS)
+            runtime = Runtime(telemetry=TelemetryConfig(metrics=buffer, attach_service_name=False))
+            exporter = MetricsExporter(buffer, provider)
+            thread = threading.Thread(
+                target=asyncio.run,
+                args=(exporter.run(),),
+                name="temporal-metrics",
+                daemon=True,
+            )
+            thread.start()
+            _runtime = (provider, runtime)
+        return _runtime[1]

@@ -1,0 +1,87 @@
+"""Alembic operations that add the outbox tables to your own migrations.
+
+::
+
+    from alembic import op
+
+    from myapp.outbox import app
+    from outbox_bridge.migrations import create_outbox, drop_outbox
+
+
+    def upgrade() -> None:
+        create_outbox(op, app)
+
+
+    def downgrade() -> None:
+        drop_outbox(op, app)
+
+The statements are the ones the worker and ``init-db`` use (:mod:`outbox_bridge.schema`), so
+a migrated database and a database the worker created are the same. They are emitted with
+``op.execute``, so offline mode (``alembic upgrade --sql``) prints them too. Importing this
+module does not need Alembic; calling its functions does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Table
+from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
+
+from outbox_bridge.schema import drop_notify_ddl, notify_ddl
+
+if TYPE_CHECKING:
+    from alembic.operations import Operations
+
+    from outbox_bridge.registry import OutboxApp
+
+
+def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
+    if tables is None:
+        return [app.table(name) for name in app.tables]
+    if isinstance(tables, str):
+        raise TypeError("tables must be a list of table names, not one string")
+    return [app.table(name) for name in tables]
+
+
+def create_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
+    """Create the app's outbox tables (all of them, or those named in ``tables``) with their
+    indexes and NOTIFY triggers.
+
+    Emits the schema of the installed outbox-bridge version. If a later version changes it,
+    autogenerate against ``app.metadata`` shows the difference.
+    """
+    for table in _tables(app, tables):
+        op.execute(CreateTable(table))
+        for index in sorted(table.indexes, key=lambda index: str(index.name)):
+            op.execute(CreateIndex(index))
+        for statement in notify_ddl(table):
+            op.execute(statement)
+
+
+def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
+    """Drop what :func:`create_outbox` created: the trigger, its function, the table and its
+    indexes, and every row still in the table."""
+    for table in reversed(_tables(app, tables)):
+        trigger, function = drop_notify_ddl(table)
+        op.execute(trigger)
+        op.execute(DropTable(table))
+        op.execute(function)
+
+
+def exclude_outbox_tables(
+    app: OutboxApp,
+) -> Callable[[str | None, str, Mapping[str, str | None]], bool]:
+    """An ``include_name`` hook for Alembic's ``context.configure`` that hides the app's outbox
+    tables from autogenerate, for databases whose outbox tables the worker or ``init-db``
+    manages (otherwise autogenerate proposes to drop them)::
+
+        context.configure(..., include_name=exclude_outbox_tables(app))
+    """
+    names = set(app.tables)
+
+    def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
+        return not (type_ == "table" and name in names)
+
+    return include_name

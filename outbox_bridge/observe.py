@@ -1,0 +1,273 @@
+"""Observing the outbox at work: the producer span and counter of a row write, and the span,
+metrics and log context of each handler call.
+
+With tracing and metrics off (the default), a handler call costs one context-variable set and
+reset here (the log context), and a batch nothing more; with them on, a batch adds a constant
+amount of work and each call its span and two histogram records. Payloads never enter a span,
+an attribute or an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
+from sqlalchemy import Insert
+
+from outbox_bridge.logs import LOG_CONTEXT
+from outbox_bridge.metrics import OutboxMetrics, active_metrics
+from outbox_bridge.producer import PreparedRow
+from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.store import GroupRows
+from outbox_bridge.telemetry import active_tracer, carrier_of_current, links_to
+from workflows.models import ShardRef
+
+if TYPE_CHECKING:
+    from outbox_bridge.registry import OutboxMessage
+
+# -- writing a row ------------------------------------------------------------------------------
+
+
+class RowWrite:
+    """The telemetry of one row write: its INSERT (with the trace context when there is one),
+    and what to record once it ran (see :func:`observed_write`)."""
+
+    __slots__ = ("_attributes", "_metrics", "span", "statement")
+
+    def __init__(
+        self,
+        span: trace.Span | None,
+        statement: Insert,
+        metrics: OutboxMetrics | None,
+        attributes: dict[str, Any],
+    ) -> None:
+        self.span = span
+        self.statement = statement
+        self._metrics = metrics
+        self._attributes = attributes
+
+    def written(self, row_id: int) -> int:
+        """Record the new row (its id on the span, the ``outbox.rows.written`` counter)."""
+        if self.span is not None:
+            self.span.set_attribute("outbox.id", row_id)
+        if self._metrics is not None:
+            self._metrics.rows_written.add(1, self._attributes)
+        return row_id
+
+
+@contextlib.contextmanager
+def observed_write(row: PreparedRow, category: str, object_identifier: int) -> Iterator[RowWrite]:
+    """Around the INSERT of one row by the producer API.
+
+    Inside an active span, a short ``outbox.write <CATEGORY>`` producer span is started, and its
+    trace context goes into the row's ``trace_context`` column; outside one, the row gets none.
+    """
+    shard = row.shard
+    metrics = active_metrics()
+    attributes = (
+        metrics.category_attributes(shard.table, shard.scope_name, category) if metrics else {}
+    )
+    if not trace.get_current_span().get_span_context().is_valid:
+        yield RowWrite(None, row.statement, metrics, attributes)
+        return
+    tracer = active_tracer()
+    if tracer is None:  # a span of another tracer provider: keep its context on the row
+        statement = row.statement.values({TRACE_CONTEXT_COLUMN: carrier_of_current()})
+        yield RowWrite(None, statement, metrics, attributes)
+        return
+    span_attributes: dict[str, Any] = {
+        "outbox.table": shard.table,
+        "outbox.scope": shard.scope_name,
+        "outbox.shard_identifier": shard.shard_identifier,
+        "outbox.category": category,
+        "outbox.object_identifier": int(object_identifier),
+    }
+    if shard.region is not None:
+        span_attributes["outbox.region"] = shard.region
+    with tracer.start_as_current_span(
+        f"outbox.write {category}", kind=SpanKind.PRODUCER, attributes=span_attributes
+    ) as span:
+        statement = row.statement.values({TRACE_CONTEXT_COLUMN: carrier_of_current()})
+        yield RowWrite(span, statement, metrics, attributes)
+
+
+# -- handling a group ---------------------------------------------------------------------------
+
+
+class BatchObserver:
+    """Observes the handler calls of one drain batch (or one category activity) of a shard.
+
+    ``traced`` says whether the caller should read the trace contexts of the batch's rows and
+    pass them to :meth:`set_trace_contexts` (one statement per batch, only when tracing is on).
+    Counters are added once per batch, by :meth:`finish`.
+    """
+
+    def __init__(self, shard: ShardRef, *, redact_errors: bool) -> None:
+        self.shard = shard
+        self.tracer: Tracer | None = active_tracer()
+        self.metrics: OutboxMetrics | None = active_metrics()
+        self.redact_errors = redact_errors
+        self.contexts: Mapping[int, Any] = {}
+        self._log_fields: dict[str, dict[str, Any]] = {}
+        self._handled: dict[str, list[int]] = {}  # category -> [rows, coalesced]
+
+    @property
+    def traced(self) -> bool:
+        return self.tracer is not None
+
+    def set_trace_contexts(self, contexts: Mapping[int, Any]) -> None:
+        self.contexts = contexts
+
+    def call(
+        self, group: GroupRows, message: OutboxMessage, category: str, attempt: int
+    ) -> ObservedCall:
+        """A context manager around one handler call (its span, timing and log context)."""
+        return ObservedCall(self, group, message, category, attempt)
+
+    def log_fields(self, category: str) -> dict[str, Any]:
+        fields = self._log_fields.get(category)
+        if fields is None:
+            fields = {**LOG_CONTEXT.get(), "shard": self.shard.key, "category": category}
+            self._log_fields[category] = fields
+        return fields
+
+    def handled(self, category: str, rows: int) -> None:
+        counts = self._handled.setdefault(category, [0, 0])
+        counts[0] += rows
+        counts[1] += rows - 1
+
+    def finish(self) -> None:
+        """Add the batch's counters (rows handled and coalesced, per category)."""
+        if self.metrics is None:
+            return
+        shard = self.shard
+        for category, (rows, coalesced) in self._handled.items():
+            attributes = self.metrics.category_attributes(shard.table, shard.scope_name, category)
+            self.metrics.rows_handled.add(rows, attributes)
+            if coalesced:
+                self.metrics.rows_coalesced.add(coalesced, attributes)
+        self._handled.clear()
+
+
+class ObservedCall:
+    """One handler call: a span ``outbox.handle <CATEGORY>`` (a child of the current span, the
+    activity's, linked to the producer span of every row the call covers), its duration and
+    outcome, and the log context (shard, category)."""
+
+    __slots__ = ("_batch", "_category", "_group", "_message", "_span", "_start", "_token")
+
+    def __init__(
+        self,
+        batch: BatchObserver,
+        group: GroupRows,
+        message: OutboxMessage,
+        category: str,
+        attempt: int,
+    ) -> None:
+        self._batch = batch
+        self._group = group
+        self._message = message
+        self._category = category
+        self._span: contextlib.AbstractContextManager[trace.Span] | None = None
+        self._start = 0.0
+        if batch.tracer is not None:
+            self._span = batch.tracer.start_as_current_span(
+                f"outbox.handle {category}",
+                kind=SpanKind.CONSUMER,
+                attributes=self._attributes(attempt),
+                links=self._links(),
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+
+    def _attributes(self, attempt: int) -> dict[str, Any]:
+        shard, group = self._batch.shard, self._group
+        attributes: dict[str, Any] = {
+            "outbox.table": shard.table,
+            "outbox.scope": shard.scope_name,
+            "outbox.shard_identifier": shard.shard_identifier,
+            "outbox.category": self._category,
+            "outbox.object_identifier": group.object_identifier,
+            "outbox.id": group.last_id,
+            "outbox.coalesced": len(group.ids),
+            "outbox.attempt": attempt,
+            "outbox.queue_time_seconds": _age(self._message),
+        }
+        if shard.region is not None:
+            attributes["outbox.region"] = shard.region
+        return attributes
+
+    def _links(self) -> list[Link]:
+        contexts = self._batch.contexts
+        return links_to(contexts[i] for i in reversed(self._group.ids) if i in contexts)
+
+    def __enter__(self) -> None:
+        self._token = LOG_CONTEXT.set(self._batch.log_fields(self._category))
+        if self._span is not None:
+            self._span.__enter__()
+        if self._batch.metrics is not None:
+            self._start = time.perf_counter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if self._batch.metrics is not None:
+                self._record(exc)
+            if exc is not None and self._span is not None:
+                self._fail_span(exc)
+        finally:
+            if self._span is not None:
+                self._span.__exit__(exc_type, exc, tb)
+            LOG_CONTEXT.reset(self._token)
+
+    def _record(self, exc: BaseException | None) -> None:
+        metrics = self._batch.metrics
+        assert metrics is not None
+        shard = self._batch.shard
+        if isinstance(exc, asyncio.CancelledError):
+            return  # a skip or a shutdown: neither a success nor a failure of the handler
+        outcome = "success" if exc is None else "failure"
+        attributes = metrics.outcome_attributes(
+            shard.table, shard.scope_name, self._category, outcome
+        )
+        metrics.handler_duration.record(time.perf_counter() - self._start, attributes)
+        if exc is None:
+            attributes = metrics.category_attributes(shard.table, shard.scope_name, self._category)
+            metrics.queue_time.record(_age(self._message), attributes)
+            self._batch.handled(self._category, len(self._group.ids))
+        else:
+            metrics.handler_failures.add(
+                1,
+                {
+                    **metrics.category_attributes(shard.table, shard.scope_name, self._category),
+                    "error.type": type(exc).__qualname__,
+                },
+            )
+
+    def _fail_span(self, exc: BaseException) -> None:
+        span = trace.get_current_span()
+        error_type = type(exc).__qualname__
+        if isinstance(exc, asyncio.CancelledError):
+            span.set_attribute("outbox.cancelled", True)
+            return
+        if self._batch.redact_errors:
+            span.add_event("exception", {"exception.type": error_type})
+            span.set_status(Status(StatusCode.ERROR, error_type))
+        else:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{error_type}: {exc}"))
+        span.set_attribute("error.type", error_type)
+
+
+def _age(message: OutboxMessage) -> float:
+    return max(0.0, time.time() - message.date_added.timestamp())

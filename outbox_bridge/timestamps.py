@@ -1,0 +1,43 @@
+"""PostgreSQL's ``infinity`` and ``-infinity`` timestamps, read as Python datetimes.
+
+A ``timestamptz`` column accepts both, and any producer writing plain SQL may store them in
+``scheduled_for``; psycopg cannot load them (a ``datetime`` cannot be infinite) and raises
+``DataError``, so every drain of the row's shard would fail. The worker reads them as the
+latest and earliest aware datetimes instead: a row due at ``infinity`` defers its shard like a
+row due in year 9999 (until an operator deletes it or skips the shard), and a row due since
+``-infinity`` is due now.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from psycopg.abc import Buffer
+from psycopg.types.datetime import TimestamptzLoader
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+LATEST = datetime.max.replace(tzinfo=UTC)
+EARLIEST = datetime.min.replace(tzinfo=UTC)
+
+
+class InfiniteTimestamptzLoader(TimestamptzLoader):
+    """psycopg's text loader of ``timestamptz``, with ``±infinity`` as the extreme datetimes."""
+
+    def load(self, data: Buffer) -> datetime:
+        if data == b"infinity":
+            return LATEST
+        if data == b"-infinity":
+            return EARLIEST
+        return super().load(data)
+
+
+def load_infinite_timestamps(engine: AsyncEngine) -> None:
+    """Have every connection of ``engine`` read ``±infinity`` timestamps (see the module)."""
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def register(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.driver_connection.adapters.register_loader(
+            "timestamptz", InfiniteTimestamptzLoader
+        )

@@ -1,6 +1,6 @@
 """Record shard workflow histories from real runs into tests/histories/.
 
-    python -m tests.record_histories v3
+    python -m tests.record_histories v4
 
 Starts its own PostgreSQL and Temporal dev server, runs each scenario through the real worker,
 and writes every run's history as ``<version>-<scenario>.json``. Record a new version after a
@@ -20,7 +20,7 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
-from outbox_bridge import OutboxApp, OutboxMessage
+from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from tests.harness import (
     Category,
     Recorder,
@@ -125,6 +125,27 @@ async def scenario_lingering(app, recorder, client, engine, settings) -> None:
         await asyncio.sleep(0.3)
 
 
+async def scenario_flush(app, recorder, client, engine, settings) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    async def slow(message: OutboxMessage) -> None:
+        await asyncio.sleep(0.5)
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = slow
+    app.configure_flush(settings)
+    async with AsyncSession(engine) as session:
+        async with outbox_context(session, flush=True) as outbox:
+            for i in range(3):
+                await app.write_async(
+                    session,
+                    category=Category.PROJECT_UPDATE,
+                    shard_identifier=1,
+                    object_identifier=i,
+                )
+            await session.commit()
+    assert outbox.report.handled, outbox.report
+
+
 Scenario = Callable[..., Awaitable[None]]
 SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
     "drain": (scenario_drain, {}),
@@ -133,6 +154,9 @@ SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
     "deferred": (scenario_deferred, {}),
     "continue_as_new": (scenario_continue_as_new, {"max_history_events": 100, "linger": 0}),
     "lingering": (scenario_lingering, {}),
+    "complete_when_empty": (scenario_drain, {"idle_timeout": 0}),
+    "lingering_from_start": (scenario_lingering, {"idle_timeout": 0}),
+    "flush": (scenario_flush, {"idle_timeout": 0}),
 }
 
 
@@ -144,7 +168,9 @@ async def record(
     engine = new_engine(servers)
     client = await Client.connect(servers.temporal_address)
     await create_tables(engine, app)
-    settings = fast_settings(idle_timeout=1.0, **overrides)
+    settings = fast_settings(
+        **{"idle_timeout": 1.0, "temporal_address": servers.temporal_address, **overrides}
+    )
     workflow_id = f"outbox:{app.table().name}:{Scope.ORGANIZATION.name}:1"
     async with running_worker(servers, app, settings):
         await scenario(app, recorder, client, engine, settings)

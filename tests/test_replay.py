@@ -33,6 +33,9 @@ def test_the_corpus_covers_the_required_scenarios() -> None:
         "continue_as_new",
         "deferred",
         "lingering",
+        "complete_when_empty",
+        "lingering_from_start",
+        "flush",
     } <= names
     kinds = {e.event_type for p in HISTORIES for e in load(p).events}
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW in kinds

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
@@ -123,6 +123,12 @@ def _run_or_exit(work: Awaitable[Any], shard: str) -> Any:
     except OutboxError as exc:
         click.echo(f"outbox-bridge: error: {exc}", err=True)
         sys.exit(2)
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause
+        click.echo(
+            f"outbox-bridge: shard {shard} refused: {getattr(cause, 'message', cause)}", err=True
+        )
+        sys.exit(1)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             click.echo(
@@ -196,8 +202,8 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
 
     async def work() -> None:
         client, ref = await _shard_handle(build_settings(overrides), shard, table)
-        await client.get_workflow_handle(ref.workflow_id).signal(
-            "skip", SkipInput(reason=reason.strip(), by=getpass.getuser())
+        await client.get_workflow_handle(ref.workflow_id).execute_update(
+            "skip", SkipInput(reason=reason.strip(), by=getpass.getuser()), result_type=ShardStatus
         )
 
     _run_or_exit(work(), shard)
@@ -211,8 +217,8 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
 
     async def work() -> None:
         client, ref = await _shard_handle(build_settings(overrides), shard, table)
-        await client.get_workflow_handle(ref.workflow_id).signal(
-            "resume", ResumeInput(by=getpass.getuser())
+        await client.get_workflow_handle(ref.workflow_id).execute_update(
+            "resume", ResumeInput(by=getpass.getuser()), result_type=ShardStatus
         )
 
     _run_or_exit(work(), shard)
@@ -440,6 +446,12 @@ async def _workflow_state(client: Client, shard: ShardRef) -> tuple[str, str | N
         status = await client.get_workflow_handle(shard.workflow_id).query(
             "status", result_type=ShardStatus
         )
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause
+        click.echo(
+            f"outbox-bridge: shard {shard} refused: {getattr(cause, 'message', cause)}", err=True
+        )
+        sys.exit(1)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             return "none", None

@@ -8,6 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowUpdateFailedError
+
 from outbox_bridge import OutboxMessage
 from tests.harness import (
     Category,
@@ -19,6 +23,7 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
+from workflows.models import ResumeInput, SkipInput
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +54,7 @@ async def cli(
     return process.returncode, out.decode(), err.decode()
 
 
-async def test_status_skip_and_resume_from_the_command_line(servers, engine) -> None:
+async def test_status_skip_and_resume_from_the_command_line(servers, engine, client) -> None:
     recorder, table, app = await fresh_app(engine)
     fixed = asyncio.Event()
 
@@ -87,10 +92,22 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine) -> 
 
         code, _, err = await cli(servers, table, "skip", "ORGANIZATION:8", "--reason", "  ")
         assert code == 2 and "reason" in err
+        # The update's validator refuses what the command line would not send.
+        handle = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:8")
+        before = len((await handle.fetch_history()).events)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("skip", SkipInput(reason=" "))
+        with pytest.raises(WorkflowUpdateFailedError, match="update"):
+            await handle.execute_update("resume", ResumeInput(by="someone"))  # not skipped
+        kinds = [e.event_type for e in (await handle.fetch_history()).events][before:]
+        assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED not in kinds
+        assert (await status())["state"] == "blocked"
+
         code, out, err = await cli(servers, table, "skip", "ORGANIZATION:8", "--reason", "fix")
         assert code == 0, err
-        await wait_until(lambda: state_is("skipped"), what="the skipped state")
-        assert (await status())["skip"]["reason"] == "fix"
+        assert (await status())["skip"]["reason"] == "fix"  # the update answered once taken
+        code, _, err = await cli(servers, table, "skip", "ORGANIZATION:9", "--reason", "fix")
+        assert code == 1 and "has no workflow" in err
 
         fixed.set()
         code, out, err = await cli(servers, table, "resume", "ORGANIZATION:8")

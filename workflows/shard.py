@@ -433,6 +433,33 @@ class OutboxShard:
             self._skip = None
             self._dirty = True
 
+    # The same two operations as updates: the caller learns at once whether they were taken,
+    # and a malformed one is refused by its validator without reaching the shard's history.
+
+    @workflow.update(name="skip")
+    def skip_update(self, input: SkipInput) -> ShardStatus:
+        """:meth:`skip`, answered with the shard's status."""
+        self.skip(input)
+        return self.status()
+
+    @skip_update.validator
+    def _validate_skip(self, input: SkipInput) -> None:
+        if not isinstance(input.reason, str) or not input.reason.strip():
+            raise ValueError("skip needs a reason (it is shown to every operator)")
+        if input.by is not None and not isinstance(input.by, str):
+            raise ValueError(f"skip's by must be a name, got {input.by!r}")
+
+    @workflow.update(name="resume")
+    def resume_update(self, input: ResumeInput) -> ShardStatus:
+        """:meth:`resume`, answered with the shard's status."""
+        self.resume(input)
+        return self.status()
+
+    @resume_update.validator
+    def _validate_resume(self, input: ResumeInput) -> None:
+        if self._skip is None:
+            raise ValueError(f"shard {self._shard.key} is not skipped")
+
     @workflow.query
     def status(self) -> ShardStatus:
         return ShardStatus(

@@ -37,9 +37,8 @@ from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
 from outbox_bridge.store import (
     GroupRows,
     delete_rows,
-    read_head_groups,
+    read_head,
     read_pending_up_to,
-    read_rows,
     read_shard_head_info,
     read_trace_contexts,
     try_lock_shard,
@@ -178,10 +177,9 @@ class ShardDrainer:
         async with self._locked(shard) as conn:
             info = await read_shard_head_info(conn, table, shard)
             result.highest_seen_id = max(result.highest_seen_id, info.highest_id or 0)
-            groups = await read_head_groups(
+            groups, rows = await read_head(
                 conn, table, shard, barrier_id=info.barrier_id, limit=request.max_groups
             )
-            rows = await read_rows(conn, table, [g.last_id for g in groups]) if groups else {}
             calls: list[_Call] = []
             for group in groups:
                 row = rows.get(group.last_id)
@@ -251,16 +249,13 @@ class ShardDrainer:
         table = self._app.table(shard.table)
         async with self._locked(shard) as conn:
             info = await read_shard_head_info(conn, table, shard)
-            groups = await read_head_groups(conn, table, shard, barrier_id=info.barrier_id, limit=1)
+            groups, rows = await read_head(conn, table, shard, barrier_id=info.barrier_id, limit=1)
             if not groups or (groups[0].category, groups[0].object_identifier) != (
                 request.category,
                 request.object_identifier,
             ):
                 return HandleHeadResult(handled=False)
             group = groups[0]
-            rows = await read_rows(conn, table, [group.last_id])
-            if group.last_id not in rows:
-                return HandleHeadResult(handled=False)
             if heartbeat is not None:
                 heartbeat()
             call = self._prepare(shard, group, rows[group.last_id])

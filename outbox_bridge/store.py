@@ -153,37 +153,38 @@ async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef
     return int(value) if value is not None else None
 
 
-async def read_head_groups(
+async def read_head(
     conn: AsyncConnection, table: Table, shard: ShardRef, *, barrier_id: int | None, limit: int
-) -> list[GroupRows]:
+) -> tuple[list[GroupRows], dict[int, Row[Any]]]:
     """The first ``limit`` coalescing groups of the shard, ordered by their lowest pending id,
-    with every due id below the barrier."""
+    with every due id below the barrier, and the newest row of each (the one its handler gets),
+    in one statement."""
     where = shard_where(table, shard)
     if barrier_id is not None:
         where = and_(where, table.c.id < barrier_id)
     first_id = func.min(table.c.id).label("first_id")
-    query = (
+    head = (
         select(
-            table.c.category,
-            table.c.object_identifier,
             first_id,
-            func.array_agg(table.c.id).label("ids"),
+            func.max(table.c.id).label("last_id"),
+            func.array_agg(table.c.id).label("group_ids"),
         )
         .where(where)
         .group_by(table.c.category, table.c.object_identifier)
         .order_by(first_id)
         .limit(limit)
+        .subquery("head")
     )
-    rows = (await conn.execute(query)).all()
-    return [
-        GroupRows(category=r.category, object_identifier=r.object_identifier, ids=sorted(r.ids))
-        for r in rows
-    ]
-
-
-async def read_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> dict[int, Row[Any]]:
-    result = await conn.execute(select(table).where(table.c.id == _any_id(ids)))
-    return {row.id: row for row in result}
+    query = (
+        select(head.c.group_ids, table)
+        .join_from(head, table, table.c.id == head.c.last_id)
+        .order_by(head.c.first_id)
+    )
+    groups, rows = [], {}
+    for row in await conn.execute(query):
+        groups.append(GroupRows(row.category, row.object_identifier, sorted(row.group_ids)))
+        rows[row.id] = row
+    return groups, rows
 
 
 async def read_trace_contexts(
@@ -242,9 +243,7 @@ async def read_shard_ranges(
 ) -> list[ShardRange]:
     """Shards with rows (with ``after_id``, only rows above it), with their id range."""
     keys = _shard_key_columns(table)
-    query = select(*keys, func.min(table.c.id), func.max(table.c.id), func.count()).group_by(
-        *keys
-    )
+    query = select(*keys, func.min(table.c.id), func.max(table.c.id), func.count()).group_by(*keys)
     if after_id is not None:
         query = query.where(table.c.id > after_id)
     if regions is not None and "region" in table.c:

@@ -318,9 +318,7 @@ class Bridge:
             self._watermark[table.name] = max(self._watermark.get(table.name, 0), top)
         return ranges
 
-    async def _signal_new(
-        self, table: Table, ranges: Iterable[ShardRange], *, reason: str
-    ) -> None:
+    async def _signal_new(self, table: Table, ranges: Iterable[ShardRange], *, reason: str) -> None:
         keys = (((table.name, r.region, r.scope, r.shard_identifier), r.max_id) for r in ranges)
         await self._signal_all(
             [(key, max_id, False) for key, max_id in keys if max_id > self._known.get(key, 0)],

@@ -260,12 +260,11 @@ class ObservedCall:
         if isinstance(exc, asyncio.CancelledError):
             span.set_attribute("outbox.cancelled", True)
             return
-        if self._batch.redact_errors:
-            span.add_event("exception", {"exception.type": error_type})
-            span.set_status(Status(StatusCode.ERROR, error_type))
-        else:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{error_type}: {exc}"))
+        # The whole exception, even with redact_errors: that option keeps handler messages
+        # (which may hold personal data) out of Temporal history, which every user of the
+        # namespace sees and nobody can edit; spans, like logs, are the service's own.
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{error_type}: {exc}"))
         span.set_attribute("error.type", error_type)
 
 

@@ -193,9 +193,7 @@ async def test_every_instrument_after_a_scripted_workload(servers, engine, reade
     assert seen.sum("outbox.handler.failures", **project) == 1
     member = by(Category.MEMBER_UPDATE, **{"error.type": "ValueError"})
     assert seen.sum("outbox.handler.failures", **member) >= 1
-    assert seen.sum("outbox.handler.failures") == 1 + seen.sum(
-        "outbox.handler.failures", **member
-    )
+    assert seen.sum("outbox.handler.failures") == 1 + seen.sum("outbox.handler.failures", **member)
 
     # One queue time per successful call, each at least the time the row waited.
     assert {c: seen.count("outbox.queue.time", **by(c)) for c in Category} == successes

@@ -17,6 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.embedded import temporal_cli as temporal_binary
 from outbox_bridge.shards import parse_shard, shard_status
+from outbox_bridge.store import lock_key
 from tests.harness import (
     SCOPES,
     Category,
@@ -621,3 +622,40 @@ def test_a_static_skip_naming_no_shard_is_refused() -> None:
         static_skips(app, ["eu:USER:7"])
     with pytest.raises(RegistryError, match="unknown scope"):
         static_skips(app, ["TEAM:1"])
+
+
+async def test_a_drain_that_keeps_failing_falls_back_to_a_visible_server_retried_drain(
+    servers, engine, client
+) -> None:
+    """The local drain fails while another session holds the shard's lock: after its local
+    attempts the workflow drains with a normal drain_shard activity (pending in the UI, retried
+    by the server), and the run neither fails nor loses the row."""
+    recorder, _, app = await fresh_app(engine)
+    shard = parse_shard("ORGANIZATION:61", app)
+    async with engine.connect() as holder:
+        await holder.execute(
+            text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
+        )
+        await holder.commit()
+        async with running_worker(servers, app, fast_settings(idle_timeout=0, linger=0)):
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 61, 1)])
+            handle = client.get_workflow_handle(shard.workflow_id)
+
+            async def drain_pending() -> bool:
+                try:
+                    description = await handle.describe()
+                except Exception:
+                    return False
+                pending = description.raw_description.pending_activities
+                return any(a.activity_type.name == "drain_shard" for a in pending)
+
+            await wait_until(drain_pending, timeout=60, what="the fallback drain_shard activity")
+            assert recorder.calls == []
+            await holder.execute(
+                text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"),
+                {"key": lock_key(shard)},
+            )
+            await holder.commit()
+            await wait_until(lambda: table_empty(engine, app), timeout=60, what="the row")
+            await handle.result()  # the run completes: it did not fail
+    assert [c.object_identifier for c in recorder.calls] == [1]

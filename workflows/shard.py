@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributeUpdate
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
@@ -58,6 +58,8 @@ V = TypeVar("V", str, datetime)
 LOCAL_DRAIN_ATTEMPTS = 3
 # Rows arriving after the first drain are drained by a lingering normal activity.
 LINGER_ACTIVITY_PATCH = "linger-activity"
+# A local drain's final failure is caught as an ApplicationError too.
+LOCAL_DRAIN_FALLBACK_PATCH = "local-drain-fallback"
 # The state is kept in search attributes (OutboxState, OutboxBlockedCategory, ...).
 STATE_ATTRIBUTES_PATCH = "state-search-attributes"
 
@@ -225,9 +227,13 @@ class OutboxShard:
                 ),
             )
             return await self._unless_skipped(local)
-        except ActivityError:
+        except (ActivityError, ApplicationError):
             # The database or the shard lock kept failing: drain with a normal activity, which
-            # the server retries without adding history and the UI shows as pending.
+            # the server retries without adding history and the UI shows as pending. (A local
+            # activity's last failure reaches the workflow as the ApplicationError itself;
+            # before this was caught, it failed the run and the bridge had to start another.)
+            if not workflow.patched(LOCAL_DRAIN_FALLBACK_PATCH):
+                raise
             remote = workflow.start_activity(
                 "drain_shard",
                 request,
@@ -378,7 +384,7 @@ class OutboxShard:
         else:
             try:
                 checked = await check
-            except ActivityError:
+            except (ActivityError, ApplicationError):
                 checked = FlushCheck(handled=False)  # the table could not be read in time
             if checked.handled:
                 return FlushResult(self._shard.key, HANDLED)

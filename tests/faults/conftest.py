@@ -1,0 +1,119 @@
+"""Fixtures of the fault suite, and its summary table.
+
+Every scenario has a fast variant, run by default, and a full one, marked ``faults``: the
+full ones run only when asked for with ``pytest -m faults`` (or any ``-m`` expression that
+names the marker). The figures of every scenario that ran are printed at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from tests.faults.harness import Figures, WorkerProcess, with_password
+from tests.harness import Servers
+
+FIGURES = pytest.StashKey[list[Figures]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "faults" in (config.option.markexpr or ""):
+        return
+    full = [item for item in items if item.get_closest_marker("faults")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("faults")]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    figures = terminalreporter.config.stash.get(FIGURES, [])
+    if not figures:
+        return
+    header = (
+        "scenario",
+        "rows",
+        "faults injected",
+        "rows lost",
+        "order violations",
+        "overlaps",
+        "duplicate calls",
+        "recovery",
+    )
+    lines = [
+        (
+            f.scenario,
+            f"{f.rows:,}",
+            f.faults,
+            str(f.lost),
+            str(f.order_violations),
+            str(f.overlaps),
+            f"{f.duplicates:,}",
+            f"{f.recovery_seconds:.1f} s",
+        )
+        for f in figures
+    ]
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    terminalreporter.section("fault scenarios")
+    for row in [header, tuple("-" * w for w in widths), *lines]:
+        terminalreporter.write_line(
+            " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
+        )
+
+
+@pytest.fixture(autouse=True)
+def kill_leftover_workers() -> Iterator[None]:
+    yield
+    WorkerProcess.kill_leftovers()
+
+
+@pytest.fixture
+def record_figures(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    def record(figures: Figures) -> None:
+        request.config.stash.setdefault(FIGURES, []).append(figures)
+
+    return record
+
+
+@pytest.fixture
+async def fault_temporal(tmp_path: Path) -> AsyncIterator[EmbeddedTemporal]:
+    """A Temporal dev server of this test alone, on a database file (it can be killed and
+    restarted without losing anything)."""
+    temporal = EmbeddedTemporal(tmp_path / "temporal", port=free_port(), ui_port=None)
+    await temporal.start(timeout=60)
+    try:
+        yield temporal
+    finally:
+        temporal.kill()  # its file is thrown away: no need to wait for a clean shutdown
+
+
+@pytest.fixture
+async def fault_client(fault_temporal: EmbeddedTemporal) -> Client:
+    return await Client.connect(fault_temporal.address)
+
+
+@pytest.fixture
+def fault_database(servers: Servers) -> tuple[str, str]:
+    """The session's database URL with a password to look for in outputs, and the password."""
+    return with_password(servers.database_url)
+
+
+@pytest.fixture
+def own_postgres(tmp_path: Path) -> Iterator[tuple[EmbeddedPostgres, str]]:
+    """A PostgreSQL of this test alone, which it may stop and start again."""
+    postgres = EmbeddedPostgres(tmp_path / "pg")
+    url = postgres.start()
+    try:
+        yield postgres, url
+    finally:
+        postgres.stop()
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    path = tmp_path / "logs"
+    path.mkdir()
+    return path

@@ -1,0 +1,231 @@
+"""The OutboxApp that the fault scenarios run in a real worker process
+(``--app tests.faults.fault_app:app``).
+
+Its table is ``$FAULT_OUTBOX_TABLE``. Every handler call is recorded in ``fault_calls`` (see
+:mod:`tests.faults.history`) on the handler's own connection, committed before the handler
+returns or raises, with the calling process and a per-process sequence number. What a handler
+does is steered by the test through ``fault_control`` (read at most every 0.2 s): a random share
+of calls fails, the shards listed as poison always fail, and the objects listed as hanging hang
+once, past the handler timeout.
+
+ORGANIZATION categories have plain ``def`` handlers (run in a thread by the worker), the USER
+category an ``async def`` one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import psycopg
+
+from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
+from outbox_bridge.config import libpq_url, sqlalchemy_url
+
+# Written into every payload and every injected error message: personal data that must never
+# reach Temporal history (the error message only with OUTBOX_REDACT_ERRORS).
+PAYLOAD_CANARY = "payload-canary-5e1f"
+ERROR_CANARY = "error-canary-9b2d"
+
+
+class FaultScope(IntEnum):
+    ORGANIZATION = 1
+    USER = 2
+
+
+class FaultCategory(IntEnum):
+    ORGANIZATION_UPDATE = 1
+    PROJECT_UPDATE = 2
+    MEMBER_UPDATE = 3
+    USER_UPDATE = 10
+
+
+SCOPES = {
+    FaultScope.ORGANIZATION: [
+        FaultCategory.ORGANIZATION_UPDATE,
+        FaultCategory.PROJECT_UPDATE,
+        FaultCategory.MEMBER_UPDATE,
+    ],
+    FaultScope.USER: [FaultCategory.USER_UPDATE],
+}
+
+
+class InjectedFault(RuntimeError):
+    """A handler failure injected at random."""
+
+
+class PoisonError(RuntimeError):
+    """A handler failure of a poison shard: fails until the test fixes it."""
+
+
+@dataclass
+class Control:
+    failure_rate: float = 0.0
+    poison_shards: frozenset[int] = frozenset()
+    hang_objects: frozenset[int] = frozenset()
+    hang_seconds: float = 0.0
+    read_at: float = field(default=-1.0)
+
+
+_local = threading.local()
+_process_seq = itertools.count(1)
+_seq_lock = threading.Lock()
+_control = Control()
+_control_lock = threading.Lock()
+
+
+def _database_url() -> str:
+    url = os.environ.get("OUTBOX_DATABASE_URL")
+    if not url:
+        raise RuntimeError("tests.faults.fault_app records its calls in OUTBOX_DATABASE_URL")
+    return libpq_url(sqlalchemy_url(url))
+
+
+def _connection() -> psycopg.Connection[tuple[object, ...]]:
+    """This thread's own connection (autocommit), opened again after a failure."""
+    conn: psycopg.Connection[tuple[object, ...]] | None = getattr(_local, "conn", None)
+    if conn is None or conn.closed or conn.broken:
+        conn = psycopg.connect(_database_url(), autocommit=True, connect_timeout=5)
+        _local.conn = conn
+    return conn
+
+
+def _execute(statement: str, params: tuple[object, ...]) -> list[tuple[object, ...]]:
+    try:
+        cursor = _connection().execute(statement, params)
+        return cursor.fetchall() if cursor.description else []
+    except psycopg.Error:
+        conn = getattr(_local, "conn", None)
+        if conn is not None:
+            conn.close()
+        _local.conn = None
+        raise
+
+
+def control(table: str) -> Control:
+    """The test's current instructions, read again at most every 0.2 s."""
+    global _control
+    with _control_lock:
+        if time.monotonic() - _control.read_at < 0.2:
+            return _control
+        rows = _execute(
+            "SELECT failure_rate, poison_shards, hang_objects, hang_seconds FROM fault_control "
+            "WHERE outbox_table = %s",
+            (table,),
+        )
+        if rows:
+            rate, poison, hang, seconds = rows[0]
+            _control = Control(
+                float(rate),  # type: ignore[arg-type]
+                frozenset(poison),  # type: ignore[arg-type]
+                frozenset(hang),  # type: ignore[arg-type]
+                float(seconds),  # type: ignore[arg-type]
+                time.monotonic(),
+            )
+        else:
+            _control = Control(read_at=time.monotonic())
+        return _control
+
+
+def _take_hang(table: str, object_identifier: int) -> bool:
+    """Whether this call is the one that hangs for ``object_identifier`` (each hangs once)."""
+    rows = _execute(
+        "UPDATE fault_control SET hang_objects = array_remove(hang_objects, %s) "
+        "WHERE outbox_table = %s AND %s = ANY(hang_objects) RETURNING 1",
+        (object_identifier, table, object_identifier),
+    )
+    with _control_lock:
+        _control.read_at = -1.0
+    return bool(rows)
+
+
+def record(message: OutboxMessage, handler: str, started: float, outcome: str) -> None:
+    """Log one handler call, committed before the handler returns (or raises)."""
+    with _seq_lock:
+        process_seq = next(_process_seq)
+    payload = message.payload
+    _execute(
+        "INSERT INTO fault_calls (outbox_table, row_id, shard_scope, shard_identifier, "
+        "category, object_identifier, coalesced, pid, process_seq, started, finished, "
+        "outcome, handler, region, payload_type, payload_bytes) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            TABLE,
+            message.id,
+            int(message.shard_scope),
+            message.shard_identifier,
+            int(message.category),
+            message.object_identifier,
+            message.coalesced,
+            os.getpid(),
+            process_seq,
+            started,
+            time.time(),
+            outcome,
+            handler,
+            message.region,
+            type(payload).__name__,
+            len(json.dumps(payload)) if payload is not None else None,
+        ),
+    )
+
+
+def _decide(message: OutboxMessage) -> tuple[float, BaseException | None]:
+    """How long this call hangs, and what it raises."""
+    current = control(TABLE)
+    hang = 0.0
+    if message.object_identifier in current.hang_objects and _take_hang(
+        TABLE, message.object_identifier
+    ):
+        hang = current.hang_seconds
+    if message.shard_identifier in current.poison_shards:
+        return hang, PoisonError(f"poison shard {message.shard_identifier} ({ERROR_CANARY})")
+    if current.failure_rate and random.random() < current.failure_rate:
+        return hang, InjectedFault(f"injected failure of row {message.id} ({ERROR_CANARY})")
+    return hang, None
+
+
+def handle_sync(message: OutboxMessage) -> None:
+    started = time.time()
+    hang, error = _decide(message)
+    if hang:
+        time.sleep(hang)  # a thread cannot be interrupted: the stale attempt keeps running
+    record(message, "sync", started, "failed" if error else "ok")
+    if error is not None:
+        raise error
+
+
+async def handle_async(message: OutboxMessage) -> None:
+    started = time.time()
+    hang, error = await asyncio.to_thread(_decide, message)
+    try:
+        if hang:
+            await asyncio.sleep(hang)  # cancelled when its attempt times out
+    except asyncio.CancelledError:
+        record(message, "async", started, "cancelled")  # blocking, but it must not be lost
+        raise
+    await asyncio.to_thread(record, message, "async", started, "failed" if error else "ok")
+    if error is not None:
+        raise error
+
+
+def make_app(table: str) -> OutboxApp:
+    app = OutboxApp(scopes=SCOPES, categories=[FaultCategory], tables=[OutboxTable(table)])
+    app.handler(
+        FaultCategory.ORGANIZATION_UPDATE,
+        FaultCategory.PROJECT_UPDATE,
+        FaultCategory.MEMBER_UPDATE,
+    )(handle_sync)
+    app.handler(FaultCategory.USER_UPDATE)(handle_async)
+    return app
+
+
+TABLE = os.environ.get("FAULT_OUTBOX_TABLE", "fault_outbox")
+app = make_app(TABLE)

@@ -1,0 +1,443 @@
+"""What the fault scenarios record, the workload they write, and the check of the recorded
+history against DESIGN §3.
+
+Three tables, shared by every scenario and keyed by outbox table:
+
+- ``fault_truth``: one row per committed outbox row, written in the same transaction as the
+  outbox row, so a rolled-back outbox row leaves no trace in it either.
+- ``fault_calls``: one row per handler call, written by the handler on its own connection and
+  committed before the handler returns (:mod:`tests.faults.fault_app`).
+- ``fault_deletions``: one row per deleted outbox row, written by a trigger in the deleting
+  transaction.
+
+Calls and deletions take their ``seq`` from one sequence, so their order is the order in which
+they happened: a deletion of a row must come after a successful call of its coalescing group
+with an id at least its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox_bridge.schema import create_outbox_tables
+from tests.faults.fault_app import PAYLOAD_CANARY, FaultCategory, FaultScope, make_app
+
+LOG_DDL = [
+    "CREATE SEQUENCE IF NOT EXISTS fault_event_seq",
+    """
+    CREATE TABLE IF NOT EXISTS fault_calls (
+        seq bigint PRIMARY KEY DEFAULT nextval('fault_event_seq'),
+        outbox_table text NOT NULL,
+        row_id bigint NOT NULL,
+        shard_scope int NOT NULL,
+        shard_identifier bigint NOT NULL,
+        category int NOT NULL,
+        object_identifier bigint NOT NULL,
+        coalesced int NOT NULL,
+        pid int NOT NULL,
+        process_seq bigint NOT NULL,
+        started double precision NOT NULL,
+        finished double precision NOT NULL,
+        outcome text NOT NULL,
+        handler text NOT NULL,
+        region text,
+        payload_type text,
+        payload_bytes int
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS fault_calls_table_idx ON fault_calls (outbox_table, seq)",
+    """
+    CREATE TABLE IF NOT EXISTS fault_truth (
+        outbox_table text NOT NULL,
+        row_id bigint NOT NULL,
+        shard_scope int NOT NULL,
+        shard_identifier bigint NOT NULL,
+        category int NOT NULL,
+        object_identifier bigint NOT NULL,
+        PRIMARY KEY (outbox_table, row_id)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS fault_deletions (
+        seq bigint NOT NULL DEFAULT nextval('fault_event_seq'),
+        outbox_table text NOT NULL,
+        row_id bigint NOT NULL
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS fault_deletions_table_idx ON fault_deletions (outbox_table)",
+    """
+    CREATE TABLE IF NOT EXISTS fault_control (
+        outbox_table text PRIMARY KEY,
+        failure_rate double precision NOT NULL DEFAULT 0,
+        poison_shards bigint[] NOT NULL DEFAULT '{}',
+        hang_objects bigint[] NOT NULL DEFAULT '{}',
+        hang_seconds double precision NOT NULL DEFAULT 0
+    )
+    """,
+    """
+    CREATE OR REPLACE FUNCTION fault_log_deletions() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO fault_deletions (outbox_table, row_id) SELECT TG_TABLE_NAME, id FROM old_rows;
+        RETURN NULL;
+    END
+    $$
+    """,
+]
+
+
+async def prepare_fault_table(engine: AsyncEngine, table: str, **control: Any) -> None:
+    """Create the log tables (once), the outbox table ``table`` with its deletion log trigger,
+    and its control row (``failure_rate``, ``poison_shards``, ``hang_objects``, ...)."""
+    app = make_app(table)
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('faults', 0))"))
+        for statement in LOG_DDL:
+            await conn.execute(text(statement))
+        await create_outbox_tables(conn, app.metadata)
+        await conn.execute(
+            text(
+                f"CREATE OR REPLACE TRIGGER {table}_fault_deletions AFTER DELETE ON {table} "
+                "REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT "
+                "EXECUTE FUNCTION fault_log_deletions()"
+            )
+        )
+        await conn.execute(
+            text("INSERT INTO fault_control (outbox_table) VALUES (:t)"), {"t": table}
+        )
+    if control:
+        await set_control(engine, table, **control)
+
+
+async def set_control(engine: AsyncEngine, table: str, **values: Any) -> None:
+    """Change what the fault app's handlers do (they see it within 0.2 s)."""
+    assignments = ", ".join(f"{name} = :{name}" for name in values)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(f"UPDATE fault_control SET {assignments} WHERE outbox_table = :t"),
+            {**values, "t": table},
+        )
+
+
+# -- the workload ---------------------------------------------------------------------------
+
+Shard = tuple[int, int]  # scope, shard identifier
+
+
+@dataclass
+class Workload:
+    """Writes rows the way an application does: in transactions of a few rows, each outbox
+    row with its ``fault_truth`` row, and one transaction in ``rollback_share`` rolled back
+    (its ids remembered). Payloads carry :data:`PAYLOAD_CANARY`."""
+
+    engine: AsyncEngine
+    table: str
+    shards: Sequence[Shard]
+    objects: int = 10
+    batch: int = 20
+    rollback_share: float = 0.05
+    seed: int = 1
+    committed: int = 0
+    rolled_back: list[int] = field(default_factory=list)
+    _random: random.Random = field(init=False)
+    _written: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
+
+    async def write(self, rows: int, *, shards: Sequence[Shard] | None = None) -> None:
+        """Commit ``rows`` more rows (plus the rolled-back ones), spread over ``shards``."""
+        target = self.committed + rows
+        while self.committed < target:
+            size = min(self.batch, target - self.committed)
+            rollback = self._random.random() < self.rollback_share
+            await self._transaction(self._rows(size, shards or self.shards), rollback)
+
+    async def write_exact(self, rows: Sequence[tuple[int, int, int, int]]) -> None:
+        """Commit exactly ``rows`` (scope, shard identifier, category, object identifier)."""
+        await self._transaction(list(rows), rollback=False)
+
+    def _rows(self, size: int, shards: Sequence[Shard]) -> list[tuple[int, int, int, int]]:
+        rows = []
+        for _ in range(size):
+            scope, ident = self._random.choice(shards)
+            if scope == FaultScope.USER:
+                category = FaultCategory.USER_UPDATE
+            else:
+                category = self._random.choice(
+                    [
+                        FaultCategory.ORGANIZATION_UPDATE,
+                        FaultCategory.PROJECT_UPDATE,
+                        FaultCategory.MEMBER_UPDATE,
+                    ]
+                )
+            rows.append((scope, ident, int(category), self._random.randrange(self.objects)))
+        return rows
+
+    async def _transaction(self, rows: list[tuple[int, int, int, int]], rollback: bool) -> None:
+        scopes, shards, categories, objects = (list(column) for column in zip(*rows, strict=True))
+        numbers = list(range(self._written, self._written + len(rows)))
+        self._written += len(rows)
+        statement = text(
+            f"""
+            WITH new AS (
+                INSERT INTO {self.table}
+                    (shard_scope, shard_identifier, category, object_identifier, payload)
+                SELECT s, i, c, o, jsonb_build_object('canary', CAST(:canary AS text), 'n', n)
+                FROM unnest(CAST(:scopes AS int[]), CAST(:shards AS bigint[]),
+                            CAST(:categories AS int[]), CAST(:objects AS bigint[]),
+                            CAST(:numbers AS bigint[])) AS r(s, i, c, o, n)
+                ORDER BY n
+                RETURNING id, shard_scope, shard_identifier, category, object_identifier
+            )
+            INSERT INTO fault_truth (outbox_table, row_id, shard_scope, shard_identifier,
+                                     category, object_identifier)
+            SELECT :table, id, shard_scope, shard_identifier, category, object_identifier
+            FROM new
+            RETURNING row_id
+            """
+        )
+        params = {
+            "table": self.table,
+            "canary": PAYLOAD_CANARY,
+            "scopes": scopes,
+            "shards": shards,
+            "categories": categories,
+            "objects": objects,
+            "numbers": numbers,
+        }
+        async with self.engine.connect() as conn:
+            transaction = await conn.begin()
+            ids = list((await conn.execute(statement, params)).scalars())
+            if rollback:
+                await transaction.rollback()
+                self.rolled_back.extend(ids)
+            else:
+                await transaction.commit()
+                self.committed += len(ids)
+
+
+# -- reading the history ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TruthRow:
+    id: int
+    shard: Shard
+    group: tuple[int, int]  # category, object identifier
+
+
+@dataclass(frozen=True)
+class CallRow:
+    seq: int
+    row_id: int
+    shard: Shard
+    group: tuple[int, int]
+    pid: int
+    started: float
+    finished: float
+    outcome: str  # ok, failed, cancelled
+
+
+@dataclass
+class History:
+    truth: list[TruthRow]
+    calls: list[CallRow]
+    deletions: list[tuple[int, int]]  # seq, row id
+    remaining: set[int]
+
+
+async def read_history(engine: AsyncEngine, table: str) -> History:
+    async with engine.connect() as conn:
+        truth = [
+            TruthRow(
+                r.row_id, (r.shard_scope, r.shard_identifier), (r.category, r.object_identifier)
+            )
+            for r in await conn.execute(
+                text(
+                    "SELECT row_id, shard_scope, shard_identifier, category, object_identifier "
+                    "FROM fault_truth WHERE outbox_table = :t"
+                ),
+                {"t": table},
+            )
+        ]
+        calls = [
+            CallRow(
+                r.seq,
+                r.row_id,
+                (r.shard_scope, r.shard_identifier),
+                (r.category, r.object_identifier),
+                r.pid,
+                r.started,
+                r.finished,
+                r.outcome,
+            )
+            for r in await conn.execute(
+                text(
+                    "SELECT seq, row_id, shard_scope, shard_identifier, category, "
+                    "object_identifier, pid, started, finished, outcome FROM fault_calls "
+                    "WHERE outbox_table = :t ORDER BY seq"
+                ),
+                {"t": table},
+            )
+        ]
+        deletions = [
+            (r.seq, r.row_id)
+            for r in await conn.execute(
+                text("SELECT seq, row_id FROM fault_deletions WHERE outbox_table = :t"),
+                {"t": table},
+            )
+        ]
+        remaining = set((await conn.execute(text(f"SELECT id FROM {table}"))).scalars())
+    return History(truth, calls, deletions, remaining)
+
+
+# -- checking it against DESIGN §3 --------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """What :func:`check` found. Every list must be empty; ``duplicates`` is allowed."""
+
+    rows: int
+    calls: int
+    failed_calls: int
+    # §3.1: deleted before a successful call of its group covered it, or never handled.
+    lost: list[str] = field(default_factory=list)
+    # §3.2: a group handled while a lower pending id of another group was not yet handled.
+    order_violations: list[str] = field(default_factory=list)
+    # §3.5: two calls of one shard running at the same time.
+    overlaps: list[str] = field(default_factory=list)
+    # §3.1: a handler ran for a row that was rolled back (or never written).
+    phantom_calls: list[str] = field(default_factory=list)
+    # §3.5: successful calls that covered a row already covered (at least once: allowed).
+    duplicates: int = 0
+
+    @property
+    def problems(self) -> list[str]:
+        return self.lost + self.order_violations + self.overlaps + self.phantom_calls
+
+    def summary(self) -> str:
+        return (
+            f"{self.rows} rows, {self.calls} calls ({self.failed_calls} failed), "
+            f"{len(self.lost)} lost, {len(self.order_violations)} order violations, "
+            f"{len(self.overlaps)} overlaps, {len(self.phantom_calls)} phantom calls, "
+            f"{self.duplicates} duplicates; first problems: {self.problems[:5]}"
+        )
+
+
+@dataclass
+class _ShardState:
+    open_ids: list[int] = field(default_factory=list)  # a heap; closed ids are dropped lazily
+
+
+def check(
+    history: History, rolled_back: Iterable[int], *, pending_ok: Iterable[int] = ()
+) -> Verdict:
+    """Check ``history`` against DESIGN §3.
+
+    A row is *covered* once a successful call of its coalescing group had an id at least its
+    own, *pending* until it is deleted, and *open* while it is pending and not covered.
+
+    - No loss: every deleted row was covered before its deletion; every committed row is
+      deleted by the end (except ``pending_ok``); the latest row of every group was handled
+      with its own id.
+    - Order: a call handles a group whose lowest pending id (at the call) is below every open
+      row of its shard. So a shard's groups run in order of their lowest pending id, a failing
+      head blocks the rows behind it, and the only way back to a lower id is a group that was
+      already covered and is repeated (after a crash or a timeout, before its rows were
+      deleted).
+    - No overlap: the calls of one shard never run at the same time.
+    - No call for a row that was rolled back or never written.
+
+    The check relies on ids committing in ascending order (one producer, as in the
+    scenarios): then every row below a call's id committed before the call.
+    """
+    rows = {row.id: row for row in history.truth}
+    rolled = set(rolled_back)
+    verdict = Verdict(
+        rows=len(rows),
+        calls=len(history.calls),
+        failed_calls=sum(1 for c in history.calls if c.outcome != "ok"),
+    )
+    group_ids: dict[tuple[Shard, tuple[int, int]], list[int]] = defaultdict(list)
+    shards: dict[Shard, _ShardState] = defaultdict(_ShardState)
+    for row in sorted(rows.values(), key=lambda r: r.id):
+        group_ids[(row.shard, row.group)].append(row.id)
+        shards[row.shard].open_ids.append(row.id)  # ascending: already a heap
+    deleted: set[int] = set()
+    covered: set[int] = set()
+    handled_ids: set[int] = set()
+    events: list[tuple[int, int, Any]] = [(c.seq, 1, c) for c in history.calls]
+    events += [(seq, 0, row_id) for seq, row_id in history.deletions]
+    for seq, kind, item in sorted(events, key=lambda e: (e[0], e[1])):
+        if kind == 0:
+            row_id = item
+            if row_id in rows and row_id not in covered:
+                verdict.lost.append(f"row {row_id} deleted (seq {seq}) before it was handled")
+            deleted.add(row_id)
+            continue
+        call: CallRow = item
+        if call.row_id not in rows:
+            what = "rolled-back" if call.row_id in rolled else "never written"
+            verdict.phantom_calls.append(f"call {call.seq} handled {what} row {call.row_id}")
+            continue
+        ids = group_ids[(call.shard, call.group)]
+        pending = [i for i in ids if i <= call.row_id and i not in deleted]
+        if not pending:
+            verdict.order_violations.append(
+                f"call {call.seq} handled row {call.row_id} after its group was deleted"
+            )
+            continue
+        state = shards[call.shard]
+        heap = state.open_ids
+        while heap and (heap[0] in deleted or heap[0] in covered):
+            heapq.heappop(heap)
+        if heap and heap[0] < pending[0]:
+            verdict.order_violations.append(
+                f"call {call.seq} handled group {call.group} of shard {call.shard} from id "
+                f"{pending[0]} while row {heap[0]} of another group was pending"
+            )
+        if call.outcome == "ok":
+            handled_ids.add(call.row_id)
+            if any(i in covered for i in pending):
+                verdict.duplicates += 1
+            covered.update(pending)
+    pending_ok = set(pending_ok)
+    for row_id in sorted(history.remaining - pending_ok):
+        if row_id in rows:
+            verdict.lost.append(f"row {row_id} is still in the table")
+    for (shard, group), ids in group_ids.items():
+        latest = ids[-1]
+        if latest not in handled_ids and latest not in history.remaining:
+            verdict.lost.append(f"latest row {latest} of group {group} in {shard} never handled")
+    for row_id in rows.keys() - deleted - history.remaining:
+        verdict.lost.append(f"row {row_id} vanished without a deletion")
+    verdict.overlaps = _overlaps(history.calls)
+    return verdict
+
+
+def _overlaps(calls: Sequence[CallRow]) -> list[str]:
+    by_shard: dict[Shard, list[CallRow]] = defaultdict(list)
+    for call in calls:
+        by_shard[call.shard].append(call)
+    found = []
+    for shard, shard_calls in by_shard.items():
+        shard_calls.sort(key=lambda c: c.started)
+        latest: CallRow | None = None
+        for call in shard_calls:
+            if latest is not None and call.started < latest.finished:
+                found.append(
+                    f"shard {shard}: call {call.seq} (pid {call.pid}) started while call "
+                    f"{latest.seq} (pid {latest.pid}) was running"
+                )
+            if latest is None or call.finished > latest.finished:
+                latest = call
+    return found

@@ -1,0 +1,126 @@
+"""Worker crashes: kill -9 at random moments, and two workers on one task queue with one of
+them killed again and again (DESIGN §3.1, §3.2, §3.5)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import text
+
+from tests.faults.fault_app import FaultScope
+from tests.faults.history import Shard
+from tests.faults.scenario import Scenario
+
+FULL = [pytest.mark.faults, pytest.mark.timeout(1800)]
+
+
+@dataclass(frozen=True)
+class Size:
+    rows: int
+    kills: int
+    shards: int
+
+
+def mixed_shards(count: int) -> list[Shard]:
+    """Two thirds organizations (plain-def handlers), one third users (async handlers)."""
+    return [
+        (int(FaultScope.USER if n % 3 == 2 else FaultScope.ORGANIZATION), 1000 + n)
+        for n in range(count)
+    ]
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=1_000, kills=2, shards=30), id="fast"),
+        pytest.param(Size(rows=20_000, kills=20, shards=150), id="full", marks=FULL),
+    ],
+)
+async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
+    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    url, password = fault_database
+    scenario = Scenario("kill -9 worker", engine, url, password, fault_temporal.address, logs)
+    await scenario.prepare(failure_rate=0.1)
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows)
+    worker = scenario.worker(OUTBOX_REDACT_ERRORS="true")
+    moments = random.Random(size.kills)
+    per_cycle = size.rows // (size.kills + 1)
+    for kill in range(size.kills):
+        worker.start()
+        await workload.write(per_cycle)
+        if kill % 5 == 4:
+            await asyncio.sleep(moments.uniform(0.5, 2.5))  # while it starts
+        else:
+            await worker.ready()
+            await asyncio.sleep(moments.uniform(0.2, 3.0))  # while it drains
+        worker.kill()
+        scenario.clock.fault()
+    worker.start()
+    await workload.write(size.rows - workload.committed)
+    await worker.ready()
+    recovery = await scenario.drained(timeout=900)
+    verdict = await scenario.finish(
+        workload,
+        faults=f"{worker.kills} kill -9, {{failed:,}} handler failures",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+        redacted=True,
+    )
+    assert verdict.failed_calls > 0
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=500, kills=1, shards=20), id="fast"),
+        pytest.param(Size(rows=5_000, kills=10, shards=60), id="full", marks=FULL),
+    ],
+)
+async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
+    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    url, password = fault_database
+    scenario = Scenario(
+        "two workers, one killed", engine, url, password, fault_temporal.address, logs
+    )
+    await scenario.prepare(failure_rate=0.05)
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 1)
+    steady, victim = scenario.worker("steady"), scenario.worker("victim")
+    # The victim starts first, so its bridge is the active one until its first kill: shards it
+    # starts run their first task in it (eager start), and after the kill in the other worker.
+    victim.start()
+    await victim.ready()
+    steady.start()
+    await steady.ready()
+    moments = random.Random(size.kills)
+    per_cycle = size.rows // (size.kills + 1)
+    for _ in range(size.kills):
+        await workload.write(per_cycle)
+        await asyncio.sleep(moments.uniform(0.5, 3.0))
+        victim.kill()
+        scenario.clock.fault()
+        victim.start()
+        await victim.ready()
+    await workload.write(size.rows - workload.committed)
+    recovery = await scenario.drained(timeout=600)
+    await scenario.finish(
+        workload,
+        faults=f"{victim.kills} kill -9 of one of 2 workers",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+    )
+    # Both workers handled rows; the per-shard lock kept them apart (no overlaps).
+    async with engine.connect() as conn:
+        pids = (
+            await conn.execute(
+                text("SELECT count(DISTINCT pid) FROM fault_calls WHERE outbox_table = :t"),
+                {"t": scenario.table},
+            )
+        ).scalar_one()
+    assert pids >= 2

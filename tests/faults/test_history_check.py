@@ -1,0 +1,127 @@
+"""The checker of the fault scenarios finds what it is meant to find (a checker that cannot
+fail would make every scenario pass)."""
+
+from __future__ import annotations
+
+from tests.faults.history import CallRow, History, TruthRow, check
+
+SHARD = (1, 7)
+A, B, C = (2, 1), (2, 2), (3, 1)  # coalescing groups: category, object
+
+
+def rows(*spec: tuple[int, tuple[int, int]]) -> list[TruthRow]:
+    return [TruthRow(row_id, SHARD, group) for row_id, group in spec]
+
+
+class Log:
+    """Builds a history event by event, with increasing ``seq`` and times."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.calls: list[CallRow] = []
+        self.deletions: list[tuple[int, int]] = []
+
+    def call(
+        self, row_id: int, group: tuple[int, int], outcome: str = "ok", *, overlap: bool = False
+    ) -> None:
+        self.seq += 1
+        start = float(self.seq) - (1.5 if overlap else 0.0)
+        self.calls.append(
+            CallRow(self.seq, row_id, SHARD, group, 1, start, self.seq + 0.5, outcome)
+        )
+
+    def delete(self, *ids: int) -> None:
+        for row_id in ids:
+            self.seq += 1
+            self.deletions.append((self.seq, row_id))
+
+    def history(self, truth: list[TruthRow], remaining: set[int] | None = None) -> History:
+        return History(truth, self.calls, self.deletions, remaining or set())
+
+
+def test_a_correct_history_passes() -> None:
+    truth = rows((1, A), (2, B), (3, A), (4, C))
+    log = Log()
+    log.call(3, A, "failed")
+    log.call(3, A)  # the retry covers rows 1 and 3
+    log.call(2, B)
+    log.delete(1, 3, 2)
+    log.call(4, C)
+    log.delete(4)
+    verdict = check(log.history(truth), rolled_back=[5])
+    assert not verdict.problems, verdict.summary()
+    assert (verdict.rows, verdict.calls, verdict.failed_calls, verdict.duplicates) == (4, 4, 1, 0)
+
+
+def test_a_crash_before_the_delete_repeats_the_batch_as_duplicates() -> None:
+    truth = rows((1, A), (2, B), (3, C))
+    log = Log()
+    log.call(1, A)
+    log.call(2, B)  # killed before the batch's delete
+    log.call(1, A)
+    log.call(2, B)
+    log.call(3, C)
+    log.delete(1, 2, 3)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert not verdict.problems, verdict.summary()
+    assert verdict.duplicates == 2
+
+
+def test_a_row_deleted_before_its_handler_succeeded_is_lost() -> None:
+    truth = rows((1, A), (2, A))
+    log = Log()
+    log.call(1, A)  # covers row 1 only: row 2 was not seen by this call
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert verdict.lost == [
+        "row 2 deleted (seq 3) before it was handled",
+        "latest row 2 of group (2, 1) in (1, 7) never handled",
+    ]
+
+
+def test_a_failed_call_does_not_cover_its_rows() -> None:
+    log = Log()
+    log.call(1, A, "failed")
+    log.delete(1)
+    assert check(log.history(rows((1, A))), rolled_back=[]).lost
+
+
+def test_a_row_left_in_the_table_is_lost_unless_expected() -> None:
+    log = Log()
+    log.call(1, A, "failed")
+    assert check(log.history(rows((1, A)), remaining={1}), rolled_back=[]).lost
+    assert not check(log.history(rows((1, A)), remaining={1}), rolled_back=[], pending_ok=[1]).lost
+
+
+def test_handling_a_group_before_a_lower_pending_row_is_an_order_violation() -> None:
+    log = Log()
+    log.call(2, B)
+    log.call(1, A)
+    log.delete(1, 2)
+    verdict = check(log.history(rows((1, A), (2, B))), rolled_back=[])
+    assert len(verdict.order_violations) == 1 and not verdict.lost
+
+
+def test_passing_a_failed_head_is_an_order_violation() -> None:
+    log = Log()
+    log.call(1, A, "failed")
+    log.call(2, B)  # the head failed: the shard must wait
+    log.delete(2)
+    log.call(1, A)
+    log.delete(1)
+    assert len(check(log.history(rows((1, A), (2, B))), rolled_back=[]).order_violations) == 1
+
+
+def test_a_call_for_a_rolled_back_row_is_found() -> None:
+    log = Log()
+    log.call(9, A)
+    verdict = check(log.history(rows()), rolled_back=[9])
+    assert verdict.phantom_calls == ["call 1 handled rolled-back row 9"]
+
+
+def test_overlapping_calls_of_one_shard_are_found() -> None:
+    log = Log()
+    log.call(1, A)
+    log.call(2, B, overlap=True)
+    log.delete(1, 2)
+    assert len(check(log.history(rows((1, A), (2, B))), rolled_back=[]).overlaps) == 1

@@ -1,0 +1,176 @@
+"""Outages of the servers under a running worker: the Temporal dev server killed and restarted
+on its database file, and PostgreSQL stopped and started again. The worker keeps running and
+recovers by itself (DESIGN §1: nothing is lost because a server went away)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from outbox_bridge.config import sqlalchemy_url
+from tests.faults.harness import with_password
+from tests.faults.scenario import Scenario
+from tests.faults.test_crashes import FULL, mixed_shards
+from tests.harness import wait_until
+
+
+@dataclass(frozen=True)
+class Size:
+    rows: int
+    outages: int
+    shards: int
+    down_seconds: float
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=600, outages=1, shards=20, down_seconds=1), id="fast"),
+        pytest.param(
+            Size(rows=6_000, outages=3, shards=100, down_seconds=5), id="full", marks=FULL
+        ),
+    ],
+)
+async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
+    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    url, password = fault_database
+    scenario = Scenario(
+        "Temporal killed, restarted", engine, url, password, fault_temporal.address, logs
+    )
+    await scenario.prepare(failure_rate=0.05)
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 2)
+    worker = scenario.worker()
+    worker.start()
+    await worker.ready()
+    per_phase = size.rows // (2 * size.outages + 1)
+    for _ in range(size.outages):
+        await workload.write(per_phase)
+        await asyncio.sleep(1.0)  # mid-drain
+        fault_temporal.kill()
+        scenario.clock.fault()
+        await workload.write(per_phase)  # rows keep committing while Temporal is away
+        await asyncio.sleep(size.down_seconds)
+        await fault_temporal.start(timeout=60)
+        scenario.clock.fault()
+    await workload.write(size.rows - workload.committed)
+    recovery = await scenario.drained(timeout=600)
+    assert worker.running, "the worker stopped during the Temporal outage"
+    await scenario.finish(
+        workload,
+        faults=f"{size.outages} kill -9 of Temporal ({size.down_seconds:.0f} s down)",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+    )
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=600, outages=1, shards=20, down_seconds=2), id="fast"),
+        pytest.param(
+            Size(rows=6_000, outages=3, shards=100, down_seconds=5), id="full", marks=FULL
+        ),
+    ],
+)
+async def test_postgresql_stopped_and_restarted_mid_drain(
+    size: Size, own_postgres, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    postgres, raw_url = own_postgres
+    url, password = with_password(sqlalchemy_url(raw_url).render_as_string(hide_password=False))
+    engine = create_async_engine(url, pool_pre_ping=True)
+    try:
+        scenario = Scenario(
+            "PostgreSQL stopped, restarted", engine, url, password, fault_temporal.address, logs
+        )
+        await scenario.prepare(failure_rate=0.05)
+        workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 3)
+        worker = scenario.worker()
+        worker.start()
+        await worker.ready()
+        per_phase = size.rows // (size.outages + 1)
+        for _ in range(size.outages):
+            await workload.write(per_phase)
+            await asyncio.sleep(1.0)  # mid-drain
+            await asyncio.to_thread(postgres.stop)
+            scenario.clock.fault()
+            await asyncio.sleep(size.down_seconds)
+            await asyncio.to_thread(postgres.start)
+            scenario.clock.fault()
+        await workload.write(size.rows - workload.committed)
+        recovery = await scenario.drained(timeout=600)
+        assert worker.running, "the worker stopped during the PostgreSQL outage"
+        assert "bridge lost the database" in worker.output()
+        failed = [w async for w in fault_client.list_workflows('ExecutionStatus="Failed"')]
+        await scenario.finish(
+            workload,
+            faults=f"{size.outages} PostgreSQL restart ({size.down_seconds:.0f} s down), "
+            f"{len(failed)} shard runs failed",
+            recovery=recovery,
+            client=fault_client,
+            record=record_figures,
+        )
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "restarts", [pytest.param(1, id="fast"), pytest.param(3, id="full", marks=FULL)]
+)
+async def test_the_bridge_listens_again_after_postgresql_restarts(
+    restarts: int, own_postgres, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    """With no scan or sweep for an hour, rows written after a restart reach the bridge only
+    through NOTIFY: it must notice the lost connection, reconnect and LISTEN again."""
+    postgres, raw_url = own_postgres
+    url, password = with_password(sqlalchemy_url(raw_url).render_as_string(hide_password=False))
+    engine = create_async_engine(url, pool_pre_ping=True)
+    try:
+        scenario = Scenario(
+            "PostgreSQL restarted, LISTEN", engine, url, password, fault_temporal.address, logs
+        )
+        await scenario.prepare()
+        workload = scenario.workload(mixed_shards(5), seed=9)
+        worker = scenario.worker(OUTBOX_POLL_INTERVAL="3600", OUTBOX_SWEEP_INTERVAL="3600")
+        worker.start()
+        await worker.ready()
+        await workload.write(50)
+        await scenario.drained(timeout=120)
+        for _ in range(restarts):
+            await asyncio.to_thread(postgres.stop)
+            scenario.clock.fault()
+            await asyncio.sleep(1)
+            await asyncio.to_thread(postgres.start)
+            scenario.clock.fault()
+            await wait_until(lambda: listening(engine, scenario.table), timeout=120, what="LISTEN")
+            await workload.write(50)
+            recovery = await scenario.drained(timeout=120)
+        assert worker.running
+        await scenario.finish(
+            workload,
+            faults=f"{restarts} PostgreSQL restart while idle, no scan or sweep",
+            recovery=recovery,
+            client=fault_client,
+            record=record_figures,
+        )
+    finally:
+        await engine.dispose()
+
+
+async def listening(engine, table: str) -> bool:
+    """A backend of the worker has run LISTEN on the table's channel (since the restart: the
+    server's backends all started after it)."""
+    try:
+        async with engine.connect() as conn:
+            result = await conn.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE query = :q"),
+                {"q": f'LISTEN "{table}_rows"'},
+            )
+            return bool(result.scalar_one())
+    except Exception:
+        return False

@@ -1,0 +1,242 @@
+"""Shards that get stuck: a handler that hangs past its timeout, shard workflows that Temporal
+loses (terminated, reset, or the whole namespace's data gone), and a poison row that blocks
+its shard for the whole run (DESIGN §1, §3.4, §3.5)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import text
+from temporalio.service import RPCError
+
+from tests.faults.fault_app import ERROR_CANARY, FaultCategory, FaultScope
+from tests.faults.harness import (
+    calls_of_shard,
+    clean_env,
+    command,
+    histories_containing,
+    outbox_count,
+    temporal_command,
+    wipe_temporal,
+)
+from tests.faults.history import set_control
+from tests.faults.scenario import Scenario
+from tests.faults.test_crashes import FULL, mixed_shards
+from tests.harness import wait_until
+
+ORG, USER = int(FaultScope.ORGANIZATION), int(FaultScope.USER)
+
+
+@dataclass(frozen=True)
+class Size:
+    rows: int
+    shards: int
+    hangs: int = 0
+
+
+def workflow_id(table: str, scope: int, shard: int) -> str:
+    return f"outbox:{table}:{FaultScope(scope).name}:{shard}"
+
+
+async def failed_at_least(engine, table: str, shard: int, times: int) -> bool:
+    outcomes = await calls_of_shard(engine, table, shard)
+    return outcomes.count("failed") >= times
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=3_000, shards=40, hangs=4), id="full", marks=FULL),
+    ],
+)
+async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
+    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    url, password = fault_database
+    scenario = Scenario("handler hangs", engine, url, password, fault_temporal.address, logs)
+    # Each hanging object has a row in an organization (a plain-def handler: its thread
+    # cannot be interrupted, so the stale attempt runs on) and one in a user shard (an
+    # async handler: cancelled when its attempt times out).
+    hanging = [900 + n for n in range(size.hangs)]
+    await scenario.prepare(hang_objects=[*hanging, *(h + 50 for h in hanging)], hang_seconds=5.0)
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 4)
+    # No lingering: a lingering drain is a normal activity whose timeout allows for its whole
+    # linger period, so a hung call in it is not retried after the handler timeout.
+    worker = scenario.worker(OUTBOX_HANDLER_TIMEOUT="2", OUTBOX_LINGER="0")
+    worker.start()
+    await worker.ready()
+    await workload.write(size.rows // 2)
+    for n, obj in enumerate(hanging):
+        await workload.write_exact(
+            [
+                (ORG, 1000 + 3 * n, int(FaultCategory.PROJECT_UPDATE), obj),
+                (USER, 1002 + 3 * n, int(FaultCategory.USER_UPDATE), obj + 50),
+            ]
+        )
+    await workload.write(size.rows - workload.committed)
+    scenario.clock.fault()
+    recovery = await scenario.drained(timeout=600)
+    await scenario.finish(
+        workload,
+        faults=f"{2 * size.hangs} handler calls hung 5 s (timeout 2 s)",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+    )
+    async with engine.connect() as conn:
+        hung = (
+            await conn.execute(
+                text(
+                    "SELECT handler, outcome FROM fault_calls WHERE outbox_table = :t "
+                    "AND finished - started >= 2"
+                ),
+                {"t": scenario.table},
+            )
+        ).all()
+    # The plain-def calls ran to their end; the async ones were cancelled at the timeout.
+    assert sorted(hung) == sorted(
+        [("sync", "ok")] * size.hangs + [("async", "cancelled")] * size.hangs
+    )
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=300, shards=10), id="fast"),
+        pytest.param(Size(rows=4_000, shards=60), id="full", marks=FULL),
+    ],
+)
+async def test_lost_shard_workflows_are_restored_from_the_table(
+    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    """A shard workflow terminated, another reset, then every workflow lost with the dev
+    server's database file: the bridge restores processing from the table."""
+    url, password = fault_database
+    scenario = Scenario("workflows lost", engine, url, password, fault_temporal.address, logs)
+    poison = {1: ORG, 2: ORG, 3: USER}  # blocked, so that their workflows live on
+    await scenario.prepare(poison_shards=list(poison))
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 5)
+    worker = scenario.worker()
+    worker.start()
+    await worker.ready()
+    poisoned = [(scope, shard) for shard, scope in poison.items()]
+    await workload.write(size.rows // 3, shards=[*mixed_shards(size.shards), *poisoned])
+    for shard in poison:
+        await wait_until(
+            lambda s=shard: failed_at_least(engine, scenario.table, s, 2),
+            timeout=120,
+            what=f"shard {shard} blocked",
+        )
+    # Terminated by hand.
+    await fault_client.get_workflow_handle(workflow_id(scenario.table, ORG, 1)).terminate(
+        reason="terminated by an operator"
+    )
+    # Reset to its first workflow task: its activities run again.
+    await temporal_command(
+        fault_temporal.address,
+        "workflow",
+        "reset",
+        "--workflow-id",
+        workflow_id(scenario.table, ORG, 2),
+        "--type",
+        "FirstWorkflowTask",
+        "--reason",
+        "reset by an operator",
+        "--yes",
+    )
+    scenario.clock.fault()
+    await workload.write(size.rows // 3, shards=[*mixed_shards(size.shards), *poisoned])
+    # Every workflow lost: the dev server's data is gone.
+    lost = fault_client.get_workflow_handle(workflow_id(scenario.table, USER, 3))
+    run_id = (await lost.describe()).run_id
+    await wipe_temporal(fault_temporal)
+    scenario.clock.fault()
+    with pytest.raises(RPCError, match="not found"):
+        await fault_client.get_workflow_handle(lost.id, run_id=run_id).describe()
+    await set_control(engine, scenario.table, poison_shards=[])
+    await workload.write(size.rows - workload.committed)
+    recovery = await scenario.drained(timeout=600)
+    await scenario.finish(
+        workload,
+        faults="1 terminate, 1 reset, 1 namespace wiped",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+    )
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(Size(rows=0, shards=1_000), id="full", marks=FULL),
+    ],
+)
+async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
+    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+) -> None:
+    url, password = fault_database
+    scenario = Scenario("poison row", engine, url, password, fault_temporal.address, logs)
+    poison = 1
+    await scenario.prepare(poison_shards=[poison])
+    others = [(ORG if n % 2 else USER, 10_000 + n) for n in range(size.shards)]
+    workload = scenario.workload(others, seed=size.shards, rollback_share=0.02)
+    worker = scenario.worker()
+    worker.start()
+    await worker.ready()
+    poison_rows = [
+        (ORG, poison, int(FaultCategory.PROJECT_UPDATE), 1),
+        (ORG, poison, int(FaultCategory.ORGANIZATION_UPDATE), 2),
+        (ORG, poison, int(FaultCategory.PROJECT_UPDATE), 1),
+    ]
+    await workload.write_exact(poison_rows)
+    scenario.clock.fault()
+    await workload.write(3 * size.shards)
+    # Every other shard drains while the poison shard stays blocked with all its rows.
+    await scenario.drained(timeout=600, left=len(poison_rows))
+    assert await outbox_count(engine, scenario.table) == len(poison_rows)
+    outcomes = await calls_of_shard(engine, scenario.table, poison)
+    assert outcomes and set(outcomes) == {"failed"}
+
+    env = clean_env(
+        OUTBOX_APP="tests.faults.fault_app:app",
+        FAULT_OUTBOX_TABLE=scenario.table,
+        OUTBOX_DATABASE_URL=url,
+        TEMPORAL_ADDRESS=fault_temporal.address,
+    )
+    status = await command(env, "status", f"ORGANIZATION:{poison}")
+    assert "blocked" in status and "PoisonError" in status, status
+    reason = "skip-reason-marker poison row under investigation"
+    skipped = await command(env, "skip", f"ORGANIZATION:{poison}", "--reason", reason)
+    assert "skipped" in skipped
+    handle = fault_client.get_workflow_handle(workflow_id(scenario.table, ORG, poison))
+
+    async def no_pending_activity() -> bool:
+        return not (await handle.describe()).raw_description.pending_activities
+
+    await wait_until(no_pending_activity, timeout=60, what="the retrying attempt cancelled")
+    failures = len(await calls_of_shard(engine, scenario.table, poison))
+    await asyncio.sleep(3)  # three times the maximum retry interval: a skipped shard stays put
+    assert len(await calls_of_shard(engine, scenario.table, poison)) == failures
+    status = await command(env, "status", f"ORGANIZATION:{poison}")
+    assert "skipped" in status and "poison row under investigation" in status, status
+    assert password not in status
+
+    await set_control(engine, scenario.table, poison_shards=[])  # the fix is deployed
+    await command(env, "resume", f"ORGANIZATION:{poison}")
+    recovery = await scenario.drained(timeout=120)
+    # Each coalescing group of the poison shard was delivered once.
+    outcomes = await calls_of_shard(engine, scenario.table, poison)
+    assert outcomes.count("ok") == 2 and outcomes[-2:] == ["ok", "ok"]
+    await scenario.finish(
+        workload,
+        faults=f"1 poison shard, {{failed:,}} failures, skip + resume; {size.shards:,} shards",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+    )
+    # The history scanner sees what does reach history: the skip reason, and (errors are not
+    # redacted here) the handler's error message.
+    found = await histories_containing(fault_client, ["skip-reason-marker", ERROR_CANARY])
+    assert found["skip-reason-marker"] and found[ERROR_CANARY]

@@ -136,37 +136,46 @@ class ShardDrainer:
         holding the shard lock or a connection while it waits.
         """
         result = DrainResult()
-        await self._drain_batch(request, result)
-        if self._hub is None or request.linger_seconds <= 0:
+        hub = self._hub
+        if (
+            hub is None
+            or request.linger_seconds <= 0
+            or hub.closed
+            or len(hub) >= self._max_lingering  # lingering drains hold activity slots
+        ):
+            await self._drain_batch(request, result)
             return result
-        if self._hub.closed or len(self._hub) >= self._max_lingering:
-            return result  # lingering drains hold activity slots: keep them for the busy
-        started = time.monotonic()
-        until = started + max(request.linger_max_seconds, request.linger_seconds)
+        # Registered for the whole call, not only while waiting: news of rows that commit
+        # while a batch runs is kept in the event and drained right after the batch, instead
+        # of going to the workflow while this drain waits a linger period for the next news.
         key = request.shard.hub_key
-        while _emptied(result):
-            # Wait at most linger_seconds for the next row, and linger_max_seconds in all.
-            remaining = min(request.linger_seconds, until - time.monotonic())
-            if remaining <= 0:
-                break
-            event = self._hub.arrive(key)
-            try:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), remaining)
-            finally:
-                # Also when cancelled (a skip): a stale entry would swallow the bridge's news.
-                self._hub.leave(key, event)
-            if not event.is_set():
-                break  # nothing was handed to us: the bridge signals what comes next
-            before = result.rows_handled
-            try:
-                await self._drain_batch(request, result)
-            except ShardLockedError:
-                result.more = True  # another execution holds the shard: let the workflow see
-                break
-            result.lingered_rows += result.rows_handled - before
-            if self._hub.closed:
-                break
+        event = hub.arrive(key)
+        try:
+            await self._drain_batch(request, result)
+            until = time.monotonic() + max(request.linger_max_seconds, request.linger_seconds)
+            while _emptied(result) and not hub.closed:
+                if not event.is_set():
+                    # Wait at most linger_seconds for the next row, linger_max_seconds in all.
+                    remaining = min(request.linger_seconds, until - time.monotonic())
+                    if remaining <= 0:
+                        break
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(event.wait(), remaining)
+                    if not event.is_set():
+                        break  # nothing was handed to us: the bridge signals what comes next
+                event.clear()
+                before = result.rows_handled
+                try:
+                    await self._drain_batch(request, result)
+                except ShardLockedError:
+                    result.more = True  # another execution holds the shard: let the workflow see
+                    break
+                result.lingered_rows += result.rows_handled - before
+        finally:
+            # Also when cancelled (a skip): a stale entry would swallow the bridge's news.
+            hub.leave(key, event)
+        if event.is_set() and not hub.closed:
+            result.more = True  # news came as we left: the workflow drains again
         return result
 
     async def _drain_batch(self, request: DrainInput, result: DrainResult) -> None:

@@ -5,9 +5,10 @@ shard. When the bridge learns of new rows in a shard whose drain is lingering in
 it wakes that drain instead of signalling the workflow: the rows are handled at once and
 steady traffic costs no workflow task per row.
 
-Both sides run on one event loop, so an offer and a drain's departure are ordered; a drain
-re-reads its shard after leaving, which closes the gap between its last read and its
-departure.
+A lingering drain stays registered for its whole call, batches included: news that comes
+while it handles rows waits in its event, and it reads its shard again right after the batch.
+Both sides run on one event loop, so an offer and a drain's departure are ordered; news that
+came just before the drain left makes it ask its workflow to drain again.
 """
 
 from __future__ import annotations

@@ -659,3 +659,40 @@ async def test_a_drain_that_keeps_failing_falls_back_to_a_visible_server_retried
             await wait_until(lambda: table_empty(engine, app), timeout=60, what="the row")
             await handle.result()  # the run completes: it did not fail
     assert [c.object_identifier for c in recorder.calls] == [1]
+
+
+async def test_a_row_committed_while_a_lingering_drain_runs_a_batch_is_handed_to_it(
+    servers, engine, client
+) -> None:
+    """News of a row that commits while the lingering drain is busy is kept for it: the drain
+    handles the row right after its batch, and the workflow is not signalled (before, the news
+    went to the workflow and the row waited until the lingering drain gave up)."""
+    recorder, table, app = await fresh_app(engine)
+
+    async def writes_a_follow_up(message: OutboxMessage) -> None:
+        if message.object_identifier == 3:
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 4)])
+            await asyncio.sleep(1.0)  # the bridge hears of row 4 while this batch runs
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = writes_a_follow_up
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
+
+    async def lingering() -> bool:
+        try:
+            pending = (await handle.describe()).raw_description.pending_activities
+        except Exception:
+            return False
+        return any(p.activity_type.name == "linger_shard" for p in pending)
+
+    settings = fast_settings(linger=20.0, idle_timeout=0, sweep_interval=120.0)
+    async with running_worker(servers, app, settings):
+        for i in (1, 2):  # a second row soon after the first: the next run lingers
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
+            await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
+        await wait_until(lingering, what="a lingering drain")
+        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 3)])
+        await wait_until(lambda: len(recorder.calls) == 4, timeout=15, what="rows 3 and 4")
+        history = await handle.fetch_history()
+    assert [c.object_identifier for c in recorder.calls] == [1, 2, 3, 4]
+    kinds = [e.event_type for e in history.events]
+    assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED not in kinds

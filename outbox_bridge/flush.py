@@ -27,6 +27,7 @@ from temporalio.client import (
     WithStartWorkflowOperation,
     WorkflowUpdateFailedError,
     WorkflowUpdateHandle,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
 from temporalio.common import WorkflowIDConflictPolicy
@@ -153,7 +154,7 @@ class Flusher:
             # Accepted: the workflow does not complete before answering.
             left = max(deadline - time.monotonic(), 0.0)
             result: FlushResult = await asyncio.wait_for(handle.result(), left + ANSWER_GRACE)
-        except TimeoutError:
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
             return FlushResult(shard.key, TIMED_OUT)
         except (RPCError, WorkflowUpdateFailedError) as exc:
             detail = getattr(exc, "message", None) or str(exc)
@@ -176,14 +177,21 @@ class Flusher:
             if left <= 0:
                 return None
             try:
-                return await client.start_update_with_start_workflow(
-                    "flush",
-                    FlushInput(up_to_id=up_to, timeout_seconds=left),
-                    start_workflow_operation=self._start_operation(shard, up_to),
-                    wait_for_stage=WorkflowUpdateStage.ACCEPTED,
-                    result_type=FlushResult,
-                    rpc_timeout=timedelta(seconds=left + ANSWER_GRACE),
+                # Bounded by the caller's deadline: a delivery that waits on a busy workflow
+                # task must not stretch the flush past its timeout.
+                return await asyncio.wait_for(
+                    client.start_update_with_start_workflow(
+                        "flush",
+                        FlushInput(up_to_id=up_to, timeout_seconds=left),
+                        start_workflow_operation=self._start_operation(shard, up_to),
+                        wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                        result_type=FlushResult,
+                        rpc_timeout=timedelta(seconds=left),
+                    ),
+                    left,
                 )
+            except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+                return None
             except RPCError as exc:
                 if exc.status in FINAL_RPC_STATUSES:
                     raise

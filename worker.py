@@ -31,13 +31,14 @@ from outbox_bridge.drain import ShardDrainer
 from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.flags import build_settings, settings_options
-from outbox_bridge.health import HealthServer, ShutdownGrace
+from outbox_bridge.health import HealthServer
 from outbox_bridge.hub import ShardHub
 from outbox_bridge.logs import configure_logging
 from outbox_bridge.metrics import setup_metrics, temporal_runtime
 from outbox_bridge.registry import OutboxApp, app_from_settings
 from outbox_bridge.schema import prepare_database
 from outbox_bridge.shards import static_skips
+from outbox_bridge.shutdown import ShutdownGrace
 from outbox_bridge.telemetry import setup_tracing, tracing_interceptor
 from outbox_bridge.temporal import connect, ensure_search_attributes
 from outbox_bridge.timestamps import load_infinite_timestamps

@@ -1,4 +1,4 @@
-"""The worker's health endpoints and its graceful stop (``outbox_bridge.health``, ``worker.py``).
+"""The worker's health endpoints and its graceful stop (``outbox_bridge.health``, ``outbox_bridge.shutdown``, ``worker.py``).
 
 ``/healthz`` and ``/readyz`` are read over real HTTP from a real worker: in-process through
 ``serve`` (the harness), and as a ``python worker.py`` subprocess that is then stopped with

@@ -8,11 +8,12 @@ import json
 import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, text
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.embedded import temporal_cli as temporal_binary
@@ -563,25 +564,27 @@ async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_
     assert scheduled and set(scheduled) == {"linger_shard"}
 
 
+async def lingering(handle: WorkflowHandle[Any, Any]) -> bool:
+    """The shard's workflow has a lingering drain pending."""
+    try:
+        pending = (await handle.describe()).raw_description.pending_activities
+    except Exception:
+        return False
+    return any(p.activity_type.name == "linger_shard" for p in pending)
+
+
 async def test_a_row_after_its_lingering_workflow_was_terminated_is_delivered_without_a_sweep(
     servers, engine, client
 ) -> None:
     recorder, table, app = await fresh_app(engine)
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
 
-    async def linger_running() -> bool:
-        try:
-            pending = (await handle.describe()).raw_description.pending_activities
-        except Exception:
-            return False
-        return any(p.activity_type.name == "linger_shard" for p in pending)
-
     settings = fast_settings(linger=30.0, sweep_interval=120.0, idle_timeout=60)
     async with running_worker(servers, app, settings):
         for i in range(3):  # rows after the first drain: steady traffic, so it lingers
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
             await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
-        await wait_until(linger_running, what="a lingering drain")
+        await wait_until(lambda: lingering(handle), what="a lingering drain")
         await handle.terminate(reason="terminated while lingering")
         await asyncio.sleep(3)  # the lingering attempt learns of it at its next heartbeat
         [last] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 99)])
@@ -677,19 +680,12 @@ async def test_a_row_committed_while_a_lingering_drain_runs_a_batch_is_handed_to
     recorder.behaviour[Category.PROJECT_UPDATE] = writes_a_follow_up
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
 
-    async def lingering() -> bool:
-        try:
-            pending = (await handle.describe()).raw_description.pending_activities
-        except Exception:
-            return False
-        return any(p.activity_type.name == "linger_shard" for p in pending)
-
     settings = fast_settings(linger=20.0, idle_timeout=0, sweep_interval=120.0)
     async with running_worker(servers, app, settings):
         for i in (1, 2):  # a second row soon after the first: the next run lingers
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
             await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
-        await wait_until(lingering, what="a lingering drain")
+        await wait_until(lambda: lingering(handle), what="a lingering drain")
         await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 3)])
         await wait_until(lambda: len(recorder.calls) == 4, timeout=15, what="rows 3 and 4")
         history = await handle.fetch_history()

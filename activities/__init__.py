@@ -1,5 +1,5 @@
 """Temporal activity definitions of outbox-bridge."""
 
-from activities.outbox import OutboxActivities
+from outbox_bridge.activities.outbox import OutboxActivities
 
 __all__ = ["OutboxActivities"]

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from temporalio import activity
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
-from outbox_bridge.drain import HandlerFailed, ShardDrainer
-from outbox_bridge.logs import log_context
-from workflows.models import (
+from outbox_bridge.observability.logs import log_context
+from outbox_bridge.runtime.drain import HandlerFailed, ShardDrainer
+from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,
     FlushCheck,
@@ -78,7 +79,7 @@ class OutboxActivities:
                         type=failed.failure.error_type,
                     ) from None
 
-    def all(self) -> list[object]:
+    def all(self) -> list[Callable[..., Any]]:
         return [self.drain_shard, self.linger_shard, self.flush_check, self.handle_category]
 
 

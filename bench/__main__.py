@@ -22,20 +22,38 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
     )
     parser.add_argument("workload", choices=[*WORKLOADS, "all"])
     parser.add_argument(
-        "--temporal", choices=["file", "memory", "both"], default=None,
+        "--temporal",
+        choices=["file", "memory", "both"],
+        default=None,
         help="Temporal dev server storage: its SQLite file (WAL) or memory. Default: both for "
         "throughput workloads, file for latency.",
     )
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="multiply row and shard counts (latency: its duration)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply row and shard counts (latency: its duration)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
-    parser.add_argument("--latency-seconds", type=float, default=None,
-                        help="writer duration of the latency workload (default 60 × scale)")
-    parser.add_argument("--idle-timeout", type=float, default=BenchConfig.idle_timeout,
-                        help="the workers' idle_timeout (0: shard workflows complete as soon "
-                        "as their shard is empty)")
-    parser.add_argument("--budget", type=float, default=18 * 60.0,
-                        help="seconds the whole invocation may take; drains are capped to fit")
+    parser.add_argument(
+        "--latency-seconds",
+        type=float,
+        default=None,
+        help="writer duration of the latency workload (default 60 × scale)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=BenchConfig.idle_timeout,
+        help="the workers' idle_timeout (0: shard workflows complete as soon "
+        "as their shard is empty)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=18 * 60.0,
+        help="seconds the whole invocation may take; drains are capped to fit",
+    )
     args = parser.parse_args(argv)
     if args.scale <= 0:
         parser.error("--scale must be positive")

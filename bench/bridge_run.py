@@ -21,7 +21,7 @@ from temporalio.client import Client
 
 from bench.temporal_stats import HistoryStats, history_stats, wait_all_closed
 from outbox_bridge import OutboxApp, OutboxSettings
-from worker import serve
+from outbox_bridge.runtime.worker import serve
 
 log = logging.getLogger("bench.bridge_run")
 
@@ -138,5 +138,8 @@ async def _wait_ready(task: asyncio.Task[None], ready: asyncio.Event) -> None:
         task.result()
         raise RuntimeError("serve() returned before the worker was ready")
     if not ready.is_set():
-        log.warning("the bridge is not ready after %.0f s (its first sweep is still starting "
-                    "shard workflows); measuring anyway", READY_TIMEOUT)
+        log.warning(
+            "the bridge is not ready after %.0f s (its first sweep is still starting "
+            "shard workflows); measuring anyway",
+            READY_TIMEOUT,
+        )

@@ -16,11 +16,14 @@ COLORS = {"baseline": "#7f7f7f", "file": "#1f77b4", "memory": "#ff7f0e", "extern
 
 def _series(results: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
     """Workload names, and rows/s per series (baseline, then bridge per server mode)."""
-    results = sorted(results, key=lambda r: ORDER.index(r["workload"])
-                     if r["workload"] in ORDER else len(ORDER))
+    results = sorted(
+        results, key=lambda r: ORDER.index(r["workload"]) if r["workload"] in ORDER else len(ORDER)
+    )
     names = [r["workload"] for r in results]
-    modes = sorted({e["temporal"] for r in results for e in r["entries"]},
-                   key=lambda m: list(COLORS).index(m) if m in COLORS else 99)
+    modes = sorted(
+        {e["temporal"] for r in results for e in r["entries"]},
+        key=lambda m: list(COLORS).index(m) if m in COLORS else 99,
+    )
     series: dict[str, list[float]] = {"baseline": []}
     series.update({m: [] for m in modes})
     for result in results:
@@ -41,8 +44,7 @@ def throughput_chart(results: list[dict[str, Any]], path: Path) -> Path:
         xs = [i + (index - (len(series) - 1) / 2) * width for i in range(len(names))]
         title = "baseline (direct drain)" if label == "baseline" else f"bridge, Temporal {label}"
         bars = ax.bar(xs, values, width, label=title, color=COLORS.get(label))
-        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7, rotation=90,
-                     padding=2)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7, rotation=90, padding=2)
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("rows/s (log scale)")
@@ -76,8 +78,10 @@ def latency_chart(result: dict[str, Any], path: Path) -> Path:
         over_time.set_yscale("log")
         over_time.set_xlabel("commit time (s since the writer started)")
         over_time.set_ylabel("commit → handler start (ms, log)")
-        over_time.set_title(f"latency over time, Temporal {entry['temporal']}, "
-                            f"{entry['rate']:.0f} rows/s over {entry['shards']} shards")
+        over_time.set_title(
+            f"latency over time, Temporal {entry['temporal']}, "
+            f"{entry['rate']:.0f} rows/s over {entry['shards']} shards"
+        )
         over_time.legend(fontsize=8, markerscale=4)
         by_percentile.set_yscale("log")
         by_percentile.set_xlabel("percentile")

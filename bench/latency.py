@@ -76,20 +76,34 @@ async def _write_and_settle(
     while not task.done():
         await asyncio.wait([task], timeout=PROGRESS_EVERY)
         if not task.done():
-            say(label, f"{writer.written:,}/{writer.total:,} rows written, "
-                       f"{await asyncio.to_thread(_count, ctx, table):,} pending")
+            say(
+                label,
+                f"{writer.written:,}/{writer.total:,} rows written, "
+                f"{await asyncio.to_thread(_count, ctx, table):,} pending",
+            )
     await task
     grace = await watch_drain(
-        ctx.database_url, table, label=label, total=writer.total, started=started,
+        ctx.database_url,
+        table,
+        label=label,
+        total=writer.total,
+        started=started,
         deadline=time.monotonic() + ctx.config.latency_grace,
     )
     if grace.completed:
         return grace.ended - started, 0, 0
     backlog_end = await asyncio.to_thread(_count, ctx, table)
-    say(label, f"{backlog_end:,} rows pending {ctx.config.latency_grace:.0f} s after the writer "
-               "stopped; waiting for them")
+    say(
+        label,
+        f"{backlog_end:,} rows pending {ctx.config.latency_grace:.0f} s after the writer "
+        "stopped; waiting for them",
+    )
     rest = await watch_drain(
-        ctx.database_url, table, label=label, total=writer.total, started=started,
+        ctx.database_url,
+        table,
+        label=label,
+        total=writer.total,
+        started=started,
         deadline=ctx.phase_deadline(DRAIN_AFTER_GRACE),
     )
     return rest.ended - started, backlog_end, rest.remaining
@@ -118,8 +132,11 @@ async def run_phase(
     app = make_app(table_name(f"latency_{name}"), probe)
     await create_table(ctx.database_url, app)
     writer = SteadyWriter(
-        ctx.database_url, app.table().name, rate=ctx.config.latency_rate,
-        shards=ctx.config.latency_shards, seconds=writer_seconds,
+        ctx.database_url,
+        app.table().name,
+        rate=ctx.config.latency_rate,
+        shards=ctx.config.latency_shards,
+        seconds=writer_seconds,
     )
     extra: dict[str, Any] = {}
     if server is None:
@@ -129,8 +146,11 @@ async def run_phase(
     await asyncio.to_thread(drop_table, ctx.database_url, app.table().name)
     extra["writer_max_lag_ms"] = round(writer.max_lag * 1000, 1)
     phase = Phase(name, writer.written, *outcome, probe.calls, _latencies(writer, probe), extra)
-    say(label, f"p50 {phase.percentile(50)} ms, p99 {phase.percentile(99)} ms, "
-               f"backlog at the end {phase.backlog_end}")
+    say(
+        label,
+        f"p50 {phase.percentile(50)} ms, p99 {phase.percentile(99)} ms, "
+        f"backlog at the end {phase.backlog_end}",
+    )
     return phase
 
 
@@ -149,7 +169,11 @@ async def _with_baseline(
 
 
 async def _with_bridge(
-    ctx: Context, app: OutboxApp, writer: SteadyWriter, label: str, server: TemporalServer,
+    ctx: Context,
+    app: OutboxApp,
+    writer: SteadyWriter,
+    label: str,
+    server: TemporalServer,
     listen: bool,
 ) -> tuple[tuple[float, int, int], dict[str, Any]]:
     settings = ctx.settings(listen=listen)

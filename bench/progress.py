@@ -57,8 +57,11 @@ async def watch_drain(
                 if now >= deadline or stopped():
                     return DrainWatch(remaining, now)
                 rate = (total - remaining) / max(now - started, 1e-9)
-                say(label, f"{remaining:,} rows remaining after {now - started:.0f} s "
-                           f"({rate:,.0f} rows/s)")
+                say(
+                    label,
+                    f"{remaining:,} rows remaining after {now - started:.0f} s "
+                    f"({rate:,.0f} rows/s)",
+                )
                 next_report = now + PROGRESS_EVERY
             await asyncio.sleep(CHECK_EVERY)
 

@@ -19,7 +19,7 @@ from sqlalchemy.pool import NullPool
 from bench.app import CATEGORIES, Scope
 from outbox_bridge import OutboxApp
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.schema import create_outbox_tables
+from outbox_bridge.db.schema import create_outbox_tables
 
 Row = tuple[int, int, int, int]
 SCOPE = int(Scope.TENANT)

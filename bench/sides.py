@@ -80,8 +80,10 @@ async def prepared_table(
     await create_table(ctx.database_url, app)
     began = time.monotonic()
     await asyncio.to_thread(copy_rows, ctx.database_url, app.table().name, rowset.rows)
-    say(label, f"inserted {len(rowset.rows):,} rows in {time.monotonic() - began:.1f} s "
-               "(not measured)")
+    say(
+        label,
+        f"inserted {len(rowset.rows):,} rows in {time.monotonic() - began:.1f} s (not measured)",
+    )
     return app
 
 
@@ -106,16 +108,22 @@ async def baseline_side(
     started = time.monotonic()
     task = asyncio.create_task(asyncio.to_thread(timed))
     await watch_drain(
-        ctx.database_url, table, label=label, total=len(rowset.rows), started=started,
-        deadline=ctx.phase_deadline(share), stopped=task.done,
+        ctx.database_url,
+        table,
+        label=label,
+        total=len(rowset.rows),
+        started=started,
+        deadline=ctx.phase_deadline(share),
+        stopped=task.done,
     )
     if not task.done():
         drain.stop()
     seconds = await task - started  # the threads stop at once when capped
     left = await asyncio.to_thread(remaining_rows, ctx, table)
     await asyncio.to_thread(drop_table, ctx.database_url, table)
-    return SideResult(len(rowset.rows), len(rowset.rows) - left, seconds, probe.calls,
-                      {"threads": threads})
+    return SideResult(
+        len(rowset.rows), len(rowset.rows) - left, seconds, probe.calls, {"threads": threads}
+    )
 
 
 async def bridge_side(
@@ -133,8 +141,13 @@ async def bridge_side(
         ready_after = run.ready_after
         left_at_ready = await asyncio.to_thread(remaining_rows, ctx, table)
         watch = await watch_drain(
-            ctx.database_url, table, label=label, total=len(rowset.rows), started=run.started,
-            deadline=ctx.phase_deadline(share), stopped=run.task.done,
+            ctx.database_url,
+            table,
+            label=label,
+            total=len(rowset.rows),
+            started=run.started,
+            deadline=ctx.phase_deadline(share),
+            stopped=run.task.done,
         )
         # A capped run: count what still runs, do not wait.
         close_timeout = ctx.close_timeout(settings) if watch.completed else 0.0
@@ -158,9 +171,7 @@ async def bridge_side(
         "settings": settings_summary(settings),
         **COUNTER.since(warnings_mark),
     }
-    return SideResult(
-        len(rowset.rows), rows_done, watch.ended - run.started, probe.calls, extra
-    )
+    return SideResult(len(rowset.rows), rows_done, watch.ended - run.started, probe.calls, extra)
 
 
 def _from_ready(

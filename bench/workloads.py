@@ -74,8 +74,10 @@ THROUGHPUT: dict[str, ThroughputWorkload] = {
 async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> dict[str, Any]:
     """Measure the baseline once, then the bridge on each server mode, on identical rows."""
     rowset = workload.make_rows(ctx.config.scale)
-    say(workload.name, f"{len(rowset.rows):,} rows, {rowset.shards:,} shards, "
-                       f"{rowset.groups:,} coalescing groups")
+    say(
+        workload.name,
+        f"{len(rowset.rows):,} rows, {rowset.shards:,} shards, {rowset.groups:,} coalescing groups",
+    )
     share = min(workload.share, (ctx.left() - RESERVE) / 3)
     baseline = await baseline_side(
         ctx, f"{workload.name}/baseline", rowset, threads=workload.threads, share=share
@@ -119,7 +121,8 @@ def throughput_entry(
         "handler_calls": bridge.handler_calls,
         # At least once: a drain retried after a workflow task timeout calls handlers again.
         "duplicate_handler_calls": max(0, bridge.handler_calls - rowset.groups)
-        if bridge.completed else None,
+        if bridge.completed
+        else None,
         "baseline_seconds": round(baseline.seconds, 3),
         "baseline_rows_done": baseline.rows_done,
         "baseline_handler_calls": baseline.handler_calls,

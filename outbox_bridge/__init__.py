@@ -1,25 +1,68 @@
-"""outbox-bridge: a transactional outbox for Python services, executed by Temporal."""
+"""outbox-bridge: a transactional outbox for Python services, executed by Temporal.
 
-from outbox_bridge.config import OutboxSettings
-from outbox_bridge.errors import (
-    CategoryScopeError,
-    ConfigurationError,
-    EmbeddedServiceError,
-    InvalidRowError,
-    MissingHandlerError,
-    OutboxError,
-    OutboxModelError,
-    RegistryError,
-    ShardLockedError,
-    ShardNameError,
-    UnknownCategoryError,
-)
-from outbox_bridge.flush import Flusher, FlushReport, OutboxContext, outbox_context
-from outbox_bridge.identifiers import next_object_identifier, next_object_identifier_async
-from outbox_bridge.orm import OutboxModel, write_outbox_rows, write_outbox_rows_async
-from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.schema import create_outbox_tables, outbox_table
-from workflows.models import FlushResult
+The names below are the public API. They are loaded on first use, so that importing
+``outbox_bridge`` (or one of its subpackages, such as the workflow definitions Temporal's
+sandbox re-imports) costs nothing until something is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from outbox_bridge.config import OutboxSettings
+    from outbox_bridge.db.schema import create_outbox_tables, outbox_table
+    from outbox_bridge.errors import (
+        CategoryScopeError,
+        ConfigurationError,
+        EmbeddedServiceError,
+        InvalidRowError,
+        MissingHandlerError,
+        OutboxError,
+        OutboxModelError,
+        RegistryError,
+        ShardLockedError,
+        ShardNameError,
+        UnknownCategoryError,
+    )
+    from outbox_bridge.flush import Flusher, FlushReport, OutboxContext, outbox_context
+    from outbox_bridge.identifiers import next_object_identifier, next_object_identifier_async
+    from outbox_bridge.orm import OutboxModel, write_outbox_rows, write_outbox_rows_async
+    from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage, OutboxTable
+    from outbox_bridge.workflows.models import FlushResult
+
+# Where each public name lives.
+_EXPORTS = {
+    "OutboxSettings": "outbox_bridge.config",
+    "create_outbox_tables": "outbox_bridge.db.schema",
+    "outbox_table": "outbox_bridge.db.schema",
+    "CategoryScopeError": "outbox_bridge.errors",
+    "ConfigurationError": "outbox_bridge.errors",
+    "EmbeddedServiceError": "outbox_bridge.errors",
+    "InvalidRowError": "outbox_bridge.errors",
+    "MissingHandlerError": "outbox_bridge.errors",
+    "OutboxError": "outbox_bridge.errors",
+    "OutboxModelError": "outbox_bridge.errors",
+    "RegistryError": "outbox_bridge.errors",
+    "ShardLockedError": "outbox_bridge.errors",
+    "ShardNameError": "outbox_bridge.errors",
+    "UnknownCategoryError": "outbox_bridge.errors",
+    "Flusher": "outbox_bridge.flush",
+    "FlushReport": "outbox_bridge.flush",
+    "OutboxContext": "outbox_bridge.flush",
+    "outbox_context": "outbox_bridge.flush",
+    "next_object_identifier": "outbox_bridge.identifiers",
+    "next_object_identifier_async": "outbox_bridge.identifiers",
+    "OutboxModel": "outbox_bridge.orm",
+    "write_outbox_rows": "outbox_bridge.orm",
+    "write_outbox_rows_async": "outbox_bridge.orm",
+    "Handler": "outbox_bridge.registry",
+    "OutboxApp": "outbox_bridge.registry",
+    "OutboxMessage": "outbox_bridge.registry",
+    "OutboxTable": "outbox_bridge.registry",
+    "FlushResult": "outbox_bridge.workflows.models",
+}
 
 __all__ = [
     "CategoryScopeError",
@@ -51,3 +94,16 @@ __all__ = [
     "write_outbox_rows",
     "write_outbox_rows_async",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'outbox_bridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

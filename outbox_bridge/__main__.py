@@ -1,3 +1,3 @@
-from outbox_bridge.cli import run
+from outbox_bridge.cli.commands import run
 
 run()

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import URL, make_url
 
 from outbox_bridge.errors import ConfigurationError
-from workflows.models import ShardOptions
+from outbox_bridge.workflows.models import ShardOptions
 
 
 def _temporal(name: str) -> AliasChoices:

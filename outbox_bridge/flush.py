@@ -34,9 +34,9 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.shards import WORKFLOW, start_arguments, static_skip, static_skips
-from outbox_bridge.temporal import connect, temporal_address
-from workflows.models import TIMED_OUT, FlushInput, FlushResult, ShardRef
+from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip, static_skips
+from outbox_bridge.runtime.temporal import connect, temporal_address
+from outbox_bridge.workflows.models import TIMED_OUT, FlushInput, FlushResult, ShardRef
 
 if TYPE_CHECKING:
     from outbox_bridge.registry import OutboxApp

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from sqlalchemy import Insert, insert
 
 from outbox_bridge.errors import InvalidRowError
-from workflows.models import ShardRef
+from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:
     from outbox_bridge.registry import OutboxApp

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.errors import MissingHandlerError, RegistryError
-from outbox_bridge.observe import observed_write
+from outbox_bridge.observability.observe import observed_write
 from outbox_bridge.producer import RowSpec, build_insert
-from workflows.models import ShardRef
+from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:
     from temporalio.client import Client
@@ -128,7 +128,7 @@ class OutboxApp:
             raise RegistryError(f"table names must be unique, got {names}")
         self.tables: dict[str, OutboxTable] = {t.name: t for t in tables}
         self.metadata = MetaData()
-        from outbox_bridge.schema import outbox_table  # schema imports this module's types
+        from outbox_bridge.db.schema import outbox_table  # schema imports this module's types
 
         self._sql_tables: dict[str, Table] = {
             t.name: outbox_table(t.name, self.metadata, regional=t.regional) for t in tables

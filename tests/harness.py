@@ -25,8 +25,8 @@ from temporalio.client import Client
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
-from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
-from worker import serve
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.runtime.worker import serve
 
 
 class Scope(IntEnum):
@@ -212,7 +212,7 @@ async def count_rows(engine: AsyncEngine, app: OutboxApp) -> int:
 
 
 async def create_tables(engine: AsyncEngine, app: OutboxApp) -> None:
-    from outbox_bridge.schema import create_outbox_tables
+    from outbox_bridge.db.schema import create_outbox_tables
 
     async with engine.begin() as conn:
         await create_outbox_tables(conn, app.metadata)

@@ -21,6 +21,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
+from outbox_bridge.workflows.models import ResumeInput, ShardStatus, SkipInput
 from tests.harness import (
     Category,
     Recorder,
@@ -37,7 +38,6 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from workflows.models import ResumeInput, ShardStatus, SkipInput
 
 HISTORIES = Path(__file__).parent / "histories"
 

@@ -1,4 +1,4 @@
-"""The outbox tables in the application's own Alembic migrations (outbox_bridge.migrations).
+"""The outbox tables in the application's own Alembic migrations (outbox_bridge.db.migrations).
 
 A real `alembic upgrade` and `downgrade` against the test PostgreSQL, with a generated env.py
 and a version file that calls create_outbox / drop_outbox: the schema is the one the worker
@@ -24,8 +24,8 @@ from sqlalchemy import Connection, Engine, MetaData, create_engine, text
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.migrations import exclude_outbox_tables
-from outbox_bridge.schema import notify_channel
+from outbox_bridge.db.migrations import exclude_outbox_tables
+from outbox_bridge.db.schema import notify_channel
 from tests.harness import SCOPES, Category, Scope, Servers, create_tables, unique_table
 
 ENV_PY = """
@@ -47,7 +47,7 @@ VERSION = '''
 from alembic import op
 
 from outbox_bridge import OutboxApp, OutboxTable
-from outbox_bridge.migrations import create_outbox, drop_outbox
+from outbox_bridge.db.migrations import create_outbox, drop_outbox
 
 revision = "0001_outbox"
 down_revision = None

@@ -24,10 +24,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox_bridge.cli.flags import build_settings
 from outbox_bridge.config import OutboxSettings, env_name
-from outbox_bridge.embedded import free_port
 from outbox_bridge.errors import ConfigurationError
-from outbox_bridge.flags import build_settings
+from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
 

@@ -13,6 +13,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxMessage
+from outbox_bridge.workflows.models import ResumeInput, SkipInput
 from tests.harness import (
     Category,
     fast_settings,
@@ -23,7 +24,6 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from workflows.models import ResumeInput, SkipInput
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """The deployment files in ``deploy/`` agree with the code: every environment variable is a
 setting of ``OutboxSettings`` with a valid value, probes hit the paths and port that
-``outbox_bridge.health`` serves, grace periods outlast ``shutdown_grace``, images and users match.
+``outbox_bridge.observability.health`` serves, grace periods outlast ``shutdown_grace``, images and users match.
 
 No container engine or cluster is needed: the files are parsed and cross-checked.
 """
@@ -21,9 +21,9 @@ from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
 from outbox_bridge.config import OutboxSettings, env_name
-from outbox_bridge.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
+from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
 from outbox_bridge.registry import app_from_settings
-from outbox_bridge.temporal import SEARCH_ATTRIBUTES
+from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

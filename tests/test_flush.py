@@ -29,7 +29,9 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.drain import ShardDrainer
+from outbox_bridge.runtime.drain import ShardDrainer
+from outbox_bridge.runtime.worker import build_worker
+from outbox_bridge.workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
 from tests.harness import (
     Category,
     Recorder,
@@ -44,8 +46,6 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from worker import build_worker
-from workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
 
 
 def flush_settings(servers: Servers, settings: OutboxSettings) -> OutboxSettings:

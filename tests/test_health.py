@@ -1,4 +1,4 @@
-"""The worker's health endpoints and its graceful stop (``outbox_bridge.health``, ``outbox_bridge.shutdown``, ``worker.py``).
+"""The worker's health endpoints and its graceful stop (``outbox_bridge.observability.health``, ``outbox_bridge.runtime.shutdown``, ``worker.py``).
 
 ``/healthz`` and ``/readyz`` are read over real HTTP from a real worker: in-process through
 ``serve`` (the harness), and as a ``python worker.py`` subprocess that is then stopped with
@@ -28,9 +28,10 @@ from sqlalchemy.engine import make_url
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.drain import ShardDrainer
-from outbox_bridge.embedded import EmbeddedPostgres, free_port
-from outbox_bridge.health import LIVENESS_PATH, READINESS_PATH, HealthServer
+from outbox_bridge.observability.health import LIVENESS_PATH, READINESS_PATH, HealthServer
+from outbox_bridge.runtime.drain import ShardDrainer
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, free_port
+from outbox_bridge.runtime.worker import build_worker
 from tests.harness import (
     Recorder,
     Servers,
@@ -40,7 +41,6 @@ from tests.harness import (
     unique_table,
     wait_until,
 )
-from worker import build_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "h3alth-canary"
@@ -225,7 +225,7 @@ async def test_a_taken_health_port_does_not_stop_the_worker(servers, caplog) -> 
         taken.listen()
         port = taken.getsockname()[1]
         settings = fast_settings(health_port=port, health_host="127.0.0.1")
-        with caplog.at_level(logging.ERROR, logger="outbox_bridge.health"):
+        with caplog.at_level(logging.ERROR, logger="outbox_bridge.observability.health"):
             async with running_worker(servers, make_app(unique_table(), Recorder()), settings):
                 pass
     assert f"cannot serve the health endpoints on 127.0.0.1:{port}" in caplog.text

@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from outbox_bridge import OutboxMessage
-from outbox_bridge.logs import configure_logging, log_context
+from outbox_bridge.observability.logs import configure_logging, log_context
 from tests.harness import (
     Category,
     Recorder,

@@ -16,9 +16,10 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.embedded import temporal_cli as temporal_binary
-from outbox_bridge.shards import parse_shard, shard_status
-from outbox_bridge.store import lock_key
+from outbox_bridge.db.store import lock_key
+from outbox_bridge.runtime.embedded import temporal_cli as temporal_binary
+from outbox_bridge.runtime.shards import parse_shard, shard_status
+from outbox_bridge.workflows.models import ResumeInput, ShardStatus, SkipInput
 from tests.harness import (
     SCOPES,
     Category,
@@ -36,7 +37,6 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from workflows.models import ResumeInput, ShardStatus, SkipInput
 
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
@@ -617,7 +617,7 @@ async def test_shards_in_the_static_skip_list_start_skipped(servers, engine, cli
 
 def test_a_static_skip_naming_no_shard_is_refused() -> None:
     from outbox_bridge import ConfigurationError, RegistryError
-    from outbox_bridge.shards import static_skips
+    from outbox_bridge.runtime.shards import static_skips
 
     app = make_app("outbox", Recorder())
     assert static_skips(app, ["organization:42"]) == frozenset({"outbox:outbox:ORGANIZATION:42"})

@@ -31,8 +31,8 @@ from outbox_bridge import (
     create_outbox_tables,
 )
 from outbox_bridge.config import libpq_url, sqlalchemy_url
+from outbox_bridge.db.schema import notify_channel
 from outbox_bridge.producer import BIGINT_MAX, BIGINT_MIN
-from outbox_bridge.schema import notify_channel
 from tests.harness import SCOPES, Category, Scope, Servers, create_tables, unique_table
 
 CORE = dict(category=Category.PROJECT_UPDATE, shard_identifier=7, object_identifier=5)

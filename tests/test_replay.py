@@ -11,7 +11,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
-from workflows.shard import OutboxShard
+from outbox_bridge.workflows.shard import OutboxShard
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 

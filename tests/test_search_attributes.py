@@ -10,6 +10,13 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from outbox_bridge import OutboxMessage
+from outbox_bridge.workflows.models import (
+    BLOCKED_CATEGORY_ATTRIBUTE,
+    BLOCKED_SINCE_ATTRIBUTE,
+    STATE_ATTRIBUTE,
+    ResumeInput,
+    SkipInput,
+)
 from tests.harness import (
     Category,
     Recorder,
@@ -21,13 +28,6 @@ from tests.harness import (
     unique_table,
     wait_until,
     write_rows,
-)
-from workflows.models import (
-    BLOCKED_CATEGORY_ATTRIBUTE,
-    BLOCKED_SINCE_ATTRIBUTE,
-    STATE_ATTRIBUTE,
-    ResumeInput,
-    SkipInput,
 )
 
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 import pytest
 
 from outbox_bridge import OutboxTable, RegistryError, ShardNameError
+from outbox_bridge.workflows.models import ShardRef
 from tests.harness import Recorder, make_app
-from workflows.models import ShardRef
 
 
 def test_shard_names_parse_to_workflow_ids() -> None:
     app = make_app("outbox", Recorder())
-    from outbox_bridge.shards import parse_shard
+    from outbox_bridge.runtime.shards import parse_shard
 
     shard = parse_shard("organization:42", app)
     assert shard == ShardRef("outbox", 1, "ORGANIZATION", 42, None)
@@ -18,7 +18,7 @@ def test_shard_names_parse_to_workflow_ids() -> None:
 
 
 def test_regional_shard_names_lead_with_the_region() -> None:
-    from outbox_bridge.shards import parse_shard
+    from outbox_bridge.runtime.shards import parse_shard
 
     app = make_app("control_outbox", Recorder(), regional=True)
     shard = parse_shard("eu:USER:7", app)
@@ -30,14 +30,14 @@ def test_regional_shard_names_lead_with_the_region() -> None:
 
 @pytest.mark.parametrize("name", ["ORGANIZATION", "ORGANIZATION:x", ":1", "A:B:C"])
 def test_malformed_shard_names_are_refused(name: str) -> None:
-    from outbox_bridge.shards import parse_shard
+    from outbox_bridge.runtime.shards import parse_shard
 
     with pytest.raises((ShardNameError, RegistryError)):
         parse_shard(name, make_app("outbox", Recorder()))
 
 
 def test_unknown_scope_names_the_known_ones() -> None:
-    from outbox_bridge.shards import parse_shard
+    from outbox_bridge.runtime.shards import parse_shard
 
     with pytest.raises(RegistryError, match="ORGANIZATION, USER"):
         parse_shard("TEAM:1", make_app("outbox", Recorder()))

@@ -19,7 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import (
+    from outbox_bridge.workflows.models import (
         BLOCKED,
         BLOCKED_CATEGORY_ATTRIBUTE,
         BLOCKED_SINCE_ATTRIBUTE,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from outbox_bridge.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from tests.faults.harness import Figures, WorkerProcess, with_password
 from tests.harness import Servers
 

@@ -17,8 +17,9 @@ from sqlalchemy.exc import IntegrityError
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowUpdateFailedError
 
-from outbox_bridge.schema import create_outbox_tables
-from outbox_bridge.shards import shard_status
+from outbox_bridge.db.schema import create_outbox_tables
+from outbox_bridge.runtime.shards import shard_status
+from outbox_bridge.workflows.models import ShardRef, ShardStatus, SkipInput
 from tests.faults.bad_input_app import make_app
 from tests.faults.harness import (
     WorkerProcess,
@@ -32,7 +33,6 @@ from tests.faults.harness import (
 )
 from tests.faults.history import LOG_DDL, set_control
 from tests.harness import wait_until
-from workflows.models import ShardRef, ShardStatus, SkipInput
 
 ORG, USER = 1, 2
 BIG_CANARY = "big-payload-canary-77d0"

@@ -14,7 +14,7 @@ from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
-from outbox_bridge.temporal import connect
+from outbox_bridge.runtime.temporal import connect
 from tests.faults.harness import (
     WorkerProcess,
     clean_env,
@@ -140,7 +140,11 @@ SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|LISTEN
 def test_sql_takes_values_only_as_parameters() -> None:
     """SQL built from strings interpolates names only; every value is a bound parameter."""
     root = Path(__file__).resolve().parents[2]
-    sources = [*(root / "outbox_bridge").glob("*.py"), *(root / "activities").glob("*.py")]
+    sources = [
+        *(root / "outbox_bridge").rglob("*.py"),
+        *(root / "activities").glob("*.py"),
+        *(root / "workflows").glob("*.py"),
+    ]
     checked = 0
     for path in [*sources, root / "worker.py"]:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -20,7 +20,7 @@ from temporalio.worker import (
     Worker,
 )
 
-log = logging.getLogger("outbox_bridge.shutdown")
+log = logging.getLogger("outbox_bridge.runtime.shutdown")
 
 
 class ShutdownGrace(Interceptor):

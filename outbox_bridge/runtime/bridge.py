@@ -41,22 +41,22 @@ from temporalio.client import (
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from outbox_bridge.backlog import observe_backlog, observe_shard_states
-from outbox_bridge.hub import ShardHub
-from outbox_bridge.metrics import active_metrics
+from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
+from outbox_bridge.db.store import ShardRange, read_shard_ranges, read_trace_contexts
+from outbox_bridge.observability.backlog import observe_backlog, observe_shard_states
+from outbox_bridge.observability.metrics import active_metrics
+from outbox_bridge.observability.telemetry import active_tracer, context_of
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.schema import SWEEP_NOTIFICATION, notify_channel
-from outbox_bridge.shards import WORKFLOW, start_arguments, static_skip
-from outbox_bridge.store import ShardRange, read_shard_ranges, read_trace_contexts
-from outbox_bridge.telemetry import active_tracer, context_of
-from workflows.models import (
+from outbox_bridge.runtime.hub import ShardHub
+from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip
+from outbox_bridge.workflows.models import (
     NotifyInput,
     ShardOptions,
     ShardRef,
     ShardStatus,
 )
 
-log = logging.getLogger("outbox_bridge.bridge")
+log = logging.getLogger("outbox_bridge.runtime.bridge")
 
 STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 

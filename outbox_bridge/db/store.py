@@ -29,8 +29,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
-from workflows.models import ShardRef
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.workflows.models import ShardRef
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from outbox_bridge.errors import ConfigurationError, ShardNameError
 from outbox_bridge.registry import OutboxApp
-from workflows.models import (
+from outbox_bridge.workflows.models import (
     DRAINING,
     SCOPE_ATTRIBUTE,
     SHARD_ATTRIBUTE,

@@ -20,7 +20,7 @@ import psutil
 
 from outbox_bridge.errors import EmbeddedServiceError
 
-log = logging.getLogger("outbox_bridge.embedded")
+log = logging.getLogger("outbox_bridge.runtime.embedded")
 
 
 def temporal_cli() -> str:
@@ -112,7 +112,7 @@ class EmbeddedTemporal:
         return self.data_dir / "temporal.pid"
 
     def command(self) -> list[str]:
-        from outbox_bridge.temporal import dev_server_search_attribute_args
+        from outbox_bridge.runtime.temporal import dev_server_search_attribute_args
 
         args = [
             temporal_cli(),

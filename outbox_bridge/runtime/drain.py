@@ -23,18 +23,8 @@ from sqlalchemy import Row
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from outbox_bridge.errors import (
-    CategoryScopeError,
-    OutboxError,
-    ShardLockedError,
-    UnknownCategoryError,
-)
-from outbox_bridge.hub import ShardHub
-from outbox_bridge.logs import log_context
-from outbox_bridge.observe import BatchObserver
-from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
-from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
-from outbox_bridge.store import (
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.db.store import (
     GroupRows,
     delete_rows,
     read_head,
@@ -44,7 +34,17 @@ from outbox_bridge.store import (
     try_lock_shard,
     unlock_shard,
 )
-from workflows.models import (
+from outbox_bridge.errors import (
+    CategoryScopeError,
+    OutboxError,
+    ShardLockedError,
+    UnknownCategoryError,
+)
+from outbox_bridge.observability.logs import log_context
+from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
+from outbox_bridge.runtime.hub import ShardHub
+from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,
     FlushCheck,
@@ -56,7 +56,7 @@ from workflows.models import (
     ShardRef,
 )
 
-log = logging.getLogger("outbox_bridge.drain")
+log = logging.getLogger("outbox_bridge.runtime.drain")
 
 # A waiting flush reads the table after 10 ms, then less and less often, at least every 250 ms.
 FLUSH_POLL_FIRST = 0.01

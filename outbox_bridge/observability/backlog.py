@@ -18,13 +18,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from outbox_bridge.metrics import Attributes, OutboxMetrics
+from outbox_bridge.db.store import ShardRange, read_oldest_ages
+from outbox_bridge.observability.metrics import Attributes, OutboxMetrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.shards import WORKFLOW
-from outbox_bridge.store import ShardRange, read_oldest_ages
-from workflows.models import BLOCKED, SKIPPED, STATE_ATTRIBUTE
+from outbox_bridge.runtime.shards import WORKFLOW
+from outbox_bridge.workflows.models import BLOCKED, SKIPPED, STATE_ATTRIBUTE
 
-log = logging.getLogger("outbox_bridge.backlog")
+log = logging.getLogger("outbox_bridge.observability.backlog")
 
 
 async def observe_backlog(

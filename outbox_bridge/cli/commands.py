@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import getpass
 import json
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,17 +22,25 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
-from outbox_bridge.embedded import EmbeddedPostgres
+from outbox_bridge.db.schema import prepare_database
+from outbox_bridge.db.store import read_shard_depths, read_shard_max_id
 from outbox_bridge.errors import OutboxError
-from outbox_bridge.flags import build_settings, settings_options
 from outbox_bridge.flush import Flusher
+from outbox_bridge.observability.logs import configure_logging
 from outbox_bridge.registry import OutboxApp, app_from_settings
-from outbox_bridge.schema import prepare_database
-from outbox_bridge.shards import parse_shard, shard_status
-from outbox_bridge.store import read_shard_depths, read_shard_max_id
-from outbox_bridge.temporal import connect, temporal_address
-from workflows.models import FlushResult, ResumeInput, ShardRef, ShardStatus, SkipInput
+from outbox_bridge.runtime.embedded import EmbeddedPostgres
+from outbox_bridge.runtime.shards import parse_shard, shard_status
+from outbox_bridge.runtime.temporal import connect, temporal_address
+from outbox_bridge.runtime.worker import run as run_worker
+from outbox_bridge.workflows.models import (
+    FlushResult,
+    ResumeInput,
+    ShardRef,
+    ShardStatus,
+    SkipInput,
+)
 
 
 def run() -> None:
@@ -54,8 +63,41 @@ def run() -> None:
 def main() -> None:
     """outbox-bridge: a transactional outbox executed by Temporal.
 
-    Run the worker with `python worker.py` (see its --help).
+    Run the worker with `outbox-bridge worker` (see its --help).
     """
+
+
+@main.command(
+    "worker", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
+@settings_options
+def worker(**overrides: Any) -> None:
+    """Run the worker: the bridge that finds shards with rows, and the Temporal worker that
+    drains them and runs their handlers.
+
+    Every option is also an environment variable (shown with each). With no database URL and
+    no Temporal address, embedded servers are started under --data-dir.
+    """
+    code = 0
+    try:
+        settings = build_settings(overrides)
+        configure_logging(settings.log_level, settings.log_format)
+        logging.getLogger("temporalio").setLevel(logging.WARNING)
+        # Handler failures are logged by the drain with shard and category; the SDK's own line
+        # for each failed attempt would repeat them.
+        logging.getLogger("temporalio.activity").setLevel(logging.ERROR)
+        asyncio.run(run_worker(settings))
+    except OutboxError as exc:
+        print(f"outbox-bridge: error: {exc}", file=sys.stderr)
+        code = 2
+    except Exception:
+        logging.getLogger("outbox_bridge").exception("outbox-bridge stopped on an unexpected error")
+        code = 1
+    # A process that ran a Temporal worker can crash in interpreter teardown after the work is
+    # done: flush and leave explicitly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _app(settings: OutboxSettings) -> OutboxApp:
@@ -326,7 +368,7 @@ async def _replay(files: tuple[Path, ...]) -> int:
     from temporalio.client import WorkflowHistory
     from temporalio.worker import Replayer
 
-    from workflows.shard import OutboxShard
+    from outbox_bridge.workflows.shard import OutboxShard
 
     replayer = Replayer(workflows=[OutboxShard])
     failed = 0

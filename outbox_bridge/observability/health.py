@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from temporalio.client import Client
     from temporalio.worker import Worker
 
-    from outbox_bridge.bridge import Bridge
+    from outbox_bridge.runtime.bridge import Bridge
 
-log = logging.getLogger("outbox_bridge.health")
+log = logging.getLogger("outbox_bridge.observability.health")
 
 LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"

@@ -16,7 +16,7 @@ from temporalio.service import RPCError, TLSConfig
 
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
-from workflows.models import (
+from outbox_bridge.workflows.models import (
     BLOCKED_CATEGORY_ATTRIBUTE,
     BLOCKED_SINCE_ATTRIBUTE,
     SCOPE_ATTRIBUTE,
@@ -24,7 +24,7 @@ from workflows.models import (
     STATE_ATTRIBUTE,
 )
 
-log = logging.getLogger("outbox_bridge.temporal")
+log = logging.getLogger("outbox_bridge.runtime.temporal")
 
 SEARCH_ATTRIBUTES: dict[str, str] = {
     key.name: "Datetime" if key is BLOCKED_SINCE_ATTRIBUTE else "Keyword"

@@ -20,13 +20,13 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 from sqlalchemy import Insert
 
-from outbox_bridge.logs import LOG_CONTEXT
-from outbox_bridge.metrics import OutboxMetrics, active_metrics
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.db.store import GroupRows
+from outbox_bridge.observability.logs import LOG_CONTEXT
+from outbox_bridge.observability.metrics import OutboxMetrics, active_metrics
+from outbox_bridge.observability.telemetry import active_tracer, carrier_of_current, links_to
 from outbox_bridge.producer import PreparedRow
-from outbox_bridge.schema import TRACE_CONTEXT_COLUMN
-from outbox_bridge.store import GroupRows
-from outbox_bridge.telemetry import active_tracer, carrier_of_current, links_to
-from workflows.models import ShardRef
+from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:
     from outbox_bridge.registry import OutboxMessage

@@ -5,7 +5,7 @@
     from alembic import op
 
     from myapp.outbox import app
-    from outbox_bridge.migrations import create_outbox, drop_outbox
+    from outbox_bridge.db.migrations import create_outbox, drop_outbox
 
 
     def upgrade() -> None:
@@ -15,7 +15,7 @@
     def downgrade() -> None:
         drop_outbox(op, app)
 
-The statements are the ones the worker and ``init-db`` use (:mod:`outbox_bridge.schema`), so
+The statements are the ones the worker and ``init-db`` use (:mod:`outbox_bridge.db.schema`), so
 a migrated database and a database the worker created are the same. They are emitted with
 ``op.execute``, so offline mode (``alembic upgrade --sql``) prints them too. Importing this
 module does not need Alembic; calling its functions does.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Table
 from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 
-from outbox_bridge.schema import drop_notify_ddl, notify_ddl
+from outbox_bridge.db.schema import drop_notify_ddl, notify_ddl
 
 if TYPE_CHECKING:
     from alembic.operations import Operations

@@ -27,9 +27,9 @@ from temporalio.contrib.opentelemetry import MetricsExporter
 from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
 
 from outbox_bridge.errors import ConfigurationError
-from outbox_bridge.telemetry import otlp_protocol, telemetry_resource
+from outbox_bridge.observability.telemetry import otlp_protocol, telemetry_resource
 
-log = logging.getLogger("outbox_bridge.metrics")
+log = logging.getLogger("outbox_bridge.observability.metrics")
 
 METER_NAME = "outbox_bridge"
 

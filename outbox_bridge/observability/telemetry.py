@@ -26,7 +26,7 @@ from opentelemetry.trace import Link, SpanContext, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from temporalio.contrib.opentelemetry import TracingInterceptor
 
-log = logging.getLogger("outbox_bridge.telemetry")
+log = logging.getLogger("outbox_bridge.observability.telemetry")
 
 TRACER_NAME = "outbox_bridge"
 _PROPAGATOR = TraceContextTextMapPropagator()

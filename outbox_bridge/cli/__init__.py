@@ -1,0 +1,5 @@
+"""The ``outbox-bridge`` command line: the worker and the tools that inspect and steer shards."""
+
+from outbox_bridge.cli.commands import main, run, worker
+
+__all__ = ["main", "run", "worker"]

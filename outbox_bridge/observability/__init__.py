@@ -1,0 +1,1 @@
+"""Traces, metrics, logs and health endpoints."""

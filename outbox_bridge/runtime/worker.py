@@ -1,0 +1,239 @@
+"""Run outbox-bridge: the bridge and the Temporal worker for an OutboxApp.
+
+With nothing configured, starts an embedded PostgreSQL and a Temporal dev server under
+``--data-dir``. Shuts down gracefully on SIGINT/SIGTERM. Wiring only: the behaviour lives in
+``outbox_bridge``, ``workflows`` and ``activities``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+from urllib.parse import quote
+
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from temporalio.client import Client
+from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
+
+from outbox_bridge import demo
+from outbox_bridge.activities import OutboxActivities
+from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy_url
+from outbox_bridge.db.schema import prepare_database
+from outbox_bridge.db.timestamps import load_infinite_timestamps
+from outbox_bridge.observability.health import HealthServer
+from outbox_bridge.observability.metrics import setup_metrics, temporal_runtime
+from outbox_bridge.observability.telemetry import setup_tracing, tracing_interceptor
+from outbox_bridge.registry import OutboxApp, app_from_settings
+from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
+from outbox_bridge.runtime.drain import ShardDrainer
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal
+from outbox_bridge.runtime.hub import ShardHub
+from outbox_bridge.runtime.shards import static_skips
+from outbox_bridge.runtime.shutdown import ShutdownGrace
+from outbox_bridge.runtime.temporal import connect, ensure_search_attributes
+from outbox_bridge.workflows.shard import OutboxShard
+
+log = logging.getLogger("outbox_bridge.worker")
+
+
+def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
+    engine = create_async_engine(
+        sqlalchemy_url(url),
+        pool_size=settings.database_pool_size,
+        max_overflow=5,
+        pool_pre_ping=True,
+    )
+    load_infinite_timestamps(engine)  # a plain-SQL scheduled_for = 'infinity' must not fail drains
+    return engine
+
+
+def build_worker(
+    client: Client,
+    settings: OutboxSettings,
+    drainer: ShardDrainer,
+    *,
+    interceptors: Sequence[Interceptor] = (),
+) -> Worker:
+    return Worker(
+        client,
+        task_queue=settings.task_queue,
+        interceptors=interceptors,
+        workflows=[OutboxShard],
+        activities=OutboxActivities(drainer).all(),
+        # The shard workflow is this library's code, never the user's, and the replay tests
+        # run it under the sandbox too. Unsandboxed, a new shard run costs no module re-import
+        # (a third of the worker's CPU on a backlog of new shards).
+        workflow_runner=UnsandboxedWorkflowRunner(),
+        # Lingering drains mostly wait; leave room for them beside the busy ones.
+        max_concurrent_activities=settings.max_concurrent_activities + settings.linger_max_shards,
+        max_concurrent_local_activities=settings.max_concurrent_activities,
+        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
+    )
+
+
+async def serve(
+    settings: OutboxSettings,
+    app: OutboxApp,
+    *,
+    stop: asyncio.Event,
+    database_url: str,
+    temporal_address: str,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Create missing tables, then run the bridge and the worker until ``stop`` is set."""
+    app.check_handlers()
+    engine = build_engine(database_url, settings)
+    hub = ShardHub()
+    drainer = ShardDrainer(
+        engine,
+        app,
+        redact_errors=settings.redact_errors,
+        handler_threads=settings.handler_threads,
+        hub=hub,
+        max_lingering=settings.linger_max_shards,
+    )
+    health = HealthServer(settings, database_url=database_url, stop=stop)
+    try:
+        await health.start()
+        await prepare_database(engine, app.metadata)
+        client = await connect(
+            settings,
+            temporal_address,
+            interceptors=[tracing_interceptor()],
+            runtime=temporal_runtime(),  # the SDK's metrics, when metrics are on
+        )
+        await ensure_search_attributes(client)
+        grace = ShutdownGrace(settings.shutdown_grace)
+        worker = build_worker(client, settings, drainer, interceptors=[grace])
+        bridge = Bridge(
+            app=app,
+            engine=engine,
+            client=client,
+            listen_url=libpq_url(sqlalchemy_url(database_url)),
+            options=BridgeOptions(
+                task_queue=settings.task_queue,
+                shard_options=settings.shard_options(),
+                poll_interval=settings.poll_interval,
+                sweep_interval=settings.sweep_interval,
+                listen=settings.listen,
+                regions=settings.regions,
+                skip_shards=static_skips(app, settings.skip_shards),
+            ),
+            hub=hub,
+        )
+        health.attach(client=client, worker=worker, bridge=bridge)
+        tasks = [
+            asyncio.create_task(worker.run(), name="worker"),
+            asyncio.create_task(bridge.run(stop), name="bridge"),
+        ]
+        if settings.demo:
+            tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
+        announcer = asyncio.create_task(_announce(bridge.ready, ready))
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        announcer.cancel()
+        stop.set()
+        hub.close()
+        await grace.stop(worker)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        await health.close()
+        drainer.close()
+        await engine.dispose()
+
+
+async def _announce(bridge_ready: asyncio.Event, ready: asyncio.Event | None) -> None:
+    await bridge_ready.wait()
+    if ready is not None:
+        ready.set()
+
+
+def print_banner(
+    settings: OutboxSettings, database_url: str, temporal_address: str, ui: str | None
+) -> None:
+    lines = [
+        "outbox-bridge is running (Ctrl-C to stop)",
+        f"  database     {safe_url(sqlalchemy_url(database_url))}",
+        f"  temporal     {temporal_address}, namespace {settings.temporal_namespace}, "
+        f"task queue {settings.task_queue}",
+    ]
+    if ui:
+        query = quote('WorkflowType="OutboxShard"')
+        lines.append(
+            f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}"
+        )
+        lines.append("  Look at the OutboxShard workflows: one per active shard, named")
+        lines.append(
+            "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity"
+        )
+        lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
+    if settings.demo:
+        lines.append("  Demo traffic: about 20 rows/s over 25 organizations and 50 users; one")
+        lines.append("  PROJECT_UPDATE in ten fails once, so some shards block and retry.")
+    print("\n".join(lines), flush=True)
+
+
+async def run(settings: OutboxSettings) -> None:
+    app = app_from_settings(settings.demo, settings.app)
+    app.check_handlers()
+    tracing = setup_tracing(settings.otel_exporter)
+    metrics = setup_metrics(
+        settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
+    )
+    postgres: EmbeddedPostgres | None = None
+    temporal: EmbeddedTemporal | None = None
+    try:
+        if settings.database_url is not None:
+            database_url = settings.database_url.get_secret_value()
+        else:
+            postgres = EmbeddedPostgres(settings.data_dir / "postgres")
+            database_url = await asyncio.to_thread(postgres.start)
+        ui = None
+        if settings.temporal_address is not None:
+            address = settings.temporal_address
+        else:
+            temporal = EmbeddedTemporal(
+                settings.data_dir / "temporal",
+                port=settings.temporal_port,
+                ui_port=settings.temporal_ui_port,
+                namespace=settings.temporal_namespace,
+            )
+            address = await temporal.start()
+            ui = f"http://localhost:{settings.temporal_ui_port}"
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        ready = asyncio.Event()
+        banner = asyncio.create_task(_banner_when_ready(ready, settings, database_url, address, ui))
+        await serve(
+            settings,
+            app,
+            stop=stop,
+            database_url=database_url,
+            temporal_address=address,
+            ready=ready,
+        )
+        banner.cancel()
+        log.info("outbox-bridge stopped")
+    finally:
+        if temporal is not None:
+            temporal.stop()
+        if postgres is not None:
+            postgres.stop()
+        # The process leaves with os._exit: export what the providers still hold.
+        for provider in (tracing, metrics):
+            if provider is not None:
+                provider.shutdown()
+
+
+async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:
+    await ready.wait()
+    print_banner(*args)

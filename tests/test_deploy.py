@@ -7,11 +7,13 @@ No container engine or cluster is needed: the files are parsed and cross-checked
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
 import shlex
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
@@ -20,6 +22,7 @@ import yaml
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
+from outbox_bridge.cli import main as cli
 from outbox_bridge.config import OutboxSettings, env_name
 from outbox_bridge.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
 from outbox_bridge.registry import app_from_settings
@@ -32,14 +35,31 @@ FIELDS = OutboxSettings.model_fields
 ENV_NAMES = {env_name(name, field): name for name, field in FIELDS.items()}
 SECRET_ENV = {env_name(n, f) for n, f in FIELDS.items() if SecretStr in get_args(f.annotation)}
 HEALTH_PORT = FIELDS["health_port"].default
+METRICS_PORT = FIELDS["metrics_port"].default
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
-
+CLI_NAME = "outbox-bridge"
+# The `worker` subcommand is being added to the CLI; until it is there, the check that the
+# image's command exists skips that one command (and only it).
+PENDING_SUBCOMMANDS = {"worker"}
 
 # -- reading the files -------------------------------------------------------------------------
 
 
-def dockerfile() -> list[tuple[str, str]]:
+@dataclass
+class Stage:
+    name: str | None
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def get(self, name: str) -> list[str]:
+        return [args for word, args in self.instructions if word == name]
+
+    def text(self) -> str:
+        return "\n".join(f"{word} {args}" for word, args in self.instructions)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of deploy/Dockerfile, continuation lines joined."""
     joined = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
     instructions = []
@@ -51,12 +71,87 @@ def dockerfile() -> list[tuple[str, str]]:
     return instructions
 
 
-def instruction(name: str) -> list[str]:
-    return [args for word, args in dockerfile() if word == name]
+def global_args() -> dict[str, str]:
+    """The ARGs before the first FROM, with their defaults."""
+    args = {}
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            break
+        if word == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+    return args
+
+
+def stages() -> list[Stage]:
+    found: list[Stage] = []
+    args = global_args()
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            parts = rest.split()
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], parts[0])
+            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else None
+            found.append(Stage(name, base))
+        elif found:
+            found[-1].instructions.append((word, rest))
+    return found
+
+
+def runtime_stage() -> Stage:
+    return stages()[-1]
+
+
+def exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list), f"write {args} in exec form (a JSON list)"
+    return value
+
+
+def image_command() -> list[str]:
+    """What the image runs with no arguments: ENTRYPOINT + CMD of the final stage."""
+    runtime = runtime_stage()
+    entrypoint = [exec_form(a) for a in runtime.get("ENTRYPOINT")]
+    cmd = [exec_form(a) for a in runtime.get("CMD")]
+    return (entrypoint[-1] if entrypoint else []) + (cmd[-1] if cmd else [])
+
+
+def image_uid() -> tuple[int, int]:
+    [user] = runtime_stage().get("USER")
+    uid, _, gid = user.partition(":")
+    return int(uid), int(gid or uid)
+
+
+def image_env() -> dict[str, str]:
+    env = {}
+    for args in runtime_stage().get("ENV"):
+        env.update(dict(re.findall(r"(\w+)=(\S+)", args)))
+    return env
+
+
+def dockerignore() -> list[str]:
+    lines = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def ignored(path: str) -> bool:
+    """Whether the build context leaves ``path`` (relative to the root) out."""
+    parts = path.split("/")
+    for pattern in dockerignore():
+        pattern = pattern.strip("/")
+        if pattern.startswith("**/"):
+            if any(fnmatch.fnmatch(part, pattern[3:]) for part in parts):
+                return True
+        elif any(fnmatch.fnmatch("/".join(parts[:n]), pattern) for n in range(1, len(parts) + 1)):
+            return True
+    return False
 
 
 def compose() -> dict[str, Any]:
     return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def services() -> dict[str, Any]:
+    return compose()["services"]
 
 
 def interpolate(value: Any) -> str:
@@ -65,7 +160,7 @@ def interpolate(value: Any) -> str:
 
 
 def compose_env(service: str) -> dict[str, str]:
-    env = compose()["services"][service].get("environment", {})
+    env = services()[service].get("environment", {})
     assert isinstance(env, dict), f"{service}: write environment as a mapping"
     return {key: interpolate(value) for key, value in env.items()}
 
@@ -117,65 +212,107 @@ def seconds(duration: str | int) -> float:
     return sum(float(amount) * units[unit] for amount, unit in parts)
 
 
-def image_uid() -> tuple[int, int]:
-    [user] = instruction("USER")
-    uid, _, gid = user.partition(":")
-    return int(uid), int(gid or uid)
+# -- Dockerfile --------------------------------------------------------------------------------
 
 
-# -- Dockerfile ----------------------------------------------------------------------------------
-
-
-def test_dockerfile_builds_a_slim_non_root_image_running_worker_py() -> None:
-    args = {
-        name: default
-        for name, _, default in (a.partition("=") for word, a in dockerfile() if word == "ARG")
-    }
-    [base] = instruction("FROM")
-    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
-    assert re.fullmatch(r"python:3\.\d+-slim(-\w+)?", base), base
+def test_dockerfile_builds_in_stages_on_slim_python() -> None:
+    found = stages()
+    assert len(found) >= 2, "a builder stage and a runtime stage"
+    names = [stage.name for stage in found]
+    assert "builder" in names and found[-1].name not in (None, "builder"), names
     minimum = PYPROJECT["project"]["requires-python"].removeprefix(">=")
-    assert tuple(map(int, base[7:].split("-")[0].split("."))) >= tuple(map(int, minimum.split(".")))
+    for stage in found:
+        assert re.fullmatch(r"python:3\.\d+-slim(-\w+)?", stage.base), stage.base
+        version = tuple(map(int, stage.base[7:].split("-")[0].split(".")))
+        assert version >= tuple(map(int, minimum.split("."))), stage.base
+    # Both stages on one Python: the wheels built for one install on the other.
+    assert len({stage.base for stage in found}) == 1
+    builder = found[names.index("builder")]
+    assert any(re.search(r"\bpip wheel\b.* \.$", run) for run in builder.get("RUN")), (
+        "the builder builds the wheel of the package in its build context"
+    )
+
+
+def test_dockerfile_runtime_installs_plain_outbox_bridge_from_the_wheel() -> None:
+    runtime = runtime_stage()
+    installs = [run for run in runtime.get("RUN") if "pip install" in run]
+    assert len(installs) == 1, installs
+    [install] = installs
+    assert "--mount=type=bind,from=builder" in install, "the wheels come from the builder"
+    assert "--no-index" in install, "nothing is fetched in the runtime stage"
+    [target] = re.findall(r"pip install .*?(\S+)$", install)
+    assert re.fullmatch(r"/\S+/outbox_bridge-\*\.whl", target), target  # the wheel, no [extra]
+    text = runtime.text()
+    for extra in [*PYPROJECT["project"].get("optional-dependencies", {}), "embedded"]:
+        assert f"[{extra}]" not in text, f"the runtime image installs the {extra} extra"
+    assert "embedded" not in text.lower()
+    # No build tools, no sources: the package arrives as the wheel only.
+    for tool in ("apt-get", "apk ", "gcc", "build-essential", "pip wheel", "setup.py"):
+        assert tool not in text, f"{tool} in the runtime stage"
+    for copy in runtime.get("COPY"):
+        assert "--from=builder" in copy, f"COPY {copy}: the runtime stage copies no sources"
+    assert "worker.py" not in text
+
+
+def test_dockerfile_runs_the_outbox_bridge_worker_as_non_root() -> None:
+    assert image_command() == [CLI_NAME, "worker"]
+    [entrypoint] = runtime_stage().get("ENTRYPOINT")
+    assert exec_form(entrypoint) == [CLI_NAME], "`docker run IMAGE init-db` runs that command"
+    assert CLI_NAME in PYPROJECT["project"]["scripts"]
     uid, gid = image_uid()
     assert uid > 0 and gid > 0  # numeric, so that runAsNonRoot can check it
-    assert json.loads(instruction("CMD")[-1]) == ["python", "worker.py"]
-    assert instruction("STOPSIGNAL") == ["SIGTERM"]
-    assert [int(p) for p in instruction("EXPOSE")] == [HEALTH_PORT]
+    assert runtime_stage().get("STOPSIGNAL") == ["SIGTERM"]
+    exposed = {int(port) for args in runtime_stage().get("EXPOSE") for port in args.split()}
+    assert exposed == {HEALTH_PORT, METRICS_PORT}
 
 
 def test_dockerfile_healthcheck_hits_the_liveness_endpoint() -> None:
-    [check] = instruction("HEALTHCHECK")
-    assert "CMD python -c" in check
-    assert f"127.0.0.1:%s{LIVENESS_PATH}" in check
-    assert f"os.environ.get('OUTBOX_HEALTH_PORT', '{HEALTH_PORT}')" in check
-    [docker_timeout] = re.findall(r"--timeout=(\S+)", check)
-    [request_timeout] = re.findall(r"timeout=(\d+)\)", check)
+    [check] = runtime_stage().get("HEALTHCHECK")
+    options, _, command = check.partition(" CMD ")
+    python, flag, code = exec_form(command)
+    assert (python, flag) == ("python", "-c")
+    assert f"127.0.0.1:%s{LIVENESS_PATH}" in code
+    assert f"os.environ.get('OUTBOX_HEALTH_PORT', '{HEALTH_PORT}')" in code
+    [docker_timeout] = re.findall(r"--timeout=(\S+)", options)
+    [request_timeout] = re.findall(r"timeout=(\d+)\)", code)
     assert seconds(docker_timeout) > float(request_timeout)
 
 
-def test_dockerfile_copies_the_whole_package() -> None:
-    copied = set()
-    for args in instruction("COPY"):
-        *sources, _ = shlex.split(args)
+def test_docker_build_context_holds_the_package_and_nothing_else() -> None:
+    copies = [shlex.split(args) for stage in stages() for args in stage.get("COPY")]
+    for *sources, _ in (c for c in copies if not c[0].startswith("--from")):
         for source in sources:
-            assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
-            copied.add(source.rstrip("/"))
+            assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
     setuptools = PYPROJECT["tool"]["setuptools"]
-    wanted = {*setuptools["packages"], *(f"{m}.py" for m in setuptools["py-modules"])}
-    assert wanted | {"pyproject.toml", "README.md"} <= copied
-    ignored = {
-        line.strip()
-        for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
-    assert not ignored & copied, "the build context leaves out what the image copies"
+    needed = [*setuptools["packages"], *(f"{m}.py" for m in setuptools.get("py-modules", []))]
+    for path in [*needed, "pyproject.toml", PYPROJECT["project"]["readme"]]:
+        assert (ROOT / path).exists(), path
+        assert not ignored(path), f"the build context leaves out {path}, which the wheel needs"
+    for path in (".git", ".venv", "tests", "bench", "deploy", "deploy/k8s/secret.env", ".env"):
+        assert ignored(path), f"the build context should leave out {path}"
+    assert ignored("outbox_bridge/__pycache__/cli.cpython-311.pyc")
 
 
-def test_dockerfile_env_names_are_settings() -> None:
-    for args in instruction("ENV"):
-        for name in re.findall(r"(\w+)=", args):
-            if name.startswith(("OUTBOX_", "TEMPORAL_")):
-                assert name in ENV_NAMES, f"ENV {name} is no setting"
+def test_dockerfile_env_is_valid_settings(monkeypatch) -> None:
+    for stage in stages():
+        for args in stage.get("ENV"):
+            for name in re.findall(r"(\w+)=", args):
+                if name.startswith(("OUTBOX_", "TEMPORAL_")):
+                    assert name in ENV_NAMES, f"ENV {name} is no setting"
+    settings = settings_from(image_env(), monkeypatch)
+    assert settings.metrics_exporter == "prometheus"
+    assert settings.metrics_port == METRICS_PORT
+
+
+def test_deploy_files_run_commands_of_the_cli() -> None:
+    """The subcommand the image runs exists; the Compose worker runs the image's command."""
+    worker = services()["worker"]
+    assert "entrypoint" not in worker and "command" not in worker
+    used = {image_command()[1]}
+    missing = used - set(cli.commands)
+    if missing and missing <= PENDING_SUBCOMMANDS:
+        pytest.skip(f"not yet a command of {CLI_NAME}: {', '.join(sorted(missing))}")
+    assert not missing, f"not commands of {CLI_NAME}: {missing}"
 
 
 # -- docker compose ----------------------------------------------------------------------------
@@ -250,7 +387,7 @@ def test_compose_worker_health_and_grace(monkeypatch) -> None:
     assert worker.get("init") is True  # signals reach the worker; children are reaped
 
 
-# -- Kubernetes ------------------------------------------------------------------------------------
+# -- Kubernetes --------------------------------------------------------------------------------
 
 
 def test_k8s_manifests_parse_and_are_all_applied() -> None:
@@ -324,7 +461,7 @@ def test_k8s_selectors_and_disruption_budget() -> None:
     assert budget["spec"].get("maxUnavailable", 0) < deployment["spec"]["replicas"]
 
 
-# -- README ----------------------------------------------------------------------------------------
+# -- README ------------------------------------------------------------------------------------
 
 
 def readme_section(title: str) -> str:

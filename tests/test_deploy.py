@@ -1,8 +1,10 @@
 """The deployment files in ``deploy/`` agree with the code: every environment variable is a
-setting of ``OutboxSettings`` with a valid value, probes hit the paths and port that
-``outbox_bridge.health`` serves, grace periods outlast ``shutdown_grace``, images and users match.
+setting of ``OutboxSettings`` with a valid value, probes and scrapes hit the paths and ports that
+the worker serves, grace periods outlast ``shutdown_grace``, images, users and commands match,
+Temporal's setup jobs register every search attribute of the shard workflows.
 
-No container engine or cluster is needed: the files are parsed and cross-checked.
+No container engine or cluster is needed: the files are parsed and cross-checked, and the
+Temporal setup scripts are run with stand-ins for the tools of the admin-tools image.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from dataclasses import dataclass, field
+from graphlib import TopologicalSorter
 from pathlib import Path
 from typing import Any, get_args
 
@@ -21,7 +26,10 @@ import pytest
 import yaml
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.common import SearchAttributeKey
 
+import workflows.models
 from outbox_bridge.cli import main as cli
 from outbox_bridge.config import OutboxSettings, env_name
 from outbox_bridge.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
@@ -42,6 +50,8 @@ CLI_NAME = "outbox-bridge"
 # The `worker` subcommand is being added to the CLI; until it is there, the check that the
 # image's command exists skips that one command (and only it).
 PENDING_SUBCOMMANDS = {"worker"}
+# The search attribute types `temporal operator search-attribute create --type` takes.
+CLI_ATTRIBUTE_TYPES = {"Text", "Keyword", "Int", "Double", "Bool", "Datetime", "KeywordList"}
 
 # -- reading the files -------------------------------------------------------------------------
 
@@ -165,6 +175,26 @@ def compose_env(service: str) -> dict[str, str]:
     return {key: interpolate(value) for key, value in env.items()}
 
 
+def mounts(service: str) -> dict[str, Path]:
+    """Bind mounts of a compose service: container path -> file in the repository."""
+    found = {}
+    for volume in services()[service].get("volumes", []):
+        source, target, *options = str(volume).split(":")
+        if source.startswith("."):
+            assert options == ["ro"], f"{service}: mount {source} read-only"
+            found[target] = (DEPLOY / source).resolve()
+    return found
+
+
+def job_script(service: str) -> Path:
+    """The script a one-shot compose job runs, as a file of the repository."""
+    entrypoint = services()[service]["entrypoint"]
+    assert entrypoint[:1] == ["/bin/sh"] and len(entrypoint) == 2, entrypoint
+    script = mounts(service)[entrypoint[1]]
+    assert script.is_file() and script.is_relative_to(DEPLOY), script
+    return script
+
+
 def k8s_documents() -> dict[str, list[dict[str, Any]]]:
     return {
         path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
@@ -210,6 +240,23 @@ def seconds(duration: str | int) -> float:
     parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
     assert parts and "".join(a + u for a, u in parts) == duration, duration
     return sum(float(amount) * units[unit] for amount, unit in parts)
+
+
+def model_search_attributes() -> dict[str, str]:
+    """Every SearchAttributeKey that workflows/models.py defines: name -> CLI type name."""
+    found = {}
+    for value in vars(workflows.models).values():
+        if isinstance(value, SearchAttributeKey):
+            enum = IndexedValueType.Name(value.indexed_value_type)
+            words = enum.removeprefix("INDEXED_VALUE_TYPE_").split("_")
+            found[value.name] = "".join(word.title() for word in words)
+    return found
+
+
+def image_tag(image: str) -> tuple[int, ...]:
+    repository, _, tag = image.rpartition(":")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tag), f"{repository}: pin a release tag, not {tag}"
+    return tuple(map(int, tag.split(".")))
 
 
 # -- Dockerfile --------------------------------------------------------------------------------
@@ -315,26 +362,176 @@ def test_deploy_files_run_commands_of_the_cli() -> None:
     assert not missing, f"not commands of {CLI_NAME}: {missing}"
 
 
-# -- docker compose ----------------------------------------------------------------------------
+# -- docker compose: the Temporal server and its setup jobs ------------------------------------
 
 
 def test_compose_services_and_images() -> None:
-    services = compose()["services"]
-    assert set(services) == {"postgres", "temporal", "temporal-ui", "worker"}
-    for name, service in services.items():
+    found = services()
+    assert set(found) == {
+        "postgres",
+        "temporal-setup-schema",
+        "temporal",
+        "temporal-create-namespace",
+        "temporal-ui",
+        "worker",
+    }
+    for name, service in found.items():
         image = service["image"]
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image tag"
-    assert services["temporal"]["image"].startswith("temporalio/auto-setup:")
-    assert services["temporal-ui"]["image"].startswith("temporalio/ui:")
-    assert services["postgres"]["image"].startswith("postgres:")
+        assert "auto-setup" not in image, f"{name}: temporalio/auto-setup is deprecated"
+    server = found["temporal"]["image"]
+    assert server.startswith("temporalio/server:")
+    assert (1, 20) <= image_tag(server)[:2] < (2, 0), server
+    for job in ("temporal-setup-schema", "temporal-create-namespace"):
+        tools = found[job]["image"]
+        assert tools.startswith("temporalio/admin-tools:"), job
+        # The schema the tools write is the one that server version expects.
+        assert image_tag(tools) == image_tag(server), f"{job}: use the server's tag"
+    assert found["temporal-ui"]["image"].startswith("temporalio/ui:")
+    image_tag(found["temporal-ui"]["image"])
+    assert found["postgres"]["image"].startswith("postgres:")
     # The outbox trigger needs PostgreSQL 14 or newer.
-    [major] = re.findall(r"^postgres:(\d+)", services["postgres"]["image"])
+    [major] = re.findall(r"^postgres:(\d+)", found["postgres"]["image"])
     assert int(major) >= 14
-    worker = services["worker"]
+    worker = found["worker"]
     assert (DEPLOY / worker["build"]["context"] / worker["build"]["dockerfile"]).resolve() == (
         DEPLOY / "Dockerfile"
     )
-    assert worker["image"] == f"outbox-bridge:{VERSION}"
+    assert worker["image"] == f"{CLI_NAME}:{VERSION}"
+
+
+def test_compose_start_order() -> None:
+    found = services()
+    graph = {name: set(service.get("depends_on", {})) for name, service in found.items()}
+    for name, service in found.items():
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in found, f"{name} depends on unknown {dependency}"
+            condition = condition["condition"]
+            if condition == "service_healthy":
+                assert "healthcheck" in found[dependency], dependency
+            else:
+                assert condition == "service_completed_successfully", (name, dependency)
+                one_shot = found[dependency]
+                assert one_shot.get("restart", "no") == "no", f"{dependency} runs once"
+                assert "healthcheck" not in one_shot and "ports" not in one_shot, dependency
+    order = list(TopologicalSorter(graph).static_order())  # raises on a cycle
+
+    def waits_for(name: str, dependency: str, condition: str) -> None:
+        assert found[name]["depends_on"][dependency] == {"condition": condition}, name
+        assert order.index(dependency) < order.index(name)
+
+    waits_for("temporal-setup-schema", "postgres", "service_healthy")
+    waits_for("temporal", "temporal-setup-schema", "service_completed_successfully")
+    waits_for("temporal-create-namespace", "temporal", "service_healthy")
+    waits_for("temporal-ui", "temporal", "service_healthy")
+    waits_for("worker", "postgres", "service_healthy")
+    waits_for("worker", "temporal", "service_healthy")
+    waits_for("worker", "temporal-create-namespace", "service_completed_successfully")
+
+
+def test_compose_temporal_server_on_postgres_with_dynamic_config() -> None:
+    postgres = compose_env("postgres")
+    server = compose_env("temporal")
+    assert server["DB"] == "postgres12"
+    assert server["POSTGRES_SEEDS"] == "postgres" and server["DB_PORT"] == "5432"
+    assert (server["POSTGRES_USER"], server["POSTGRES_PWD"]) == (
+        postgres["POSTGRES_USER"],
+        postgres["POSTGRES_PASSWORD"],
+    )
+    assert server["BIND_ON_IP"] == "0.0.0.0"
+    assert any(str(p).endswith(":7233") for p in services()["temporal"]["ports"])
+    dynamic = mounts("temporal")[server["DYNAMIC_CONFIG_FILE_PATH"]]
+    assert dynamic.is_relative_to(DEPLOY) and dynamic.is_file()
+    config = yaml.safe_load(dynamic.read_text())
+    assert config, "the dynamic config sets something"
+    for key, values in config.items():
+        assert re.fullmatch(r"[a-z]+\.\w+", key), key
+        for value in values:
+            assert set(value) <= {"value", "constraints"} and "value" in value, key
+    assert config["limit.maxIDLength"] == [{"value": 255, "constraints": {}}]
+
+
+def fake_tool(bin_dir: Path, name: str, log: Path, fail_on: str = "") -> None:
+    """A stand-in for a tool of the admin-tools image: records its arguments, one line a call."""
+    script = bin_dir / name
+    script.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "{name} $*" >> "{log}"\n'
+        f'case "$*" in {fail_on or "__never__"}) exit 1;; esac\n'
+    )
+    script.chmod(0o755)
+
+
+def run_job(service: str, tmp_path: Path, env: dict[str, str]) -> list[str]:
+    """Run a compose job's script with the tools faked; the tool calls it made, in order."""
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX shell")
+    log = tmp_path / "calls"
+    log.touch()
+    for tool in ("temporal-sql-tool", "temporal"):
+        fake_tool(tmp_path, tool, log, fail_on="*'namespace describe'*")
+    result = subprocess.run(
+        [sh, str(job_script(service))],
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return log.read_text().splitlines()
+
+
+def test_compose_schema_job_sets_up_both_temporal_databases(tmp_path: Path) -> None:
+    postgres = compose_env("postgres")
+    server = compose_env("temporal")
+    job = compose_env("temporal-setup-schema")
+    assert job["SQL_HOST"] == server["POSTGRES_SEEDS"]
+    assert job["SQL_PORT"] == server["DB_PORT"]
+    assert (job["SQL_USER"], job["SQL_PASSWORD"]) == (
+        postgres["POSTGRES_USER"],
+        postgres["POSTGRES_PASSWORD"],
+    )
+    calls = run_job("temporal-setup-schema", tmp_path, job)
+    databases = {
+        server.get("DBNAME", "temporal"): "temporal",
+        server.get("VISIBILITY_DBNAME", "temporal_visibility"): "visibility",
+    }
+    assert set(databases) == {"temporal", "temporal_visibility"}
+    for database, schema in databases.items():
+        tool = f"temporal-sql-tool --plugin {server['DB']} --db {database}"
+        assert [c.removeprefix(tool + " ") for c in calls if c.startswith(tool + " ")] == [
+            "create",
+            "setup-schema -v 0.0",
+            f"update-schema -d /etc/temporal/schema/postgresql/v12/{schema}/versioned",
+        ], calls
+    # The server must not create its own schema: the job has, before it starts.
+    assert "SKIP_SCHEMA_SETUP" not in server and "AUTO_SETUP" not in json.dumps(server)
+
+
+def test_compose_namespace_job_registers_every_search_attribute(tmp_path: Path) -> None:
+    expected = model_search_attributes()
+    assert expected, "workflows/models.py defines the search attributes"
+    assert expected == SEARCH_ATTRIBUTES, "the worker registers what workflows/models.py defines"
+    assert set(expected.values()) <= CLI_ATTRIBUTE_TYPES
+    job = compose_env("temporal-create-namespace")
+    worker = compose_env("worker")
+    assert job["TEMPORAL_ADDRESS"] == worker["TEMPORAL_ADDRESS"]
+    assert job["TEMPORAL_NAMESPACE"] == worker["TEMPORAL_NAMESPACE"]
+    calls = run_job("temporal-create-namespace", tmp_path, job)
+    namespace = job["TEMPORAL_NAMESPACE"]
+    assert f"temporal operator namespace create --namespace {namespace} --retention 72h" in calls
+    [create] = [c for c in calls if c.startswith("temporal operator search-attribute create")]
+    words = create.split()
+    assert words[words.index("--namespace") + 1] == namespace
+    pairs = re.findall(r"--name (\S+) --type (\S+)", create)
+    assert dict(pairs) == expected and len(pairs) == len(expected), create
+    # The server must be up before the namespace is created, and that before the attributes.
+    health = calls.index("temporal operator cluster health")
+    assert health < calls.index(create)
+
+
+# -- docker compose: the worker ----------------------------------------------------------------
 
 
 def test_compose_worker_env_is_valid_settings(monkeypatch) -> None:
@@ -347,7 +544,6 @@ def test_compose_worker_env_is_valid_settings(monkeypatch) -> None:
 
 
 def test_compose_worker_reaches_postgres_and_temporal() -> None:
-    services = compose()["services"]
     env = compose_env("worker")
     postgres = compose_env("postgres")
     url = make_url(env["OUTBOX_DATABASE_URL"])
@@ -357,29 +553,17 @@ def test_compose_worker_reaches_postgres_and_temporal() -> None:
         postgres["POSTGRES_PASSWORD"],
         postgres["POSTGRES_DB"],
     )
-    temporal = compose_env("temporal")
-    assert temporal["DB"] == "postgres12"
-    assert temporal["POSTGRES_SEEDS"] == "postgres"
-    assert (temporal["POSTGRES_USER"], temporal["POSTGRES_PWD"]) == (
-        postgres["POSTGRES_USER"],
-        postgres["POSTGRES_PASSWORD"],
-    )
     assert env["TEMPORAL_ADDRESS"] == "temporal:7233"
     assert compose_env("temporal-ui")["TEMPORAL_ADDRESS"] == env["TEMPORAL_ADDRESS"]
-    assert any(str(p).endswith(":7233") for p in services["temporal"]["ports"])
-    for name in ("worker", "temporal", "temporal-ui"):
-        for dependency, condition in services[name]["depends_on"].items():
-            assert condition == {"condition": "service_healthy"}, name
-            assert "healthcheck" in services[dependency], dependency
-    assert set(services["worker"]["depends_on"]) == {"postgres", "temporal"}
 
 
-def test_compose_worker_health_and_grace(monkeypatch) -> None:
-    worker = compose()["services"]["worker"]
+def test_compose_worker_health_metrics_and_grace(monkeypatch) -> None:
+    worker = services()["worker"]
     settings = settings_from(compose_env("worker"), monkeypatch)
     assert settings.health_port == HEALTH_PORT
+    assert (settings.metrics_exporter, settings.metrics_port) == ("prometheus", METRICS_PORT)
     published = {int(str(p).rsplit(":", 1)[1]) for p in worker["ports"]}
-    assert published == {settings.health_port}
+    assert published == {settings.health_port, settings.metrics_port}
     check = " ".join(worker["healthcheck"]["test"])
     assert f"127.0.0.1:{settings.health_port}{LIVENESS_PATH}" in check
     # Docker kills a container when stop_grace_period runs out (10 s unless set).
@@ -490,3 +674,4 @@ def test_readme_documents_the_deployment_settings() -> None:
     for variable in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TEMPORAL_API_KEY"):
         assert f"`{variable}`" in deploying, variable
     assert "`TEMPORAL_TLS_CERT`, `TEMPORAL_TLS_KEY`" in deploying
+    assert "auto-setup" not in deploying

@@ -53,6 +53,7 @@ PENDING_SUBCOMMANDS = {"worker"}
 # The search attribute types `temporal operator search-attribute create --type` takes.
 CLI_ATTRIBUTE_TYPES = {"Text", "Keyword", "Int", "Double", "Bool", "Datetime", "KeywordList"}
 
+
 # -- reading the files -------------------------------------------------------------------------
 
 
@@ -208,17 +209,43 @@ def k8s(kind: str) -> dict[str, Any]:
     return found[0]
 
 
-def worker_container() -> dict[str, Any]:
-    containers = k8s("Deployment")["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    return containers[0]
+def kustomization() -> dict[str, Any]:
+    [doc] = k8s_documents()["kustomization.yaml"]
+    return doc
+
+
+def pod_spec(kind: str) -> dict[str, Any]:
+    spec: dict[str, Any] = k8s(kind)["spec"]["template"]["spec"]
+    return spec
+
+
+def container(kind: str) -> dict[str, Any]:
+    containers = pod_spec(kind)["containers"]
+    assert len(containers) == 1, kind
+    result: dict[str, Any] = containers[0]
+    return result
+
+
+def secret_command() -> list[str]:
+    """The ``kubectl create secret generic`` command that deploy/k8s/README.md documents."""
+    text = (K8S / "README.md").read_text()
+    commands = re.findall(r"^kubectl create secret generic .*?(?<!\\)$", text, re.M | re.S)
+    assert commands, "deploy/k8s/README.md shows how to create the Secret"
+    words = shlex.split(max(commands, key=len).replace("\\\n", " "))
+    return words
+
+
+def secret_literals() -> dict[str, str]:
+    words = secret_command()
+    literals = [w.removeprefix("--from-literal=") for w in words if w.startswith("--from-literal=")]
+    return dict(literal.split("=", 1) for literal in literals)
 
 
 def k8s_env() -> dict[str, str]:
-    """The environment the worker container gets from its ConfigMap, Secret and env."""
+    """The environment the worker gets from its ConfigMap, the documented Secret, and env."""
     env = dict(k8s("ConfigMap")["data"])
-    env.update(k8s("Secret").get("stringData", {}))
-    env.update({item["name"]: item["value"] for item in worker_container().get("env", [])})
+    env.update(secret_literals())
+    env.update({item["name"]: item["value"] for item in container("Deployment").get("env", [])})
     return env
 
 
@@ -259,7 +286,7 @@ def image_tag(image: str) -> tuple[int, ...]:
     return tuple(map(int, tag.split(".")))
 
 
-# -- Dockerfile --------------------------------------------------------------------------------
+# -- Dockerfile ----------------------------------------------------------------------------------
 
 
 def test_dockerfile_builds_in_stages_on_slim_python() -> None:
@@ -352,17 +379,25 @@ def test_dockerfile_env_is_valid_settings(monkeypatch) -> None:
 
 
 def test_deploy_files_run_commands_of_the_cli() -> None:
-    """The subcommand the image runs exists; the Compose worker runs the image's command."""
-    worker = services()["worker"]
-    assert "entrypoint" not in worker and "command" not in worker
+    """The subcommands the image, the Compose worker and the Kubernetes Job run exist."""
     used = {image_command()[1]}
+    worker = services()["worker"]
+    assert "entrypoint" not in worker, "the worker runs the image's entrypoint"
+    used.update(worker.get("command", []))
+    for kind in ("Deployment", "Job"):
+        spec = container(kind)
+        command = spec.get("command", image_command()[:1]) + spec.get("args", [])
+        if command:
+            assert command[0] == CLI_NAME, f"{kind}: {command}"
+            used.update(command[1:2])
+    assert "init-db" in used
     missing = used - set(cli.commands)
     if missing and missing <= PENDING_SUBCOMMANDS:
         pytest.skip(f"not yet a command of {CLI_NAME}: {', '.join(sorted(missing))}")
     assert not missing, f"not commands of {CLI_NAME}: {missing}"
 
 
-# -- docker compose: the Temporal server and its setup jobs ------------------------------------
+# -- docker compose: the Temporal server and its setup jobs ----------------------------------
 
 
 def test_compose_services_and_images() -> None:
@@ -531,7 +566,7 @@ def test_compose_namespace_job_registers_every_search_attribute(tmp_path: Path) 
     assert health < calls.index(create)
 
 
-# -- docker compose: the worker ----------------------------------------------------------------
+# -- docker compose: the worker ------------------------------------------------------------------
 
 
 def test_compose_worker_env_is_valid_settings(monkeypatch) -> None:
@@ -571,68 +606,141 @@ def test_compose_worker_health_metrics_and_grace(monkeypatch) -> None:
     assert worker.get("init") is True  # signals reach the worker; children are reaped
 
 
-# -- Kubernetes --------------------------------------------------------------------------------
+# -- Kubernetes ------------------------------------------------------------------------------------
 
 
 def test_k8s_manifests_parse_and_are_all_applied() -> None:
     documents = k8s_documents()
-    kustomization = documents.pop("kustomization.yaml")
-    assert [d["kind"] for d in kustomization] == ["Kustomization"]
-    assert set(kustomization[0]["resources"]) == set(documents)
+    documents.pop("kustomization.yaml")
+    config = kustomization()
+    assert config["kind"] == "Kustomization"
+    assert set(config["resources"]) == set(documents)
     for name, docs in documents.items():
         assert docs, name
         for doc in docs:
             assert {"apiVersion", "kind", "metadata"} <= set(doc), name
             assert doc["metadata"]["name"], name
+    kinds = [doc["kind"] for name in config["resources"] for doc in documents[name]]
+    assert kinds.count("Job") == 1 and kinds.count("Deployment") == 1
+    # The Job is applied before the workers, in the order listed.
+    assert config["sortOptions"] == {"order": "fifo"}
+    assert kinds.index("Job") < kinds.index("Deployment")
+
+
+def test_k8s_has_no_secret_in_the_repository() -> None:
+    config = kustomization()
+    kinds = {doc["kind"] for docs in k8s_documents().values() for doc in docs}
+    assert "Secret" not in kinds, "no Secret manifest, not even with placeholders"
+    assert "secretGenerator" not in config
+    assert not (K8S / "secret.yaml").exists()
+    # Every pod reads the Secret that the README tells how to create.
+    words = secret_command()
+    name = words[words.index("generic") + 1]
+    for kind in ("Deployment", "Job"):
+        assert {"secretRef": {"name": name}} in container(kind)["envFrom"], kind
+    literals = secret_literals()
+    assert "OUTBOX_DATABASE_URL" in literals
+    assert set(literals) <= SECRET_ENV, "the Secret holds the secret settings only"
 
 
 def test_k8s_env_is_valid_settings(monkeypatch) -> None:
-    config_map, secret = k8s("ConfigMap"), k8s("Secret")
-    for source in (config_map["data"], secret["stringData"]):
-        for key, value in source.items():
-            assert key in ENV_NAMES, f"{key} is no setting of OutboxSettings"
-            assert isinstance(value, str), f"{key}: Kubernetes wants a string; quote it"
+    config_map = k8s("ConfigMap")
+    for key, value in config_map["data"].items():
+        assert key in ENV_NAMES, f"{key} is no setting of OutboxSettings"
+        assert isinstance(value, str), f"{key}: Kubernetes wants a string; quote it"
     assert not SECRET_ENV & set(config_map["data"]), "secrets belong in the Secret"
-    assert "OUTBOX_DATABASE_URL" in secret["stringData"]
-    env_from = worker_container()["envFrom"]
-    assert {"configMapRef": {"name": config_map["metadata"]["name"]}} in env_from
-    assert {"secretRef": {"name": secret["metadata"]["name"]}} in env_from
+    for kind in ("Deployment", "Job"):
+        env_from = container(kind)["envFrom"]
+        assert {"configMapRef": {"name": config_map["metadata"]["name"]}} in env_from, kind
     settings = settings_from(k8s_env(), monkeypatch)
     assert settings.database_url is not None and settings.temporal_address is not None
     assert settings.app
+
+
+def test_k8s_init_db_job_runs_before_the_workers_with_their_image() -> None:
+    job = k8s("Job")
+    spec = job["spec"]
+    init = container("Job")
+    assert init["command"] == [CLI_NAME, "init-db"]
+    assert "init-db" in cli.commands
+    assert init["image"] == container("Deployment")["image"]
+    assert init["envFrom"] == container("Deployment")["envFrom"]
+    assert pod_spec("Job")["restartPolicy"] in ("Never", "OnFailure")
+    assert 0 < spec["backoffLimit"] <= 10
+    assert spec["activeDeadlineSeconds"] > 0
+    # A finished Job goes away, so that the next apply can create it again with a new image.
+    assert 0 < spec["ttlSecondsAfterFinished"]
+    # Not one of the workers: the budget and the spread count workers only.
+    selector = k8s("Deployment")["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_k8s_probes_hit_the_health_endpoints(monkeypatch) -> None:
     settings = settings_from(k8s_env(), monkeypatch)
     assert settings.health_port == HEALTH_PORT
     assert settings.health_host == "0.0.0.0"  # the kubelet probes the pod's address
-    container = worker_container()
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    worker = container("Deployment")
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
     for probe, path in (("livenessProbe", LIVENESS_PATH), ("readinessProbe", READINESS_PATH)):
-        get = container[probe]["httpGet"]
+        get = worker[probe]["httpGet"]
         assert get["path"] == path, probe
         port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
         assert port == settings.health_port, probe
-    assert container["readinessProbe"]["timeoutSeconds"] > CHECK_TIMEOUT
+    assert worker["readinessProbe"]["timeoutSeconds"] > CHECK_TIMEOUT
 
 
-def test_k8s_worker_stops_gracefully_and_runs_unprivileged(monkeypatch) -> None:
+def test_k8s_exposes_the_metrics_port(monkeypatch) -> None:
     settings = settings_from(k8s_env(), monkeypatch)
-    deployment = k8s("Deployment")
-    pod = deployment["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > settings.shutdown_grace
+    assert (settings.metrics_exporter, settings.metrics_port) == ("prometheus", METRICS_PORT)
+    assert settings.metrics_host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in container("Deployment")["ports"]}
+    assert ports["metrics"] == settings.metrics_port
+    assert ports["health"] != ports["metrics"]
+    annotations = k8s("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(settings.metrics_port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Job"])
+def test_k8s_pods_run_unprivileged_on_a_read_only_root(kind: str) -> None:
+    pod = pod_spec(kind)
     assert pod["securityContext"]["runAsNonRoot"] is True
     uid, gid = image_uid()
     assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (
         uid,
         gid,
     )
-    container = worker_container()
-    assert container["securityContext"]["allowPrivilegeEscalation"] is False
-    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
-    for kind in ("requests", "limits"):
-        assert {"cpu", "memory"} <= set(container["resources"][kind]), kind
-    assert container["image"] == compose()["services"]["worker"]["image"]
+    assert pod["automountServiceAccountToken"] is False
+    spec = container(kind)
+    security = spec["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+    for resources in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(spec["resources"][resources]), resources
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    writable = {m["mountPath"]: volumes[m["name"]] for m in spec["volumeMounts"]}
+    assert "emptyDir" in writable["/tmp"], "the one writable place is an emptyDir"
+    assert spec["image"] == services()["worker"]["image"]
+
+
+def test_k8s_worker_stops_gracefully(monkeypatch) -> None:
+    settings = settings_from(k8s_env(), monkeypatch)
+    pod = pod_spec("Deployment")
+    assert pod["terminationGracePeriodSeconds"] > settings.shutdown_grace
+
+
+def test_k8s_workers_spread_over_nodes_and_zones() -> None:
+    deployment = k8s("Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    constraints = {c["topologyKey"]: c for c in pod_spec("Deployment")["topologySpreadConstraints"]}
+    assert set(constraints) == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    for constraint in constraints.values():
+        assert constraint["labelSelector"]["matchLabels"] == selector
+        assert constraint["maxSkew"] == 1
+    # Nodes without a zone label, or one zone only, must not keep workers from starting.
+    assert constraints["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
 
 
 def test_k8s_selectors_and_disruption_budget() -> None:
@@ -641,11 +749,22 @@ def test_k8s_selectors_and_disruption_budget() -> None:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items()
     assert budget["spec"]["selector"]["matchLabels"] == selector
-    assert deployment["spec"]["replicas"] >= 2
-    assert budget["spec"].get("maxUnavailable", 0) < deployment["spec"]["replicas"]
+    replicas = deployment["spec"]["replicas"]
+    assert replicas >= 2
+    # A drain can always make progress: one ready worker at a time, unready ones at any time.
+    assert "minAvailable" not in budget["spec"]
+    assert 1 <= budget["spec"]["maxUnavailable"] < replicas
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
-# -- README ------------------------------------------------------------------------------------
+def test_k8s_readme_describes_every_manifest() -> None:
+    text = (K8S / "README.md").read_text()
+    for name in [*kustomization()["resources"], "kustomization.yaml"]:
+        assert f"| `{name}` |" in text, f"deploy/k8s/README.md: a row for {name}"
+    assert "secret.yaml" not in text
+
+
+# -- README ----------------------------------------------------------------------------------------
 
 
 def readme_section(title: str) -> str:
@@ -655,10 +774,17 @@ def readme_section(title: str) -> str:
     return text[start : end if end != -1 else None]
 
 
-def test_readme_registers_every_search_attribute() -> None:
-    pairs = re.findall(r"--name (\w+) --type (\w+)", readme_section("Deploying"))
-    assert dict(pairs) == SEARCH_ATTRIBUTES
-    assert len(pairs) == len(SEARCH_ATTRIBUTES)
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(lambda: readme_section("Deploying"), id="README"),
+        pytest.param(lambda: (K8S / "README.md").read_text(), id="deploy/k8s/README"),
+    ],
+)
+def test_readme_registers_every_search_attribute(text) -> None:
+    pairs = re.findall(r"--name (\w+) --type (\w+)", text())
+    assert dict(pairs) == model_search_attributes()
+    assert len(pairs) == len(model_search_attributes())
 
 
 def test_readme_documents_the_deployment_settings() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,20 +315,30 @@ class Verdict:
     order_violations: list[str] = field(default_factory=list)
     # §3.5: two calls of one shard running at the same time.
     overlaps: list[str] = field(default_factory=list)
-    # §3.1: a handler ran for a row that was rolled back (or never written).
+    # §3.1: a handler ran for a row that was rolled back (or never written), or was told a
+    # shard or group that no committed row has.
     phantom_calls: list[str] = field(default_factory=list)
+    # A handler was given a row with another row's shard, category or object identifier.
+    mismatched_calls: list[str] = field(default_factory=list)
     # §3.5: successful calls that covered a row already covered (at least once: allowed).
     duplicates: int = 0
 
     @property
     def problems(self) -> list[str]:
-        return self.lost + self.order_violations + self.overlaps + self.phantom_calls
+        return (
+            self.lost
+            + self.order_violations
+            + self.overlaps
+            + self.phantom_calls
+            + self.mismatched_calls
+        )
 
     def summary(self) -> str:
         return (
             f"{self.rows} rows, {self.calls} calls ({self.failed_calls} failed), "
             f"{len(self.lost)} lost, {len(self.order_violations)} order violations, "
             f"{len(self.overlaps)} overlaps, {len(self.phantom_calls)} phantom calls, "
+            f"{len(self.mismatched_calls)} mismatched calls, "
             f"{self.duplicates} duplicates; first problems: {self.problems[:5]}"
         )
 
@@ -343,17 +353,22 @@ def check(
 ) -> Verdict:
     """Check ``history`` against DESIGN §3.
 
+    Every call is judged by the truth row of the id it names, never by what the handler was
+    told about that row: a call whose shard, category or object identifier differs from its
+    row's is a *mismatched* call, and a call naming an id, a shard or a group that no
+    committed row has is a *phantom* call. Coverage, order and overlaps follow the truth row.
+
     A row is *covered* once a successful call of its coalescing group had an id at least its
     own, *pending* until it is deleted, and *open* while it is pending and not covered.
 
     - No loss: every deleted row was covered before its deletion; every committed row is
-      deleted by the end (except ``pending_ok``); the latest row of every group was handled
-      with its own id.
+      deleted by the end (except ``pending_ok``), and deleted by a recorded delete; the
+      latest row of every group was handled with its own id.
     - Order: a call handles a group whose lowest pending id (at the call) is below every open
       row of its shard. So a shard's groups run in order of their lowest pending id, a failing
       head blocks the rows behind it, and the only way back to a lower id is a group that was
       already covered and is repeated (after a crash or a timeout, before its rows were
-      deleted).
+      deleted). A call for a group whose rows up to its id were all deleted is a violation.
     - No overlap: the calls of one shard never run at the same time.
     - No call for a row that was rolled back or never written.
 
@@ -385,28 +400,29 @@ def check(
             deleted.add(row_id)
             continue
         call: CallRow = item
-        if call.row_id not in rows:
+        row = rows.get(call.row_id)
+        if row is None:
             what = "rolled-back" if call.row_id in rolled else "never written"
             verdict.phantom_calls.append(f"call {call.seq} handled {what} row {call.row_id}")
             continue
-        ids = group_ids[(call.shard, call.group)]
-        pending = [i for i in ids if i <= call.row_id and i not in deleted]
+        _compare(call, row, shards.keys(), group_ids.keys(), verdict)
+        ids = group_ids[(row.shard, row.group)]
+        pending = [i for i in ids if i <= row.id and i not in deleted]
         if not pending:
             verdict.order_violations.append(
-                f"call {call.seq} handled row {call.row_id} after its group was deleted"
+                f"call {call.seq} handled row {row.id} after its group was deleted"
             )
             continue
-        state = shards[call.shard]
-        heap = state.open_ids
+        heap = shards[row.shard].open_ids
         while heap and (heap[0] in deleted or heap[0] in covered):
             heapq.heappop(heap)
         if heap and heap[0] < pending[0]:
             verdict.order_violations.append(
-                f"call {call.seq} handled group {call.group} of shard {call.shard} from id "
+                f"call {call.seq} handled group {row.group} of shard {row.shard} from id "
                 f"{pending[0]} while row {heap[0]} of another group was pending"
             )
         if call.outcome == "ok":
-            handled_ids.add(call.row_id)
+            handled_ids.add(row.id)
             if any(i in covered for i in pending):
                 verdict.duplicates += 1
             covered.update(pending)
@@ -418,16 +434,39 @@ def check(
         latest = ids[-1]
         if latest not in handled_ids and latest not in history.remaining:
             verdict.lost.append(f"latest row {latest} of group {group} in {shard} never handled")
-    for row_id in rows.keys() - deleted - history.remaining:
+    for row_id in sorted(rows.keys() - deleted - history.remaining):
         verdict.lost.append(f"row {row_id} vanished without a deletion")
-    verdict.overlaps = _overlaps(history.calls)
+    verdict.overlaps = _overlaps(history.calls, rows)
     return verdict
 
 
-def _overlaps(calls: Sequence[CallRow]) -> list[str]:
+def _compare(
+    call: CallRow,
+    row: TruthRow,
+    shards: Collection[Shard],
+    groups: Collection[tuple[Shard, tuple[int, int]]],
+    verdict: Verdict,
+) -> None:
+    """Report what ``call`` was told about its row that the row's truth contradicts."""
+    if call.shard not in shards or (call.shard, call.group) not in groups:
+        verdict.phantom_calls.append(
+            f"call {call.seq} of row {row.id} named group {call.group} of shard {call.shard}, "
+            "which no committed row has"
+        )
+    elif (call.shard, call.group) != (row.shard, row.group):
+        verdict.mismatched_calls.append(
+            f"call {call.seq} of row {row.id} named group {call.group} of shard {call.shard}; "
+            f"the row is in group {row.group} of shard {row.shard}"
+        )
+
+
+def _overlaps(calls: Sequence[CallRow], rows: Mapping[int, TruthRow]) -> list[str]:
+    """Calls of one shard that ran at the same time, the shard of a call being its row's (the
+    one it reported when its row is unknown)."""
     by_shard: dict[Shard, list[CallRow]] = defaultdict(list)
     for call in calls:
-        by_shard[call.shard].append(call)
+        row = rows.get(call.row_id)
+        by_shard[row.shard if row is not None else call.shard].append(call)
     found = []
     for shard, shard_calls in by_shard.items():
         shard_calls.sort(key=lambda c: c.started)

@@ -3,9 +3,9 @@ fail would make every scenario pass)."""
 
 from __future__ import annotations
 
-from tests.faults.history import CallRow, History, TruthRow, check
+from tests.faults.history import CallRow, History, Shard, TruthRow, check
 
-SHARD = (1, 7)
+SHARD, OTHER_SHARD = (1, 7), (1, 8)
 A, B, C = (2, 1), (2, 2), (3, 1)  # coalescing groups: category, object
 
 
@@ -22,12 +22,20 @@ class Log:
         self.deletions: list[tuple[int, int]] = []
 
     def call(
-        self, row_id: int, group: tuple[int, int], outcome: str = "ok", *, overlap: bool = False
+        self,
+        row_id: int,
+        group: tuple[int, int],
+        outcome: str = "ok",
+        *,
+        overlap: bool = False,
+        shard: Shard = SHARD,
     ) -> None:
+        """A call of ``row_id``, told ``group`` and ``shard`` as the row's (the handler's
+        message says so; the truth may not)."""
         self.seq += 1
         start = float(self.seq) - (1.5 if overlap else 0.0)
         self.calls.append(
-            CallRow(self.seq, row_id, SHARD, group, 1, start, self.seq + 0.5, outcome)
+            CallRow(self.seq, row_id, shard, group, 1, start, self.seq + 0.5, outcome)
         )
 
     def delete(self, *ids: int) -> None:
@@ -125,3 +133,46 @@ def test_overlapping_calls_of_one_shard_are_found() -> None:
     log.call(2, B, overlap=True)
     log.delete(1, 2)
     assert len(check(log.history(rows((1, A), (2, B))), rolled_back=[]).overlaps) == 1
+
+
+def test_a_call_is_judged_by_its_rows_truth_not_by_what_it_was_told() -> None:
+    # Row 2 (group B) is delivered as if it were of group A: that must not cover row 1.
+    log = Log()
+    log.call(2, A)
+    log.delete(1, 2)
+    verdict = check(log.history(rows((1, A), (2, B))), rolled_back=[])
+    assert verdict.mismatched_calls == [
+        "call 1 of row 2 named group (2, 1) of shard (1, 7); the row is in group (2, 2) of "
+        "shard (1, 7)"
+    ]
+    assert "row 1 deleted (seq 2) before it was handled" in verdict.lost
+    assert "latest row 1 of group (2, 1) in (1, 7) never handled" in verdict.lost
+
+
+def test_a_call_told_another_rows_shard_is_mismatched_and_covers_only_its_own_row() -> None:
+    truth = [TruthRow(1, SHARD, A), TruthRow(2, OTHER_SHARD, A)]
+    log = Log()
+    log.call(2, A, shard=SHARD)  # row 2 is of the other shard
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert verdict.mismatched_calls == [
+        "call 1 of row 2 named group (2, 1) of shard (1, 7); the row is in group (2, 1) of "
+        "shard (1, 8)"
+    ]
+    assert verdict.lost == [
+        "row 1 deleted (seq 2) before it was handled",
+        "latest row 1 of group (2, 1) in (1, 7) never handled",
+    ]
+
+
+def test_a_call_told_a_shard_or_group_that_no_row_has_is_a_phantom_call() -> None:
+    log = Log()
+    log.call(1, A, shard=(2, 99))  # no committed row is in shard (2, 99)
+    log.call(2, (9, 9))  # nor in group (9, 9)
+    log.delete(1, 2)
+    verdict = check(log.history(rows((1, A), (2, B))), rolled_back=[])
+    assert verdict.phantom_calls == [
+        "call 1 of row 1 named group (2, 1) of shard (2, 99), which no committed row has",
+        "call 2 of row 2 named group (9, 9) of shard (1, 7), which no committed row has",
+    ]
+    assert not verdict.mismatched_calls

@@ -3,7 +3,8 @@
 
 Its table is ``$FAULT_OUTBOX_TABLE``. Every handler call is recorded in ``fault_calls`` (see
 :mod:`tests.faults.history`) on the handler's own connection, committed before the handler
-returns or raises, with the calling process and a per-process sequence number. What a handler
+returns or raises, with what the message told it (the row's id, shard, group, and a digest of
+its payload), the calling process and a per-process sequence number. What a handler
 does is steered by the test through ``fault_control`` (read at most every 0.2 s): a random share
 of calls fails, the shards listed as poison always fail, and the objects listed as hanging hang
 once, past the handler timeout.
@@ -15,6 +16,7 @@ category an ``async def`` one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import os
@@ -146,6 +148,14 @@ def _take_hang(table: str, object_identifier: int) -> bool:
     return bool(rows)
 
 
+def payload_digest(payload: object) -> str:
+    """A digest of a JSON payload that does not depend on how it was encoded (key order,
+    spacing): the handler records it for the payload it was given, the check computes it for
+    the payload each row was committed with."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def record(message: OutboxMessage, handler: str, started: float, outcome: str) -> None:
     """Log one handler call, committed before the handler returns (or raises)."""
     with _seq_lock:
@@ -154,8 +164,8 @@ def record(message: OutboxMessage, handler: str, started: float, outcome: str) -
     _execute(
         "INSERT INTO fault_calls (outbox_table, row_id, shard_scope, shard_identifier, "
         "category, object_identifier, coalesced, pid, process_seq, started, finished, "
-        "outcome, handler, region, payload_type, payload_bytes) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        "outcome, handler, region, payload_type, payload_bytes, payload_digest) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (
             TABLE,
             message.id,
@@ -173,6 +183,7 @@ def record(message: OutboxMessage, handler: str, started: float, outcome: str) -
             message.region,
             type(payload).__name__,
             len(json.dumps(payload)) if payload is not None else None,
+            payload_digest(payload),
         ),
     )
 

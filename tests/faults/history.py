@@ -3,10 +3,11 @@ history against DESIGN §3.
 
 Three tables, shared by every scenario and keyed by outbox table:
 
-- ``fault_truth``: one row per committed outbox row, written in the same transaction as the
-  outbox row, so a rolled-back outbox row leaves no trace in it either.
-- ``fault_calls``: one row per handler call, written by the handler on its own connection and
-  committed before the handler returns (:mod:`tests.faults.fault_app`).
+- ``fault_truth``: one row per committed outbox row, with its payload, written in the same
+  transaction as the outbox row, so a rolled-back outbox row leaves no trace in it either.
+- ``fault_calls``: one row per handler call, with what the handler was told about its row (a
+  digest of the payload it was given among it), written by the handler on its own connection
+  and committed before the handler returns (:mod:`tests.faults.fault_app`).
 - ``fault_deletions``: one row per deleted outbox row, written by a trigger in the deleting
   transaction.
 
@@ -28,7 +29,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.schema import create_outbox_tables
-from tests.faults.fault_app import PAYLOAD_CANARY, FaultCategory, FaultScope, make_app
+from tests.faults.fault_app import (
+    PAYLOAD_CANARY,
+    FaultCategory,
+    FaultScope,
+    make_app,
+    payload_digest,
+)
 
 LOG_DDL = [
     "CREATE SEQUENCE IF NOT EXISTS fault_event_seq",
@@ -50,9 +57,11 @@ LOG_DDL = [
         handler text NOT NULL,
         region text,
         payload_type text,
-        payload_bytes int
+        payload_bytes int,
+        payload_digest text
     )
     """,
+    "ALTER TABLE fault_calls ADD COLUMN IF NOT EXISTS payload_digest text",
     "CREATE INDEX IF NOT EXISTS fault_calls_table_idx ON fault_calls (outbox_table, seq)",
     """
     CREATE TABLE IF NOT EXISTS fault_truth (
@@ -62,9 +71,11 @@ LOG_DDL = [
         shard_identifier bigint NOT NULL,
         category int NOT NULL,
         object_identifier bigint NOT NULL,
+        payload jsonb,
         PRIMARY KEY (outbox_table, row_id)
     )
     """,
+    "ALTER TABLE fault_truth ADD COLUMN IF NOT EXISTS payload jsonb",
     """
     CREATE TABLE IF NOT EXISTS fault_deletions (
         seq bigint NOT NULL DEFAULT nextval('fault_event_seq'),
@@ -135,7 +146,8 @@ Shard = tuple[int, int]  # scope, shard identifier
 class Workload:
     """Writes rows the way an application does: in transactions of a few rows, each outbox
     row with its ``fault_truth`` row, and one transaction in ``rollback_share`` rolled back
-    (its ids remembered). Payloads carry :data:`PAYLOAD_CANARY`."""
+    (its ids remembered). Payloads carry :data:`PAYLOAD_CANARY` and a number of their own, so
+    that no two rows have the same payload."""
 
     engine: AsyncEngine
     table: str
@@ -195,11 +207,13 @@ class Workload:
                             CAST(:categories AS int[]), CAST(:objects AS bigint[]),
                             CAST(:numbers AS bigint[])) AS r(s, i, c, o, n)
                 ORDER BY n
-                RETURNING id, shard_scope, shard_identifier, category, object_identifier
+                RETURNING id, shard_scope, shard_identifier, category, object_identifier,
+                          payload
             )
             INSERT INTO fault_truth (outbox_table, row_id, shard_scope, shard_identifier,
-                                     category, object_identifier)
-            SELECT :table, id, shard_scope, shard_identifier, category, object_identifier
+                                     category, object_identifier, payload)
+            SELECT :table, id, shard_scope, shard_identifier, category, object_identifier,
+                   payload
             FROM new
             RETURNING row_id
             """
@@ -232,6 +246,7 @@ class TruthRow:
     id: int
     shard: Shard
     group: tuple[int, int]  # category, object identifier
+    payload_digest: str  # of the payload committed with the row (see payload_digest)
 
 
 @dataclass(frozen=True)
@@ -244,6 +259,7 @@ class CallRow:
     started: float
     finished: float
     outcome: str  # ok, failed, cancelled
+    payload_digest: str | None  # of the payload the handler was given
 
 
 @dataclass
@@ -258,12 +274,15 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
     async with engine.connect() as conn:
         truth = [
             TruthRow(
-                r.row_id, (r.shard_scope, r.shard_identifier), (r.category, r.object_identifier)
+                r.row_id,
+                (r.shard_scope, r.shard_identifier),
+                (r.category, r.object_identifier),
+                payload_digest(r.payload),
             )
             for r in await conn.execute(
                 text(
-                    "SELECT row_id, shard_scope, shard_identifier, category, object_identifier "
-                    "FROM fault_truth WHERE outbox_table = :t"
+                    "SELECT row_id, shard_scope, shard_identifier, category, object_identifier, "
+                    "payload FROM fault_truth WHERE outbox_table = :t"
                 ),
                 {"t": table},
             )
@@ -278,12 +297,13 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
                 r.started,
                 r.finished,
                 r.outcome,
+                r.payload_digest,
             )
             for r in await conn.execute(
                 text(
                     "SELECT seq, row_id, shard_scope, shard_identifier, category, "
-                    "object_identifier, pid, started, finished, outcome FROM fault_calls "
-                    "WHERE outbox_table = :t ORDER BY seq"
+                    "object_identifier, pid, started, finished, outcome, payload_digest "
+                    "FROM fault_calls WHERE outbox_table = :t ORDER BY seq"
                 ),
                 {"t": table},
             )
@@ -318,7 +338,8 @@ class Verdict:
     # §3.1: a handler ran for a row that was rolled back (or never written), or was told a
     # shard or group that no committed row has.
     phantom_calls: list[str] = field(default_factory=list)
-    # A handler was given a row with another row's shard, category or object identifier.
+    # A handler was given a row with another row's shard, category, object identifier or
+    # payload.
     mismatched_calls: list[str] = field(default_factory=list)
     # §3.5: successful calls that covered a row already covered (at least once: allowed).
     duplicates: int = 0
@@ -355,8 +376,8 @@ def check(
 
     Every call is judged by the truth row of the id it names, never by what the handler was
     told about that row: a call whose shard, category or object identifier differs from its
-    row's is a *mismatched* call, and a call naming an id, a shard or a group that no
-    committed row has is a *phantom* call. Coverage, order and overlaps follow the truth row.
+    row's, or that was given a payload other than its row's, is a *mismatched* call, and a
+    call naming an id, a shard or a group that no committed row has is a *phantom* call. Coverage, order and overlaps follow the truth row.
 
     A row is *covered* once a successful call of its coalescing group had an id at least its
     own, *pending* until it is deleted, and *open* while it is pending and not covered.
@@ -382,6 +403,7 @@ def check(
         calls=len(history.calls),
         failed_calls=sum(1 for c in history.calls if c.outcome != "ok"),
     )
+    payloads = {row.payload_digest: row.id for row in rows.values()}
     group_ids: dict[tuple[Shard, tuple[int, int]], list[int]] = defaultdict(list)
     shards: dict[Shard, _ShardState] = defaultdict(_ShardState)
     for row in sorted(rows.values(), key=lambda r: r.id):
@@ -405,7 +427,7 @@ def check(
             what = "rolled-back" if call.row_id in rolled else "never written"
             verdict.phantom_calls.append(f"call {call.seq} handled {what} row {call.row_id}")
             continue
-        _compare(call, row, shards.keys(), group_ids.keys(), verdict)
+        _compare(call, row, shards.keys(), group_ids.keys(), payloads, verdict)
         ids = group_ids[(row.shard, row.group)]
         pending = [i for i in ids if i <= row.id and i not in deleted]
         if not pending:
@@ -445,6 +467,7 @@ def _compare(
     row: TruthRow,
     shards: Collection[Shard],
     groups: Collection[tuple[Shard, tuple[int, int]]],
+    payloads: Mapping[str, int],
     verdict: Verdict,
 ) -> None:
     """Report what ``call`` was told about its row that the row's truth contradicts."""
@@ -457,6 +480,12 @@ def _compare(
         verdict.mismatched_calls.append(
             f"call {call.seq} of row {row.id} named group {call.group} of shard {call.shard}; "
             f"the row is in group {row.group} of shard {row.shard}"
+        )
+    if call.payload_digest != row.payload_digest:
+        source = payloads.get(call.payload_digest or "")
+        whose = f"row {source}'s" if source is not None else "no committed row's"
+        verdict.mismatched_calls.append(
+            f"call {call.seq} of row {row.id} was given {whose} payload"
         )
 
 

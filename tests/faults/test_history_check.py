@@ -3,14 +3,20 @@ fail would make every scenario pass)."""
 
 from __future__ import annotations
 
+from tests.faults.fault_app import payload_digest
 from tests.faults.history import CallRow, History, Shard, TruthRow, check
 
 SHARD, OTHER_SHARD = (1, 7), (1, 8)
 A, B, C = (2, 1), (2, 2), (3, 1)  # coalescing groups: category, object
 
 
+def payload(row_id: int) -> str:
+    """The digest of row ``row_id``'s payload (each row's is its own)."""
+    return payload_digest({"n": row_id})
+
+
 def rows(*spec: tuple[int, tuple[int, int]]) -> list[TruthRow]:
-    return [TruthRow(row_id, SHARD, group) for row_id, group in spec]
+    return [TruthRow(row_id, SHARD, group, payload(row_id)) for row_id, group in spec]
 
 
 class Log:
@@ -29,13 +35,16 @@ class Log:
         *,
         overlap: bool = False,
         shard: Shard = SHARD,
+        payload_of: int | None = None,
     ) -> None:
         """A call of ``row_id``, told ``group`` and ``shard`` as the row's (the handler's
-        message says so; the truth may not)."""
+        message says so; the truth may not), and given the payload of row ``payload_of``
+        (its own by default)."""
         self.seq += 1
         start = float(self.seq) - (1.5 if overlap else 0.0)
+        given = payload(row_id if payload_of is None else payload_of)
         self.calls.append(
-            CallRow(self.seq, row_id, shard, group, 1, start, self.seq + 0.5, outcome)
+            CallRow(self.seq, row_id, shard, group, 1, start, self.seq + 0.5, outcome, given)
         )
 
     def delete(self, *ids: int) -> None:
@@ -150,7 +159,7 @@ def test_a_call_is_judged_by_its_rows_truth_not_by_what_it_was_told() -> None:
 
 
 def test_a_call_told_another_rows_shard_is_mismatched_and_covers_only_its_own_row() -> None:
-    truth = [TruthRow(1, SHARD, A), TruthRow(2, OTHER_SHARD, A)]
+    truth = [TruthRow(1, SHARD, A, payload(1)), TruthRow(2, OTHER_SHARD, A, payload(2))]
     log = Log()
     log.call(2, A, shard=SHARD)  # row 2 is of the other shard
     log.delete(1, 2)
@@ -176,3 +185,17 @@ def test_a_call_told_a_shard_or_group_that_no_row_has_is_a_phantom_call() -> Non
         "call 2 of row 2 named group (9, 9) of shard (1, 7), which no committed row has",
     ]
     assert not verdict.mismatched_calls
+
+
+def test_a_call_given_an_older_rows_payload_is_mismatched() -> None:
+    log = Log()
+    log.call(3, A, payload_of=1)  # the newest row of the group, with the oldest one's payload
+    log.delete(1, 3)
+    log.call(2, B, payload_of=99)  # a payload that no committed row has
+    log.delete(2)
+    verdict = check(log.history(rows((1, A), (2, B), (3, A))), rolled_back=[])
+    assert verdict.mismatched_calls == [
+        "call 1 of row 3 was given row 1's payload",
+        "call 4 of row 2 was given no committed row's payload",
+    ]
+    assert verdict.problems == verdict.mismatched_calls

@@ -23,6 +23,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -156,16 +157,18 @@ def payload_digest(payload: object) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def record(message: OutboxMessage, handler: str, started: float, outcome: str) -> None:
-    """Log one handler call, committed before the handler returns (or raises)."""
+def record(message: OutboxMessage, handler: str, started: float, outcome: str) -> int:
+    """Log one handler call, committed before the handler returns (or raises); returns its
+    ``seq``."""
     with _seq_lock:
         process_seq = next(_process_seq)
     payload = message.payload
-    _execute(
+    [(seq,)] = _execute(
         "INSERT INTO fault_calls (outbox_table, row_id, shard_scope, shard_identifier, "
         "category, object_identifier, coalesced, pid, process_seq, started, finished, "
         "outcome, handler, region, payload_type, payload_bytes, payload_digest) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+        "RETURNING seq",
         (
             TABLE,
             message.id,
@@ -186,6 +189,25 @@ def record(message: OutboxMessage, handler: str, started: float, outcome: str) -
             payload_digest(payload),
         ),
     )
+    assert isinstance(seq, int)
+    return seq
+
+
+_recorder = ThreadPoolExecutor(8, thread_name_prefix="fault-record")
+
+
+async def record_async(message: OutboxMessage, started: float, outcome: str) -> None:
+    """:func:`record` for an async handler, in a thread. The handler still runs while the
+    thread records: if its attempt is cancelled meanwhile, the handler raises CancelledError
+    (what the library sees) instead of ending as recorded, so the call is marked cancelled,
+    or a successful-looking call would cover rows that the library did not consider handled."""
+    recording = _recorder.submit(record, message, "async", started, outcome)
+    try:
+        await asyncio.shield(asyncio.wrap_future(recording))
+    except asyncio.CancelledError:
+        seq = recording.result()  # blocking, but the call must not be recorded wrongly
+        _execute("UPDATE fault_calls SET outcome = 'cancelled' WHERE seq = %s", (seq,))
+        raise
 
 
 def _decide(message: OutboxMessage) -> tuple[float, BaseException | None]:
@@ -222,7 +244,7 @@ async def handle_async(message: OutboxMessage) -> None:
     except asyncio.CancelledError:
         record(message, "async", started, "cancelled")  # blocking, but it must not be lost
         raise
-    await asyncio.to_thread(record, message, "async", started, "failed" if error else "ok")
+    await record_async(message, started, "failed" if error else "ok")
     if error is not None:
         raise error
 

@@ -101,6 +101,33 @@ async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
     )
 
 
+async def reset_to_first_task(address: str, workflow: str) -> None:
+    """``temporal workflow reset`` to the first workflow task, as an operator would: again
+    while the server answers that the workflow is busy (a workflow task is running)."""
+
+    async def reset() -> bool:
+        try:
+            await temporal_command(
+                address,
+                "workflow",
+                "reset",
+                "--workflow-id",
+                workflow,
+                "--type",
+                "FirstWorkflowTask",
+                "--reason",
+                "reset by an operator",
+                "--yes",
+            )
+        except AssertionError as exc:
+            if "Workflow is busy" in str(exc):
+                return False
+            raise
+        return True
+
+    await wait_until(reset, timeout=60, interval=0.2, what=f"the reset of {workflow}")
+
+
 @pytest.mark.parametrize(
     "size",
     [
@@ -134,18 +161,7 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
         reason="terminated by an operator"
     )
     # Reset to its first workflow task: its activities run again.
-    await temporal_command(
-        fault_temporal.address,
-        "workflow",
-        "reset",
-        "--workflow-id",
-        workflow_id(scenario.table, ORG, 2),
-        "--type",
-        "FirstWorkflowTask",
-        "--reason",
-        "reset by an operator",
-        "--yes",
-    )
+    await reset_to_first_task(fault_temporal.address, workflow_id(scenario.table, ORG, 2))
     scenario.clock.fault()
     await workload.write(size.rows // 3, shards=[*mixed_shards(size.shards), *poisoned])
     # Every workflow lost: the dev server's data is gone.

@@ -91,6 +91,8 @@ class WorkerProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.kills = 0
+        self.pids: list[int] = []  # of every start, in order
+        self.killed_pids: list[int] = []
         self._ready_offset = 0
 
     def start(self) -> None:
@@ -106,6 +108,7 @@ class WorkerProcess:
                 stderr=err,
             )
         self.starts += 1
+        self.pids.append(self.process.pid)
 
     @property
     def running(self) -> bool:
@@ -134,6 +137,7 @@ class WorkerProcess:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
         self.kills += 1
+        self.killed_pids.append(self.process.pid)
 
     async def stop(self, timeout: float = 60) -> int:
         """SIGTERM and wait; returns the exit code."""

@@ -324,7 +324,8 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
 
 @dataclass
 class Verdict:
-    """What :func:`check` found. Every list must be empty; ``duplicates`` is allowed."""
+    """What :func:`check` found. Every list of problems must be empty; ``duplicates`` are
+    allowed up to the scenario's ceiling, and each is described in ``repeats``."""
 
     rows: int
     calls: int
@@ -341,8 +342,13 @@ class Verdict:
     # A handler was given a row with another row's shard, category, object identifier or
     # payload.
     mismatched_calls: list[str] = field(default_factory=list)
-    # §3.5: successful calls that covered a row already covered (at least once: allowed).
+    # §3.5: successful calls that covered a row already covered (at least once: allowed, up
+    # to a ceiling that the scenario's faults justify).
     duplicates: int = 0
+    repeats: list[str] = field(default_factory=list)
+    # More duplicates than the ceiling, or (when the killed processes are known) a repeat of
+    # a call whose process was never killed.
+    excess_duplicates: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> list[str]:
@@ -352,6 +358,7 @@ class Verdict:
             + self.overlaps
             + self.phantom_calls
             + self.mismatched_calls
+            + self.excess_duplicates
         )
 
     def summary(self) -> str:
@@ -360,7 +367,8 @@ class Verdict:
             f"{len(self.lost)} lost, {len(self.order_violations)} order violations, "
             f"{len(self.overlaps)} overlaps, {len(self.phantom_calls)} phantom calls, "
             f"{len(self.mismatched_calls)} mismatched calls, "
-            f"{self.duplicates} duplicates; first problems: {self.problems[:5]}"
+            f"{self.duplicates} duplicates ({len(self.excess_duplicates)} problems); "
+            f"first problems: {self.problems[:5]}"
         )
 
 
@@ -370,7 +378,12 @@ class _ShardState:
 
 
 def check(
-    history: History, rolled_back: Iterable[int], *, pending_ok: Iterable[int] = ()
+    history: History,
+    rolled_back: Iterable[int],
+    *,
+    pending_ok: Iterable[int] = (),
+    max_duplicates: int = 0,
+    killed_pids: Collection[int] | None = None,
 ) -> Verdict:
     """Check ``history`` against DESIGN §3.
 
@@ -392,6 +405,10 @@ def check(
       deleted). A call for a group whose rows up to its id were all deleted is a violation.
     - No overlap: the calls of one shard never run at the same time.
     - No call for a row that was rolled back or never written.
+    - At most ``max_duplicates`` successful calls that covered a row already covered (zero
+      unless the scenario injects a fault that can repeat a call). With ``killed_pids``, the
+      processes that were killed with ``kill -9``: every such repeat must repeat a call of one
+      of them (the only processes that can die between a call and its delete).
 
     The check relies on ids committing in ascending order (one producer, as in the
     scenarios): then every row below a call's id committed before the call.
@@ -403,14 +420,14 @@ def check(
         calls=len(history.calls),
         failed_calls=sum(1 for c in history.calls if c.outcome != "ok"),
     )
-    payloads = {row.payload_digest: row.id for row in rows.values()}
+    payloads = {truth.payload_digest: truth.id for truth in rows.values()}
     group_ids: dict[tuple[Shard, tuple[int, int]], list[int]] = defaultdict(list)
     shards: dict[Shard, _ShardState] = defaultdict(_ShardState)
-    for row in sorted(rows.values(), key=lambda r: r.id):
-        group_ids[(row.shard, row.group)].append(row.id)
-        shards[row.shard].open_ids.append(row.id)  # ascending: already a heap
+    for truth in sorted(rows.values(), key=lambda r: r.id):
+        group_ids[(truth.shard, truth.group)].append(truth.id)
+        shards[truth.shard].open_ids.append(truth.id)  # ascending: already a heap
     deleted: set[int] = set()
-    covered: set[int] = set()
+    covered: dict[int, CallRow] = {}  # row id: the latest successful call that covered it
     handled_ids: set[int] = set()
     events: list[tuple[int, int, Any]] = [(c.seq, 1, c) for c in history.calls]
     events += [(seq, 0, row_id) for seq, row_id in history.deletions]
@@ -445,9 +462,13 @@ def check(
             )
         if call.outcome == "ok":
             handled_ids.add(row.id)
-            if any(i in covered for i in pending):
+            earlier = {covered[i].seq: covered[i] for i in pending if i in covered}
+            if earlier:
                 verdict.duplicates += 1
-            covered.update(pending)
+                _repeat(
+                    call, row, sorted(earlier.values(), key=lambda c: c.seq), killed_pids, verdict
+                )
+            covered.update(dict.fromkeys(pending, call))
     pending_ok = set(pending_ok)
     for row_id in sorted(history.remaining - pending_ok):
         if row_id in rows:
@@ -459,7 +480,35 @@ def check(
     for row_id in sorted(rows.keys() - deleted - history.remaining):
         verdict.lost.append(f"row {row_id} vanished without a deletion")
     verdict.overlaps = _overlaps(history.calls, rows)
+    if verdict.duplicates > max_duplicates:
+        verdict.excess_duplicates.append(
+            f"{verdict.duplicates} duplicate calls, more than the {max_duplicates} allowed; "
+            f"first: {verdict.repeats[:3]}"
+        )
     return verdict
+
+
+def _repeat(
+    call: CallRow,
+    row: TruthRow,
+    earlier: Sequence[CallRow],
+    killed_pids: Collection[int] | None,
+    verdict: Verdict,
+) -> None:
+    """Describe a call that covered rows that ``earlier`` calls had covered already."""
+    repeated = ", ".join(f"call {c.seq} (pid {c.pid})" for c in earlier)
+    verdict.repeats.append(
+        f"call {call.seq} (pid {call.pid}) of row {row.id} in group {row.group} of shard "
+        f"{row.shard} repeated {repeated}"
+    )
+    if killed_pids is None:
+        return
+    for previous in earlier:
+        if previous.pid not in killed_pids:
+            verdict.excess_duplicates.append(
+                f"call {call.seq} (pid {call.pid}) of row {row.id} repeated call "
+                f"{previous.seq} of pid {previous.pid}, which was not killed"
+            )
 
 
 def _compare(

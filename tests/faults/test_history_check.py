@@ -36,6 +36,7 @@ class Log:
         overlap: bool = False,
         shard: Shard = SHARD,
         payload_of: int | None = None,
+        pid: int = 1,
     ) -> None:
         """A call of ``row_id``, told ``group`` and ``shard`` as the row's (the handler's
         message says so; the truth may not), and given the payload of row ``payload_of``
@@ -44,7 +45,7 @@ class Log:
         start = float(self.seq) - (1.5 if overlap else 0.0)
         given = payload(row_id if payload_of is None else payload_of)
         self.calls.append(
-            CallRow(self.seq, row_id, shard, group, 1, start, self.seq + 0.5, outcome, given)
+            CallRow(self.seq, row_id, shard, group, pid, start, self.seq + 0.5, outcome, given)
         )
 
     def delete(self, *ids: int) -> None:
@@ -70,18 +71,53 @@ def test_a_correct_history_passes() -> None:
     assert (verdict.rows, verdict.calls, verdict.failed_calls, verdict.duplicates) == (4, 4, 1, 0)
 
 
+def crash_before_the_delete() -> Log:
+    """Process 1 handles groups A and B and is killed before the batch's delete; process 2
+    repeats them, handles C, and deletes."""
+    log = Log()
+    log.call(1, A, pid=1)
+    log.call(2, B, pid=1)
+    log.call(1, A, pid=2)
+    log.call(2, B, pid=2)
+    log.call(3, C, pid=2)
+    log.delete(1, 2, 3)
+    return log
+
+
 def test_a_crash_before_the_delete_repeats_the_batch_as_duplicates() -> None:
     truth = rows((1, A), (2, B), (3, C))
-    log = Log()
-    log.call(1, A)
-    log.call(2, B)  # killed before the batch's delete
-    log.call(1, A)
-    log.call(2, B)
-    log.call(3, C)
-    log.delete(1, 2, 3)
-    verdict = check(log.history(truth), rolled_back=[])
+    verdict = check(
+        crash_before_the_delete().history(truth), rolled_back=[], max_duplicates=2, killed_pids=[1]
+    )
     assert not verdict.problems, verdict.summary()
     assert verdict.duplicates == 2
+    assert verdict.repeats == [
+        "call 3 (pid 2) of row 1 in group (2, 1) of shard (1, 7) repeated call 1 (pid 1)",
+        "call 4 (pid 2) of row 2 in group (2, 2) of shard (1, 7) repeated call 2 (pid 1)",
+    ]
+
+
+def test_duplicates_above_the_ceiling_are_a_problem() -> None:
+    truth = rows((1, A), (2, B), (3, C))
+    history = crash_before_the_delete().history(truth)
+    assert check(history, rolled_back=[], max_duplicates=1).excess_duplicates == [
+        "2 duplicate calls, more than the 1 allowed; first: ["
+        "'call 3 (pid 2) of row 1 in group (2, 1) of shard (1, 7) repeated call 1 (pid 1)', "
+        "'call 4 (pid 2) of row 2 in group (2, 2) of shard (1, 7) repeated call 2 (pid 1)']"
+    ]
+    # Where no fault can repeat a call, the ceiling is zero: the default.
+    verdict = check(history, rolled_back=[])
+    assert len(verdict.excess_duplicates) == 1 and verdict.problems == verdict.excess_duplicates
+
+
+def test_a_repeat_of_a_call_of_a_process_that_was_not_killed_is_a_problem() -> None:
+    truth = rows((1, A), (2, B), (3, C))
+    history = crash_before_the_delete().history(truth)
+    verdict = check(history, rolled_back=[], max_duplicates=2, killed_pids=[2])
+    assert verdict.excess_duplicates == [
+        "call 3 (pid 2) of row 1 repeated call 1 of pid 1, which was not killed",
+        "call 4 (pid 2) of row 2 repeated call 2 of pid 1, which was not killed",
+    ]
 
 
 def test_a_row_deleted_before_its_handler_succeeded_is_lost() -> None:

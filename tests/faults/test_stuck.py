@@ -84,6 +84,11 @@ async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # A timed-out attempt keeps the shard lock until its hung call returns, and deletes
+        # what its batch handled on its way out, so we expect no repeat; the timeout allows
+        # one per hanging plain-def call, which returns ok after its attempt was given up.
+        # (An async call is cancelled: its retry repeats no successful call.)
+        max_duplicates=size.hangs,
     )
     async with engine.connect() as conn:
         hung = (
@@ -180,6 +185,11 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # The terminate and the reset cancel attempts of poison shards, whose calls fail, and
+        # the wipe cancels drains, which delete what they handled on their way out; category
+        # activities run only in the poison shards, whose calls fail until the wipe is over.
+        # Nothing can be repeated.
+        max_duplicates=0,
     )
 
 
@@ -251,6 +261,9 @@ async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # No crash, restart or timeout: the skip cancels only the attempt of the poison
+        # shard, whose calls fail. Nothing can be repeated.
+        max_duplicates=0,
     )
     # The history scanner sees what does reach history: the skip reason, and (errors are not
     # redacted here) the handler's error message.

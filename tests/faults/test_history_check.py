@@ -37,15 +37,19 @@ class Log:
         shard: Shard = SHARD,
         payload_of: int | None = None,
         pid: int = 1,
+        during: tuple[float, float] | None = None,
     ) -> None:
         """A call of ``row_id``, told ``group`` and ``shard`` as the row's (the handler's
         message says so; the truth may not), and given the payload of row ``payload_of``
-        (its own by default)."""
+        (its own by default). It runs from its ``seq`` for half a second (from 1.5 s earlier
+        with ``overlap``), or ``during`` the given times."""
         self.seq += 1
-        start = float(self.seq) - (1.5 if overlap else 0.0)
+        start, finish = float(self.seq) - (1.5 if overlap else 0.0), self.seq + 0.5
+        if during is not None:
+            start, finish = during
         given = payload(row_id if payload_of is None else payload_of)
         self.calls.append(
-            CallRow(self.seq, row_id, shard, group, pid, start, self.seq + 0.5, outcome, given)
+            CallRow(self.seq, row_id, shard, group, pid, start, finish, outcome, given)
         )
 
     def delete(self, *ids: int) -> None:
@@ -235,3 +239,67 @@ def test_a_call_given_an_older_rows_payload_is_mismatched() -> None:
         "call 4 of row 2 was given no committed row's payload",
     ]
     assert verdict.problems == verdict.mismatched_calls
+
+
+def test_a_row_that_vanished_without_a_deletion_is_lost() -> None:
+    log = Log()
+    log.call(1, A)
+    log.call(2, B)
+    log.delete(1)  # row 2 is gone from the table, but no delete of it was recorded
+    verdict = check(log.history(rows((1, A), (2, B)), remaining=set()), rolled_back=[])
+    assert verdict.lost == ["row 2 vanished without a deletion"]
+
+
+def test_a_row_handled_after_its_group_was_deleted_is_an_order_violation() -> None:
+    log = Log()
+    log.call(1, A)
+    log.delete(1)
+    log.call(1, A)  # the row is gone: nothing may handle it any more
+    verdict = check(log.history(rows((1, A))), rolled_back=[])
+    assert verdict.order_violations == ["call 3 handled row 1 after its group was deleted"]
+    assert verdict.problems == verdict.order_violations
+
+
+def test_a_call_for_a_row_never_written_is_a_phantom_call() -> None:
+    log = Log()
+    log.call(1, A)
+    log.call(5, A)  # no row 5 was committed or rolled back
+    log.delete(1)
+    verdict = check(log.history(rows((1, A))), rolled_back=[4])
+    assert verdict.phantom_calls == ["call 2 handled never written row 5"]
+    assert verdict.problems == verdict.phantom_calls
+
+
+def test_a_call_nested_inside_another_of_its_shard_is_an_overlap() -> None:
+    log = Log()
+    log.call(1, A, during=(0.0, 10.0))
+    log.call(2, B, during=(2.0, 3.0))  # starts and ends while call 1 runs
+    log.call(3, C, during=(4.0, 5.0))  # so does this one
+    log.delete(1, 2, 3)
+    verdict = check(log.history(rows((1, A), (2, B), (3, C))), rolled_back=[])
+    assert verdict.overlaps == [
+        "shard (1, 7): call 2 (pid 1) started while call 1 (pid 1) was running",
+        "shard (1, 7): call 3 (pid 1) started while call 1 (pid 1) was running",
+    ]
+
+
+def test_calls_of_different_shards_may_run_at_the_same_time() -> None:
+    truth = [TruthRow(1, SHARD, A, payload(1)), TruthRow(2, OTHER_SHARD, A, payload(2))]
+    log = Log()
+    log.call(1, A, during=(0.0, 10.0))
+    log.call(2, A, shard=OTHER_SHARD, during=(2.0, 3.0))
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert not verdict.problems, verdict.summary()
+
+
+def test_overlaps_are_found_in_the_shard_of_the_row_not_the_one_a_call_was_told() -> None:
+    truth = [TruthRow(1, SHARD, A, payload(1)), TruthRow(2, SHARD, B, payload(2))]
+    log = Log()
+    log.call(1, A, during=(0.0, 10.0))
+    log.call(2, A, shard=OTHER_SHARD, during=(2.0, 3.0))  # told another shard: still row 2's
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert verdict.overlaps == [
+        "shard (1, 7): call 2 (pid 1) started while call 1 (pid 1) was running"
+    ]

@@ -125,12 +125,25 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
         max_duplicates=size.kills * size.shards,
         repeats_only_after_kills=True,
     )
-    # Both workers handled rows; the per-shard lock kept them apart (no overlaps).
+    # Both workers handled rows, the steady one too (the victim's restarts alone would give
+    # several processes), and some shard was handled by both: the per-shard lock kept them
+    # apart (no overlaps).
     async with engine.connect() as conn:
-        pids = (
+        handled = (
             await conn.execute(
-                text("SELECT count(DISTINCT pid) FROM fault_calls WHERE outbox_table = :t"),
+                text(
+                    "SELECT DISTINCT pid, shard_scope, shard_identifier FROM fault_calls "
+                    "WHERE outbox_table = :t AND outcome = 'ok'"
+                ),
                 {"t": scenario.table},
             )
-        ).scalar_one()
-    assert pids >= 2
+        ).all()
+    assert len(steady.pids) == 1, "the steady worker was restarted"
+    shards: dict[str, set[Shard]] = {steady.name: set(), victim.name: set()}
+    owner = {pid: worker.name for worker in (steady, victim) for pid in worker.pids}
+    for pid, scope, shard in handled:
+        assert pid in owner, f"a call of process {pid}, which is neither worker"
+        shards[owner[pid]].add((scope, shard))
+    assert shards[steady.name], "the steady worker handled no row"
+    assert shards[victim.name], "the killed worker handled no row"
+    assert shards[steady.name] & shards[victim.name], "no shard was handled by both workers"

@@ -79,6 +79,7 @@ class Scenario:
         for worker in self.workers:
             code = await worker.stop()
             assert code == 0, f"{worker.name} exited {code}\n{worker.output()[-5000:]}"
+            worker.check_output()
         history = await read_history(self.engine, self.table)
         killed = [pid for worker in self.workers for pid in worker.killed_pids]
         verdict = check(

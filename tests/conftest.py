@@ -1,12 +1,59 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from tests.harness import Servers, connect_client, new_engine, start_servers
+
+pytest_plugins = ["pytester"]
+
+# A test that provokes an ERROR record of the library on purpose says so with this marker;
+# any other ERROR record of an ``outbox_bridge`` logger fails the test that was running.
+ERROR_LOGS_MARKER = "logs_errors"
+
+
+class _ErrorRecords(logging.Handler):
+    """Keeps the records of level ERROR and above that reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _describe(record: logging.LogRecord) -> str:
+    line = f"{record.levelname} {record.name}: {record.getMessage()}"
+    if record.exc_info and record.exc_info[1] is not None:
+        error = record.exc_info[1]
+        line += f" [{type(error).__qualname__}: {error}]"
+    return line
+
+
+@pytest.fixture(autouse=True)
+def no_library_error_logs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test when the library logged an error while it ran: an unexpected exception
+    that the code survived (a bridge restart, say) would otherwise pass unnoticed, because the
+    sweeps repair whatever it left behind."""
+    records = _ErrorRecords()
+    library = logging.getLogger("outbox_bridge")
+    library.addHandler(records)
+    try:
+        yield
+    finally:
+        library.removeHandler(records)
+    if records.records and request.node.get_closest_marker(ERROR_LOGS_MARKER) is None:
+        lines = "\n".join(_describe(r) for r in records.records[:10])
+        pytest.fail(
+            f"the library logged {len(records.records)} error record(s) during the test "
+            f"(mark it {ERROR_LOGS_MARKER} if that is its point):\n{lines}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -219,6 +219,7 @@ async def wait_for_answer(port: int, check: str) -> Answer:
     return answers[-1]
 
 
+@pytest.mark.logs_errors  # the taken port is reported as an error, on purpose
 async def test_a_taken_health_port_does_not_stop_the_worker(servers, caplog) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
-from tests.faults.fault_app import SCOPES, TABLE, FaultCategory, control, record
+from tests.faults.fault_app import SCOPES, TABLE, FaultCategory, control, record, record_async
 
 
 class HandlerExit(BaseException):
@@ -52,7 +52,7 @@ async def handle_async(message: OutboxMessage) -> object:
     started = time.time()
     # Raised here, in the coroutine: not through a thread's future.
     error, value = await asyncio.to_thread(misbehaviour, message)
-    await asyncio.to_thread(record, message, "async", started, "failed" if error else "ok")
+    await record_async(message, started, "failed" if error else "ok")
     if error is not None:
         raise error
     return value

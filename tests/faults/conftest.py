@@ -66,8 +66,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 @pytest.fixture(autouse=True)
 def kill_leftover_workers() -> Iterator[None]:
+    """Kill the workers a test left running, and fail the test if one of its workers logged
+    an unexpected exception (those that Scenario.finish checked already are not reported
+    twice)."""
     yield
-    WorkerProcess.kill_leftovers()
+    try:
+        WorkerProcess.check_outputs()
+    finally:
+        WorkerProcess.kill_leftovers()
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 
 Its table is ``$FAULT_OUTBOX_TABLE``. Every handler call is recorded in ``fault_calls`` (see
 :mod:`tests.faults.history`) on the handler's own connection, committed before the handler
-returns or raises, with the calling process and a per-process sequence number. What a handler
+returns or raises, with what the message told it (the row's id, shard, group, and a digest of
+its payload), the calling process and a per-process sequence number. What a handler
 does is steered by the test through ``fault_control`` (read at most every 0.2 s): a random share
 of calls fails, the shards listed as poison always fail, and the objects listed as hanging hang
 once, past the handler timeout.
@@ -15,12 +16,14 @@ category an ``async def`` one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -146,16 +149,26 @@ def _take_hang(table: str, object_identifier: int) -> bool:
     return bool(rows)
 
 
-def record(message: OutboxMessage, handler: str, started: float, outcome: str) -> None:
-    """Log one handler call, committed before the handler returns (or raises)."""
+def payload_digest(payload: object) -> str:
+    """A digest of a JSON payload that does not depend on how it was encoded (key order,
+    spacing): the handler records it for the payload it was given, the check computes it for
+    the payload each row was committed with."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def record(message: OutboxMessage, handler: str, started: float, outcome: str) -> int:
+    """Log one handler call, committed before the handler returns (or raises); returns its
+    ``seq``."""
     with _seq_lock:
         process_seq = next(_process_seq)
     payload = message.payload
-    _execute(
+    [(seq,)] = _execute(
         "INSERT INTO fault_calls (outbox_table, row_id, shard_scope, shard_identifier, "
         "category, object_identifier, coalesced, pid, process_seq, started, finished, "
-        "outcome, handler, region, payload_type, payload_bytes) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        "outcome, handler, region, payload_type, payload_bytes, payload_digest) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+        "RETURNING seq",
         (
             TABLE,
             message.id,
@@ -173,8 +186,28 @@ def record(message: OutboxMessage, handler: str, started: float, outcome: str) -
             message.region,
             type(payload).__name__,
             len(json.dumps(payload)) if payload is not None else None,
+            payload_digest(payload),
         ),
     )
+    assert isinstance(seq, int)
+    return seq
+
+
+_recorder = ThreadPoolExecutor(8, thread_name_prefix="fault-record")
+
+
+async def record_async(message: OutboxMessage, started: float, outcome: str) -> None:
+    """:func:`record` for an async handler, in a thread. The handler still runs while the
+    thread records: if its attempt is cancelled meanwhile, the handler raises CancelledError
+    (what the library sees) instead of ending as recorded, so the call is marked cancelled,
+    or a successful-looking call would cover rows that the library did not consider handled."""
+    recording = _recorder.submit(record, message, "async", started, outcome)
+    try:
+        await asyncio.shield(asyncio.wrap_future(recording))
+    except asyncio.CancelledError:
+        seq = recording.result()  # blocking, but the call must not be recorded wrongly
+        _execute("UPDATE fault_calls SET outcome = 'cancelled' WHERE seq = %s", (seq,))
+        raise
 
 
 def _decide(message: OutboxMessage) -> tuple[float, BaseException | None]:
@@ -211,7 +244,7 @@ async def handle_async(message: OutboxMessage) -> None:
     except asyncio.CancelledError:
         record(message, "async", started, "cancelled")  # blocking, but it must not be lost
         raise
-    await asyncio.to_thread(record, message, "async", started, "failed" if error else "ok")
+    await record_async(message, started, "failed" if error else "ok")
     if error is not None:
         raise error
 

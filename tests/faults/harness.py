@@ -29,6 +29,10 @@ FAULT_APP = "tests.faults.fault_app:app"
 # The database password given to every worker: it must never appear in what they print.
 PASSWORD_CANARY = "pg-pass-canary-41c7"
 READY_LINE = "outbox-bridge is running"
+# What a worker logs when the bridge or the worker itself met an unexpected exception. The
+# bridge restarts and its sweeps repair what it left behind, so a scenario would pass unless
+# it looks for these lines.
+FAILURE_LINES = ("bridge failed", "outbox-bridge stopped on an unexpected error")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -91,6 +95,9 @@ class WorkerProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.kills = 0
+        self.pids: list[int] = []  # of every start, in order
+        self.killed_pids: list[int] = []
+        self.output_checked = False
         self._ready_offset = 0
 
     def start(self) -> None:
@@ -106,6 +113,7 @@ class WorkerProcess:
                 stderr=err,
             )
         self.starts += 1
+        self.pids.append(self.process.pid)
 
     @property
     def running(self) -> bool:
@@ -134,6 +142,7 @@ class WorkerProcess:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
         self.kills += 1
+        self.killed_pids.append(self.process.pid)
 
     async def stop(self, timeout: float = 60) -> int:
         """SIGTERM and wait; returns the exit code."""
@@ -163,6 +172,26 @@ class WorkerProcess:
             if path.exists():
                 parts.append(path.read_text(errors="replace"))
         return "\n".join(parts)
+
+    def check_output(self) -> None:
+        """Fail if any start of this worker logged an unexpected exception (see
+        :data:`FAILURE_LINES`)."""
+        self.output_checked = True
+        output = self.output()
+        for line in FAILURE_LINES:
+            at = output.find(line)
+            if at >= 0:
+                raise AssertionError(
+                    f"{self.name} logged {line!r}:\n{output[max(0, at - 300) : at + 3000]}"
+                )
+
+    @classmethod
+    def check_outputs(cls) -> None:
+        """:meth:`check_output` for every worker started since the last call whose output
+        was not checked yet (conftest calls it after each test)."""
+        unchecked = [worker for worker in cls.started if not worker.output_checked]
+        for worker in unchecked:
+            worker.check_output()
 
 
 def new_table() -> str:

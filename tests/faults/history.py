@@ -3,10 +3,11 @@ history against DESIGN §3.
 
 Three tables, shared by every scenario and keyed by outbox table:
 
-- ``fault_truth``: one row per committed outbox row, written in the same transaction as the
-  outbox row, so a rolled-back outbox row leaves no trace in it either.
-- ``fault_calls``: one row per handler call, written by the handler on its own connection and
-  committed before the handler returns (:mod:`tests.faults.fault_app`).
+- ``fault_truth``: one row per committed outbox row, with its payload, written in the same
+  transaction as the outbox row, so a rolled-back outbox row leaves no trace in it either.
+- ``fault_calls``: one row per handler call, with what the handler was told about its row (a
+  digest of the payload it was given among it), written by the handler on its own connection
+  and committed before the handler returns (:mod:`tests.faults.fault_app`).
 - ``fault_deletions``: one row per deleted outbox row, written by a trigger in the deleting
   transaction.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.db.schema import create_outbox_tables
-from tests.faults.fault_app import PAYLOAD_CANARY, FaultCategory, FaultScope, make_app
+from tests.faults.fault_app import (
+    PAYLOAD_CANARY,
+    FaultCategory,
+    FaultScope,
+    make_app,
+    payload_digest,
+)
 
 LOG_DDL = [
     "CREATE SEQUENCE IF NOT EXISTS fault_event_seq",
@@ -50,9 +57,11 @@ LOG_DDL = [
         handler text NOT NULL,
         region text,
         payload_type text,
-        payload_bytes int
+        payload_bytes int,
+        payload_digest text
     )
     """,
+    "ALTER TABLE fault_calls ADD COLUMN IF NOT EXISTS payload_digest text",
     "CREATE INDEX IF NOT EXISTS fault_calls_table_idx ON fault_calls (outbox_table, seq)",
     """
     CREATE TABLE IF NOT EXISTS fault_truth (
@@ -62,9 +71,11 @@ LOG_DDL = [
         shard_identifier bigint NOT NULL,
         category int NOT NULL,
         object_identifier bigint NOT NULL,
+        payload jsonb,
         PRIMARY KEY (outbox_table, row_id)
     )
     """,
+    "ALTER TABLE fault_truth ADD COLUMN IF NOT EXISTS payload jsonb",
     """
     CREATE TABLE IF NOT EXISTS fault_deletions (
         seq bigint NOT NULL DEFAULT nextval('fault_event_seq'),
@@ -135,7 +146,8 @@ Shard = tuple[int, int]  # scope, shard identifier
 class Workload:
     """Writes rows the way an application does: in transactions of a few rows, each outbox
     row with its ``fault_truth`` row, and one transaction in ``rollback_share`` rolled back
-    (its ids remembered). Payloads carry :data:`PAYLOAD_CANARY`."""
+    (its ids remembered). Payloads carry :data:`PAYLOAD_CANARY` and a number of their own, so
+    that no two rows have the same payload."""
 
     engine: AsyncEngine
     table: str
@@ -195,11 +207,13 @@ class Workload:
                             CAST(:categories AS int[]), CAST(:objects AS bigint[]),
                             CAST(:numbers AS bigint[])) AS r(s, i, c, o, n)
                 ORDER BY n
-                RETURNING id, shard_scope, shard_identifier, category, object_identifier
+                RETURNING id, shard_scope, shard_identifier, category, object_identifier,
+                          payload
             )
             INSERT INTO fault_truth (outbox_table, row_id, shard_scope, shard_identifier,
-                                     category, object_identifier)
-            SELECT :table, id, shard_scope, shard_identifier, category, object_identifier
+                                     category, object_identifier, payload)
+            SELECT :table, id, shard_scope, shard_identifier, category, object_identifier,
+                   payload
             FROM new
             RETURNING row_id
             """
@@ -232,6 +246,7 @@ class TruthRow:
     id: int
     shard: Shard
     group: tuple[int, int]  # category, object identifier
+    payload_digest: str  # of the payload committed with the row (see payload_digest)
 
 
 @dataclass(frozen=True)
@@ -244,6 +259,7 @@ class CallRow:
     started: float
     finished: float
     outcome: str  # ok, failed, cancelled
+    payload_digest: str | None  # of the payload the handler was given
 
 
 @dataclass
@@ -258,12 +274,15 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
     async with engine.connect() as conn:
         truth = [
             TruthRow(
-                r.row_id, (r.shard_scope, r.shard_identifier), (r.category, r.object_identifier)
+                r.row_id,
+                (r.shard_scope, r.shard_identifier),
+                (r.category, r.object_identifier),
+                payload_digest(r.payload),
             )
             for r in await conn.execute(
                 text(
-                    "SELECT row_id, shard_scope, shard_identifier, category, object_identifier "
-                    "FROM fault_truth WHERE outbox_table = :t"
+                    "SELECT row_id, shard_scope, shard_identifier, category, object_identifier, "
+                    "payload FROM fault_truth WHERE outbox_table = :t"
                 ),
                 {"t": table},
             )
@@ -278,12 +297,13 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
                 r.started,
                 r.finished,
                 r.outcome,
+                r.payload_digest,
             )
             for r in await conn.execute(
                 text(
                     "SELECT seq, row_id, shard_scope, shard_identifier, category, "
-                    "object_identifier, pid, started, finished, outcome FROM fault_calls "
-                    "WHERE outbox_table = :t ORDER BY seq"
+                    "object_identifier, pid, started, finished, outcome, payload_digest "
+                    "FROM fault_calls WHERE outbox_table = :t ORDER BY seq"
                 ),
                 {"t": table},
             )
@@ -304,7 +324,8 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
 
 @dataclass
 class Verdict:
-    """What :func:`check` found. Every list must be empty; ``duplicates`` is allowed."""
+    """What :func:`check` found. Every list of problems must be empty; ``duplicates`` are
+    allowed up to the scenario's ceiling, and each is described in ``repeats``."""
 
     rows: int
     calls: int
@@ -315,21 +336,39 @@ class Verdict:
     order_violations: list[str] = field(default_factory=list)
     # §3.5: two calls of one shard running at the same time.
     overlaps: list[str] = field(default_factory=list)
-    # §3.1: a handler ran for a row that was rolled back (or never written).
+    # §3.1: a handler ran for a row that was rolled back (or never written), or was told a
+    # shard or group that no committed row has.
     phantom_calls: list[str] = field(default_factory=list)
-    # §3.5: successful calls that covered a row already covered (at least once: allowed).
+    # A handler was given a row with another row's shard, category, object identifier or
+    # payload.
+    mismatched_calls: list[str] = field(default_factory=list)
+    # §3.5: successful calls that covered a row already covered (at least once: allowed, up
+    # to a ceiling that the scenario's faults justify).
     duplicates: int = 0
+    repeats: list[str] = field(default_factory=list)
+    # More duplicates than the ceiling, or (when the killed processes are known) a repeat of
+    # a call whose process was never killed.
+    excess_duplicates: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> list[str]:
-        return self.lost + self.order_violations + self.overlaps + self.phantom_calls
+        return (
+            self.lost
+            + self.order_violations
+            + self.overlaps
+            + self.phantom_calls
+            + self.mismatched_calls
+            + self.excess_duplicates
+        )
 
     def summary(self) -> str:
         return (
             f"{self.rows} rows, {self.calls} calls ({self.failed_calls} failed), "
             f"{len(self.lost)} lost, {len(self.order_violations)} order violations, "
             f"{len(self.overlaps)} overlaps, {len(self.phantom_calls)} phantom calls, "
-            f"{self.duplicates} duplicates; first problems: {self.problems[:5]}"
+            f"{len(self.mismatched_calls)} mismatched calls, "
+            f"{self.duplicates} duplicates ({len(self.excess_duplicates)} problems); "
+            f"first problems: {self.problems[:5]}"
         )
 
 
@@ -339,23 +378,37 @@ class _ShardState:
 
 
 def check(
-    history: History, rolled_back: Iterable[int], *, pending_ok: Iterable[int] = ()
+    history: History,
+    rolled_back: Iterable[int],
+    *,
+    pending_ok: Iterable[int] = (),
+    max_duplicates: int = 0,
+    killed_pids: Collection[int] | None = None,
 ) -> Verdict:
     """Check ``history`` against DESIGN §3.
+
+    Every call is judged by the truth row of the id it names, never by what the handler was
+    told about that row: a call whose shard, category or object identifier differs from its
+    row's, or that was given a payload other than its row's, is a *mismatched* call, and a
+    call naming an id, a shard or a group that no committed row has is a *phantom* call. Coverage, order and overlaps follow the truth row.
 
     A row is *covered* once a successful call of its coalescing group had an id at least its
     own, *pending* until it is deleted, and *open* while it is pending and not covered.
 
     - No loss: every deleted row was covered before its deletion; every committed row is
-      deleted by the end (except ``pending_ok``); the latest row of every group was handled
-      with its own id.
+      deleted by the end (except ``pending_ok``), and deleted by a recorded delete; the
+      latest row of every group was handled with its own id.
     - Order: a call handles a group whose lowest pending id (at the call) is below every open
       row of its shard. So a shard's groups run in order of their lowest pending id, a failing
       head blocks the rows behind it, and the only way back to a lower id is a group that was
       already covered and is repeated (after a crash or a timeout, before its rows were
-      deleted).
+      deleted). A call for a group whose rows up to its id were all deleted is a violation.
     - No overlap: the calls of one shard never run at the same time.
     - No call for a row that was rolled back or never written.
+    - At most ``max_duplicates`` successful calls that covered a row already covered (zero
+      unless the scenario injects a fault that can repeat a call). With ``killed_pids``, the
+      processes that were killed with ``kill -9``: every such repeat must repeat a call of one
+      of them (the only processes that can die between a call and its delete).
 
     The check relies on ids committing in ascending order (one producer, as in the
     scenarios): then every row below a call's id committed before the call.
@@ -367,13 +420,14 @@ def check(
         calls=len(history.calls),
         failed_calls=sum(1 for c in history.calls if c.outcome != "ok"),
     )
+    payloads = {truth.payload_digest: truth.id for truth in rows.values()}
     group_ids: dict[tuple[Shard, tuple[int, int]], list[int]] = defaultdict(list)
     shards: dict[Shard, _ShardState] = defaultdict(_ShardState)
-    for row in sorted(rows.values(), key=lambda r: r.id):
-        group_ids[(row.shard, row.group)].append(row.id)
-        shards[row.shard].open_ids.append(row.id)  # ascending: already a heap
+    for truth in sorted(rows.values(), key=lambda r: r.id):
+        group_ids[(truth.shard, truth.group)].append(truth.id)
+        shards[truth.shard].open_ids.append(truth.id)  # ascending: already a heap
     deleted: set[int] = set()
-    covered: set[int] = set()
+    covered: dict[int, CallRow] = {}  # row id: the latest successful call that covered it
     handled_ids: set[int] = set()
     events: list[tuple[int, int, Any]] = [(c.seq, 1, c) for c in history.calls]
     events += [(seq, 0, row_id) for seq, row_id in history.deletions]
@@ -385,31 +439,36 @@ def check(
             deleted.add(row_id)
             continue
         call: CallRow = item
-        if call.row_id not in rows:
+        row = rows.get(call.row_id)
+        if row is None:
             what = "rolled-back" if call.row_id in rolled else "never written"
             verdict.phantom_calls.append(f"call {call.seq} handled {what} row {call.row_id}")
             continue
-        ids = group_ids[(call.shard, call.group)]
-        pending = [i for i in ids if i <= call.row_id and i not in deleted]
+        _compare(call, row, shards.keys(), group_ids.keys(), payloads, verdict)
+        ids = group_ids[(row.shard, row.group)]
+        pending = [i for i in ids if i <= row.id and i not in deleted]
         if not pending:
             verdict.order_violations.append(
-                f"call {call.seq} handled row {call.row_id} after its group was deleted"
+                f"call {call.seq} handled row {row.id} after its group was deleted"
             )
             continue
-        state = shards[call.shard]
-        heap = state.open_ids
+        heap = shards[row.shard].open_ids
         while heap and (heap[0] in deleted or heap[0] in covered):
             heapq.heappop(heap)
         if heap and heap[0] < pending[0]:
             verdict.order_violations.append(
-                f"call {call.seq} handled group {call.group} of shard {call.shard} from id "
+                f"call {call.seq} handled group {row.group} of shard {row.shard} from id "
                 f"{pending[0]} while row {heap[0]} of another group was pending"
             )
         if call.outcome == "ok":
-            handled_ids.add(call.row_id)
-            if any(i in covered for i in pending):
+            handled_ids.add(row.id)
+            earlier = {covered[i].seq: covered[i] for i in pending if i in covered}
+            if earlier:
                 verdict.duplicates += 1
-            covered.update(pending)
+                _repeat(
+                    call, row, sorted(earlier.values(), key=lambda c: c.seq), killed_pids, verdict
+                )
+            covered.update(dict.fromkeys(pending, call))
     pending_ok = set(pending_ok)
     for row_id in sorted(history.remaining - pending_ok):
         if row_id in rows:
@@ -418,16 +477,74 @@ def check(
         latest = ids[-1]
         if latest not in handled_ids and latest not in history.remaining:
             verdict.lost.append(f"latest row {latest} of group {group} in {shard} never handled")
-    for row_id in rows.keys() - deleted - history.remaining:
+    for row_id in sorted(rows.keys() - deleted - history.remaining):
         verdict.lost.append(f"row {row_id} vanished without a deletion")
-    verdict.overlaps = _overlaps(history.calls)
+    verdict.overlaps = _overlaps(history.calls, rows)
+    if verdict.duplicates > max_duplicates:
+        verdict.excess_duplicates.append(
+            f"{verdict.duplicates} duplicate calls, more than the {max_duplicates} allowed; "
+            f"first: {verdict.repeats[:3]}"
+        )
     return verdict
 
 
-def _overlaps(calls: Sequence[CallRow]) -> list[str]:
+def _repeat(
+    call: CallRow,
+    row: TruthRow,
+    earlier: Sequence[CallRow],
+    killed_pids: Collection[int] | None,
+    verdict: Verdict,
+) -> None:
+    """Describe a call that covered rows that ``earlier`` calls had covered already."""
+    repeated = ", ".join(f"call {c.seq} (pid {c.pid})" for c in earlier)
+    verdict.repeats.append(
+        f"call {call.seq} (pid {call.pid}) of row {row.id} in group {row.group} of shard "
+        f"{row.shard} repeated {repeated}"
+    )
+    if killed_pids is None:
+        return
+    for previous in earlier:
+        if previous.pid not in killed_pids:
+            verdict.excess_duplicates.append(
+                f"call {call.seq} (pid {call.pid}) of row {row.id} repeated call "
+                f"{previous.seq} of pid {previous.pid}, which was not killed"
+            )
+
+
+def _compare(
+    call: CallRow,
+    row: TruthRow,
+    shards: Collection[Shard],
+    groups: Collection[tuple[Shard, tuple[int, int]]],
+    payloads: Mapping[str, int],
+    verdict: Verdict,
+) -> None:
+    """Report what ``call`` was told about its row that the row's truth contradicts."""
+    if call.shard not in shards or (call.shard, call.group) not in groups:
+        verdict.phantom_calls.append(
+            f"call {call.seq} of row {row.id} named group {call.group} of shard {call.shard}, "
+            "which no committed row has"
+        )
+    elif (call.shard, call.group) != (row.shard, row.group):
+        verdict.mismatched_calls.append(
+            f"call {call.seq} of row {row.id} named group {call.group} of shard {call.shard}; "
+            f"the row is in group {row.group} of shard {row.shard}"
+        )
+    if call.payload_digest != row.payload_digest:
+        source = payloads.get(call.payload_digest or "")
+        whose = f"row {source}'s" if source is not None else "no committed row's"
+        verdict.mismatched_calls.append(
+            f"call {call.seq} of row {row.id} was given {whose} payload"
+        )
+
+
+def _overlaps(calls: Sequence[CallRow], rows: Mapping[int, TruthRow]) -> list[str]:
+    """Calls of one shard that ran at the same time, the shard of a call being its row's (the
+    one it reported when its row is unknown)."""
     by_shard: dict[Shard, list[CallRow]] = defaultdict(list)
     for call in calls:
-        by_shard[call.shard].append(call)
+        row = rows.get(call.row_id)
+        by_shard[row.shard if row is not None else call.shard].append(call)
     found = []
     for shard, shard_calls in by_shard.items():
         shard_calls.sort(key=lambda c: c.started)

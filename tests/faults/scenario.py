@@ -63,18 +63,32 @@ class Scenario:
         recovery: float,
         client: Client,
         record: Callable[[Figures], None],
+        max_duplicates: int,
+        repeats_only_after_kills: bool = False,
         pending_ok: Iterable[int] = (),
         redacted: bool = False,
     ) -> Verdict:
         """Stop the workers, check the history against DESIGN §3, check that no payload (and,
         when ``redacted``, no error message) reached Temporal and that no worker printed the
         database password, and record the scenario's figures. ``faults`` may name the number
-        of failed handler calls as ``{failed}``."""
+        of failed handler calls as ``{failed}``.
+
+        ``max_duplicates`` is the most repeated calls that the scenario's faults can explain;
+        with ``repeats_only_after_kills``, every repeat must repeat a call of a worker process
+        that was killed (the scenario's only fault that can repeat a call)."""
         for worker in self.workers:
             code = await worker.stop()
             assert code == 0, f"{worker.name} exited {code}\n{worker.output()[-5000:]}"
+            worker.check_output()
         history = await read_history(self.engine, self.table)
-        verdict = check(history, workload.rolled_back, pending_ok=pending_ok)
+        killed = [pid for worker in self.workers for pid in worker.killed_pids]
+        verdict = check(
+            history,
+            workload.rolled_back,
+            pending_ok=pending_ok,
+            max_duplicates=max_duplicates,
+            killed_pids=killed if repeats_only_after_kills else None,
+        )
         record(
             Figures(
                 scenario=self.name,

@@ -69,6 +69,12 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # A kill repeats what the batches running at that moment had handled and not yet
+        # deleted: at most one batch per shard, cut short by the first failing call (one in
+        # ten). Allowed: one repeated group per shard and kill on average; and each repeat
+        # must repeat a call of a killed process (the surviving one deletes what it handles).
+        max_duplicates=size.kills * size.shards,
+        repeats_only_after_kills=True,
         redacted=True,
     )
     assert verdict.failed_calls > 0
@@ -114,13 +120,30 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # As in the kill -9 scenario: a kill repeats the batches that the victim was running
+        # (one per shard at most); the steady worker's calls are never repeated.
+        max_duplicates=size.kills * size.shards,
+        repeats_only_after_kills=True,
     )
-    # Both workers handled rows; the per-shard lock kept them apart (no overlaps).
+    # Both workers handled rows, the steady one too (the victim's restarts alone would give
+    # several processes), and some shard was handled by both: the per-shard lock kept them
+    # apart (no overlaps).
     async with engine.connect() as conn:
-        pids = (
+        handled = (
             await conn.execute(
-                text("SELECT count(DISTINCT pid) FROM fault_calls WHERE outbox_table = :t"),
+                text(
+                    "SELECT DISTINCT pid, shard_scope, shard_identifier FROM fault_calls "
+                    "WHERE outbox_table = :t AND outcome = 'ok'"
+                ),
                 {"t": scenario.table},
             )
-        ).scalar_one()
-    assert pids >= 2
+        ).all()
+    assert len(steady.pids) == 1, "the steady worker was restarted"
+    shards: dict[str, set[Shard]] = {steady.name: set(), victim.name: set()}
+    owner = {pid: worker.name for worker in (steady, victim) for pid in worker.pids}
+    for pid, scope, shard in handled:
+        assert pid in owner, f"a call of process {pid}, which is neither worker"
+        shards[owner[pid]].add((scope, shard))
+    assert shards[steady.name], "the steady worker handled no row"
+    assert shards[victim.name], "the killed worker handled no row"
+    assert shards[steady.name] & shards[victim.name], "no shard was handled by both workers"

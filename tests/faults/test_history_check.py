@@ -3,14 +3,20 @@ fail would make every scenario pass)."""
 
 from __future__ import annotations
 
-from tests.faults.history import CallRow, History, TruthRow, check
+from tests.faults.fault_app import payload_digest
+from tests.faults.history import CallRow, History, Shard, TruthRow, check
 
-SHARD = (1, 7)
+SHARD, OTHER_SHARD = (1, 7), (1, 8)
 A, B, C = (2, 1), (2, 2), (3, 1)  # coalescing groups: category, object
 
 
+def payload(row_id: int) -> str:
+    """The digest of row ``row_id``'s payload (each row's is its own)."""
+    return payload_digest({"n": row_id})
+
+
 def rows(*spec: tuple[int, tuple[int, int]]) -> list[TruthRow]:
-    return [TruthRow(row_id, SHARD, group) for row_id, group in spec]
+    return [TruthRow(row_id, SHARD, group, payload(row_id)) for row_id, group in spec]
 
 
 class Log:
@@ -22,12 +28,28 @@ class Log:
         self.deletions: list[tuple[int, int]] = []
 
     def call(
-        self, row_id: int, group: tuple[int, int], outcome: str = "ok", *, overlap: bool = False
+        self,
+        row_id: int,
+        group: tuple[int, int],
+        outcome: str = "ok",
+        *,
+        overlap: bool = False,
+        shard: Shard = SHARD,
+        payload_of: int | None = None,
+        pid: int = 1,
+        during: tuple[float, float] | None = None,
     ) -> None:
+        """A call of ``row_id``, told ``group`` and ``shard`` as the row's (the handler's
+        message says so; the truth may not), and given the payload of row ``payload_of``
+        (its own by default). It runs from its ``seq`` for half a second (from 1.5 s earlier
+        with ``overlap``), or ``during`` the given times."""
         self.seq += 1
-        start = float(self.seq) - (1.5 if overlap else 0.0)
+        start, finish = float(self.seq) - (1.5 if overlap else 0.0), self.seq + 0.5
+        if during is not None:
+            start, finish = during
+        given = payload(row_id if payload_of is None else payload_of)
         self.calls.append(
-            CallRow(self.seq, row_id, SHARD, group, 1, start, self.seq + 0.5, outcome)
+            CallRow(self.seq, row_id, shard, group, pid, start, finish, outcome, given)
         )
 
     def delete(self, *ids: int) -> None:
@@ -53,18 +75,53 @@ def test_a_correct_history_passes() -> None:
     assert (verdict.rows, verdict.calls, verdict.failed_calls, verdict.duplicates) == (4, 4, 1, 0)
 
 
+def crash_before_the_delete() -> Log:
+    """Process 1 handles groups A and B and is killed before the batch's delete; process 2
+    repeats them, handles C, and deletes."""
+    log = Log()
+    log.call(1, A, pid=1)
+    log.call(2, B, pid=1)
+    log.call(1, A, pid=2)
+    log.call(2, B, pid=2)
+    log.call(3, C, pid=2)
+    log.delete(1, 2, 3)
+    return log
+
+
 def test_a_crash_before_the_delete_repeats_the_batch_as_duplicates() -> None:
     truth = rows((1, A), (2, B), (3, C))
-    log = Log()
-    log.call(1, A)
-    log.call(2, B)  # killed before the batch's delete
-    log.call(1, A)
-    log.call(2, B)
-    log.call(3, C)
-    log.delete(1, 2, 3)
-    verdict = check(log.history(truth), rolled_back=[])
+    verdict = check(
+        crash_before_the_delete().history(truth), rolled_back=[], max_duplicates=2, killed_pids=[1]
+    )
     assert not verdict.problems, verdict.summary()
     assert verdict.duplicates == 2
+    assert verdict.repeats == [
+        "call 3 (pid 2) of row 1 in group (2, 1) of shard (1, 7) repeated call 1 (pid 1)",
+        "call 4 (pid 2) of row 2 in group (2, 2) of shard (1, 7) repeated call 2 (pid 1)",
+    ]
+
+
+def test_duplicates_above_the_ceiling_are_a_problem() -> None:
+    truth = rows((1, A), (2, B), (3, C))
+    history = crash_before_the_delete().history(truth)
+    assert check(history, rolled_back=[], max_duplicates=1).excess_duplicates == [
+        "2 duplicate calls, more than the 1 allowed; first: ["
+        "'call 3 (pid 2) of row 1 in group (2, 1) of shard (1, 7) repeated call 1 (pid 1)', "
+        "'call 4 (pid 2) of row 2 in group (2, 2) of shard (1, 7) repeated call 2 (pid 1)']"
+    ]
+    # Where no fault can repeat a call, the ceiling is zero: the default.
+    verdict = check(history, rolled_back=[])
+    assert len(verdict.excess_duplicates) == 1 and verdict.problems == verdict.excess_duplicates
+
+
+def test_a_repeat_of_a_call_of_a_process_that_was_not_killed_is_a_problem() -> None:
+    truth = rows((1, A), (2, B), (3, C))
+    history = crash_before_the_delete().history(truth)
+    verdict = check(history, rolled_back=[], max_duplicates=2, killed_pids=[2])
+    assert verdict.excess_duplicates == [
+        "call 3 (pid 2) of row 1 repeated call 1 of pid 1, which was not killed",
+        "call 4 (pid 2) of row 2 repeated call 2 of pid 1, which was not killed",
+    ]
 
 
 def test_a_row_deleted_before_its_handler_succeeded_is_lost() -> None:
@@ -125,3 +182,124 @@ def test_overlapping_calls_of_one_shard_are_found() -> None:
     log.call(2, B, overlap=True)
     log.delete(1, 2)
     assert len(check(log.history(rows((1, A), (2, B))), rolled_back=[]).overlaps) == 1
+
+
+def test_a_call_is_judged_by_its_rows_truth_not_by_what_it_was_told() -> None:
+    # Row 2 (group B) is delivered as if it were of group A: that must not cover row 1.
+    log = Log()
+    log.call(2, A)
+    log.delete(1, 2)
+    verdict = check(log.history(rows((1, A), (2, B))), rolled_back=[])
+    assert verdict.mismatched_calls == [
+        "call 1 of row 2 named group (2, 1) of shard (1, 7); the row is in group (2, 2) of "
+        "shard (1, 7)"
+    ]
+    assert "row 1 deleted (seq 2) before it was handled" in verdict.lost
+    assert "latest row 1 of group (2, 1) in (1, 7) never handled" in verdict.lost
+
+
+def test_a_call_told_another_rows_shard_is_mismatched_and_covers_only_its_own_row() -> None:
+    truth = [TruthRow(1, SHARD, A, payload(1)), TruthRow(2, OTHER_SHARD, A, payload(2))]
+    log = Log()
+    log.call(2, A, shard=SHARD)  # row 2 is of the other shard
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert verdict.mismatched_calls == [
+        "call 1 of row 2 named group (2, 1) of shard (1, 7); the row is in group (2, 1) of "
+        "shard (1, 8)"
+    ]
+    assert verdict.lost == [
+        "row 1 deleted (seq 2) before it was handled",
+        "latest row 1 of group (2, 1) in (1, 7) never handled",
+    ]
+
+
+def test_a_call_told_a_shard_or_group_that_no_row_has_is_a_phantom_call() -> None:
+    log = Log()
+    log.call(1, A, shard=(2, 99))  # no committed row is in shard (2, 99)
+    log.call(2, (9, 9))  # nor in group (9, 9)
+    log.delete(1, 2)
+    verdict = check(log.history(rows((1, A), (2, B))), rolled_back=[])
+    assert verdict.phantom_calls == [
+        "call 1 of row 1 named group (2, 1) of shard (2, 99), which no committed row has",
+        "call 2 of row 2 named group (9, 9) of shard (1, 7), which no committed row has",
+    ]
+    assert not verdict.mismatched_calls
+
+
+def test_a_call_given_an_older_rows_payload_is_mismatched() -> None:
+    log = Log()
+    log.call(3, A, payload_of=1)  # the newest row of the group, with the oldest one's payload
+    log.delete(1, 3)
+    log.call(2, B, payload_of=99)  # a payload that no committed row has
+    log.delete(2)
+    verdict = check(log.history(rows((1, A), (2, B), (3, A))), rolled_back=[])
+    assert verdict.mismatched_calls == [
+        "call 1 of row 3 was given row 1's payload",
+        "call 4 of row 2 was given no committed row's payload",
+    ]
+    assert verdict.problems == verdict.mismatched_calls
+
+
+def test_a_row_that_vanished_without_a_deletion_is_lost() -> None:
+    log = Log()
+    log.call(1, A)
+    log.call(2, B)
+    log.delete(1)  # row 2 is gone from the table, but no delete of it was recorded
+    verdict = check(log.history(rows((1, A), (2, B)), remaining=set()), rolled_back=[])
+    assert verdict.lost == ["row 2 vanished without a deletion"]
+
+
+def test_a_row_handled_after_its_group_was_deleted_is_an_order_violation() -> None:
+    log = Log()
+    log.call(1, A)
+    log.delete(1)
+    log.call(1, A)  # the row is gone: nothing may handle it any more
+    verdict = check(log.history(rows((1, A))), rolled_back=[])
+    assert verdict.order_violations == ["call 3 handled row 1 after its group was deleted"]
+    assert verdict.problems == verdict.order_violations
+
+
+def test_a_call_for_a_row_never_written_is_a_phantom_call() -> None:
+    log = Log()
+    log.call(1, A)
+    log.call(5, A)  # no row 5 was committed or rolled back
+    log.delete(1)
+    verdict = check(log.history(rows((1, A))), rolled_back=[4])
+    assert verdict.phantom_calls == ["call 2 handled never written row 5"]
+    assert verdict.problems == verdict.phantom_calls
+
+
+def test_a_call_nested_inside_another_of_its_shard_is_an_overlap() -> None:
+    log = Log()
+    log.call(1, A, during=(0.0, 10.0))
+    log.call(2, B, during=(2.0, 3.0))  # starts and ends while call 1 runs
+    log.call(3, C, during=(4.0, 5.0))  # so does this one
+    log.delete(1, 2, 3)
+    verdict = check(log.history(rows((1, A), (2, B), (3, C))), rolled_back=[])
+    assert verdict.overlaps == [
+        "shard (1, 7): call 2 (pid 1) started while call 1 (pid 1) was running",
+        "shard (1, 7): call 3 (pid 1) started while call 1 (pid 1) was running",
+    ]
+
+
+def test_calls_of_different_shards_may_run_at_the_same_time() -> None:
+    truth = [TruthRow(1, SHARD, A, payload(1)), TruthRow(2, OTHER_SHARD, A, payload(2))]
+    log = Log()
+    log.call(1, A, during=(0.0, 10.0))
+    log.call(2, A, shard=OTHER_SHARD, during=(2.0, 3.0))
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert not verdict.problems, verdict.summary()
+
+
+def test_overlaps_are_found_in_the_shard_of_the_row_not_the_one_a_call_was_told() -> None:
+    truth = [TruthRow(1, SHARD, A, payload(1)), TruthRow(2, SHARD, B, payload(2))]
+    log = Log()
+    log.call(1, A, during=(0.0, 10.0))
+    log.call(2, A, shard=OTHER_SHARD, during=(2.0, 3.0))  # told another shard: still row 2's
+    log.delete(1, 2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert verdict.overlaps == [
+        "shard (1, 7): call 2 (pid 1) started while call 1 (pid 1) was running"
+    ]

@@ -84,6 +84,11 @@ async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # A timed-out attempt keeps the shard lock until its hung call returns, and deletes
+        # what its batch handled on its way out, so we expect no repeat; the timeout allows
+        # one per hanging plain-def call, which returns ok after its attempt was given up.
+        # (An async call is cancelled: its retry repeats no successful call.)
+        max_duplicates=size.hangs,
     )
     async with engine.connect() as conn:
         hung = (
@@ -99,6 +104,33 @@ async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
     assert sorted(hung) == sorted(
         [("sync", "ok")] * size.hangs + [("async", "cancelled")] * size.hangs
     )
+
+
+async def reset_to_first_task(address: str, workflow: str) -> None:
+    """``temporal workflow reset`` to the first workflow task, as an operator would: again
+    while the server answers that the workflow is busy (a workflow task is running)."""
+
+    async def reset() -> bool:
+        try:
+            await temporal_command(
+                address,
+                "workflow",
+                "reset",
+                "--workflow-id",
+                workflow,
+                "--type",
+                "FirstWorkflowTask",
+                "--reason",
+                "reset by an operator",
+                "--yes",
+            )
+        except AssertionError as exc:
+            if "Workflow is busy" in str(exc):
+                return False
+            raise
+        return True
+
+    await wait_until(reset, timeout=60, interval=0.2, what=f"the reset of {workflow}")
 
 
 @pytest.mark.parametrize(
@@ -134,18 +166,7 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
         reason="terminated by an operator"
     )
     # Reset to its first workflow task: its activities run again.
-    await temporal_command(
-        fault_temporal.address,
-        "workflow",
-        "reset",
-        "--workflow-id",
-        workflow_id(scenario.table, ORG, 2),
-        "--type",
-        "FirstWorkflowTask",
-        "--reason",
-        "reset by an operator",
-        "--yes",
-    )
+    await reset_to_first_task(fault_temporal.address, workflow_id(scenario.table, ORG, 2))
     scenario.clock.fault()
     await workload.write(size.rows // 3, shards=[*mixed_shards(size.shards), *poisoned])
     # Every workflow lost: the dev server's data is gone.
@@ -164,6 +185,11 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # The terminate and the reset cancel attempts of poison shards, whose calls fail, and
+        # the wipe cancels drains, which delete what they handled on their way out; category
+        # activities run only in the poison shards, whose calls fail until the wipe is over.
+        # Nothing can be repeated.
+        max_duplicates=0,
     )
 
 
@@ -235,6 +261,9 @@ async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
+        # No crash, restart or timeout: the skip cancels only the attempt of the poison
+        # shard, whose calls fail. Nothing can be repeated.
+        max_duplicates=0,
     )
     # The history scanner sees what does reach history: the skip reason, and (errors are not
     # redacted here) the handler's error message.

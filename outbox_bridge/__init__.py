@@ -3,6 +3,11 @@
 The names below are the public API. They are loaded on first use, so that importing
 ``outbox_bridge`` (or one of its subpackages, such as the workflow definitions Temporal's
 sandbox re-imports) costs nothing until something is used.
+
+An application that only writes rows (``OutboxApp``, ``app.write``, ``OutboxModel``) loads the
+producer's side of the package: SQLAlchemy, pydantic and the OpenTelemetry API, never the worker's
+Temporal client, the OpenTelemetry SDK or the command line. How the package is layered, and what
+may import what, is in CONTRIBUTING.md.
 """
 
 from __future__ import annotations

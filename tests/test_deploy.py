@@ -31,9 +31,9 @@ from temporalio.common import SearchAttributeKey
 
 import outbox_bridge.workflows.models
 from outbox_bridge.cli import main as cli
+from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.config import OutboxSettings, env_name
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
-from outbox_bridge.registry import app_from_settings
 from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,9 +19,11 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHistory, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Replayer
 
+from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.db.schema import prepare_database
@@ -29,7 +31,7 @@ from outbox_bridge.db.store import read_shard_depths, read_shard_max_id
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.flush import Flusher
 from outbox_bridge.observability.logs import configure_logging
-from outbox_bridge.registry import OutboxApp, app_from_settings
+from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.runtime.temporal import connect, temporal_address
@@ -41,6 +43,7 @@ from outbox_bridge.workflows.models import (
     ShardStatus,
     SkipInput,
 )
+from outbox_bridge.workflows.shard import OutboxShard
 
 
 def run() -> None:
@@ -86,7 +89,8 @@ def worker(**overrides: Any) -> None:
         # Handler failures are logged by the drain with shard and category; the SDK's own line
         # for each failed attempt would repeat them.
         logging.getLogger("temporalio.activity").setLevel(logging.ERROR)
-        asyncio.run(run_worker(settings))
+        app = app_from_settings(settings.demo, settings.app)
+        asyncio.run(run_worker(settings, app))
     except OutboxError as exc:
         print(f"outbox-bridge: error: {exc}", file=sys.stderr)
         code = 2
@@ -365,11 +369,6 @@ def replay(files: tuple[Path, ...]) -> None:
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
-    from temporalio.client import WorkflowHistory
-    from temporalio.worker import Replayer
-
-    from outbox_bridge.workflows.shard import OutboxShard
-
     replayer = Replayer(workflows=[OutboxShard])
     failed = 0
     for path in files:

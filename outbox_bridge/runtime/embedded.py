@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+from temporalio.client import Client
 
 from outbox_bridge.errors import EmbeddedServiceError
+from outbox_bridge.runtime.temporal import dev_server_search_attribute_args
 
 log = logging.getLogger("outbox_bridge.runtime.embedded")
 
@@ -112,8 +115,6 @@ class EmbeddedTemporal:
         return self.data_dir / "temporal.pid"
 
     def command(self) -> list[str]:
-        from outbox_bridge.runtime.temporal import dev_server_search_attribute_args
-
         args = [
             temporal_cli(),
             "server",
@@ -162,9 +163,6 @@ class EmbeddedTemporal:
         return self.address
 
     async def _wait_ready(self, timeout: float) -> None:
-        from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
-        from temporalio.client import Client
-
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

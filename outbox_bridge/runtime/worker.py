@@ -26,9 +26,13 @@ from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.observability.health import HealthServer
-from outbox_bridge.observability.metrics import setup_metrics, temporal_runtime
-from outbox_bridge.observability.telemetry import setup_tracing, tracing_interceptor
-from outbox_bridge.registry import OutboxApp, app_from_settings
+from outbox_bridge.observability.sdk import (
+    setup_metrics,
+    setup_tracing,
+    temporal_runtime,
+    tracing_interceptor,
+)
+from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
 from outbox_bridge.runtime.drain import ShardDrainer
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal
@@ -180,8 +184,8 @@ def print_banner(
     print("\n".join(lines), flush=True)
 
 
-async def run(settings: OutboxSettings) -> None:
-    app = app_from_settings(settings.demo, settings.app)
+async def run(settings: OutboxSettings, app: OutboxApp) -> None:
+    """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
     tracing = setup_tracing(settings.otel_exporter)
     metrics = setup_metrics(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from outbox_bridge import demo
 from outbox_bridge.errors import RegistryError
@@ -14,6 +16,7 @@ def load_app(spec: str) -> OutboxApp:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute or module_name.startswith("."):
         raise RegistryError(f"--app must look like module:attribute, got {spec!r}")
+    _import_from_working_directory()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -24,6 +27,15 @@ def load_app(spec: str) -> OutboxApp:
             f"{spec} is {type(app).__name__ if app is not None else 'missing'}, not an OutboxApp"
         )
     return app
+
+
+def _import_from_working_directory() -> None:
+    """Make the app importable from the working directory, as with ``python -m outbox_bridge``
+    (whose path starts with it); the ``outbox-bridge`` script's path starts with its own
+    folder instead."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def app_from_settings(demo_app: bool, spec: str | None, *, allow_none: bool = False) -> OutboxApp:

@@ -23,6 +23,7 @@ from temporalio.client import Client, WorkflowHistory, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Replayer
 
+from outbox_bridge import __version__
 from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
@@ -63,6 +64,7 @@ def run() -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="outbox-bridge", message="%(prog)s %(version)s")
 def main() -> None:
     """outbox-bridge: a transactional outbox executed by Temporal.
 

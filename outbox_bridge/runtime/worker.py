@@ -35,7 +35,7 @@ from outbox_bridge.observability.sdk import (
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
 from outbox_bridge.runtime.drain import ShardDrainer
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.shards import static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
@@ -187,6 +187,9 @@ def print_banner(
 async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
+    check_embedded(
+        postgres=settings.database_url is None, temporal=settings.temporal_address is None
+    )
     tracing = setup_tracing(settings.otel_exporter)
     metrics = setup_metrics(
         settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port

@@ -18,14 +18,17 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 from pydantic import SecretStr
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox_bridge.cli.flags import build_settings
-from outbox_bridge.config import OutboxSettings, env_name
+from outbox_bridge.cli import main as cli_main
+from outbox_bridge.cli.flags import build_settings, settings_options
+from outbox_bridge.config import OutboxSettings, SettingGroup, env_name, setting_group
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
@@ -237,6 +240,76 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
     monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "-1")
     with pytest.raises(ConfigurationError, match="idle_timeout"):
         build_settings({})
+
+
+# -- each command offers the settings it uses ------------------------------------------------------
+
+SHARD_COMMAND = {SettingGroup.TEMPORAL, SettingGroup.APP}
+COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
+    "worker": set(SettingGroup),
+    "init-db": {SettingGroup.DATABASE, SettingGroup.APP},
+    "status": SHARD_COMMAND,
+    "skip": SHARD_COMMAND,
+    "resume": SHARD_COMMAND,
+    "history export": SHARD_COMMAND,
+    "flush": SHARD_COMMAND | {SettingGroup.DATABASE, SettingGroup.SHARDS},
+    "shards": SHARD_COMMAND | {SettingGroup.DATABASE},
+    "replay": set(),
+}
+
+
+def _command(path: str) -> click.Command:
+    command: click.Command = cli_main
+    for name in path.split():
+        assert isinstance(command, click.Group)
+        command = command.commands[name]
+    return command
+
+
+@pytest.mark.parametrize("path", list(COMMAND_GROUPS))
+def test_each_command_offers_the_settings_it_uses(path: str) -> None:
+    offered = {p.name for p in _command(path).params} & set(OutboxSettings.model_fields)
+    expected = {
+        name
+        for name, field in OutboxSettings.model_fields.items()
+        if setting_group(field) in COMMAND_GROUPS[path]
+    }
+    assert offered == expected
+
+
+def test_every_command_is_listed() -> None:
+    listed = {path.split()[0] for path in COMMAND_GROUPS}
+    assert set(cli_main.commands) == listed
+    assert set(_command("history").commands) == {"export"}
+
+
+def test_status_help_lists_connection_settings_only() -> None:
+    result = CliRunner().invoke(cli_main, ["status", "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    help_text = one_line(result.output)
+    for flag, env in [("--temporal-address", "TEMPORAL_ADDRESS"), ("--app", "OUTBOX_APP")]:
+        assert flag in help_text and f"[env: {env}]" in help_text
+    for flag in ("--linger", "--health-port", "--shutdown-grace", "--database-url", "--log-level"):
+        assert f"{flag} " not in help_text, flag
+
+
+def test_settings_a_command_offers_no_flag_for_come_from_the_environment(monkeypatch) -> None:
+    seen: list[OutboxSettings] = []
+
+    @click.command()
+    @settings_options(SettingGroup.DATABASE)
+    def command(**overrides: object) -> None:
+        seen.append(build_settings(overrides))
+
+    monkeypatch.setenv("OUTBOX_LINGER", "3")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://from-env/db")
+    result = CliRunner().invoke(command, ["--database-url", "postgresql://from-flag/db"])
+    assert result.exit_code == 0, result.output
+    [settings] = seen
+    assert settings.linger == 3
+    assert settings.database_url is not None
+    assert settings.database_url.get_secret_value() == "postgresql://from-flag/db"
+    assert CliRunner().invoke(command, ["--linger", "4"]).exit_code == 2  # not offered
 
 
 # -- worker.py: end to end ------------------------------------------------------------------------

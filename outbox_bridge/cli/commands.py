@@ -26,7 +26,7 @@ from temporalio.worker import Replayer
 from outbox_bridge import __version__
 from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.cli.flags import build_settings, settings_options
-from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
+from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url, sqlalchemy_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.store import read_shard_depths, read_shard_max_id
 from outbox_bridge.errors import OutboxError
@@ -75,7 +75,7 @@ def main() -> None:
 @main.command(
     "worker", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
 )
-@settings_options
+@settings_options()
 def worker(**overrides: Any) -> None:
     """Run the worker: the bridge that finds shards with rows, and the Temporal worker that
     drains them and runs their handlers.
@@ -137,7 +137,7 @@ async def _init_db(settings: OutboxSettings) -> list[str]:
 
 
 @main.command("init-db")
-@settings_options
+@settings_options(SettingGroup.DATABASE, SettingGroup.APP)
 def init_db(**overrides: Any) -> None:
     """Create the outbox tables, indexes and NOTIFY triggers that are missing (idempotent)."""
     try:
@@ -151,10 +151,15 @@ def init_db(**overrides: Any) -> None:
 # -- steering one shard -----------------------------------------------------------------------
 
 
-def _shard_command(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--table", help="The outbox table (default: the app's first table).")(fn)
-    fn = click.argument("shard")(fn)
-    return settings_options(fn)
+def _shard_command(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option("--table", help="The outbox table (default: the app's first table).")(fn)
+        fn = click.argument("shard")(fn)
+        return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
+
+    return decorate
 
 
 async def _shard_handle(
@@ -225,7 +230,7 @@ def _status_table(status: ShardStatus) -> Table:
 
 @main.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@_shard_command
+@_shard_command()
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show a shard's state: SHARD is SCOPE:ID (REGION:SCOPE:ID for a regional table)."""
 
@@ -242,7 +247,7 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
 
 @main.command("skip")
 @click.option("--reason", required=True, help="Why the shard is paused (shown in the UI).")
-@_shard_command
+@_shard_command()
 def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
     """Pause a shard: its retrying attempt is cancelled, no handler runs, every row is kept."""
     if not reason.strip():
@@ -259,7 +264,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
 
 
 @main.command("resume")
-@_shard_command
+@_shard_command()
 def resume(shard: str, table: str | None, **overrides: Any) -> None:
     """Resume a skipped shard: its head is retried at once."""
 
@@ -282,7 +287,7 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     help="Seconds to wait.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@_shard_command
+@_shard_command(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
 def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overrides: Any) -> None:
     """Wait until a shard has handled every row pending now (exit 0), or say why it cannot:
     blocked, skipped, deferred or timed out (exit 1). Starts the shard's workflow if needed."""
@@ -345,7 +350,7 @@ def history() -> None:
     required=True,
     help="Where to write the history (JSON).",
 )
-@_shard_command
+@_shard_command()
 def history_export(shard: str, table: str | None, output: Path, **overrides: Any) -> None:
     """Write the history of SHARD's latest workflow run as JSON (ids and counts, no payloads)."""
 
@@ -400,7 +405,7 @@ async def _replay(files: tuple[Path, ...]) -> int:
 @click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
 @click.option("--table", help="The outbox table (default: the app's first table).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@settings_options
+@settings_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def shards(
     top: int,
     scope_name: str | None,

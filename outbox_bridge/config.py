@@ -47,6 +47,12 @@ def _temporal(name: str) -> AliasChoices:
     return AliasChoices(f"TEMPORAL_{name.upper()}", f"temporal_{name}")
 
 
+def _or_otel(name: str, otel: str) -> AliasChoices:
+    """``OUTBOX_<NAME>``, else OpenTelemetry's own variable ``otel`` (see the telemetry
+    settings for why the project's variable comes first)."""
+    return AliasChoices(f"OUTBOX_{name.upper()}", otel)
+
+
 class OutboxSettings(BaseSettings):
     """Settings of the worker, the bridge and the command line."""
 
@@ -205,8 +211,14 @@ class OutboxSettings(BaseSettings):
     )
 
     # -- telemetry and logs -------------------------------------------------------------------
+    # OpenTelemetry's standard variables are read too, with OpenTelemetry's precedence: like an
+    # exporter's constructor argument over its OTEL_* variable, a setting given explicitly (a
+    # flag, then an OUTBOX_* variable) wins over the OTEL_* variable, which wins over the
+    # default. OTEL_SDK_DISABLED turns everything off, as it does in the SDK itself.
     otel_exporter: Literal["none", "console", "otlp"] = Field(
-        "none", description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*)."
+        "none",
+        validation_alias=_or_otel("otel_exporter", "OTEL_TRACES_EXPORTER"),
+        description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*).",
     )
     log_level: str = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
@@ -216,15 +228,27 @@ class OutboxSettings(BaseSettings):
     )
     metrics_exporter: Literal["none", "prometheus", "otlp", "console"] = Field(
         "none",
+        validation_alias=_or_otel("metrics_exporter", "OTEL_METRICS_EXPORTER"),
         description="Where metrics (outbox-bridge's and the Temporal SDK's) go: none, "
         "prometheus (a scrape endpoint on --metrics-port), otlp (OTEL_EXPORTER_OTLP_*) or "
         "console.",
     )
     metrics_port: int = Field(
-        9464, ge=0, le=65535, description="Port of the Prometheus scrape endpoint /metrics."
+        9464,
+        ge=0,
+        le=65535,
+        validation_alias=_or_otel("metrics_port", "OTEL_EXPORTER_PROMETHEUS_PORT"),
+        description="Port of the Prometheus scrape endpoint /metrics.",
     )
     metrics_host: str = Field(
-        "0.0.0.0", description="Address the Prometheus scrape endpoint listens on."
+        "0.0.0.0",
+        validation_alias=_or_otel("metrics_host", "OTEL_EXPORTER_PROMETHEUS_HOST"),
+        description="Address the Prometheus scrape endpoint listens on.",
+    )
+    otel_sdk_disabled: bool = Field(
+        False,
+        validation_alias=AliasChoices("OTEL_SDK_DISABLED"),
+        description="Export no spans and no metrics, whatever the exporters say.",
     )
 
     # -- running in a container -----------------------------------------------------------------
@@ -278,13 +302,19 @@ class OutboxSettings(BaseSettings):
         )
 
 
-def env_name(name: str, field: FieldInfo) -> str:
+def env_names(name: str, field: FieldInfo) -> list[str]:
+    """The environment variables of a setting, the one that wins first."""
     alias = field.validation_alias
     if isinstance(alias, AliasChoices):
-        first = alias.choices[0]
-        assert isinstance(first, str)
-        return first
-    return f"OUTBOX_{name.upper()}"
+        names = [c for c in alias.choices if isinstance(c, str) and c.isupper()]
+        assert names, name
+        return names
+    return [f"OUTBOX_{name.upper()}"]
+
+
+def env_name(name: str, field: FieldInfo) -> str:
+    """The environment variable of a setting (the first, when OpenTelemetry has one too)."""
+    return env_names(name, field)[0]
 
 
 def sqlalchemy_url(url: str) -> URL:

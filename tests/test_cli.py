@@ -28,7 +28,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.cli import main as cli_main
 from outbox_bridge.cli.flags import build_settings, settings_options
-from outbox_bridge.config import OutboxSettings, SettingGroup, env_name, setting_group
+from outbox_bridge.config import (
+    OutboxSettings,
+    SettingGroup,
+    env_name,
+    env_names,
+    setting_group,
+)
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
@@ -55,7 +61,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "SAMPLE_OUTBOX"))
+        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_", "SAMPLE_OUTBOX"))
     }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -122,7 +128,8 @@ async def test_worker_help_documents_every_setting(servers) -> None:
     for name, field in OutboxSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         assert flag in help_text, f"{flag} missing from --help"
-        assert f"[env: {env_name(name, field)}]" in help_text, f"env of {name} missing"
+        env = ", else ".join(env_names(name, field))
+        assert f"[env: {env}]" in help_text, f"env of {name} missing"
         if field.annotation is bool:
             assert f"--no-{flag[2:]}" in help_text
     assert "[env: OUTBOX_DATABASE_URL]" in help_text
@@ -206,7 +213,7 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
     """The env names shown by --help are the ones the settings read; a flag beats its env var."""
     samples = {bool: ("true", True), int: ("300", 300), float: ("2.5", 2.5)}
     for key in list(os.environ):
-        if key.upper().startswith(("OUTBOX_", "TEMPORAL_")):
+        if key.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_")):
             monkeypatch.delenv(key)
     for name, field in OutboxSettings.model_fields.items():
         raw, expected = samples.get(field.annotation, ("x1", None))  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import click
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from outbox_bridge.config import OutboxSettings, SettingGroup, env_name, setting_group
+from outbox_bridge.config import OutboxSettings, SettingGroup, env_names, setting_group
 from outbox_bridge.errors import ConfigurationError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -48,7 +48,7 @@ def settings_options(*groups: SettingGroup) -> Callable[[F], F]:
 
 def _option(name: str, field: FieldInfo) -> Callable[[F], F]:
     flag = "--" + name.replace("_", "-")
-    env = env_name(name, field)
+    env = ", else ".join(env_names(name, field))
     default = field.default
     hidden = default is None or default is False or name == "database_url"
     shown = "" if hidden else f" [default: {default}]"
@@ -65,6 +65,15 @@ def _option(name: str, field: FieldInfo) -> Callable[[F], F]:
     )
 
 
+def _where(location: tuple[int | str, ...]) -> str:
+    """The setting an error is about; a setting read from several variables names them all."""
+    for name, field in OutboxSettings.model_fields.items():
+        names = env_names(name, field)
+        if len(names) > 1 and location[:1] == (names[0],):
+            return " or ".join(names)
+    return ".".join(str(part) for part in location) or "settings"
+
+
 def build_settings(overrides: Mapping[str, Any]) -> OutboxSettings:
     """Settings from the environment, with the flags that were given taking precedence."""
     fields = OutboxSettings.model_fields
@@ -72,7 +81,5 @@ def build_settings(overrides: Mapping[str, Any]) -> OutboxSettings:
     try:
         return OutboxSettings(**given)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigurationError(f"invalid settings: {problems}") from None

@@ -34,10 +34,48 @@ from opentelemetry.sdk.trace.export import (
 from temporalio.contrib.opentelemetry import MetricsExporter, TracingInterceptor
 from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
 
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.observability.telemetry import TRACER_NAME
 
 log = logging.getLogger("outbox_bridge.observability.sdk")
+
+
+@dataclass
+class Telemetry:
+    """The providers the worker installed (None: that signal is off)."""
+
+    tracing: TracerProvider | None = None
+    metrics: MetricsSetup | None = None
+
+    def shutdown(self) -> None:
+        """Export what the providers still hold, and stop the scrape endpoint."""
+        for provider in (self.tracing, self.metrics):
+            if provider is not None:
+                provider.shutdown()
+
+
+def setup_telemetry(settings: OutboxSettings) -> Telemetry:
+    """Install the tracer and meter providers the settings ask for.
+
+    ``OTEL_SDK_DISABLED`` (``otel_sdk_disabled``) wins over everything: nothing is installed and
+    no scrape endpoint is opened, as the SDK would export nothing anyway.
+    """
+    if settings.otel_sdk_disabled:
+        if (settings.otel_exporter, settings.metrics_exporter) != ("none", "none"):
+            log.info(
+                "OTEL_SDK_DISABLED is set: no spans (%s) and no metrics (%s) are exported",
+                settings.otel_exporter,
+                settings.metrics_exporter,
+            )
+        return Telemetry()
+    tracing = setup_tracing(settings.otel_exporter)
+    return Telemetry(
+        tracing,
+        setup_metrics(
+            settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
+        ),
+    )
 
 
 # -- traces -------------------------------------------------------------------------------------

@@ -26,12 +26,7 @@ from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.observability.health import HealthServer
-from outbox_bridge.observability.sdk import (
-    setup_metrics,
-    setup_tracing,
-    temporal_runtime,
-    tracing_interceptor,
-)
+from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime, tracing_interceptor
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
 from outbox_bridge.runtime.drain import ShardDrainer
@@ -190,10 +185,7 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     check_embedded(
         postgres=settings.database_url is None, temporal=settings.temporal_address is None
     )
-    tracing = setup_tracing(settings.otel_exporter)
-    metrics = setup_metrics(
-        settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
-    )
+    telemetry = setup_telemetry(settings)
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
     try:
@@ -235,10 +227,7 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
             temporal.stop()
         if postgres is not None:
             postgres.stop()
-        # The process leaves with os._exit: export what the providers still hold.
-        for provider in (tracing, metrics):
-            if provider is not None:
-                provider.shutdown()
+        telemetry.shutdown()  # the process leaves with os._exit: export what is held
 
 
 async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import typing
@@ -463,6 +464,60 @@ async def test_worker_end_to_end(servers, engine) -> None:
     assert canary not in output.stdout, str(output)
     assert canary not in output.stderr, str(output)
     assert "Traceback" not in output.stderr, str(output)
+
+
+# -- worker.py --demo ------------------------------------------------------------------------------
+
+SUMMARY_ROW = re.compile(r"^\s*\d+\.\d\s+\d+\.\d(\s+\d+){6}\s*$", re.MULTILINE)
+
+
+async def test_demo_shows_one_line_per_intended_failure_and_a_summary(servers, engine) -> None:
+    """The demo's flaky handler fails without a traceback, and a summary line follows every
+    few seconds (stdout is a pipe here: --demo turns the summary on)."""
+    env = worker_env(servers, unique_table(), OUTBOX_HEALTH_PORT="0")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "worker.py",
+        "--demo",
+        cwd=ROOT,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    output = Output(proc)
+    try:
+        await wait_until(
+            lambda: (
+                (
+                    len(SUMMARY_ROW.findall(output.stdout)) >= 2
+                    and "ReplicaUnavailable" in output.stderr
+                )
+                or proc.returncode is not None
+            ),
+            timeout=90,
+            what="two summary lines and an intended failure",
+        )
+        assert proc.returncode is None, f"the demo exited early ({proc.returncode})\n{output}"
+        proc.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(proc.wait(), 30)
+        await output.close()
+        assert code == 0, str(output)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        with contextlib.suppress(Exception):
+            await output.close()
+        async with engine.begin() as conn:  # the demo app's table, shared by no other test
+            await conn.execute(text("DELETE FROM outbox"))
+    assert "Traceback" not in output.stdout + output.stderr, str(output)
+    failures = [line for line in output.stderr.splitlines() if "ReplicaUnavailable" in line]
+    assert failures and all("handler failed: " in line for line in failures), str(output)
+    assert "Every 5 s a line follows" in output.stdout
+    header = "written/s handled/s pending shards workflows blocked skipped deferred"
+    assert header in " ".join(output.stdout.split()), str(output)
+    assert "outbox-bridge stopped" in output.stderr
 
 
 # -- python -m outbox_bridge --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from temporalio.client import Client, WorkflowHistory, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Replayer
 
-from outbox_bridge import __version__
+from outbox_bridge import __version__, demo
 from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url, sqlalchemy_url
@@ -86,7 +86,9 @@ def worker(**overrides: Any) -> None:
     code = 0
     try:
         settings = build_settings(overrides)
-        configure_logging(settings.log_level, settings.log_format)
+        handler = configure_logging(settings.log_level, settings.log_format)
+        if settings.demo:
+            handler.addFilter(demo.IntendedFailures())
         logging.getLogger("temporalio").setLevel(logging.WARNING)
         # Handler failures are logged by the drain with shard and category; the SDK's own line
         # for each failed attempt would repeat them.

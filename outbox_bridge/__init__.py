@@ -3,14 +3,22 @@
 The names below are the public API. They are loaded on first use, so that importing
 ``outbox_bridge`` (or one of its subpackages, such as the workflow definitions Temporal's
 sandbox re-imports) costs nothing until something is used.
+
+An application that only writes rows (``OutboxApp``, ``app.write``, ``OutboxModel``) loads the
+producer's side of the package: SQLAlchemy, pydantic and the OpenTelemetry API, never the worker's
+Temporal client, the OpenTelemetry SDK or the command line. How the package is layered, and what
+may import what, is in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    __version__: str
+
     from outbox_bridge.config import OutboxSettings
     from outbox_bridge.db.schema import create_outbox_tables, outbox_table
     from outbox_bridge.errors import (
@@ -96,7 +104,17 @@ __all__ = [
 ]
 
 
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("outbox-bridge")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()[name] = version = _installed_version()
+        return version
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'outbox_bridge' has no attribute {name!r}")
@@ -106,4 +124,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, "__version__"})

@@ -1,12 +1,15 @@
 """All configuration in one settings model, read from environment variables and flags.
 
 Every field is an environment variable (``OUTBOX_*``, or ``TEMPORAL_*`` for the Temporal
-connection) and a ``worker.py`` flag of the same name in kebab case. Nothing else reads the
-environment; the settings object is passed down explicitly.
+connection) and a flag of ``outbox-bridge worker`` of the same name in kebab case; the other
+commands offer the flags of the groups they use (:class:`SettingGroup`) and read the rest from
+the environment. Nothing else reads the environment; the settings object is passed down
+explicitly.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,8 +22,35 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.workflows.models import ShardOptions
 
 
+class SettingGroup(StrEnum):
+    """Which commands offer a setting as a flag (every setting is an environment variable)."""
+
+    DATABASE = "database"  # where the outbox tables are: init-db, flush, shards, the worker
+    TEMPORAL = "temporal"  # how to reach Temporal: every command that talks to shard workflows
+    APP = "app"  # which OutboxApp: every command that names shards or tables
+    SHARDS = "shards"  # how shard workflows start: the worker, and flush (which may start one)
+    WORKER = "worker"  # the rest: the worker alone (untagged fields)
+
+
+def _in(group: SettingGroup) -> dict[str, Any]:
+    return {"group": group.value}
+
+
+def setting_group(field: FieldInfo) -> SettingGroup:
+    """The group of a settings field (:attr:`SettingGroup.WORKER` when untagged)."""
+    extra = field.json_schema_extra
+    group = extra.get("group") if isinstance(extra, dict) else None
+    return SettingGroup(group) if isinstance(group, str) else SettingGroup.WORKER
+
+
 def _temporal(name: str) -> AliasChoices:
     return AliasChoices(f"TEMPORAL_{name.upper()}", f"temporal_{name}")
+
+
+def _or_otel(name: str, otel: str) -> AliasChoices:
+    """``OUTBOX_<NAME>``, else OpenTelemetry's own variable ``otel`` (see the telemetry
+    settings for why the project's variable comes first)."""
+    return AliasChoices(f"OUTBOX_{name.upper()}", otel)
 
 
 class OutboxSettings(BaseSettings):
@@ -35,44 +65,76 @@ class OutboxSettings(BaseSettings):
         None,
         description="PostgreSQL URL (postgresql://user:password@host/db). Unset: start an "
         "embedded PostgreSQL with its data under --data-dir.",
+        json_schema_extra=_in(SettingGroup.DATABASE),
     )
     temporal_address: str | None = Field(
         None,
         validation_alias=_temporal("address"),
         description="Temporal frontend host:port. Unset: start a Temporal dev server with its "
         "database file under --data-dir.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_namespace: str = Field(
-        "default", validation_alias=_temporal("namespace"), description="Temporal namespace."
+        "default",
+        validation_alias=_temporal("namespace"),
+        description="Temporal namespace.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_api_key: SecretStr | None = Field(
-        None, validation_alias=_temporal("api_key"), description="API key (Temporal Cloud)."
+        None,
+        validation_alias=_temporal("api_key"),
+        description="API key (Temporal Cloud).",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls: bool = Field(
-        False, validation_alias=_temporal("tls"), description="Connect to Temporal with TLS."
+        False,
+        validation_alias=_temporal("tls"),
+        description="Connect to Temporal with TLS.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_cert: Path | None = Field(
-        None, validation_alias=_temporal("tls_cert"), description="mTLS client certificate (PEM)."
+        None,
+        validation_alias=_temporal("tls_cert"),
+        description="mTLS client certificate (PEM).",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_key: Path | None = Field(
-        None, validation_alias=_temporal("tls_key"), description="mTLS client key (PEM)."
+        None,
+        validation_alias=_temporal("tls_key"),
+        description="mTLS client key (PEM).",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_ca: Path | None = Field(
-        None, validation_alias=_temporal("tls_ca"), description="CA bundle for the server (PEM)."
+        None,
+        validation_alias=_temporal("tls_ca"),
+        description="CA bundle for the server (PEM).",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
-    task_queue: str = Field("outbox", description="Temporal task queue of the shard workflows.")
+    task_queue: str = Field(
+        "outbox",
+        description="Temporal task queue of the shard workflows.",
+        json_schema_extra=_in(SettingGroup.SHARDS),
+    )
     app: str | None = Field(
         None,
         description="The OutboxApp to run, as module:attribute (e.g. myapp.outbox:app).",
+        json_schema_extra=_in(SettingGroup.APP),
     )
     demo: bool = Field(
-        False, description="Run the demo domain and write steady demo traffic (for a first look)."
+        False,
+        description="Run the demo domain and write steady demo traffic (for a first look).",
+        json_schema_extra=_in(SettingGroup.APP),
     )
     data_dir: Path = Field(
         Path(".outbox-bridge"),
         description="Where embedded PostgreSQL and Temporal keep their data (reused on restart).",
+        json_schema_extra=_in(SettingGroup.DATABASE),
     )
-    temporal_port: int = Field(7233, description="Port of the embedded Temporal dev server.")
+    temporal_port: int = Field(
+        7233,
+        description="Port of the embedded Temporal dev server.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
+    )
     temporal_ui_port: int = Field(8233, description="Port of the embedded Temporal UI.")
     regions: Annotated[list[str] | None, NoDecode] = Field(
         None,
@@ -83,6 +145,7 @@ class OutboxSettings(BaseSettings):
         None,
         description="Shards that start skipped, comma-separated SCOPE:ID (REGION:SCOPE:ID for "
         "a regional table), e.g. ORGANIZATION:42,USER:7: a kill switch for poison shards.",
+        json_schema_extra=_in(SettingGroup.SHARDS),
     )
 
     # -- how shards are processed ----------------------------------------------------------------
@@ -148,8 +211,14 @@ class OutboxSettings(BaseSettings):
     )
 
     # -- telemetry and logs -------------------------------------------------------------------
+    # OpenTelemetry's standard variables are read too, with OpenTelemetry's precedence: like an
+    # exporter's constructor argument over its OTEL_* variable, a setting given explicitly (a
+    # flag, then an OUTBOX_* variable) wins over the OTEL_* variable, which wins over the
+    # default. OTEL_SDK_DISABLED turns everything off, as it does in the SDK itself.
     otel_exporter: Literal["none", "console", "otlp"] = Field(
-        "none", description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*)."
+        "none",
+        validation_alias=_or_otel("otel_exporter", "OTEL_TRACES_EXPORTER"),
+        description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*).",
     )
     log_level: str = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
@@ -159,15 +228,27 @@ class OutboxSettings(BaseSettings):
     )
     metrics_exporter: Literal["none", "prometheus", "otlp", "console"] = Field(
         "none",
+        validation_alias=_or_otel("metrics_exporter", "OTEL_METRICS_EXPORTER"),
         description="Where metrics (outbox-bridge's and the Temporal SDK's) go: none, "
         "prometheus (a scrape endpoint on --metrics-port), otlp (OTEL_EXPORTER_OTLP_*) or "
         "console.",
     )
     metrics_port: int = Field(
-        9464, ge=0, le=65535, description="Port of the Prometheus scrape endpoint /metrics."
+        9464,
+        ge=0,
+        le=65535,
+        validation_alias=_or_otel("metrics_port", "OTEL_EXPORTER_PROMETHEUS_PORT"),
+        description="Port of the Prometheus scrape endpoint /metrics.",
     )
     metrics_host: str = Field(
-        "0.0.0.0", description="Address the Prometheus scrape endpoint listens on."
+        "0.0.0.0",
+        validation_alias=_or_otel("metrics_host", "OTEL_EXPORTER_PROMETHEUS_HOST"),
+        description="Address the Prometheus scrape endpoint listens on.",
+    )
+    otel_sdk_disabled: bool = Field(
+        False,
+        validation_alias=AliasChoices("OTEL_SDK_DISABLED"),
+        description="Export no spans and no metrics, whatever the exporters say.",
     )
 
     # -- running in a container -----------------------------------------------------------------
@@ -221,13 +302,19 @@ class OutboxSettings(BaseSettings):
         )
 
 
-def env_name(name: str, field: FieldInfo) -> str:
+def env_names(name: str, field: FieldInfo) -> list[str]:
+    """The environment variables of a setting, the one that wins first."""
     alias = field.validation_alias
     if isinstance(alias, AliasChoices):
-        first = alias.choices[0]
-        assert isinstance(first, str)
-        return first
-    return f"OUTBOX_{name.upper()}"
+        names = [c for c in alias.choices if isinstance(c, str) and c.isupper()]
+        assert names, name
+        return names
+    return [f"OUTBOX_{name.upper()}"]
+
+
+def env_name(name: str, field: FieldInfo) -> str:
+    """The environment variable of a setting (the first, when OpenTelemetry has one too)."""
+    return env_names(name, field)[0]
 
 
 def sqlalchemy_url(url: str) -> URL:

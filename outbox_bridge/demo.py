@@ -1,7 +1,8 @@
 """The demo domain: a small SaaS with organizations, projects, members, users and audit logs.
 
 ``python worker.py --demo`` runs these handlers and writes steady traffic, so the Temporal UI
-shows shards draining, coalescing, a flaky handler being retried, and deferred rows.
+shows shards draining, coalescing, a flaky handler being retried, and deferred rows. The flaky
+handler's failures are intended: ``--demo`` logs each in one line, without its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +18,23 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox_bridge.registry import OutboxApp, OutboxMessage
 
 log = logging.getLogger("outbox_bridge.demo")
+
+
+class ReplicaUnavailable(ConnectionError):
+    """The demo's flaky replica did not answer: an intended failure, to show a shard that
+    blocks and recovers on retry."""
+
+
+class IntendedFailures(logging.Filter):
+    """Keeps the line but drops the traceback of a log record about an intended failure
+    (:class:`ReplicaUnavailable`). ``--demo`` installs it on the log handler; any other
+    failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is not None and isinstance(record.exc_info[1], ReplicaUnavailable):
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 class Scope(IntEnum):
@@ -60,7 +78,7 @@ async def replicate_organization(message: OutboxMessage) -> None:
 async def replicate_project(message: OutboxMessage) -> None:
     # A flaky downstream: one call in ten fails, to show a blocked shard being retried.
     if random.random() < 0.1:
-        raise ConnectionError("project replica did not answer")
+        raise ReplicaUnavailable("project replica did not answer")
     await asyncio.sleep(0.005)
 
 

@@ -19,9 +19,10 @@ from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import event
+from sqlalchemy.engine import Connection
 from temporalio.client import (
     Client,
     WithStartWorkflowOperation,
@@ -34,12 +35,11 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.config import OutboxSettings
+from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip, static_skips
 from outbox_bridge.runtime.temporal import connect, temporal_address
+from outbox_bridge.sessions import CONTEXTS, LISTENING, session_info, sync_target
 from outbox_bridge.workflows.models import TIMED_OUT, FlushInput, FlushResult, ShardRef
-
-if TYPE_CHECKING:
-    from outbox_bridge.registry import OutboxApp
 
 log = logging.getLogger("outbox_bridge.flush")
 
@@ -59,8 +59,6 @@ FINAL_RPC_STATUSES = frozenset(
         RPCStatusCode.UNIMPLEMENTED,
     }
 )
-CONTEXTS = "outbox_bridge.contexts"
-LISTENING = "outbox_bridge.listening"
 
 
 @dataclass
@@ -262,7 +260,8 @@ class OutboxContext:
 
     # -- recording (called by app.write and the session's events) ------------------------------
 
-    def _written(self, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
+    def record_row(self, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
+        """Note a row written in this context (called by ``app.write``)."""
         self._add(self._pending, shard, _Written(app, row_id, self._flush))
 
     @staticmethod
@@ -285,7 +284,7 @@ class OutboxContext:
     # -- entering and leaving ------------------------------------------------------------------
 
     def _enter(self) -> OutboxContext:
-        info = _info(self._session)
+        info = session_info(self._session)
         stack: list[OutboxContext] = info.setdefault(CONTEXTS, [])
         self._parent = stack[-1] if stack else None
         stack.append(self)
@@ -296,7 +295,7 @@ class OutboxContext:
 
     def _leave(self, failed: bool) -> dict[ShardRef, _Written]:
         """Pop this context; return what to flush now."""
-        stack: list[OutboxContext] = _info(self._session).get(CONTEXTS, [])
+        stack: list[OutboxContext] = session_info(self._session).get(CONTEXTS, [])
         if stack and stack[-1] is self:
             stack.pop()
         if failed:
@@ -316,7 +315,7 @@ class OutboxContext:
         return {shard: w for shard, w in self._committed.items() if w.flush}
 
     def _flusher_for(self, app: OutboxApp) -> Flusher:
-        return self._flusher if self._flusher is not None else app.flusher
+        return self._flusher if self._flusher is not None else app_flusher(app)
 
     def __enter__(self) -> OutboxContext:
         return self._enter()
@@ -370,20 +369,19 @@ def outbox_context(
     return OutboxContext(session, flush=flush, timeout=timeout, flusher=flusher)
 
 
+def app_flusher(app: OutboxApp) -> Flusher:
+    """The flusher of ``app``: configured by :meth:`OutboxApp.configure_flush` (or from the
+    environment), built on first use and reused by every later flush."""
+    route = app.flush_route
+    if not isinstance(route.flusher, Flusher):
+        route.flusher = Flusher(app, route.settings, client=route.client)
+    return route.flusher
+
+
 def settings_from_environment() -> OutboxSettings:
     """``OutboxSettings`` from ``OUTBOX_*`` / ``TEMPORAL_*`` variables (and a ``.env`` file)."""
     nothing_given: dict[str, Any] = {}
     return OutboxSettings(**nothing_given)
-
-
-def record_write(session: Any, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
-    """Called by ``app.write``: note the row in the innermost open context, if any."""
-    try:
-        stack = _info(session).get(CONTEXTS)
-    except TypeError:
-        return
-    if stack:
-        stack[-1]._written(app, shard, row_id)
 
 
 def _by_app(targets: dict[ShardRef, _Written]) -> dict[OutboxApp, dict[ShardRef, int]]:
@@ -393,29 +391,10 @@ def _by_app(targets: dict[ShardRef, _Written]) -> dict[OutboxApp, dict[ShardRef,
     return grouped
 
 
-def _sync_target(session: Any) -> Any:
-    """The sync Session or Connection behind ``session`` (async ones wrap one)."""
-    for attribute in ("sync_session", "sync_connection"):
-        inner = getattr(session, attribute, None)
-        if inner is not None:
-            return inner
-    return session
-
-
-def _info(session: Any) -> dict[str, Any]:
-    info = getattr(_sync_target(session), "info", None)
-    if not isinstance(info, dict):
-        raise TypeError(
-            f"outbox_context needs a SQLAlchemy Session, AsyncSession, Connection or "
-            f"AsyncConnection, got {type(session).__name__}"
-        )
-    return info
-
-
 def _listen(session: Any) -> None:
     """Move the contexts' rows to committed on commit, forget them on rollback."""
-    target = _sync_target(session)
-    info = _info(session)
+    target = sync_target(session)
+    info = session_info(session)
 
     def committed(*_: Any) -> None:
         for context in info.get(CONTEXTS, []):
@@ -424,8 +403,6 @@ def _listen(session: Any) -> None:
     def rolled_back(*_: Any) -> None:
         for context in info.get(CONTEXTS, []):
             context._on_rollback()
-
-    from sqlalchemy.engine import Connection
 
     if isinstance(target, Connection):
         event.listen(target, "commit", committed)

@@ -8,12 +8,11 @@ each be handled, so each needs an object identifier of its own.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Select, func, select
 
-if TYPE_CHECKING:
-    from outbox_bridge.registry import OutboxApp
+from outbox_bridge.registry import OutboxApp
 
 
 def _next_value(app: OutboxApp, table: str | None) -> Select[tuple[int]]:

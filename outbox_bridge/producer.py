@@ -1,8 +1,10 @@
-"""Writing outbox rows inside the caller's transaction.
+"""Writing outbox rows inside the caller's transaction: the checks of a row's values and its
+INSERT.
 
-The producer validates a row against the registry, inserts it with the caller's session or
-connection, and never commits: the row commits, or rolls back, with the model change it
-describes.
+The registry resolves a row's table, category and scope (:meth:`OutboxApp.write`); this module
+checks the rest (identifiers, payload, region, schedule) and builds the INSERT, which the caller's
+session or connection runs. Nothing here commits: the row commits, or rolls back, with the model
+change it describes.
 """
 
 from __future__ import annotations
@@ -13,17 +15,13 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import Insert, insert
+from sqlalchemy import Insert, Table, insert
 
 from outbox_bridge.errors import InvalidRowError
 from outbox_bridge.workflows.models import ShardRef
-
-if TYPE_CHECKING:
-    from outbox_bridge.registry import OutboxApp
-
 
 BIGINT_MIN = -(2**63)
 BIGINT_MAX = 2**63 - 1
@@ -35,7 +33,7 @@ _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 @dataclass(frozen=True)
 class RowSpec:
-    """What a producer asks for; validated by :func:`build_insert`."""
+    """What a producer asks for; validated by the registry and :func:`build_insert`."""
 
     category: IntEnum | int
     shard_identifier: int
@@ -47,7 +45,8 @@ class RowSpec:
     table: str | None = None
 
 
-def _identifier(name: str, value: object) -> int:
+def bigint(name: str, value: object) -> int:
+    """``value`` if it is an integer that fits a bigint column, else :class:`InvalidRowError`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRowError(f"{name} must be an integer, got {type(value).__name__}")
     if not BIGINT_MIN <= value <= BIGINT_MAX:
@@ -112,25 +111,16 @@ class PreparedRow:
     shard: ShardRef
 
 
-def build_insert(app: OutboxApp, spec: RowSpec) -> PreparedRow:
-    """Validate ``spec`` against ``app``'s registry and build its INSERT ... RETURNING id."""
-    table = app.table(spec.table)
-    regional = app.table_spec(table.name).regional
-    category = app.category(_identifier("category", spec.category))
-    if category is None:
-        raise InvalidRowError(f"category {spec.category!r} is not registered in any scope")
-    scope = app.scope_of(category)
-    assert scope is not None
-    if spec.shard_scope is not None and _identifier("shard_scope", spec.shard_scope) != int(scope):
-        given = app.scope_name(int(spec.shard_scope))
-        raise InvalidRowError(
-            f"category {category.name} belongs to scope {scope.name}, not {given}"
-        )
+def build_insert(
+    table: Table, spec: RowSpec, *, regional: bool, category: IntEnum, scope: IntEnum
+) -> PreparedRow:
+    """Check ``spec``'s values and build its INSERT ... RETURNING id into ``table``, for the
+    ``category`` and ``scope`` the registry resolved."""
     values: dict[str, Any] = {
         "shard_scope": int(scope),
-        "shard_identifier": _identifier("shard_identifier", spec.shard_identifier),
+        "shard_identifier": bigint("shard_identifier", spec.shard_identifier),
         "category": int(category),
-        "object_identifier": _identifier("object_identifier", spec.object_identifier),
+        "object_identifier": bigint("object_identifier", spec.object_identifier),
         "payload": _json_safe(spec.payload),
     }
     if regional:

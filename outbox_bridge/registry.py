@@ -2,6 +2,9 @@
 
 Scopes and categories are the application's own ``IntEnum`` members. Their integer values are what
 the outbox table stores, so a value may be retired but never reused for something else.
+
+This is what an application imports to write rows: it loads neither the worker (Temporal's
+client and worker, the OpenTelemetry SDK, the command line) nor anything the worker alone needs.
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sqlalchemy import MetaData, Table
 
-from outbox_bridge.errors import MissingHandlerError, RegistryError
-from outbox_bridge.observability.observe import observed_write
-from outbox_bridge.producer import RowSpec, build_insert
+from outbox_bridge.db.schema import outbox_table
+from outbox_bridge.errors import InvalidRowError, MissingHandlerError, RegistryError
+from outbox_bridge.observability.writes import observed_write
+from outbox_bridge.producer import PreparedRow, RowSpec, bigint, build_insert
+from outbox_bridge.sessions import record_write
 from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:
     from temporalio.client import Client
 
     from outbox_bridge.config import OutboxSettings
-    from outbox_bridge.flush import Flusher
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,47}")
 
@@ -94,6 +98,18 @@ class OutboxTable:
             )
 
 
+@dataclass
+class FlushRoute:
+    """How ``outbox_context(session, flush=True)`` reaches an app's shard workflows (see
+    :meth:`OutboxApp.configure_flush`): the settings (None: from the environment), an optional
+    Temporal client, and the flusher built from them on first use (by
+    :mod:`outbox_bridge.flush`, which holds the Temporal side)."""
+
+    settings: OutboxSettings | None = None
+    client: Client | None = None
+    flusher: object | None = None
+
+
 def _enum_name(member: IntEnum | int) -> str:
     return member.name if isinstance(member, IntEnum) else str(int(member))
 
@@ -117,7 +133,7 @@ class OutboxApp:
         self._categories: dict[int, IntEnum] = {}
         self._scopes: dict[int, IntEnum] = {}
         self._handlers: dict[int, Handler] = {}
-        self._flusher: Flusher | None = None
+        self.flush_route = FlushRoute()
         for scope, members in scopes.items():
             self._add_scope(scope, members)
         self._check_declared_enums(categories)
@@ -128,8 +144,6 @@ class OutboxApp:
             raise RegistryError(f"table names must be unique, got {names}")
         self.tables: dict[str, OutboxTable] = {t.name: t for t in tables}
         self.metadata = MetaData()
-        from outbox_bridge.db.schema import outbox_table  # schema imports this module's types
-
         self._sql_tables: dict[str, Table] = {
             t.name: outbox_table(t.name, self.metadata, regional=t.regional) for t in tables
         }
@@ -312,8 +326,7 @@ class OutboxApp:
         The scope follows from the category; pass ``shard_scope`` to have it checked.
         ``scheduled_for`` (an aware datetime, or a delay) defers the row: its shard waits.
         """
-        row = build_insert(
-            self,
+        row = self._prepare(
             RowSpec(
                 category,
                 shard_identifier,
@@ -323,7 +336,7 @@ class OutboxApp:
                 region,
                 scheduled_for,
                 table,
-            ),
+            )
         )
         with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
             result = session.execute(seen.statement)
@@ -349,8 +362,7 @@ class OutboxApp:
         table: str | None = None,
     ) -> int:
         """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
-        row = build_insert(
-            self,
+        row = self._prepare(
             RowSpec(
                 category,
                 shard_identifier,
@@ -360,16 +372,29 @@ class OutboxApp:
                 region,
                 scheduled_for,
                 table,
-            ),
+            )
         )
         with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
             result = await session.execute(seen.statement)
             row_id = seen.written(int(result.scalar_one()))
         return self._written(session, row.shard, row_id)
 
-    def _written(self, session: Any, shard: ShardRef, row_id: int) -> int:
-        from outbox_bridge.flush import record_write
+    def _prepare(self, spec: RowSpec) -> PreparedRow:
+        """Resolve the row's table, category and scope; the producer checks the rest."""
+        table = self.table(spec.table)
+        category = self.category(bigint("category", spec.category))
+        if category is None:
+            raise InvalidRowError(f"category {spec.category!r} is not registered in any scope")
+        scope = self._scope_of[int(category)]
+        if spec.shard_scope is not None and bigint("shard_scope", spec.shard_scope) != int(scope):
+            given = self.scope_name(int(spec.shard_scope))
+            raise InvalidRowError(
+                f"category {category.name} belongs to scope {scope.name}, not {given}"
+            )
+        regional = self.tables[table.name].regional
+        return build_insert(table, spec, regional=regional, category=category, scope=scope)
 
+    def _written(self, session: Any, shard: ShardRef, row_id: int) -> int:
         record_write(session, self, shard, row_id)
         return row_id
 
@@ -377,57 +402,10 @@ class OutboxApp:
 
     def configure_flush(
         self, settings: OutboxSettings | None = None, *, client: Client | None = None
-    ) -> Flusher:
+    ) -> None:
         """How ``outbox_context(session, flush=True)`` reaches the shard workflows: the
         worker's settings (Temporal address, namespace, TLS or API key, task queue and shard
         settings) and, for async code, optionally a connected Temporal ``client``. Without
-        this call, the settings come from the environment (``OutboxSettings()``)."""
-        from outbox_bridge.flush import Flusher
-
-        self._flusher = Flusher(self, settings, client=client)
-        return self._flusher
-
-    @property
-    def flusher(self) -> Flusher:
-        if self._flusher is None:
-            self.configure_flush()
-        assert self._flusher is not None
-        return self._flusher
-
-
-def load_app(spec: str) -> OutboxApp:
-    """Import ``module:attribute`` and return the :class:`OutboxApp` it names."""
-    import importlib
-
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute or module_name.startswith("."):
-        raise RegistryError(f"--app must look like module:attribute, got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RegistryError(f"cannot import {module_name!r} for --app {spec}: {exc}") from exc
-    app = getattr(module, attribute, None)
-    if not isinstance(app, OutboxApp):
-        raise RegistryError(
-            f"{spec} is {type(app).__name__ if app is not None else 'missing'}, not an OutboxApp"
-        )
-    return app
-
-
-def app_from_settings(demo: bool, spec: str | None, *, allow_none: bool = False) -> OutboxApp:
-    """The app named by ``--app`` (``module:attribute``), or the demo app with ``--demo``.
-
-    With ``allow_none``, no app means a registry without scopes and the default ``outbox``
-    table (enough for commands that only need table names).
-    """
-    if demo and spec:
-        raise RegistryError("--demo runs the demo app; do not also give --app")
-    if demo:
-        from outbox_bridge import demo as demo_module
-
-        return demo_module.app
-    if spec:
-        return load_app(spec)
-    if allow_none:
-        return OutboxApp(scopes={})
-    raise RegistryError("no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo")
+        this call, the settings come from the environment (``OutboxSettings()``). Nothing
+        connects until the first flush."""
+        self.flush_route = FlushRoute(settings, client)

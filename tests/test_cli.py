@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import typing
@@ -18,14 +19,23 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 from pydantic import SecretStr
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox_bridge.cli.flags import build_settings
-from outbox_bridge.config import OutboxSettings, env_name
+from outbox_bridge.cli import main as cli_main
+from outbox_bridge.cli.flags import build_settings, settings_options
+from outbox_bridge.config import (
+    OutboxSettings,
+    SettingGroup,
+    env_name,
+    env_names,
+    setting_group,
+)
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
@@ -52,7 +62,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "SAMPLE_OUTBOX"))
+        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_", "SAMPLE_OUTBOX"))
     }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -119,7 +129,8 @@ async def test_worker_help_documents_every_setting(servers) -> None:
     for name, field in OutboxSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         assert flag in help_text, f"{flag} missing from --help"
-        assert f"[env: {env_name(name, field)}]" in help_text, f"env of {name} missing"
+        env = ", else ".join(env_names(name, field))
+        assert f"[env: {env}]" in help_text, f"env of {name} missing"
         if field.annotation is bool:
             assert f"--no-{flag[2:]}" in help_text
     assert "[env: OUTBOX_DATABASE_URL]" in help_text
@@ -203,7 +214,7 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
     """The env names shown by --help are the ones the settings read; a flag beats its env var."""
     samples = {bool: ("true", True), int: ("300", 300), float: ("2.5", 2.5)}
     for key in list(os.environ):
-        if key.upper().startswith(("OUTBOX_", "TEMPORAL_")):
+        if key.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_")):
             monkeypatch.delenv(key)
     for name, field in OutboxSettings.model_fields.items():
         raw, expected = samples.get(field.annotation, ("x1", None))  # type: ignore[arg-type]
@@ -237,6 +248,76 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
     monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "-1")
     with pytest.raises(ConfigurationError, match="idle_timeout"):
         build_settings({})
+
+
+# -- each command offers the settings it uses ------------------------------------------------------
+
+SHARD_COMMAND = {SettingGroup.TEMPORAL, SettingGroup.APP}
+COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
+    "worker": set(SettingGroup),
+    "init-db": {SettingGroup.DATABASE, SettingGroup.APP},
+    "status": SHARD_COMMAND,
+    "skip": SHARD_COMMAND,
+    "resume": SHARD_COMMAND,
+    "history export": SHARD_COMMAND,
+    "flush": SHARD_COMMAND | {SettingGroup.DATABASE, SettingGroup.SHARDS},
+    "shards": SHARD_COMMAND | {SettingGroup.DATABASE},
+    "replay": set(),
+}
+
+
+def _command(path: str) -> click.Command:
+    command: click.Command = cli_main
+    for name in path.split():
+        assert isinstance(command, click.Group)
+        command = command.commands[name]
+    return command
+
+
+@pytest.mark.parametrize("path", list(COMMAND_GROUPS))
+def test_each_command_offers_the_settings_it_uses(path: str) -> None:
+    offered = {p.name for p in _command(path).params} & set(OutboxSettings.model_fields)
+    expected = {
+        name
+        for name, field in OutboxSettings.model_fields.items()
+        if setting_group(field) in COMMAND_GROUPS[path]
+    }
+    assert offered == expected
+
+
+def test_every_command_is_listed() -> None:
+    listed = {path.split()[0] for path in COMMAND_GROUPS}
+    assert set(cli_main.commands) == listed
+    assert set(_command("history").commands) == {"export"}
+
+
+def test_status_help_lists_connection_settings_only() -> None:
+    result = CliRunner().invoke(cli_main, ["status", "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    help_text = one_line(result.output)
+    for flag, env in [("--temporal-address", "TEMPORAL_ADDRESS"), ("--app", "OUTBOX_APP")]:
+        assert flag in help_text and f"[env: {env}]" in help_text
+    for flag in ("--linger", "--health-port", "--shutdown-grace", "--database-url", "--log-level"):
+        assert f"{flag} " not in help_text, flag
+
+
+def test_settings_a_command_offers_no_flag_for_come_from_the_environment(monkeypatch) -> None:
+    seen: list[OutboxSettings] = []
+
+    @click.command()
+    @settings_options(SettingGroup.DATABASE)
+    def command(**overrides: object) -> None:
+        seen.append(build_settings(overrides))
+
+    monkeypatch.setenv("OUTBOX_LINGER", "3")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://from-env/db")
+    result = CliRunner().invoke(command, ["--database-url", "postgresql://from-flag/db"])
+    assert result.exit_code == 0, result.output
+    [settings] = seen
+    assert settings.linger == 3
+    assert settings.database_url is not None
+    assert settings.database_url.get_secret_value() == "postgresql://from-flag/db"
+    assert CliRunner().invoke(command, ["--linger", "4"]).exit_code == 2  # not offered
 
 
 # -- worker.py: end to end ------------------------------------------------------------------------
@@ -383,6 +464,60 @@ async def test_worker_end_to_end(servers, engine) -> None:
     assert canary not in output.stdout, str(output)
     assert canary not in output.stderr, str(output)
     assert "Traceback" not in output.stderr, str(output)
+
+
+# -- worker.py --demo ------------------------------------------------------------------------------
+
+SUMMARY_ROW = re.compile(r"^\s*\d+\.\d\s+\d+\.\d(\s+\d+){6}\s*$", re.MULTILINE)
+
+
+async def test_demo_shows_one_line_per_intended_failure_and_a_summary(servers, engine) -> None:
+    """The demo's flaky handler fails without a traceback, and a summary line follows every
+    few seconds (stdout is a pipe here: --demo turns the summary on)."""
+    env = worker_env(servers, unique_table(), OUTBOX_HEALTH_PORT="0")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "worker.py",
+        "--demo",
+        cwd=ROOT,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    output = Output(proc)
+    try:
+        await wait_until(
+            lambda: (
+                (
+                    len(SUMMARY_ROW.findall(output.stdout)) >= 2
+                    and "ReplicaUnavailable" in output.stderr
+                )
+                or proc.returncode is not None
+            ),
+            timeout=90,
+            what="two summary lines and an intended failure",
+        )
+        assert proc.returncode is None, f"the demo exited early ({proc.returncode})\n{output}"
+        proc.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(proc.wait(), 30)
+        await output.close()
+        assert code == 0, str(output)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        with contextlib.suppress(Exception):
+            await output.close()
+        async with engine.begin() as conn:  # the demo app's table, shared by no other test
+            await conn.execute(text("DELETE FROM outbox"))
+    assert "Traceback" not in output.stdout + output.stderr, str(output)
+    failures = [line for line in output.stderr.splitlines() if "ReplicaUnavailable" in line]
+    assert failures and all("handler failed: " in line for line in failures), str(output)
+    assert "Every 5 s a line follows" in output.stdout
+    header = "written/s handled/s pending shards workflows blocked skipped deferred"
+    assert header in " ".join(output.stdout.split()), str(output)
+    assert "outbox-bridge stopped" in output.stderr
 
 
 # -- python -m outbox_bridge --------------------------------------------------------------------

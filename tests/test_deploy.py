@@ -31,16 +31,16 @@ from temporalio.common import SearchAttributeKey
 
 import outbox_bridge.workflows.models
 from outbox_bridge.cli import main as cli
-from outbox_bridge.config import OutboxSettings, env_name
+from outbox_bridge.cli.apps import app_from_settings
+from outbox_bridge.config import OutboxSettings, env_name, env_names
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
-from outbox_bridge.registry import app_from_settings
 from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 FIELDS = OutboxSettings.model_fields
-ENV_NAMES = {env_name(name, field): name for name, field in FIELDS.items()}
+ENV_NAMES = {env: name for name, field in FIELDS.items() for env in env_names(name, field)}
 SECRET_ENV = {env_name(n, f) for n, f in FIELDS.items() if SecretStr in get_args(f.annotation)}
 HEALTH_PORT = FIELDS["health_port"].default
 METRICS_PORT = FIELDS["metrics_port"].default

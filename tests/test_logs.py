@@ -15,7 +15,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from outbox_bridge import OutboxMessage
+from outbox_bridge import OutboxMessage, demo
 from outbox_bridge.observability.logs import configure_logging, log_context
 from tests.harness import (
     Category,
@@ -167,3 +167,25 @@ def test_text_lines_carry_the_bound_fields_and_current_span(spans) -> None:
 def test_an_unknown_log_format_is_refused() -> None:
     with pytest.raises(ValueError, match="log format"):
         configure_logging("INFO", "xml")
+
+
+def test_the_demo_drops_the_traceback_of_its_intended_failures_only() -> None:
+    root = logging.getLogger()
+    level = root.level
+    stream = io.StringIO()
+    handler = configure_logging("INFO", "text", stream=stream)
+    handler.addFilter(demo.IntendedFailures())
+    log = logging.getLogger("outbox_bridge.test")
+    try:
+        for error in (demo.ReplicaUnavailable("intended"), ConnectionError("real")):
+            try:
+                raise error
+            except ConnectionError as exc:
+                log.warning("handler failed: %s", exc, exc_info=exc)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        structlog.reset_defaults()
+    intended, real = stream.getvalue().split("handler failed: real")
+    assert "intended" in intended and "Traceback" not in intended
+    assert "Traceback" in real and "ConnectionError: real" in real

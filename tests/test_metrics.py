@@ -19,7 +19,8 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetr
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.errors import ConfigurationError
-from outbox_bridge.observability.metrics import OutboxMetrics, build_meter_provider, metric_exporter
+from outbox_bridge.observability.metrics import OutboxMetrics
+from outbox_bridge.observability.sdk import build_meter_provider, metric_exporter
 from tests.harness import (
     Category,
     count_rows,

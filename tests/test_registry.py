@@ -17,7 +17,7 @@ from outbox_bridge import (
     OutboxTable,
     RegistryError,
 )
-from outbox_bridge.registry import load_app
+from outbox_bridge.cli.apps import load_app
 from tests.harness import SCOPES, Category, Scope
 
 

@@ -18,7 +18,7 @@ from opentelemetry.trace import StatusCode
 from sqlalchemy import select, text
 
 from outbox_bridge import OutboxMessage
-from outbox_bridge.observability.telemetry import build_tracer_provider
+from outbox_bridge.observability.sdk import build_tracer_provider
 from tests.harness import (
     Category,
     Recorder,

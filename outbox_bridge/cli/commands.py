@@ -19,17 +19,20 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHistory, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Replayer
 
+from outbox_bridge import __version__, demo
+from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.cli.flags import build_settings, settings_options
-from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
+from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url, sqlalchemy_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.store import read_shard_depths, read_shard_max_id
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.flush import Flusher
 from outbox_bridge.observability.logs import configure_logging
-from outbox_bridge.registry import OutboxApp, app_from_settings
+from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.runtime.temporal import connect, temporal_address
@@ -41,6 +44,7 @@ from outbox_bridge.workflows.models import (
     ShardStatus,
     SkipInput,
 )
+from outbox_bridge.workflows.shard import OutboxShard
 
 
 def run() -> None:
@@ -60,6 +64,7 @@ def run() -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="outbox-bridge", message="%(prog)s %(version)s")
 def main() -> None:
     """outbox-bridge: a transactional outbox executed by Temporal.
 
@@ -70,7 +75,7 @@ def main() -> None:
 @main.command(
     "worker", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
 )
-@settings_options
+@settings_options()
 def worker(**overrides: Any) -> None:
     """Run the worker: the bridge that finds shards with rows, and the Temporal worker that
     drains them and runs their handlers.
@@ -81,12 +86,15 @@ def worker(**overrides: Any) -> None:
     code = 0
     try:
         settings = build_settings(overrides)
-        configure_logging(settings.log_level, settings.log_format)
+        handler = configure_logging(settings.log_level, settings.log_format)
+        if settings.demo:
+            handler.addFilter(demo.IntendedFailures())
         logging.getLogger("temporalio").setLevel(logging.WARNING)
         # Handler failures are logged by the drain with shard and category; the SDK's own line
         # for each failed attempt would repeat them.
         logging.getLogger("temporalio.activity").setLevel(logging.ERROR)
-        asyncio.run(run_worker(settings))
+        app = app_from_settings(settings.demo, settings.app)
+        asyncio.run(run_worker(settings, app))
     except OutboxError as exc:
         print(f"outbox-bridge: error: {exc}", file=sys.stderr)
         code = 2
@@ -131,7 +139,7 @@ async def _init_db(settings: OutboxSettings) -> list[str]:
 
 
 @main.command("init-db")
-@settings_options
+@settings_options(SettingGroup.DATABASE, SettingGroup.APP)
 def init_db(**overrides: Any) -> None:
     """Create the outbox tables, indexes and NOTIFY triggers that are missing (idempotent)."""
     try:
@@ -145,10 +153,15 @@ def init_db(**overrides: Any) -> None:
 # -- steering one shard -----------------------------------------------------------------------
 
 
-def _shard_command(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--table", help="The outbox table (default: the app's first table).")(fn)
-    fn = click.argument("shard")(fn)
-    return settings_options(fn)
+def _shard_command(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option("--table", help="The outbox table (default: the app's first table).")(fn)
+        fn = click.argument("shard")(fn)
+        return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
+
+    return decorate
 
 
 async def _shard_handle(
@@ -219,7 +232,7 @@ def _status_table(status: ShardStatus) -> Table:
 
 @main.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@_shard_command
+@_shard_command()
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show a shard's state: SHARD is SCOPE:ID (REGION:SCOPE:ID for a regional table)."""
 
@@ -236,7 +249,7 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
 
 @main.command("skip")
 @click.option("--reason", required=True, help="Why the shard is paused (shown in the UI).")
-@_shard_command
+@_shard_command()
 def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
     """Pause a shard: its retrying attempt is cancelled, no handler runs, every row is kept."""
     if not reason.strip():
@@ -253,7 +266,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
 
 
 @main.command("resume")
-@_shard_command
+@_shard_command()
 def resume(shard: str, table: str | None, **overrides: Any) -> None:
     """Resume a skipped shard: its head is retried at once."""
 
@@ -276,7 +289,7 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     help="Seconds to wait.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@_shard_command
+@_shard_command(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
 def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overrides: Any) -> None:
     """Wait until a shard has handled every row pending now (exit 0), or say why it cannot:
     blocked, skipped, deferred or timed out (exit 1). Starts the shard's workflow if needed."""
@@ -339,7 +352,7 @@ def history() -> None:
     required=True,
     help="Where to write the history (JSON).",
 )
-@_shard_command
+@_shard_command()
 def history_export(shard: str, table: str | None, output: Path, **overrides: Any) -> None:
     """Write the history of SHARD's latest workflow run as JSON (ids and counts, no payloads)."""
 
@@ -365,11 +378,6 @@ def replay(files: tuple[Path, ...]) -> None:
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
-    from temporalio.client import WorkflowHistory
-    from temporalio.worker import Replayer
-
-    from outbox_bridge.workflows.shard import OutboxShard
-
     replayer = Replayer(workflows=[OutboxShard])
     failed = 0
     for path in files:
@@ -399,7 +407,7 @@ async def _replay(files: tuple[Path, ...]) -> int:
 @click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
 @click.option("--table", help="The outbox table (default: the app's first table).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@settings_options
+@settings_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def shards(
     top: int,
     scope_name: str | None,

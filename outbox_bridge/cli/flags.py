@@ -1,5 +1,6 @@
 """Command-line flags generated from :class:`OutboxSettings`, so that every setting is both an
-environment variable and a flag, documented once."""
+environment variable and a flag, documented once. Each command offers the flags of the setting
+groups it uses; the other settings still come from the environment."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any, TypeVar
 
 import click
 from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
 
-from outbox_bridge.config import OutboxSettings, env_name
+from outbox_bridge.config import OutboxSettings, SettingGroup, env_names, setting_group
 from outbox_bridge.errors import ConfigurationError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -30,28 +32,46 @@ def _click_type(annotation: Any) -> Any:
     )
 
 
-def settings_options(fn: F) -> F:
-    """Decorate a click command with one option per setting (values land in ``**overrides``)."""
-    for name, field in reversed(list(OutboxSettings.model_fields.items())):
-        flag = "--" + name.replace("_", "-")
-        env = env_name(name, field)
-        default = field.default
-        hidden = default is None or default is False or name == "database_url"
-        shown = "" if hidden else f" [default: {default}]"
-        help_text = f"{field.description}{shown} [env: {env}]"
-        if field.annotation is bool:
-            option = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
-        else:
-            option = click.option(
-                flag,
-                name,
-                type=_click_type(field.annotation),
-                default=None,
-                help=help_text,
-                metavar=name.upper().split("_")[-1],
-            )
-        fn = option(fn)
-    return fn
+def settings_options(*groups: SettingGroup) -> Callable[[F], F]:
+    """A decorator that gives a click command one option per setting of ``groups`` (every
+    setting when none is given); the values land in ``**overrides``."""
+    wanted = set(groups) or set(SettingGroup)
+
+    def decorate(fn: F) -> F:
+        for name, field in reversed(list(OutboxSettings.model_fields.items())):
+            if setting_group(field) in wanted:
+                fn = _option(name, field)(fn)
+        return fn
+
+    return decorate
+
+
+def _option(name: str, field: FieldInfo) -> Callable[[F], F]:
+    flag = "--" + name.replace("_", "-")
+    env = ", else ".join(env_names(name, field))
+    default = field.default
+    hidden = default is None or default is False or name == "database_url"
+    shown = "" if hidden else f" [default: {default}]"
+    help_text = f"{field.description}{shown} [env: {env}]"
+    if field.annotation is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
+    return click.option(
+        flag,
+        name,
+        type=_click_type(field.annotation),
+        default=None,
+        help=help_text,
+        metavar=name.upper().split("_")[-1],
+    )
+
+
+def _where(location: tuple[int | str, ...]) -> str:
+    """The setting an error is about; a setting read from several variables names them all."""
+    for name, field in OutboxSettings.model_fields.items():
+        names = env_names(name, field)
+        if len(names) > 1 and location[:1] == (names[0],):
+            return " or ".join(names)
+    return ".".join(str(part) for part in location) or "settings"
 
 
 def build_settings(overrides: Mapping[str, Any]) -> OutboxSettings:
@@ -61,7 +81,5 @@ def build_settings(overrides: Mapping[str, Any]) -> OutboxSettings:
     try:
         return OutboxSettings(**given)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigurationError(f"invalid settings: {problems}") from None

@@ -23,6 +23,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from outbox_bridge.config import safe_url
+from outbox_bridge.errors import ConfigurationError
+
 # A NOTIFY payload is limited to 8,000 bytes; past this the trigger asks for a sweep instead.
 NOTIFY_PAYLOAD_LIMIT = 7000
 SWEEP_NOTIFICATION = "*"
@@ -170,9 +173,6 @@ async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> Non
 async def prepare_database(engine: AsyncEngine, metadata: MetaData) -> None:
     """:func:`create_outbox_tables` with the engine's own connection, a driver error turned
     into a :class:`ConfigurationError` that names the database (password masked)."""
-    from outbox_bridge.config import safe_url
-    from outbox_bridge.errors import ConfigurationError
-
     try:
         async with engine.begin() as conn:
             await create_outbox_tables(conn, metadata)

@@ -61,20 +61,34 @@ def _quoted(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+async def count_shard_states(
+    client: Client, task_queue: str, states: Iterable[str | None]
+) -> dict[str | None, int | None]:
+    """How many running shard workflows of ``task_queue`` are in each of ``states`` (None: in
+    any state), from their ``OutboxState`` search attribute; None for a count Temporal did not
+    answer (logged)."""
+    counts: dict[str | None, int | None] = {}
+    for state in states:
+        query = (
+            f"WorkflowType = {_quoted(WORKFLOW)} AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = {_quoted(task_queue)}"
+        )
+        if state is not None:
+            query += f" AND {STATE_ATTRIBUTE.name} = {_quoted(state)}"
+        try:
+            counts[state] = (await client.count_workflows(query)).count
+        except RPCError as exc:
+            log.warning("cannot count %s shards: %s", state or "running", exc.message)
+            counts[state] = None
+    return counts
+
+
 async def observe_shard_states(
     metrics: OutboxMetrics, owner: object, client: Client, task_queue: str
 ) -> None:
     """Report ``outbox.shards.blocked`` and ``outbox.shards.skipped``: the running shard
     workflows of ``task_queue`` in that state. A failed count keeps the previous value."""
     attributes: Attributes = (("outbox.task_queue", task_queue),)
-    for state in (BLOCKED, SKIPPED):
-        query = (
-            f"WorkflowType = {_quoted(WORKFLOW)} AND ExecutionStatus = 'Running' "
-            f"AND TaskQueue = {_quoted(task_queue)} AND {STATE_ATTRIBUTE.name} = {_quoted(state)}"
-        )
-        try:
-            count = (await client.count_workflows(query)).count
-        except RPCError as exc:
-            log.warning("cannot count %s shards: %s", state, exc.message)
-            continue
-        metrics.report(owner, f"outbox.shards.{state}", {attributes: float(count)})
+    for state, count in (await count_shard_states(client, task_queue, (BLOCKED, SKIPPED))).items():
+        if count is not None:
+            metrics.report(owner, f"outbox.shards.{state}", {attributes: float(count)})

@@ -1,35 +1,20 @@
-"""Metrics: the OpenTelemetry meter provider, outbox-bridge's instruments, and the Temporal SDK's
-own metrics exported through the same provider (so they share its endpoint).
+"""Metrics: outbox-bridge's instruments.
 
 Every instrument is recorded only when an SDK meter provider is installed
-(:func:`active_metrics` is None otherwise), so metrics cost nothing when they are off.
+(:func:`active_metrics` is None otherwise), so metrics cost nothing when they are off. Only the
+OpenTelemetry API is imported here (the producer counts its rows with it); the worker installs
+the SDK's meter provider and exporters (:mod:`outbox_bridge.observability.sdk`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    ConsoleMetricExporter,
-    MetricExporter,
-    MetricReader,
-    PeriodicExportingMetricReader,
-)
-from temporalio.contrib.opentelemetry import MetricsExporter
-from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
-
-from outbox_bridge.errors import ConfigurationError
-from outbox_bridge.observability.telemetry import otlp_protocol, telemetry_resource
-
-log = logging.getLogger("outbox_bridge.observability.metrics")
 
 METER_NAME = "outbox_bridge"
 
@@ -148,122 +133,10 @@ def active_metrics() -> OutboxMetrics | None:
     """The instruments on the installed SDK meter provider, or None when metrics are off."""
     global _active
     provider = metrics.get_meter_provider()
-    if not isinstance(provider, MeterProvider):
+    # Looked up, not imported (see telemetry.active_tracer): no SDK loaded, no SDK provider.
+    sdk = sys.modules.get("opentelemetry.sdk.metrics")
+    if sdk is None or not isinstance(provider, sdk.MeterProvider):
         return None
     if _active is None or _active[0] is not provider:
         _active = (provider, OutboxMetrics(provider.get_meter(METER_NAME)))
     return _active[1]
-
-
-# -- providers and exporters --------------------------------------------------------------------
-
-
-def _otlp_exporter() -> MetricExporter:
-    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
-    if otlp_protocol("METRICS").startswith("http"):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-            OTLPMetricExporter as Http,
-        )
-
-        return Http()
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
-
-    return Grpc()
-
-
-def metric_exporter(exporter: str) -> MetricExporter:
-    """The push exporter of ``exporter`` (console or otlp)."""
-    if exporter == "console":
-        return ConsoleMetricExporter()
-    if exporter == "otlp":
-        return _otlp_exporter()
-    raise ValueError(f"unknown metric exporter {exporter!r}")
-
-
-@dataclass
-class MetricsSetup:
-    """An installed meter provider and, for Prometheus, its scrape endpoint."""
-
-    provider: MeterProvider
-    endpoint: str | None = None
-    _server: Any = None
-
-    def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        self.provider.shutdown()
-
-
-def build_meter_provider(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
-    """A meter provider for ``exporter`` (none, prometheus, otlp, console), or None for none.
-
-    ``prometheus`` serves ``http://host:port/metrics``; ``otlp`` and ``console`` push every
-    ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds (60 s by default).
-    """
-    if exporter == "none":
-        return None
-    server = None
-    endpoint = None
-    reader: MetricReader
-    if exporter == "prometheus":
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
-
-        try:
-            server, _ = start_http_server(port, addr=host)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another "
-                "--metrics-port"
-            ) from None
-        reader = PrometheusMetricReader()
-        endpoint = f"http://{host}:{server.server_port}/metrics"
-    else:
-        reader = PeriodicExportingMetricReader(metric_exporter(exporter))
-    provider = MeterProvider(metric_readers=[reader], resource=telemetry_resource())
-    return MetricsSetup(provider, endpoint, server)
-
-
-def setup_metrics(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
-    """Install :func:`build_meter_provider`'s provider as the process-wide one."""
-    setup = build_meter_provider(exporter, host=host, port=port)
-    if setup is not None:
-        metrics.set_meter_provider(setup.provider)
-        log.info("metrics are exported to %s", setup.endpoint or exporter)
-    return setup
-
-
-# -- the Temporal SDK's metrics ----------------------------------------------------------------
-
-_runtime: tuple[object, Runtime] | None = None
-_runtime_lock = threading.Lock()
-
-
-def temporal_runtime() -> Runtime | None:
-    """A Temporal runtime whose SDK metrics (polls, task latencies, slots...) are exported
-    through the installed meter provider, or None when metrics are off (the default runtime).
-
-    The SDK records into a buffer that :class:`MetricsExporter` drains every second, in a
-    thread of its own, into the provider: the same Prometheus endpoint or OTLP collector as
-    outbox-bridge's metrics, with the same resource. One runtime per process and provider
-    (each runtime owns a thread pool).
-    """
-    global _runtime
-    provider = metrics.get_meter_provider()
-    if not isinstance(provider, MeterProvider):
-        return None
-    with _runtime_lock:
-        if _runtime is None or _runtime[0] is not provider:
-            buffer = MetricBuffer(100_000, MetricBufferDurationFormat.SECONDS)
-            runtime = Runtime(telemetry=TelemetryConfig(metrics=buffer, attach_service_name=False))
-            exporter = MetricsExporter(buffer, provider)
-            thread = threading.Thread(
-                target=asyncio.run,
-                args=(exporter.run(),),
-                name="temporal-metrics",
-                daemon=True,
-            )
-            thread.start()
-            _runtime = (provider, runtime)
-        return _runtime[1]

@@ -1,5 +1,5 @@
-"""Observing the outbox at work: the producer span and counter of a row write, and the span,
-metrics and log context of each handler call.
+"""Observing the worker at work: the span, metrics and log context of each handler call (the
+producer's side is :mod:`outbox_bridge.observability.writes`).
 
 With tracing and metrics off (the default), a handler call costs one context-variable set and
 reset here (the log context), and a batch nothing more; with them on, a batch adds a constant
@@ -12,92 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
-from sqlalchemy import Insert
 
-from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
 from outbox_bridge.db.store import GroupRows
 from outbox_bridge.observability.logs import LOG_CONTEXT
 from outbox_bridge.observability.metrics import OutboxMetrics, active_metrics
-from outbox_bridge.observability.telemetry import active_tracer, carrier_of_current, links_to
-from outbox_bridge.producer import PreparedRow
+from outbox_bridge.observability.telemetry import active_tracer, links_to
+from outbox_bridge.registry import OutboxMessage
 from outbox_bridge.workflows.models import ShardRef
-
-if TYPE_CHECKING:
-    from outbox_bridge.registry import OutboxMessage
-
-# -- writing a row ------------------------------------------------------------------------------
-
-
-class RowWrite:
-    """The telemetry of one row write: its INSERT (with the trace context when there is one),
-    and what to record once it ran (see :func:`observed_write`)."""
-
-    __slots__ = ("_attributes", "_metrics", "span", "statement")
-
-    def __init__(
-        self,
-        span: trace.Span | None,
-        statement: Insert,
-        metrics: OutboxMetrics | None,
-        attributes: dict[str, Any],
-    ) -> None:
-        self.span = span
-        self.statement = statement
-        self._metrics = metrics
-        self._attributes = attributes
-
-    def written(self, row_id: int) -> int:
-        """Record the new row (its id on the span, the ``outbox.rows.written`` counter)."""
-        if self.span is not None:
-            self.span.set_attribute("outbox.id", row_id)
-        if self._metrics is not None:
-            self._metrics.rows_written.add(1, self._attributes)
-        return row_id
-
-
-@contextlib.contextmanager
-def observed_write(row: PreparedRow, category: str, object_identifier: int) -> Iterator[RowWrite]:
-    """Around the INSERT of one row by the producer API.
-
-    Inside an active span, a short ``outbox.write <CATEGORY>`` producer span is started, and its
-    trace context goes into the row's ``trace_context`` column; outside one, the row gets none.
-    """
-    shard = row.shard
-    metrics = active_metrics()
-    attributes = (
-        metrics.category_attributes(shard.table, shard.scope_name, category) if metrics else {}
-    )
-    if not trace.get_current_span().get_span_context().is_valid:
-        yield RowWrite(None, row.statement, metrics, attributes)
-        return
-    tracer = active_tracer()
-    if tracer is None:  # a span of another tracer provider: keep its context on the row
-        statement = row.statement.values({TRACE_CONTEXT_COLUMN: carrier_of_current()})
-        yield RowWrite(None, statement, metrics, attributes)
-        return
-    span_attributes: dict[str, Any] = {
-        "outbox.table": shard.table,
-        "outbox.scope": shard.scope_name,
-        "outbox.shard_identifier": shard.shard_identifier,
-        "outbox.category": category,
-        "outbox.object_identifier": int(object_identifier),
-    }
-    if shard.region is not None:
-        span_attributes["outbox.region"] = shard.region
-    with tracer.start_as_current_span(
-        f"outbox.write {category}", kind=SpanKind.PRODUCER, attributes=span_attributes
-    ) as span:
-        statement = row.statement.values({TRACE_CONTEXT_COLUMN: carrier_of_current()})
-        yield RowWrite(span, statement, metrics, attributes)
-
-
-# -- handling a group ---------------------------------------------------------------------------
 
 
 class BatchObserver:

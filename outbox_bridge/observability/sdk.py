@@ -1,0 +1,253 @@
+"""The OpenTelemetry SDK, installed by the worker: the tracer and meter providers with their
+exporters, Temporal's tracing interceptor, and a Temporal runtime whose SDK metrics go through
+the same meter provider (so they share its endpoint).
+
+This module loads the SDK (and Temporal's OpenTelemetry contrib, which loads the Temporal
+worker): only the worker side imports it, never the producer side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from temporalio.contrib.opentelemetry import MetricsExporter, TracingInterceptor
+from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
+
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.observability.telemetry import TRACER_NAME
+
+log = logging.getLogger("outbox_bridge.observability.sdk")
+
+
+@dataclass
+class Telemetry:
+    """The providers the worker installed (None: that signal is off)."""
+
+    tracing: TracerProvider | None = None
+    metrics: MetricsSetup | None = None
+
+    def shutdown(self) -> None:
+        """Export what the providers still hold, and stop the scrape endpoint."""
+        for provider in (self.tracing, self.metrics):
+            if provider is not None:
+                provider.shutdown()
+
+
+def setup_telemetry(settings: OutboxSettings) -> Telemetry:
+    """Install the tracer and meter providers the settings ask for.
+
+    ``OTEL_SDK_DISABLED`` (``otel_sdk_disabled``) wins over everything: nothing is installed and
+    no scrape endpoint is opened, as the SDK would export nothing anyway.
+    """
+    if settings.otel_sdk_disabled:
+        if (settings.otel_exporter, settings.metrics_exporter) != ("none", "none"):
+            log.info(
+                "OTEL_SDK_DISABLED is set: no spans (%s) and no metrics (%s) are exported",
+                settings.otel_exporter,
+                settings.metrics_exporter,
+            )
+        return Telemetry()
+    tracing = setup_tracing(settings.otel_exporter)
+    return Telemetry(
+        tracing,
+        setup_metrics(
+            settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
+        ),
+    )
+
+
+# -- traces -------------------------------------------------------------------------------------
+
+
+def otlp_protocol(signal: str) -> str:
+    """The OTLP protocol for ``signal`` (TRACES, METRICS), as the OTEL_* variables set it."""
+    return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+    )
+
+
+def telemetry_resource() -> Resource:
+    """``service.name`` is ``outbox-bridge`` unless ``OTEL_SERVICE_NAME`` or
+    ``OTEL_RESOURCE_ATTRIBUTES`` name the service; other resource attributes come from
+    ``OTEL_RESOURCE_ATTRIBUTES``."""
+    named = "OTEL_SERVICE_NAME" in os.environ or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    )
+    # Resource.create() reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES itself.
+    return Resource.create({} if named else {SERVICE_NAME: "outbox-bridge"})
+
+
+def _otlp_span_exporter() -> SpanExporter:
+    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
+    if otlp_protocol("TRACES").startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+        return Http()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+    return Grpc()
+
+
+def build_tracer_provider(exporter: str) -> TracerProvider | None:
+    """A tracer provider exporting to ``exporter`` (none, console, otlp), or None for none."""
+    if exporter == "none":
+        return None
+    provider = TracerProvider(resource=telemetry_resource())
+    if exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    elif exporter == "otlp":
+        provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter()))
+    else:
+        raise ValueError(f"unknown span exporter {exporter!r}")
+    return provider
+
+
+def setup_tracing(exporter: str) -> TracerProvider | None:
+    """Install :func:`build_tracer_provider`'s provider as the process-wide one."""
+    provider = build_tracer_provider(exporter)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+        log.info("spans are exported to %s", exporter)
+    return provider
+
+
+def tracing_interceptor() -> TracingInterceptor:
+    """Temporal's interceptor: client calls, workflows and activities get spans, and the trace
+    context crosses Temporal in headers (never in payloads)."""
+    return TracingInterceptor(trace.get_tracer(TRACER_NAME))
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+def _otlp_metric_exporter() -> MetricExporter:
+    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
+    if otlp_protocol("METRICS").startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter as Http,
+        )
+
+        return Http()
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
+
+    return Grpc()
+
+
+def metric_exporter(exporter: str) -> MetricExporter:
+    """The push exporter of ``exporter`` (console or otlp)."""
+    if exporter == "console":
+        return ConsoleMetricExporter()
+    if exporter == "otlp":
+        return _otlp_metric_exporter()
+    raise ValueError(f"unknown metric exporter {exporter!r}")
+
+
+@dataclass
+class MetricsSetup:
+    """An installed meter provider and, for Prometheus, its scrape endpoint."""
+
+    provider: MeterProvider
+    endpoint: str | None = None
+    _server: Any = None
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self.provider.shutdown()
+
+
+def build_meter_provider(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
+    """A meter provider for ``exporter`` (none, prometheus, otlp, console), or None for none.
+
+    ``prometheus`` serves ``http://host:port/metrics``; ``otlp`` and ``console`` push every
+    ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds (60 s by default).
+    """
+    if exporter == "none":
+        return None
+    server = None
+    endpoint = None
+    reader: MetricReader
+    if exporter == "prometheus":
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        try:
+            server, _ = start_http_server(port, addr=host)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another "
+                "--metrics-port"
+            ) from None
+        reader = PrometheusMetricReader()
+        endpoint = f"http://{host}:{server.server_port}/metrics"
+    else:
+        reader = PeriodicExportingMetricReader(metric_exporter(exporter))
+    provider = MeterProvider(metric_readers=[reader], resource=telemetry_resource())
+    return MetricsSetup(provider, endpoint, server)
+
+
+def setup_metrics(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
+    """Install :func:`build_meter_provider`'s provider as the process-wide one."""
+    setup = build_meter_provider(exporter, host=host, port=port)
+    if setup is not None:
+        metrics.set_meter_provider(setup.provider)
+        log.info("metrics are exported to %s", setup.endpoint or exporter)
+    return setup
+
+
+# -- the Temporal SDK's metrics ----------------------------------------------------------------
+
+_runtime: tuple[object, Runtime] | None = None
+_runtime_lock = threading.Lock()
+
+
+def temporal_runtime() -> Runtime | None:
+    """A Temporal runtime whose SDK metrics (polls, task latencies, slots...) are exported
+    through the installed meter provider, or None when metrics are off (the default runtime).
+
+    The SDK records into a buffer that :class:`MetricsExporter` drains every second, in a
+    thread of its own, into the provider: the same Prometheus endpoint or OTLP collector as
+    outbox-bridge's metrics, with the same resource. One runtime per process and provider
+    (each runtime owns a thread pool).
+    """
+    global _runtime
+    provider = metrics.get_meter_provider()
+    if not isinstance(provider, MeterProvider):
+        return None
+    with _runtime_lock:
+        if _runtime is None or _runtime[0] is not provider:
+            buffer = MetricBuffer(100_000, MetricBufferDurationFormat.SECONDS)
+            runtime = Runtime(telemetry=TelemetryConfig(metrics=buffer, attach_service_name=False))
+            exporter = MetricsExporter(buffer, provider)
+            thread = threading.Thread(
+                target=asyncio.run,
+                args=(exporter.run(),),
+                name="temporal-metrics",
+                daemon=True,
+            )
+            thread.start()
+            _runtime = (provider, runtime)
+        return _runtime[1]

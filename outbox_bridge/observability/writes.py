@@ -1,0 +1,85 @@
+"""Observing a row write by the producer API: its ``outbox.write`` producer span, the trace
+context stored on the row, and the ``outbox.rows.written`` counter.
+
+Only the OpenTelemetry API is used, never the SDK: an application that writes rows does not
+load it. With tracing and metrics off (no SDK provider installed), a write costs a look at the
+current span and at the installed providers. Payloads never enter a span.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from sqlalchemy import Insert
+
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.observability.metrics import OutboxMetrics, active_metrics
+from outbox_bridge.observability.telemetry import active_tracer, carrier_of_current
+from outbox_bridge.producer import PreparedRow
+
+
+class RowWrite:
+    """The telemetry of one row write: its INSERT (with the trace context when there is one),
+    and what to record once it ran (see :func:`observed_write`)."""
+
+    __slots__ = ("_attributes", "_metrics", "span", "statement")
+
+    def __init__(
+        self,
+        span: trace.Span | None,
+        statement: Insert,
+        metrics: OutboxMetrics | None,
+        attributes: dict[str, Any],
+    ) -> None:
+        self.span = span
+        self.statement = statement
+        self._metrics = metrics
+        self._attributes = attributes
+
+    def written(self, row_id: int) -> int:
+        """Record the new row (its id on the span, the ``outbox.rows.written`` counter)."""
+        if self.span is not None:
+            self.span.set_attribute("outbox.id", row_id)
+        if self._metrics is not None:
+            self._metrics.rows_written.add(1, self._attributes)
+        return row_id
+
+
+@contextlib.contextmanager
+def observed_write(row: PreparedRow, category: str, object_identifier: int) -> Iterator[RowWrite]:
+    """Around the INSERT of one row by the producer API.
+
+    Inside an active span, a short ``outbox.write <CATEGORY>`` producer span is started, and its
+    trace context goes into the row's ``trace_context`` column; outside one, the row gets none.
+    """
+    shard = row.shard
+    metrics = active_metrics()
+    attributes = (
+        metrics.category_attributes(shard.table, shard.scope_name, category) if metrics else {}
+    )
+    if not trace.get_current_span().get_span_context().is_valid:
+        yield RowWrite(None, row.statement, metrics, attributes)
+        return
+    tracer = active_tracer()
+    if tracer is None:  # a span of another tracer provider: keep its context on the row
+        statement = row.statement.values({TRACE_CONTEXT_COLUMN: carrier_of_current()})
+        yield RowWrite(None, statement, metrics, attributes)
+        return
+    span_attributes: dict[str, Any] = {
+        "outbox.table": shard.table,
+        "outbox.scope": shard.scope_name,
+        "outbox.shard_identifier": shard.shard_identifier,
+        "outbox.category": category,
+        "outbox.object_identifier": int(object_identifier),
+    }
+    if shard.region is not None:
+        span_attributes["outbox.region"] = shard.region
+    with tracer.start_as_current_span(
+        f"outbox.write {category}", kind=SpanKind.PRODUCER, attributes=span_attributes
+    ) as span:
+        statement = row.statement.values({TRACE_CONTEXT_COLUMN: carrier_of_current()})
+        yield RowWrite(span, statement, metrics, attributes)

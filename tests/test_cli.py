@@ -1,5 +1,6 @@
 """Acceptance tests of the command lines, run as real subprocesses: ``python worker.py`` and
-``python -m outbox_bridge`` (DESIGN §4 "worker.py").
+``python -m outbox_bridge`` (the worker in the shape of the design contract,
+docs/explanation/contract.md).
 
 The worker is pointed at the test servers (OUTBOX_DATABASE_URL, TEMPORAL_ADDRESS), so nothing
 embedded starts. The database URL carries a password (the embedded PostgreSQL trusts any password
@@ -429,7 +430,8 @@ async def test_worker_end_to_end(servers, engine) -> None:
                 .all()
             )
         handled = {c["row_id"]: c for c in calls}
-        # Each coalescing group was handled once, with its highest id (DESIGN §3.3).
+        # Each coalescing group was handled once, with its highest id (the design contract,
+        # invariant 3: docs/explanation/contract.md).
         assert set(handled) == {project[-1], organization, user_row}, calls
         assert handled[project[-1]]["coalesced"] == 3
         assert handled[project[-1]]["payload"] == {"n": 2}

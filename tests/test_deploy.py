@@ -767,40 +767,38 @@ def test_k8s_readme_describes_every_manifest() -> None:
     assert "secret.yaml" not in text
 
 
-# -- README ----------------------------------------------------------------------------------------
+# -- the documentation -----------------------------------------------------------------------------
 
 
-def readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else None]
+def docs_page(path: str) -> str:
+    return (ROOT / "docs" / path).read_text()
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        pytest.param(lambda: readme_section("Deploying"), id="README"),
+        pytest.param(lambda: docs_page("how-to/deploy.md"), id="docs/how-to/deploy"),
         pytest.param(lambda: (K8S / "README.md").read_text(), id="deploy/k8s/README"),
     ],
 )
-def test_readme_registers_every_search_attribute(text) -> None:
+def test_docs_register_every_search_attribute(text) -> None:
     pairs = re.findall(r"--name (\w+) --type (\w+)", text())
     assert dict(pairs) == model_search_attributes()
     assert len(pairs) == len(model_search_attributes())
 
 
-def test_readme_documents_the_deployment_settings() -> None:
-    table = readme_section("Running against real servers")
+def test_docs_document_the_deployment_settings() -> None:
+    deploying = docs_page("how-to/deploy.md")
     for name in ("health_port", "health_host", "shutdown_grace"):
         field = FIELDS[name]
         default = field.default if not isinstance(field.default, float) else f"{field.default:g}"
         row = f"| `--{name.replace('_', '-')}` | `{env_name(name, field)}` | `{default}` |"
-        assert row in table, row
-    deploying = readme_section("Deploying")
+        assert row in deploying, row
     assert LIVENESS_PATH in deploying and READINESS_PATH in deploying
-    assert "### Temporal Cloud" in deploying
+    assert "(temporal-cloud.md)" in deploying
+    cloud = docs_page("how-to/temporal-cloud.md")
+    assert cloud.startswith("# Temporal Cloud\n")
     for variable in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TEMPORAL_API_KEY"):
-        assert f"`{variable}`" in deploying, variable
-    assert "`TEMPORAL_TLS_CERT`, `TEMPORAL_TLS_KEY`" in deploying
+        assert f"`{variable}`" in cloud, variable
+    assert "`TEMPORAL_TLS_CERT`, `TEMPORAL_TLS_KEY`" in cloud
     assert "auto-setup" not in deploying

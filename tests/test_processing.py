@@ -1,4 +1,5 @@
-"""End-to-end processing against a real PostgreSQL and a real Temporal dev server (DESIGN §3)."""
+"""End-to-end processing against a real PostgreSQL and a real Temporal dev server (the
+invariants of the design contract: docs/explanation/contract.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The producer API and the table schema against a real PostgreSQL (DESIGN §2, §4 "Producer API").
+"""The producer API and the table schema against a real PostgreSQL (the design contract: its
+vocabulary, and the producer API of its shape; docs/explanation/contract.md).
 
 A row is written in the caller's transaction and never committed by outbox-bridge; a refused row
 raises InvalidRowError before anything reaches the database, so the caller's transaction stays

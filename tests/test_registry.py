@@ -1,4 +1,5 @@
-"""Unit tests of the registry (DESIGN §2): scopes, categories, tables, handlers and --app loading.
+"""Unit tests of the registry (the vocabulary of the design contract,
+docs/explanation/contract.md): scopes, categories, tables, handlers and --app loading.
 
 No servers: building an OutboxApp touches neither PostgreSQL nor Temporal.
 """

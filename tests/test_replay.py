@@ -1,4 +1,5 @@
-"""Every recorded history replays against the current workflow code (DESIGN §3.8)."""
+"""Every recorded history replays against the current workflow code (the design contract,
+invariant 8: docs/explanation/contract.md)."""
 
 from __future__ import annotations
 

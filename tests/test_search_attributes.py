@@ -1,6 +1,6 @@
 """Shard health in the Temporal UI: OutboxState, OutboxBlockedCategory and OutboxBlockedSince
-follow every state transition, upserted only on change, and the README's saved queries return
-exactly the right shards."""
+follow every state transition, upserted only on change, and the saved queries of
+docs/how-to/operate.md return exactly the right shards."""
 
 from __future__ import annotations
 

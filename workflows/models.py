@@ -1,7 +1,7 @@
 """Inputs, results, signals and queries of the OutboxShard workflow and its activities.
 
 Everything here ends up in Temporal history, so it carries shard keys, ids, counts and error
-classes only, never a payload (DESIGN §3.7).
+classes only, never a payload (the design contract, invariant 7: docs/explanation/contract.md).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from temporalio.common import SearchAttributeKey
 
-# Custom search attributes of shard workflows (registered by the worker; see the README).
+# Custom search attributes of shard workflows (registered by the worker; see
+# docs/reference/workflows.md).
 SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
 SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")

@@ -67,7 +67,7 @@ def create_api(settings: OutboxSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-        # A real service would run its migrations instead (README: Migrations with Alembic).
+        # A real service would run its migrations instead (docs/how-to/tables.md).
         async with engine.begin() as conn:
             await conn.run_sync(Base.metadata.create_all)
             await create_outbox_tables(conn, app.metadata)

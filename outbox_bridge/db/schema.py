@@ -44,8 +44,9 @@ def shard_columns(regional: bool) -> list[str]:
 def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Table:
     """Define an outbox table named ``name`` on ``metadata``.
 
-    Columns follow the outbox vocabulary (see the README). Only the five core columns need a
-    value on insert (plus ``region`` for a regional table); the dates default to now.
+    Columns follow the outbox vocabulary (the design contract, docs/explanation/contract.md).
+    Only the five core columns need a value on insert (plus ``region`` for a regional table);
+    the dates default to now.
     """
     shard = shard_columns(regional)
     columns: list[Column[object]] = [

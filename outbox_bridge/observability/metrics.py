@@ -30,7 +30,8 @@ Attributes = tuple[tuple[str, Any], ...]
 
 
 class OutboxMetrics:
-    """outbox-bridge's instruments on one meter (see the README for what each one counts)."""
+    """outbox-bridge's instruments on one meter (docs/how-to/metrics-logs.md says what each
+    one counts)."""
 
     def __init__(self, meter: Meter) -> None:
         self.rows_written = meter.create_counter(

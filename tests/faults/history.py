@@ -1,5 +1,5 @@
 """What the fault scenarios record, the workload they write, and the check of the recorded
-history against DESIGN §3.
+history against the invariants of the design contract (docs/explanation/contract.md).
 
 Three tables, shared by every scenario and keyed by outbox table:
 
@@ -319,7 +319,7 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
     return History(truth, calls, deletions, remaining)
 
 
-# -- checking it against DESIGN §3 --------------------------------------------------------------
+# -- checking it against the invariants of the design contract --------------------------------
 
 
 @dataclass
@@ -385,7 +385,8 @@ def check(
     max_duplicates: int = 0,
     killed_pids: Collection[int] | None = None,
 ) -> Verdict:
-    """Check ``history`` against DESIGN §3.
+    """Check ``history`` against the invariants of the design contract
+    (docs/explanation/contract.md).
 
     Every call is judged by the truth row of the id it names, never by what the handler was
     told about that row: a call whose shard, category or object identifier differs from its

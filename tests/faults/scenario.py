@@ -68,10 +68,11 @@ class Scenario:
         pending_ok: Iterable[int] = (),
         redacted: bool = False,
     ) -> Verdict:
-        """Stop the workers, check the history against DESIGN §3, check that no payload (and,
-        when ``redacted``, no error message) reached Temporal and that no worker printed the
-        database password, and record the scenario's figures. ``faults`` may name the number
-        of failed handler calls as ``{failed}``.
+        """Stop the workers, check the history against the invariants of the design contract
+        (docs/explanation/contract.md), check that no payload (and, when ``redacted``, no
+        error message) reached Temporal and that no worker printed the database password,
+        and record the scenario's figures. ``faults`` may name the number of failed handler
+        calls as ``{failed}``.
 
         ``max_duplicates`` is the most repeated calls that the scenario's faults can explain;
         with ``repeats_only_after_kills``, every repeat must repeat a call of a worker process

@@ -4,7 +4,8 @@ would have refused, handlers that misbehave, and malformed signals and updates.
 Each one is either refused when it is written (the INSERT fails, nothing is stored), or held
 with a specific error in the worker's log and on the shard's workflow (its status, as the UI
 shows it), while the worker keeps running and every row stays in the table until it is
-handled. Nothing is dropped silently. The README's "Bad input" table lists the decisions.
+handled. Nothing is dropped silently. The "Bad input" table of docs/explanation/guarantees.md
+lists the decisions.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ async def _equals(value, expected) -> bool:
 
 
 async def check_held_and_handled(engine, client: Client, table: str, rows) -> None:
-    """Every kind of bad row is either handled or held, as the README's table says."""
+    """Every kind of bad row is either handled or held, as the table in
+    docs/explanation/guarantees.md says."""
     for kind, error in HELD_ERRORS.items():
         shard = rows[kind][0]
         await wait_until(

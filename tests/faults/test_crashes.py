@@ -1,5 +1,6 @@
 """Worker crashes: kill -9 at random moments, and two workers on one task queue with one of
-them killed again and again (DESIGN §3.1, §3.2, §3.5)."""
+them killed again and again (the design contract, invariants 1, 2 and 5:
+docs/explanation/contract.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Outages of the servers under a running worker: the Temporal dev server killed and restarted
 on its database file, and PostgreSQL stopped and started again. The worker keeps running and
-recovers by itself (DESIGN §1: nothing is lost because a server went away)."""
+recovers by itself (the design contract, section 1: nothing is lost because a server went
+away; docs/explanation/contract.md)."""
 
 from __future__ import annotations
 

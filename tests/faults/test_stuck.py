@@ -1,6 +1,7 @@
 """Shards that get stuck: a handler that hangs past its timeout, shard workflows that Temporal
 loses (terminated, reset, or the whole namespace's data gone), and a poison row that blocks
-its shard for the whole run (DESIGN §1, §3.4, §3.5)."""
+its shard for the whole run (the design contract, section 1 and invariants 4 and 5:
+docs/explanation/contract.md)."""
 
 from __future__ import annotations
 

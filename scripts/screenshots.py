@@ -1,0 +1,387 @@
+"""Take the Temporal UI screenshots of the documentation from a running demo.
+
+    python scripts/screenshots.py [--out docs/images] [--chromium /usr/bin/chromium]
+
+Starts ``python worker.py --demo`` in a temporary data directory (embedded PostgreSQL, Temporal
+dev server and UI on free ports), waits until some shards are blocked by the demo's flaky
+``PROJECT_UPDATE`` handler, skips one of them with a reason (``outbox-bridge skip``), and
+captures with headless Chromium:
+
+- ``ui-shard-list.png``: the workflow list filtered with ``WorkflowType="OutboxShard"``;
+- ``ui-blocked-shard.png``: a blocked shard, its pending category activity with its attempts
+  and last failure;
+- ``ui-skipped-shard.png``: a skipped shard, with who skipped it and why;
+- ``ui-partition.png``: an ``OutboxPartition`` workflow and its drain activity (only when the
+  worker runs partitions).
+
+Chromium is driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``), with
+the standard library only: no browser download, no driver package. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH, HEIGHT = 1400, 900
+SKIP_REASON = "project replica down, ticket OPS-1234"
+
+# Blocked shards stay blocked long enough to be photographed: the demo's flaky handler fails one
+# call in ten, and its first retry would otherwise come a second later.
+DEMO_FLAGS = ["--initial-retry-interval", "10", "--max-retry-interval", "60", "--health-port", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- Chromium over the DevTools protocol --------------------------------------------------------
+
+
+class Browser:
+    """Headless Chromium, spoken to over ``--remote-debugging-pipe`` (fds 3 and 4)."""
+
+    def __init__(self, executable: str, profile: Path) -> None:
+        to_browser_r, self._to_browser = os.pipe()
+        self._from_browser, from_browser_w = os.pipe()
+
+        def wire_pipes() -> None:  # in the child: its fd 3 reads commands, fd 4 writes answers
+            # Above 9 first: the pipes may already sit on fds 3 or 4.
+            reads = fcntl.fcntl(to_browser_r, fcntl.F_DUPFD, 10)
+            writes = fcntl.fcntl(from_browser_w, fcntl.F_DUPFD, 10)
+            os.dup2(reads, 3)
+            os.dup2(writes, 4)
+
+        self._process = subprocess.Popen(
+            [
+                executable,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                f"--window-size={WIDTH},{HEIGHT}",
+                "--remote-debugging-pipe",
+                "about:blank",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=wire_pipes,
+            pass_fds=(3, 4),
+        )
+        os.close(to_browser_r)
+        os.close(from_browser_w)
+        self._buffer = b""
+        self._next_id = 0
+        self._target: str | None = None
+        self._session = ""
+
+    def send(self, method: str, *, session: bool = False, **params: Any) -> dict[str, Any]:
+        self._next_id += 1
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self._session
+        os.write(self._to_browser, json.dumps(message).encode() + b"\0")
+        while True:
+            answer = self._read()
+            if answer.get("id") == self._next_id:
+                if "error" in answer:
+                    raise RuntimeError(f"{method}: {answer['error']}")
+                return dict(answer.get("result", {}))
+
+    def _read(self) -> dict[str, Any]:
+        while b"\0" not in self._buffer:
+            chunk = os.read(self._from_browser, 1 << 16)
+            if not chunk:
+                raise RuntimeError("Chromium closed the DevTools pipe")
+            self._buffer += chunk
+        raw, self._buffer = self._buffer.split(b"\0", 1)
+        return dict(json.loads(raw))
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.send(
+            "Runtime.evaluate",
+            session=True,
+            expression=expression,
+            returnByValue=True,
+            awaitPromise=True,
+        )
+        return result.get("result", {}).get("value")
+
+    def open(self, url: str) -> None:
+        """Open ``url`` in a new tab (the UI loads some panels only on a fresh page load)."""
+        if self._target is not None:
+            self.send("Target.closeTarget", targetId=self._target)
+        self._target = self.send("Target.createTarget", url="about:blank")["targetId"]
+        attached = self.send("Target.attachToTarget", targetId=self._target, flatten=True)
+        self._session = attached["sessionId"]
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            session=True,
+            width=WIDTH,
+            height=HEIGHT,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        self.send("Page.navigate", session=True, url=url)
+
+    def page_text(self) -> str:
+        """The text of the page and of its frames (the UI renders current details in one)."""
+        return str(
+            self.evaluate(
+                """[document.body.innerText, ...[...document.querySelectorAll('iframe')].map(
+                    f => { try { return f.contentDocument.body.innerText; } catch { return ''; } }
+                )].join('\\n')"""
+            )
+            or ""
+        )
+
+    def wait_for_text(self, *texts: str, timeout: float = 30) -> None:
+        """Wait until the page shows every one of ``texts`` (and a moment for it to settle)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            shown = self.page_text()
+            if all(text in shown for text in texts):
+                time.sleep(1.5)
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"the page did not show {texts}; it shows: {self.page_text()[:2000]!r}")
+
+    def open_showing(self, url: str, *texts: str, tries: int = 4, timeout: float = 15) -> None:
+        """Open ``url`` until it shows ``texts``: the UI asks a workflow for its current details
+        once per page load, and a busy workflow may not answer that one query."""
+        for attempt in range(tries):
+            self.open(url)
+            try:
+                self.wait_for_text(*texts, timeout=timeout)
+                return
+            except TimeoutError:
+                if attempt == tries - 1:
+                    raise
+
+    def show_raw_query(self) -> None:
+        """Open the workflow list's query editor (the button right of "Clear all"), which shows
+        the query as typed: the filter chips misread a query that names an attribute's value."""
+        self.evaluate(
+            """(() => {
+            const clear = [...document.querySelectorAll('button')]
+                .find(e => e.innerText.trim() === 'Clear all');
+            const buttons = [...clear.closest('.w-full').querySelectorAll('button')];
+            buttons[buttons.length - 1].click();
+        })()"""
+        )
+        time.sleep(1.5)
+
+    def screenshot(self, path: Path) -> None:
+        data = self.send("Page.captureScreenshot", session=True, format="png")["data"]
+        path.write_bytes(base64.b64decode(data))
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send("Browser.close")
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        os.close(self._to_browser)
+        os.close(self._from_browser)
+
+
+# -- the demo -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def demo(workdir: Path, temporal_port: int, ui_port: int) -> Iterator[None]:
+    log = (workdir / "worker.log").open("w")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "TEMPORAL_"))}
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "worker.py"),
+            "--demo",
+            "--data-dir",
+            str(workdir / "data"),
+            "--temporal-port",
+            str(temporal_port),
+            "--temporal-ui-port",
+            str(ui_port),
+            *DEMO_FLAGS,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield
+    finally:
+        worker.send_signal(signal.SIGINT)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        log.close()
+
+
+def cli(*args: str, temporal_port: int) -> str:
+    """Run ``outbox-bridge ARGS`` against the demo's Temporal server, as the user ``oncall``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "TEMPORAL_"))}
+    env.update(LOGNAME="oncall", USER="oncall")  # what a skip records as "by"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "outbox_bridge",
+            *args,
+            "--demo",
+            "--temporal-port",
+            str(temporal_port),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+async def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            found = await check()
+            if found:
+                return found
+        await asyncio.sleep(1)
+    raise TimeoutError(f"gave up waiting for {what}")
+
+
+async def workflows(client: Client, query: str) -> list[tuple[str, str]]:
+    return [(w.id, w.run_id) async for w in client.list_workflows(query)]
+
+
+# -- the pictures ---------------------------------------------------------------------------
+
+
+def ui_url(ui_port: int, path: str, **query: str) -> str:
+    base = f"http://127.0.0.1:{ui_port}/namespaces/default/{path}"
+    return f"{base}?{urllib.parse.urlencode(query)}" if query else base
+
+
+async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
+    temporal_port, ui_port = free_port(), free_port()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    missing: list[str] = []
+    # The browser starts first, while this process has no other thread (it forks).
+    browser = Browser(args.chromium, workdir / "profile")
+    with contextlib.ExitStack() as stack:
+        stack.callback(browser.close)
+        stack.enter_context(demo(workdir, temporal_port, ui_port))
+        client = await wait_for(
+            "the Temporal dev server",
+            lambda: Client.connect(f"127.0.0.1:{temporal_port}"),
+            timeout=120,
+        )
+
+        async def blocked() -> list[tuple[str, str]]:
+            return await workflows(client, 'OutboxState="blocked"')
+
+        # A blocked shard: its pending category activity, attempts and last failure. The demo's
+        # shards recover within seconds, so try the blocked shards until one is caught blocked.
+        deadline = time.monotonic() + 300
+        caught: str | None = None
+        while caught is None and time.monotonic() < deadline:
+            for workflow_id, run_id in await wait_for("a blocked shard", blocked, timeout=300):
+                page = f"workflows/{workflow_id}/{run_id}/pending-activities"
+                browser.open(ui_url(ui_port, page))
+                with contextlib.suppress(TimeoutError):
+                    browser.wait_for_text("PROJECT_UPDATE", "Last Failure", timeout=10)
+                    browser.screenshot(out / "ui-blocked-shard.png")
+                    caught = workflow_id
+                    break
+
+        # A skipped shard: skip another blocked shard with a reason, then its current details.
+        skipped: tuple[str, str] | None = None
+        while skipped is None and time.monotonic() < deadline:
+            for workflow_id, run_id in await wait_for("a blocked shard", blocked, timeout=300):
+                if workflow_id == caught:
+                    continue
+                shard = workflow_id.split(":", 2)[2]
+                with contextlib.suppress(subprocess.CalledProcessError):
+                    print(cli("skip", shard, "--reason", SKIP_REASON, temporal_port=temporal_port))
+                    skipped = (workflow_id, run_id)
+                    break
+            await asyncio.sleep(1)
+        if caught is None or skipped is None:
+            raise TimeoutError("no shard stayed blocked long enough to be photographed")
+        # The skip went to the shard's current run, which may be newer than the one listed.
+        current = (await client.get_workflow_handle(skipped[0]).describe()).run_id
+        page = f"workflows/{skipped[0]}/{current}/user-metadata"
+        browser.open_showing(ui_url(ui_port, page), "Current Details", SKIP_REASON)
+        browser.screenshot(out / "ui-skipped-shard.png")
+
+        # The shard workflows, with the query shown as typed.
+        browser.open(ui_url(ui_port, "workflows", query='WorkflowType="OutboxShard"'))
+        browser.wait_for_text("outbox:outbox:", "Clear all")
+        browser.show_raw_query()
+        browser.screenshot(out / "ui-shard-list.png")
+
+        # A partition workflow and what its drain did (only when the worker runs partitions).
+        partitions = sorted(await workflows(client, 'WorkflowType="OutboxPartition"'))
+        if partitions:
+            partition_id, partition_run = partitions[0]
+            page = f"workflows/{partition_id}/{partition_run}/user-metadata"
+            browser.open_showing(ui_url(ui_port, page), partition_id, "Current Details")
+            browser.screenshot(out / "ui-partition.png")
+        else:
+            missing.append("ui-partition.png: this worker runs no OutboxPartition workflow")
+    return missing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images")
+    parser.add_argument(
+        "--chromium",
+        default=shutil.which("chromium") or shutil.which("chromium-browser") or "chromium",
+        help="the Chromium (or Chrome) executable",
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="outbox-screenshots-") as workdir:
+        missing = asyncio.run(take(args, Path(workdir)))
+    for line in missing:
+        print(f"not taken: {line}")
+
+
+if __name__ == "__main__":
+    main()

@@ -63,8 +63,6 @@ def test_safe_url_of_a_url_without_secrets_is_the_url() -> None:
     assert safe_url(url) == "postgresql+psycopg://app@db:5432/outbox?sslmode=require"
 
 
-
-
 def test_the_secret_parameters_are_libpq_s() -> None:
     # libpq's connection parameters that carry a secret (PostgreSQL 18 added OAuth's client
     # secret); the paths of key files (sslkey, passfile) name a secret but are not one.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,8 +34,10 @@ from tests.otel import metric_names, metric_reader, points
 
 
 @pytest.fixture(scope="module")
-def reader() -> InMemoryMetricReader:
-    return metric_reader()
+def reader() -> Iterator[InMemoryMetricReader]:
+    """Metrics are on for this module only."""
+    with metric_reader() as installed:
+        yield installed
 
 
 def row(category: Category, shard: int, obj: int) -> dict[str, object]:

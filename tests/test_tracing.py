@@ -5,7 +5,7 @@ sweeps and signals have spans; exporters follow the settings. No payload ever en
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pytest
 from opentelemetry import trace
@@ -14,7 +14,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import StatusCode, Tracer
 from sqlalchemy import select, text
 
 from outbox_bridge import OutboxMessage
@@ -37,12 +37,18 @@ from tests.otel import span_exporter, span_texts
 
 MARKER = f"payload-{uuid.uuid4().hex}"  # must never appear in a span
 HANDLE_PROJECT = "outbox.handle PROJECT_UPDATE"
-tracer = trace.get_tracer("tests")
+
+
+def tracer() -> Tracer:
+    """The tests' tracer, on the provider installed now (the spans fixture's)."""
+    return trace.get_tracer("tests")
 
 
 @pytest.fixture(scope="module")
-def spans() -> InMemorySpanExporter:
-    return span_exporter()
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing is on for this module only."""
+    with span_exporter() as exporter:
+        yield exporter
 
 
 def row(category: Category, shard: int, obj: int) -> dict[str, object]:
@@ -104,7 +110,7 @@ def test_exporters_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_a_row_stores_the_trace_context_of_the_span_it_is_written_in(engine, spans) -> None:
     _, table, app = await fresh_app(engine)
-    with tracer.start_as_current_span("request") as request:
+    with tracer().start_as_current_span("request") as request:
         [inside] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
     [outside] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 2)])
     await sql(
@@ -177,7 +183,7 @@ async def test_signals_and_activities_are_traced(servers, engine, spans) -> None
 async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engine, spans) -> None:
     _, table, app = await fresh_app(engine)
     async with running_worker(servers, app):
-        with tracer.start_as_current_span("request"):
+        with tracer().start_as_current_span("request"):
             [row_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 7)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled")
     [producer] = of_table(spans, table, "outbox.write PROJECT_UPDATE")
@@ -218,7 +224,7 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans)
         "VALUES (1, 3, 2, 9)",
     )
     for _ in range(3):  # three requests, three transactions
-        with tracer.start_as_current_span("request"):
+        with tracer().start_as_current_span("request"):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 9)])
     producers = of_table(spans, table, "outbox.write PROJECT_UPDATE")
     assert len(producers) == 3
@@ -249,7 +255,7 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
 
     recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
     async with running_worker(servers, app, fast_settings(redact_errors=redact)):
-        with tracer.start_as_current_span("request"):
+        with tracer().start_as_current_span("request"):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled on retry")
     first, retry = of_table(spans, table, HANDLE_PROJECT)

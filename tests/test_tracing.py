@@ -4,6 +4,7 @@ sweeps and signals have spans; exporters follow the settings. No payload ever en
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
 
@@ -278,28 +279,37 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     assert_no_payload(spans.get_finished_spans())
 
 
-async def test_sync_handlers_run_in_one_thread_each_get_their_own_span(
+async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
     servers, engine, spans
 ) -> None:
+    """A plain-def handler runs in a thread of the handler pool, not on the event loop, and
+    the span current in that thread is its own call's: the handler span of its row, under the
+    batch's drain activity."""
     table = unique_table()
     app = make_app(table, Recorder(), handle_all=False)
-    handled: list[int] = []
+    loop_thread = threading.get_ident()
+    seen: dict[int, tuple[int, int]] = {}  # row id -> (thread, current span id)
 
     @app.handler(*Category)
     def sync_handler(message: OutboxMessage) -> None:
         span = trace.get_current_span()
         assert span.is_recording()
-        handled.append(message.id)
+        seen[message.id] = (threading.get_ident(), span.get_span_context().span_id)
 
     await create_tables(engine, app)
     rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
     ids = await write_rows(engine, app, rows)  # before the worker: one batch
     async with running_worker(servers, app):
         await wait_until(lambda: table_empty(engine, app), what="the rows handled")
-    assert handled == ids
+    assert sorted(seen) == ids
+    assert all(thread != loop_thread for thread, _ in seen.values()), "ran on the event loop"
     handlers = of_table(spans, table, HANDLE_PROJECT)
-    assert sorted(s.attributes["outbox.id"] for s in handlers if s.attributes) == ids
-    assert len({s.context.span_id for s in handlers if s.context}) == 3
+    span_of_row = {
+        s.attributes["outbox.id"]: s.context.span_id for s in handlers if s.attributes and s.context
+    }
+    # The span current in the handler's thread is the handler span of that very row.
+    assert {row_id: span_id for row_id, (_, span_id) in seen.items()} == span_of_row
+    assert len(set(span_of_row.values())) == 3
     [run] = {parent_of(s, spans) for s in handlers}
     assert run.name == "RunActivity:drain_shard"
     assert_no_payload(spans.get_finished_spans())

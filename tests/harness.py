@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
@@ -242,3 +242,14 @@ async def sql(engine: AsyncEngine, statement: str, **params: Any) -> None:
 
 async def table_empty(engine: AsyncEngine, app: OutboxApp) -> bool:
     return await count_rows(engine, app) == 0
+
+
+def refusal(error: WorkflowUpdateFailedError) -> str:
+    """The message of what refused an update (every WorkflowUpdateFailedError's own message
+    is "Workflow update failed": matching on it proves nothing)."""
+    messages = []
+    cause: BaseException | None = error.cause
+    while cause is not None:
+        messages.append(str(getattr(cause, "message", None) or cause))
+        cause = cause.__cause__
+    return ": ".join(messages)

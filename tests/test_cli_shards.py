@@ -18,6 +18,7 @@ from tests.harness import (
     Category,
     fast_settings,
     fresh_app,
+    refusal,
     running_worker,
     table_empty,
     unique_table,
@@ -95,10 +96,12 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine, cli
         # The update's validator refuses what the command line would not send.
         handle = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:8")
         before = len((await handle.fetch_history()).events)
-        with pytest.raises(WorkflowUpdateFailedError):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
             await handle.execute_update("skip", SkipInput(reason=" "))
-        with pytest.raises(WorkflowUpdateFailedError, match="update"):
-            await handle.execute_update("resume", ResumeInput(by="someone"))  # not skipped
+        assert "skip needs a reason" in refusal(refused.value)
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update("resume", ResumeInput(by="someone"))
+        assert refusal(refused.value) == "shard ORGANIZATION:8 is not skipped"
         kinds = [e.event_type for e in (await handle.fetch_history()).events][before:]
         assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED not in kinds
         assert (await status())["state"] == "blocked"

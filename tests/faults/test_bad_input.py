@@ -32,7 +32,7 @@ from tests.faults.harness import (
     worker_env,
 )
 from tests.faults.history import LOG_DDL, set_control
-from tests.harness import wait_until
+from tests.harness import refusal, wait_until
 
 ORG, USER = 1, 2
 BIG_CANARY = "big-payload-canary-77d0"
@@ -319,9 +319,14 @@ async def check_malformed_messages(address: str, client: Client, worker, shard: 
             payload,
         )
     await handle.signal("skip", SkipInput(reason=""))
-    for bad in ({"up_to_id": "x", "timeout_seconds": 1}, {"up_to_id": -3, "timeout_seconds": 1}):
-        with pytest.raises(WorkflowUpdateFailedError):
+    for bad, refused_by in (
+        # The data converter refuses what it cannot convert, before the validator runs.
+        ({"up_to_id": "x", "timeout_seconds": 1}, "Failed converting field up_to_id"),
+        ({"up_to_id": -3, "timeout_seconds": 1}, "flush needs up_to_id, a positive integer"),
+    ):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
             await handle.execute_update("flush", bad)
+        assert refused_by in refusal(refused.value)
     await wait_until(lambda: "skip ignored" in worker.output(), timeout=30, what="the skip warning")
     after = await status(client, shard)
     assert after is not None and after.state == "blocked" and after.skip is None

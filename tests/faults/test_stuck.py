@@ -48,6 +48,7 @@ async def failed_at_least(engine, table: str, shard: int, times: int) -> bool:
 @pytest.mark.parametrize(
     "size",
     [
+        pytest.param(Size(rows=200, shards=8, hangs=1), id="fast"),
         pytest.param(Size(rows=3_000, shards=40, hangs=4), id="full", marks=FULL),
     ],
 )
@@ -196,6 +197,7 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
 @pytest.mark.parametrize(
     "size",
     [
+        pytest.param(Size(rows=0, shards=20), id="fast"),
         pytest.param(Size(rows=0, shards=1_000), id="full", marks=FULL),
     ],
 )

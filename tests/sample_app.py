@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
 
 import psycopg
@@ -53,7 +54,9 @@ class SampleCategory(IntEnum):
     USER_UPDATE = 10
 
 
-SCOPES = {
+# Annotated: a dict of the app's own enums is not a Mapping[IntEnum, ...] to mypy (Mapping's
+# key type is invariant), see tests/test_lint.py.
+SCOPES: Mapping[IntEnum, Iterable[IntEnum]] = {
     SampleScope.ORGANIZATION: [SampleCategory.ORGANIZATION_UPDATE, SampleCategory.PROJECT_UPDATE],
     SampleScope.USER: [SampleCategory.USER_UPDATE],
 }

@@ -201,12 +201,16 @@ async def test_worker_never_prints_the_database_password(servers) -> None:
 
 def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
     """The env names shown by --help are the ones the settings read; a flag beats its env var."""
-    samples = {bool: ("true", True), int: ("300", 300), float: ("2.5", 2.5)}
+    samples: dict[object, tuple[str, object]] = {
+        bool: ("true", True),
+        int: ("300", 300),
+        float: ("2.5", 2.5),
+    }
     for key in list(os.environ):
         if key.upper().startswith(("OUTBOX_", "TEMPORAL_")):
             monkeypatch.delenv(key)
     for name, field in OutboxSettings.model_fields.items():
-        raw, expected = samples.get(field.annotation, ("x1", None))  # type: ignore[arg-type]
+        raw, expected = samples.get(field.annotation, ("x1", None))
         if typing.get_origin(field.annotation) is typing.Literal:
             choice = typing.get_args(field.annotation)[-1]  # any allowed value but the default
             raw, expected = choice, choice

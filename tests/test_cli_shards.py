@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -70,10 +71,11 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine, cli
         [{"category": Category.PROJECT_UPDATE, "shard_identifier": 8, "object_identifier": 80}],
     )
 
-    async def status() -> dict[str, object]:
+    async def status() -> dict[str, Any]:
         code, out, err = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
         assert code == 0, err
-        return json.loads(out)
+        shown: dict[str, Any] = json.loads(out)
+        return shown
 
     async def state_is(state: str) -> bool:
         code, out, _ = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
@@ -214,7 +216,8 @@ async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
     async def listed(*args: str) -> list[dict[str, object]]:
         code, out, err = await cli(servers, table, "shards", "--json", *args)
         assert code == 0, err
-        return json.loads(out)
+        found: list[dict[str, object]] = json.loads(out)
+        return found
 
     async def settled() -> bool:
         states = {e["shard"]: e["state"] for e in await listed()}

@@ -241,7 +241,7 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
     settings = fast_settings(idle_timeout=0, drain_max_groups=1, linger=0)
     shard = ShardRef(table, int(Scope.ORGANIZATION), "ORGANIZATION", 12)
     options = dataclasses.replace(settings.shard_options(), max_history_events=10)
-    start = WithStartWorkflowOperation(
+    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
         "OutboxShard",
         ShardInput(shard=shard, options=options, carry=ShardCarry(max_known_id=max(ids))),
         id=shard.workflow_id,

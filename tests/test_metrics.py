@@ -65,13 +65,13 @@ class Readings:
         ]
 
     def sum(self, name: str, **attributes: str) -> float:
-        return sum(p.value for p in self._points(name, **attributes))
+        return float(sum(p.value for p in self._points(name, **attributes)))
 
     def count(self, name: str, **attributes: str) -> int:
-        return sum(p.count for p in self._points(name, **attributes))
+        return int(sum(p.count for p in self._points(name, **attributes)))
 
     def histogram_sum(self, name: str, **attributes: str) -> float:
-        return sum(p.sum for p in self._points(name, **attributes))
+        return float(sum(p.sum for p in self._points(name, **attributes)))
 
     def gauge(self, name: str, **attributes: str) -> float | None:
         found = self._points(name, **attributes)

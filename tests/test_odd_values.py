@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -80,7 +81,9 @@ async def cli(servers: Servers, table: str, *args: str, regional: bool) -> tuple
     return process.returncode, out.decode(), err.decode()
 
 
-async def listed_shards(servers: Servers, table: str, *, regional: bool) -> dict[str, dict]:
+async def listed_shards(
+    servers: Servers, table: str, *, regional: bool
+) -> dict[str, dict[str, Any]]:
     code, out, err = await cli(servers, table, "shards", "--json", regional=regional)
     assert code == 0, err
     return {entry["shard"]: entry for entry in json.loads(out)}
@@ -94,7 +97,7 @@ async def new_app(engine: AsyncEngine, *, regional: bool) -> tuple[Recorder, Out
     return recorder, app, table
 
 
-def insert_shards_sql(table: str, shards: int, region: str | None) -> tuple[str, dict]:
+def insert_shards_sql(table: str, shards: int, region: str | None) -> tuple[str, dict[str, object]]:
     """One INSERT of a row in each of ``shards`` shards (one statement: one notification)."""
     columns = "shard_scope, shard_identifier, category, object_identifier"
     values = f"{ORG}, n, {PROJECT_UPDATE}, n"
@@ -158,7 +161,7 @@ async def test_a_multi_shard_insert_of_multibyte_regions_asks_for_a_sweep(
 async def test_a_multi_shard_insert_past_the_limit_asks_for_a_sweep(
     engine: AsyncEngine, listener: psycopg.AsyncConnection
 ) -> None:
-    _, app, table = await new_app(engine, regional=False)
+    _, _, table = await new_app(engine, regional=False)
     await listener.execute(f'LISTEN "{notify_channel(table)}"')
     statement, params = insert_shards_sql(table, 600, None)  # ~600 x 17 characters
     await sql(engine, statement, **params)

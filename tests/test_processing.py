@@ -8,6 +8,7 @@ import json
 import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -48,7 +49,10 @@ def workflow_id(table: str, scope: Scope, shard: int) -> str:
 
 
 async def status_of(client: Client, wid: str) -> ShardStatus:
-    return await client.get_workflow_handle(wid).query("status", result_type=ShardStatus)
+    status: ShardStatus = await client.get_workflow_handle(wid).query(
+        "status", result_type=ShardStatus
+    )
+    return status
 
 
 async def shard_rows(engine, app, shard: int) -> int:
@@ -101,10 +105,10 @@ async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, 
     written: list[tuple[int, int, int, int]] = []  # id, shard, category, object
     for round_ in range(12):
         for shard in range(1, 9):
-            category = categories[(round_ + shard) % 3]
+            chosen = categories[(round_ + shard) % 3]
             obj = (round_ * 7 + shard) % 4  # few objects: some rows coalesce
-            [new_id] = await write_rows(engine, app, [row(category, shard, obj)])
-            written.append((new_id, shard, int(category), obj))
+            [new_id] = await write_rows(engine, app, [row(chosen, shard, obj)])
+            written.append((new_id, shard, int(chosen), obj))
     # Expected per shard: groups in ascending order of their lowest id, each handled once
     # with its highest id (all rows were pending when the worker started).
     expected: dict[int, list[int]] = defaultdict(list)
@@ -242,7 +246,7 @@ async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept
 
 
 async def _at_least(value, minimum: int) -> bool:
-    return (await value) >= minimum
+    return bool((await value) >= minimum)
 
 
 async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
@@ -420,7 +424,7 @@ async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, c
                 )
         await wait_until(lambda: len(recorder.calls) == 3, what="three shards")
         for table in (plain, regional):
-            await wait_until(lambda t=table: _rows_left(engine, t, 0), what=f"{table} drained")
+            await wait_until(partial(_rows_left, engine, table, 0), what=f"{table} drained")
     assert sorted(c.shard for c in recorder.calls) == ["2:3", "eu:2:3", "us:2:3"]
     for wid in (
         f"outbox:{plain}:USER:3",
@@ -432,7 +436,8 @@ async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, c
 
 async def _rows_left(engine, table: str, expected: int) -> bool:
     async with engine.connect() as conn:
-        return (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == expected
+        count = (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
+        return bool(count == expected)
 
 
 async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(
@@ -723,11 +728,15 @@ async def test_a_row_after_its_lingering_workflow_was_terminated_starts_a_new_ru
         terminated = (await handle.describe()).run_id
         await handle.terminate(reason="terminated while lingering")
         written: list[int] = []
+
+        def handled(row_id: int) -> bool:
+            return row_id in recorder.ids()
+
         started = time.monotonic()
         for obj in range(100, 160):  # a row every half second, for 30 s at most
             [new] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, obj)])
             written.append(new)
-            await wait_until(lambda n=new: n in recorder.ids(), timeout=15, what="the row")
+            await wait_until(partial(handled, new), timeout=15, what="the row")
             if await new_run(terminated):
                 break
             await asyncio.sleep(0.5)

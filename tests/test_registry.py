@@ -124,7 +124,7 @@ def test_same_category_listed_twice_in_one_scope_is_harmless() -> None:
 
 
 def test_category_in_no_scope_is_refused() -> None:
-    scopes = {
+    scopes: dict[IntEnum, list[IntEnum]] = {
         Scope.ORGANIZATION: [Category.ORGANIZATION_UPDATE],
         Scope.USER: [Category.USER_UPDATE],
     }

@@ -10,6 +10,7 @@ handled. Nothing is dropped silently. The README's "Bad input" table lists the d
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 from sqlalchemy import text
@@ -43,7 +44,15 @@ def ref(table: str, scope: int, shard: int, scope_name: str | None = None) -> Sh
     return ShardRef(table, scope, name, shard)
 
 
-async def insert(conn, table: str, scope: int, shard: int, category: int, obj: int, **extra):
+async def insert(
+    conn,
+    table: str,
+    scope: int | None,
+    shard: int | None,
+    category: int | None,
+    obj: int | None,
+    **extra,
+):
     columns = ["shard_scope", "shard_identifier", "category", "object_identifier"]
     values = [":scope", ":shard", ":category", ":obj"]
     params = {"scope": scope, "shard": shard, "category": category, "obj": obj}
@@ -233,7 +242,7 @@ async def test_bad_input_is_refused_or_held_with_a_clear_error_and_nothing_is_lo
 
 
 async def _equals(value, expected) -> bool:
-    return (await value) == expected
+    return bool((await value) == expected)
 
 
 async def check_held_and_handled(engine, client: Client, table: str, rows) -> None:
@@ -241,7 +250,7 @@ async def check_held_and_handled(engine, client: Client, table: str, rows) -> No
     for kind, error in HELD_ERRORS.items():
         shard = rows[kind][0]
         await wait_until(
-            lambda s=shard, e=error: in_state(client, s, "blocked", e),
+            partial(in_state, client, shard, "blocked", error),
             timeout=60,
             what=f"{kind} blocked with {error}",
         )
@@ -250,7 +259,7 @@ async def check_held_and_handled(engine, client: Client, table: str, rows) -> No
         ("infinity", "9999-12-31T23:59:59.999999+00:00"),
     ):
         await wait_until(
-            lambda s=rows[kind][0]: in_state(client, s, "deferred"), timeout=60, what=kind
+            partial(in_state, client, rows[kind][0], "deferred"), timeout=60, what=kind
         )
         current = await status(client, rows[kind][0])
         assert current is not None and current.deferred_until == until

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 from sqlalchemy import text
@@ -158,7 +159,7 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
     await workload.write(size.rows // 3, shards=[*mixed_shards(size.shards), *poisoned])
     for shard in poison:
         await wait_until(
-            lambda s=shard: failed_at_least(engine, scenario.table, s, 2),
+            partial(failed_at_least, engine, scenario.table, shard, 2),
             timeout=120,
             what=f"shard {shard} blocked",
         )

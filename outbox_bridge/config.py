@@ -337,12 +337,17 @@ def libpq_url(url: URL) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def safe_url(url: URL) -> str:
-    """The URL with its password masked, for logs and status output.
+# libpq connection parameters whose value is a secret (see "Parameter Key Words" in libpq's
+# documentation): the password, the passphrase of the client's SSL key, and the OAuth client
+# secret (PostgreSQL 18). Paths to files holding secrets (passfile, sslkey) are not secrets.
+SECRET_QUERY_PARAMETERS = frozenset({"password", "sslpassword", "oauth_client_secret"})
 
-    libpq also takes the password as a query parameter (``?password=...``): masked too.
-    """
-    hidden = {k: "***" for k in url.query if k.lower() == "password"}
+
+def safe_url(url: URL) -> str:
+    """The URL with every secret masked, for logs and status output: the password, and the
+    libpq parameters that carry a secret in the query string (:data:`SECRET_QUERY_PARAMETERS`,
+    in any letter case, e.g. ``?password=...`` or ``?sslpassword=...``)."""
+    hidden = {k: "***" for k in url.query if k.lower() in SECRET_QUERY_PARAMETERS}
     if hidden:
         url = url.update_query_dict(hidden)
     rendered = url.render_as_string(hide_password=True)

@@ -4,8 +4,22 @@
 When the block ends, for every shard whose rows committed, it sends the shard's workflow the
 ``flush`` update with start (starting the workflow if it is not running) and waits until the
 shard handled every row up to the highest id written, or says why it cannot: blocked behind a
-failing head, skipped, deferred, or timed out. Nothing is lost either way: rows that are not
-handled in time stay in the table and are handled asynchronously.
+failing head, skipped, deferred, timed out, or unavailable. Nothing is lost either way: rows
+that are not handled in time stay in the table and are handled asynchronously.
+
+Once the transaction committed, a flush never raises: when Temporal cannot be reached (the
+client cannot connect on first use, or the server went away later) every shard is answered
+``unavailable``, with a ``detail`` that says why.
+
+Before it starts anything, a flush checks that some worker polls its task queue
+(``describe_task_queue``, asked again until the flush's timeout while none does; a task queue
+seen with pollers is trusted for :data:`POLLERS_TRUSTED_FOR` seconds). A producer configured
+with another task queue than the worker's would otherwise start the shard's workflow on a
+queue nobody polls, where it would stay stuck: the worker's bridge only signals a running
+workflow, it never moves it. Such a flush starts nothing and, at its timeout, answers
+``unavailable`` naming the task queue (and logs a warning); the worker's bridge then handles
+the rows asynchronously. Where the flusher may not describe task queues (or the server lacks
+the call), the check is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +37,9 @@ from typing import Any, TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest, GetSystemInfoRequest
 from temporalio.client import (
     Client,
     WithStartWorkflowOperation,
@@ -35,6 +52,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.config import OutboxSettings
+from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip, static_skips
 from outbox_bridge.runtime.temporal import connect, temporal_address
@@ -59,6 +77,21 @@ FINAL_RPC_STATUSES = frozenset(
         RPCStatusCode.UNIMPLEMENTED,
     }
 )
+# Answers of describe_task_queue that say nothing about the task queue: the flush goes on
+# without the pollers check (a key without the permission, a server without the call).
+UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
+# A task queue seen with pollers is not asked about again for this long (seconds).
+POLLERS_TRUSTED_FOR = 10.0
+# The longest the pollers check, or the check that the server still answers, may take.
+PROBE_TIMEOUT = 2.0
+
+
+class _Unavailable(Exception):
+    """Temporal cannot take the flush now (``detail`` says why): answered ``unavailable``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
 
 
 @dataclass
@@ -113,6 +146,8 @@ class Flusher:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+        # Task queue -> until when it is trusted to have pollers (time.monotonic()).
+        self._polled_until: dict[str, float] = {}
 
     # -- async ---------------------------------------------------------------------------------
 
@@ -124,9 +159,19 @@ class Flusher:
             return []
         if not 0 < timeout <= 3600:
             raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
-        client = await self._client_for_loop()
+        deadline = time.monotonic() + timeout
+        try:
+            client = await self._client_for_loop()
+            await self._check_pollers(client, deadline)
+        except _Unavailable as exc:
+            log.warning(
+                "flush of shard(s) %s not sent: %s; their rows are handled asynchronously",
+                ", ".join(shard.key for shard in targets),
+                exc.detail,
+            )
+            return [FlushResult(shard.key, UNAVAILABLE, detail=exc.detail) for shard in targets]
         flushes = [
-            self._flush_one(client, shard, up_to, timeout) for shard, up_to in targets.items()
+            self._flush_one(client, shard, up_to, deadline) for shard, up_to in targets.items()
         ]
         return list(await asyncio.gather(*flushes))
 
@@ -137,28 +182,102 @@ class Flusher:
         client = self._clients.get(loop)
         if client is None:
             settings = self._settings
-            client = await connect(settings, temporal_address(settings))
+            try:
+                client = await connect(settings, temporal_address(settings))
+            except ConfigurationError as exc:  # cannot connect, or a TLS file is unreadable
+                raise _Unavailable(str(exc)) from None
             self._clients[loop] = client
         return client
 
+    async def _check_pollers(self, client: Client, deadline: float) -> None:
+        """Return once some worker polls the flusher's task queue; raise :class:`_Unavailable`
+        when none does by the deadline (asked again meanwhile: a worker that is starting
+        polls within moments) or Temporal does not answer. See the module's docstring."""
+        queue = self._settings.task_queue
+        if time.monotonic() < self._polled_until.get(queue, 0.0):
+            return
+        request = DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+        pause = 0.05
+        while True:
+            wait = max(min(deadline - time.monotonic(), PROBE_TIMEOUT), 0.01)
+            try:
+                response = await asyncio.wait_for(
+                    client.workflow_service.describe_task_queue(
+                        request, timeout=timedelta(seconds=wait)
+                    ),
+                    wait + 0.5,
+                )
+            except RPCError as exc:
+                if exc.status in UNCHECKABLE_RPC_STATUSES:
+                    log.debug("cannot check the pollers of task queue %s: %s", queue, exc.message)
+                    return
+                raise _Unavailable(self._no_answer(exc.message)) from None
+            except TimeoutError:
+                raise _Unavailable(self._no_answer(f"no answer within {wait:.1f} s")) from None
+            if response.pollers:
+                self._polled_until[queue] = time.monotonic() + POLLERS_TRUSTED_FOR
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Unavailable(
+                    f"no worker polls task queue {queue!r} in namespace "
+                    f"{client.namespace!r}: the flusher's task queue (OUTBOX_TASK_QUEUE) must "
+                    "be the worker's. The shard's workflow was not started there"
+                )
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+    def _no_answer(self, why: str) -> str:
+        return f"Temporal at {temporal_address(self._settings)} did not answer: {why}"
+
+    async def _unreachable(self, client: Client) -> str | None:
+        """Why the server does not answer now, or None when it does."""
+        try:
+            await asyncio.wait_for(
+                client.workflow_service.get_system_info(
+                    GetSystemInfoRequest(), timeout=timedelta(seconds=PROBE_TIMEOUT)
+                ),
+                PROBE_TIMEOUT + 0.5,
+            )
+        except RPCError as exc:
+            return self._no_answer(exc.message)
+        except TimeoutError:
+            return self._no_answer(f"no answer within {PROBE_TIMEOUT:.1f} s")
+        return None
+
     async def _flush_one(
-        self, client: Client, shard: ShardRef, up_to: int, timeout: float
+        self, client: Client, shard: ShardRef, up_to: int, deadline: float
     ) -> FlushResult:
-        deadline = time.monotonic() + timeout
         try:
             handle = await self._accepted(client, shard, up_to, deadline)
             if handle is None:
-                return FlushResult(shard.key, TIMED_OUT)
+                return await self._timed_out(client, shard)
             # Accepted: the workflow does not complete before answering.
             left = max(deadline - time.monotonic(), 0.0)
             result: FlushResult = await asyncio.wait_for(handle.result(), left + ANSWER_GRACE)
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
-            return FlushResult(shard.key, TIMED_OUT)
+            return await self._timed_out(client, shard)
+        except _Unavailable as exc:
+            log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, exc.detail)
+            return FlushResult(shard.key, UNAVAILABLE, detail=exc.detail)
         except (RPCError, WorkflowUpdateFailedError) as exc:
             detail = getattr(exc, "message", None) or str(exc)
             log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, detail)
             return FlushResult(shard.key, UNAVAILABLE, detail=detail)
         return result
+
+    async def _timed_out(self, client: Client, shard: ShardRef) -> FlushResult:
+        """``timed_out``, or ``unavailable`` when the server does not answer any more (the
+        client retries calls to an unreachable server until they are cancelled)."""
+        why = await self._unreachable(client)
+        if why is None:
+            return FlushResult(shard.key, TIMED_OUT)
+        log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, why)
+        return FlushResult(shard.key, UNAVAILABLE, detail=why)
 
     async def _accepted(
         self, client: Client, shard: ShardRef, up_to: int, deadline: float
@@ -170,9 +289,12 @@ class Flusher:
         a new run, which answers from the table.
         """
         pause = 0.05
+        last_error: RPCError | None = None
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                if last_error is not None:  # every attempt failed, the last one with this
+                    raise _Unavailable(self._no_answer(last_error.message))
                 return None
             try:
                 # Bounded by the caller's deadline: a delivery that waits on a busy workflow
@@ -193,13 +315,14 @@ class Flusher:
             except RPCError as exc:
                 if exc.status in FINAL_RPC_STATUSES:
                     raise
+                last_error = exc
                 log.debug("flush of shard %s not delivered yet: %s", shard.key, exc.message)
             await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, 1.0)
 
     def _start_operation(self, shard: ShardRef, up_to: int) -> WithStartWorkflowOperation[Any, Any]:
         settings = self._settings
-        return WithStartWorkflowOperation(
+        operation: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
             WORKFLOW,
             **start_arguments(
                 shard,
@@ -210,6 +333,8 @@ class Flusher:
             ),
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )
+        _retrieve_start_outcome(operation)
+        return operation
 
     # -- sync ----------------------------------------------------------------------------------
 
@@ -227,6 +352,22 @@ class Flusher:
                 thread.start()
                 self._loop = loop
         return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
+
+
+def _retrieve_start_outcome(operation: WithStartWorkflowOperation[Any, Any]) -> None:
+    """Retrieve the outcome of the operation's start once the SDK sets it. The flush never
+    asks for the started workflow's handle, and an attempt that failed (or that the flush's
+    deadline cancelled) leaves an exception on the operation's future; unretrieved, asyncio
+    logs it at ERROR when the future is collected ("Future exception was never
+    retrieved"): retrieved here, since the flush reports the failure itself."""
+    future = getattr(operation, "_workflow_handle", None)
+    if isinstance(future, asyncio.Future):
+
+        def retrieve(done: asyncio.Future[Any]) -> None:
+            if not done.cancelled():
+                done.exception()
+
+        future.add_done_callback(retrieve)
 
 
 # -- outbox_context ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from sqlalchemy import MetaData, Table
 
@@ -68,6 +68,9 @@ class OutboxMessage:
     scheduled_for: datetime
     coalesced: int = 1
 
+
+# The app's own scope enum (a Mapping's key type is invariant: dict[Scope, ...] must fit).
+ScopeT = TypeVar("ScopeT", bound=IntEnum)
 
 Handler: TypeAlias = Callable[[OutboxMessage], Awaitable[None] | None]
 
@@ -124,7 +127,7 @@ class OutboxApp:
 
     def __init__(
         self,
-        scopes: Mapping[IntEnum, Iterable[IntEnum]],
+        scopes: Mapping[ScopeT, Iterable[IntEnum]],
         *,
         categories: Iterable[type[IntEnum]] = (),
         tables: Sequence[OutboxTable] = (OutboxTable(),),

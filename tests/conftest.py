@@ -56,6 +56,23 @@ def no_library_error_logs(request: pytest.FixtureRequest) -> Iterator[None]:
         )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_telemetry_left_installed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a module that leaves an OpenTelemetry provider installed: tracing or metrics would
+    stay on for every later file, and results would depend on the order of the files (see
+    tests/otel.py)."""
+    from tests.otel import installed_providers
+
+    before = installed_providers()
+    yield
+    left = [p for p in installed_providers() if p not in before]
+    if left:
+        pytest.fail(
+            f"{request.node.nodeid} left the {' and '.join(left)} provider(s) installed",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="session")
 async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Servers]:
     started = await start_servers(tmp_path_factory.mktemp("servers"))

@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import IntEnum
@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
@@ -41,7 +41,9 @@ class Category(IntEnum):
     USER_UPDATE = 10
 
 
-SCOPES = {
+# Annotated: a dict of the app's own enums is not a Mapping[IntEnum, ...] to mypy (Mapping's
+# key type is invariant), see tests/test_lint.py.
+SCOPES: Mapping[IntEnum, Iterable[IntEnum]] = {
     Scope.ORGANIZATION: {
         Category.ORGANIZATION_UPDATE,
         Category.PROJECT_UPDATE,
@@ -242,3 +244,14 @@ async def sql(engine: AsyncEngine, statement: str, **params: Any) -> None:
 
 async def table_empty(engine: AsyncEngine, app: OutboxApp) -> bool:
     return await count_rows(engine, app) == 0
+
+
+def refusal(error: WorkflowUpdateFailedError) -> str:
+    """The message of what refused an update (every WorkflowUpdateFailedError's own message
+    is "Workflow update failed": matching on it proves nothing)."""
+    messages = []
+    cause: BaseException | None = error.cause
+    while cause is not None:
+        messages.append(str(getattr(cause, "message", None) or cause))
+        cause = cause.__cause__
+    return ": ".join(messages)

@@ -85,7 +85,8 @@ async def scenario_skip_resume(app, recorder, client, engine, settings) -> None:
 
     async def state_is(state: str) -> bool:
         try:
-            return (await handle.query("status", result_type=ShardStatus)).state == state
+            shown: ShardStatus = await handle.query("status", result_type=ShardStatus)
+            return shown.state == state
         except RPCError:
             return False
 

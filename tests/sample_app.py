@@ -6,13 +6,15 @@ by table and row id: the test process can then see what a worker subprocess hand
 idempotent (delivery is at least once).
 
 ``incomplete_app`` has the same registry but no handler for PROJECT_UPDATE: the worker must
-refuse to start it.
+refuse to start it. ``regional_app`` has the same scopes and categories on a regional table of
+the same name, for the shard commands (it has no handlers: it is not run by a worker).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
 
 import psycopg
@@ -52,7 +54,9 @@ class SampleCategory(IntEnum):
     USER_UPDATE = 10
 
 
-SCOPES = {
+# Annotated: a dict of the app's own enums is not a Mapping[IntEnum, ...] to mypy (Mapping's
+# key type is invariant), see tests/test_lint.py.
+SCOPES: Mapping[IntEnum, Iterable[IntEnum]] = {
     SampleScope.ORGANIZATION: [SampleCategory.ORGANIZATION_UPDATE, SampleCategory.PROJECT_UPDATE],
     SampleScope.USER: [SampleCategory.USER_UPDATE],
 }
@@ -65,6 +69,9 @@ def _new_app() -> OutboxApp:
 app = _new_app()
 incomplete_app = _new_app()
 not_an_app = "this is not an OutboxApp"
+regional_app = OutboxApp(
+    scopes=SCOPES, categories=[SampleCategory], tables=[OutboxTable(TABLE, regional=True)]
+)
 
 
 def record(message: OutboxMessage, handler: str) -> None:

@@ -130,8 +130,8 @@ async def test_worker_help_documents_every_setting(servers) -> None:
     for name, field in OutboxSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         assert flag in help_text, f"{flag} missing from --help"
-        env = ", else ".join(env_names(name, field))
-        assert f"[env: {env}]" in help_text, f"env of {name} missing"
+        names = ", else ".join(env_names(name, field))
+        assert f"[env: {names}]" in help_text, f"env of {name} missing"
         if field.annotation is bool:
             assert f"--no-{flag[2:]}" in help_text
     assert "[env: OUTBOX_DATABASE_URL]" in help_text
@@ -213,12 +213,16 @@ async def test_worker_never_prints_the_database_password(servers) -> None:
 
 def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
     """The env names shown by --help are the ones the settings read; a flag beats its env var."""
-    samples = {bool: ("true", True), int: ("300", 300), float: ("2.5", 2.5)}
+    samples: dict[object, tuple[str, object]] = {
+        bool: ("true", True),
+        int: ("300", 300),
+        float: ("2.5", 2.5),
+    }
     for key in list(os.environ):
         if key.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_")):
             monkeypatch.delenv(key)
     for name, field in OutboxSettings.model_fields.items():
-        raw, expected = samples.get(field.annotation, ("x1", None))  # type: ignore[arg-type]
+        raw, expected = samples.get(field.annotation, ("x1", None))
         if typing.get_origin(field.annotation) is typing.Literal:
             choice = typing.get_args(field.annotation)[-1]  # any allowed value but the default
             raw, expected = choice, choice
@@ -289,7 +293,9 @@ def test_each_command_offers_the_settings_it_uses(path: str) -> None:
 def test_every_command_is_listed() -> None:
     listed = {path.split()[0] for path in COMMAND_GROUPS}
     assert set(cli_main.commands) == listed
-    assert set(_command("history").commands) == {"export"}
+    history = _command("history")
+    assert isinstance(history, click.Group)
+    assert set(history.commands) == {"export"}
 
 
 def test_status_help_lists_connection_settings_only() -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -18,6 +19,7 @@ from tests.harness import (
     Category,
     fast_settings,
     fresh_app,
+    refusal,
     running_worker,
     table_empty,
     unique_table,
@@ -69,10 +71,11 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine, cli
         [{"category": Category.PROJECT_UPDATE, "shard_identifier": 8, "object_identifier": 80}],
     )
 
-    async def status() -> dict[str, object]:
+    async def status() -> dict[str, Any]:
         code, out, err = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
         assert code == 0, err
-        return json.loads(out)
+        shown: dict[str, Any] = json.loads(out)
+        return shown
 
     async def state_is(state: str) -> bool:
         code, out, _ = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
@@ -95,10 +98,12 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine, cli
         # The update's validator refuses what the command line would not send.
         handle = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:8")
         before = len((await handle.fetch_history()).events)
-        with pytest.raises(WorkflowUpdateFailedError):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
             await handle.execute_update("skip", SkipInput(reason=" "))
-        with pytest.raises(WorkflowUpdateFailedError, match="update"):
-            await handle.execute_update("resume", ResumeInput(by="someone"))  # not skipped
+        assert "skip needs a reason" in refusal(refused.value)
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update("resume", ResumeInput(by="someone"))
+        assert refusal(refused.value) == "shard ORGANIZATION:8 is not skipped"
         kinds = [e.event_type for e in (await handle.fetch_history()).events][before:]
         assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED not in kinds
         assert (await status())["state"] == "blocked"
@@ -211,7 +216,8 @@ async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
     async def listed(*args: str) -> list[dict[str, object]]:
         code, out, err = await cli(servers, table, "shards", "--json", *args)
         assert code == 0, err
-        return json.loads(out)
+        found: list[dict[str, object]] = json.loads(out)
+        return found
 
     async def settled() -> bool:
         states = {e["shard"]: e["state"] for e in await listed()}

@@ -158,11 +158,13 @@ def ignored(path: str) -> bool:
 
 
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    loaded: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    return loaded
 
 
 def services() -> dict[str, Any]:
-    return compose()["services"]
+    found: dict[str, Any] = compose()["services"]
+    return found
 
 
 def interpolate(value: Any) -> str:
@@ -274,7 +276,7 @@ def model_search_attributes() -> dict[str, str]:
     found = {}
     for value in vars(outbox_bridge.workflows.models).values():
         if isinstance(value, SearchAttributeKey):
-            enum = IndexedValueType.Name(value.indexed_value_type)
+            enum = IndexedValueType.Name(IndexedValueType.ValueType(value.indexed_value_type))
             words = enum.removeprefix("INDEXED_VALUE_TYPE_").split("_")
             found[value.name] = "".join(word.title() for word in words)
     return found

@@ -32,6 +32,7 @@ from outbox_bridge.config import OutboxSettings
 from outbox_bridge.runtime.drain import ShardDrainer
 from outbox_bridge.runtime.worker import build_worker
 from outbox_bridge.workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
+from outbox_bridge.workflows.shard import OutboxShard
 from tests.harness import (
     Category,
     Recorder,
@@ -40,6 +41,7 @@ from tests.harness import (
     create_tables,
     fast_settings,
     make_app,
+    refusal,
     running_worker,
     table_empty,
     unique_table,
@@ -239,7 +241,7 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
     settings = fast_settings(idle_timeout=0, drain_max_groups=1, linger=0)
     shard = ShardRef(table, int(Scope.ORGANIZATION), "ORGANIZATION", 12)
     options = dataclasses.replace(settings.shard_options(), max_history_events=10)
-    start = WithStartWorkflowOperation(
+    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
         "OutboxShard",
         ShardInput(shard=shard, options=options, carry=ShardCarry(max_known_id=max(ids))),
         id=shard.workflow_id,
@@ -268,25 +270,69 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
     assert len(kinds) > 3 * options.max_history_events
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"up_to_id": "x", "timeout_seconds": 1},
-        {"up_to_id": 0, "timeout_seconds": 1},
-        {"up_to_id": 5, "timeout_seconds": -1},
-        {"up_to_id": 5, "timeout_seconds": 10_000},
-    ],
-)
+# Each malformed flush, and the message of what actually refuses it: the data converter
+# refuses what it cannot convert to FlushInput's field types, before the validator runs; the
+# validator refuses converted values out of range.
+MALFORMED_FLUSHES = [
+    ({"up_to_id": "x", "timeout_seconds": 1}, "Failed converting field up_to_id"),
+    ({"up_to_id": None, "timeout_seconds": 1}, "Failed converting field up_to_id"),
+    ({"up_to_id": 5, "timeout_seconds": "soon"}, "Failed converting field timeout_seconds"),
+    ({"up_to_id": 0, "timeout_seconds": 1}, "flush needs up_to_id, a positive integer row id"),
+    ({"up_to_id": -3, "timeout_seconds": 1}, "flush needs up_to_id, a positive integer row id"),
+    ({"up_to_id": 5, "timeout_seconds": -1}, "flush needs timeout_seconds between 0 and 3600"),
+    ({"up_to_id": 5, "timeout_seconds": 10_000}, "flush needs timeout_seconds between 0 and"),
+]
+
+
+@pytest.mark.parametrize(("bad", "refused_by"), MALFORMED_FLUSHES)
 async def test_malformed_flush_is_rejected_without_touching_the_shard(
-    servers, engine, client: Client, bad: dict[str, object]
+    servers, engine, client: Client, bad: dict[str, object], refused_by: str
 ) -> None:
     async with flushing(servers, engine, skip_shards=["ORGANIZATION:13"]) as (_, app, _):
         assert (await flush_one(app, engine, 13)).outcome == "skipped"  # a running workflow
         handle = client.get_workflow_handle(f"outbox:{app.table().name}:ORGANIZATION:13")
         before = await handle.fetch_history()
-        with pytest.raises(WorkflowUpdateFailedError):
+        with pytest.raises(WorkflowUpdateFailedError) as failed:
             await handle.execute_update("flush", bad)
+        assert refused_by in refusal(failed.value)
         after = await handle.fetch_history()
     # A rejected update leaves no trace in history (beyond the workflow task it needed).
     kinds = {e.event_type for e in after.events[len(before.events) :]}
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED not in kinds
+
+
+async def test_a_boolean_or_fractional_flush_id_arrives_converted(
+    servers, engine, client: Client
+) -> None:
+    """The data converter turns ``true`` into 1 and 7.9 into 7 before the validator sees the
+    input, so the validator's own type checks cannot refuse them: such a flush is taken, as
+    a flush up to the converted id."""
+    async with flushing(servers, engine, skip_shards=["ORGANIZATION:14"]) as (_, app, _):
+        assert (await flush_one(app, engine, 14)).outcome == "skipped"  # a running workflow
+        handle = client.get_workflow_handle(f"outbox:{app.table().name}:ORGANIZATION:14")
+        for odd in (
+            {"up_to_id": True, "timeout_seconds": 1},
+            {"up_to_id": 7.9, "timeout_seconds": True},
+        ):
+            answer = await handle.execute_update("flush", odd, result_type=FlushResult)
+            assert answer.outcome == "skipped"
+
+
+@pytest.mark.parametrize(
+    ("odd", "message"),
+    [
+        (FlushInput(up_to_id=True, timeout_seconds=1), "positive integer row id; got True"),
+        (FlushInput(up_to_id="7", timeout_seconds=1), "positive integer row id; got '7'"),  # type: ignore[arg-type]
+        (FlushInput(up_to_id=7, timeout_seconds=True), "got True"),
+        (FlushInput(up_to_id=7, timeout_seconds="1"), "got '1'"),  # type: ignore[arg-type]
+    ],
+)
+def test_the_flush_validator_refuses_what_another_converter_might_pass(
+    odd: FlushInput, message: str
+) -> None:
+    """The validator stays defensive: a data converter that passed values through without
+    converting them (the default one converts, see above) still cannot get a bool or a string
+    into the shard's flush."""
+    with pytest.raises(ValueError, match="flush needs") as refused:
+        OutboxShard._validate_flush(object.__new__(OutboxShard), odd)
+    assert message in str(refused.value)

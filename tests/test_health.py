@@ -233,7 +233,10 @@ async def test_a_taken_health_port_does_not_stop_the_worker(servers, caplog) -> 
     assert "OUTBOX_HEALTH_PORT" in caplog.text
 
 
-async def test_the_worker_gives_in_flight_calls_the_configured_grace(client, engine) -> None:
+async def test_the_temporal_worker_is_built_with_the_configured_shutdown_grace(
+    client, engine
+) -> None:
+    # That in-flight calls get the grace is what the SIGTERM tests below check.
     drainer = ShardDrainer(engine, make_app(unique_table(), Recorder()))
     try:
         for grace in (0.0, 7.5, 600.0):

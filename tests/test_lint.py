@@ -23,3 +23,29 @@ def test_ruff_finds_nothing() -> None:
 def test_mypy_strict_finds_nothing() -> None:
     result = _run("mypy")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+SCOPES_AS_A_VARIABLE = """
+from enum import IntEnum
+
+from outbox_bridge import OutboxApp
+
+
+class Scope(IntEnum):
+    ORGANIZATION = 1
+
+
+class Category(IntEnum):
+    PROJECT_UPDATE = 2
+
+
+SCOPES = {Scope.ORGANIZATION: {Category.PROJECT_UPDATE}}
+app = OutboxApp(scopes=SCOPES, categories=[Category])
+"""
+
+
+def test_mypy_accepts_the_app_s_own_enums_as_scopes(tmp_path: Path) -> None:
+    module = tmp_path / "typed_app.py"
+    module.write_text(SCOPES_AS_A_VARIABLE)
+    result = _run("mypy", "--strict", "--python-version", "3.11", str(module))
+    assert result.returncode == 0, result.stdout + result.stderr

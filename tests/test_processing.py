@@ -9,6 +9,7 @@ import json
 import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -49,7 +50,10 @@ def workflow_id(table: str, scope: Scope, shard: int) -> str:
 
 
 async def status_of(client: Client, wid: str) -> ShardStatus:
-    return await client.get_workflow_handle(wid).query("status", result_type=ShardStatus)
+    status: ShardStatus = await client.get_workflow_handle(wid).query(
+        "status", result_type=ShardStatus
+    )
+    return status
 
 
 async def shard_rows(engine, app, shard: int) -> int:
@@ -102,10 +106,10 @@ async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, 
     written: list[tuple[int, int, int, int]] = []  # id, shard, category, object
     for round_ in range(12):
         for shard in range(1, 9):
-            category = categories[(round_ + shard) % 3]
+            chosen = categories[(round_ + shard) % 3]
             obj = (round_ * 7 + shard) % 4  # few objects: some rows coalesce
-            [new_id] = await write_rows(engine, app, [row(category, shard, obj)])
-            written.append((new_id, shard, int(category), obj))
+            [new_id] = await write_rows(engine, app, [row(chosen, shard, obj)])
+            written.append((new_id, shard, int(chosen), obj))
     # Expected per shard: groups in ascending order of their lowest id, each handled once
     # with its highest id (all rows were pending when the worker started).
     expected: dict[int, list[int]] = defaultdict(list)
@@ -243,7 +247,7 @@ async def test_a_handler_that_always_fails_is_retried_forever_with_its_rows_kept
 
 
 async def _at_least(value, minimum: int) -> bool:
-    return (await value) >= minimum
+    return bool((await value) >= minimum)
 
 
 async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
@@ -421,7 +425,7 @@ async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, c
                 )
         await wait_until(lambda: len(recorder.calls) == 3, what="three shards")
         for table in (plain, regional):
-            await wait_until(lambda t=table: _rows_left(engine, t, 0), what=f"{table} drained")
+            await wait_until(partial(_rows_left, engine, table, 0), what=f"{table} drained")
     assert sorted(c.shard for c in recorder.calls) == ["2:3", "eu:2:3", "us:2:3"]
     for wid in (
         f"outbox:{plain}:USER:3",
@@ -433,7 +437,8 @@ async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, c
 
 async def _rows_left(engine, table: str, expected: int) -> bool:
     async with engine.connect() as conn:
-        return (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == expected
+        count = (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
+        return bool(count == expected)
 
 
 async def test_a_row_of_an_unknown_category_blocks_its_shard_with_a_clear_error(
@@ -693,3 +698,110 @@ async def test_a_row_committed_while_a_lingering_drain_runs_a_batch_is_handed_to
     assert [c.object_identifier for c in recorder.calls] == [1, 2, 3, 4]
     kinds = [e.event_type for e in history.events]
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED not in kinds
+
+
+# -- paths proven alone: no sweep, no timing to cover for them ----------------------------------
+
+
+async def test_a_row_after_its_lingering_workflow_was_terminated_starts_a_new_run(
+    servers, engine, client
+) -> None:
+    """After an operator terminates a shard's workflow while its drain lingers, rows keep
+    being delivered and the bridge starts a new run of the workflow (the sweep, an hour away,
+    cannot). No pause is guessed for the lingering attempt to learn of the termination (it
+    may still take the first rows): rows are written one by one until a new run exists."""
+    recorder, table, app = await fresh_app(engine)
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
+    settings = fast_settings(linger=30.0, sweep_interval=3600.0, idle_timeout=60)
+
+    async def new_run(terminated: str) -> bool:
+        description = await handle.describe()  # the latest run of the workflow id
+        return description.run_id != terminated and description.status in (
+            WorkflowExecutionStatus.RUNNING,
+            WorkflowExecutionStatus.COMPLETED,
+        )
+
+    async with running_worker(servers, app, settings):
+        for i in range(3):  # rows after the first drain: steady traffic, so it lingers
+            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
+            await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
+        await wait_until(lambda: lingering(handle), what="a lingering drain")
+        terminated = (await handle.describe()).run_id
+        await handle.terminate(reason="terminated while lingering")
+        written: list[int] = []
+
+        def handled(row_id: int) -> bool:
+            return row_id in recorder.ids()
+
+        started = time.monotonic()
+        for obj in range(100, 160):  # a row every half second, for 30 s at most
+            [new] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, obj)])
+            written.append(new)
+            await wait_until(partial(handled, new), timeout=15, what="the row")
+            if await new_run(terminated):
+                break
+            await asyncio.sleep(0.5)
+        took = time.monotonic() - started
+        assert await new_run(terminated), f"no new run after {len(written)} rows, {took:.0f} s"
+    assert all(recorder.ids().count(i) == 1 for i in written)
+
+
+async def test_a_late_commit_is_delivered_by_its_notification_alone(servers, engine) -> None:
+    """A row whose lower id commits after a higher one was handled: with sweeps an hour apart
+    (a scan looks only above the highest id seen), only its notification can deliver it."""
+    recorder, _, app = await fresh_app(engine)
+    settings = fast_settings(sweep_interval=3600.0)
+    async with running_worker(servers, app, settings):
+        async with engine.connect() as slow:
+            transaction = await slow.begin()
+            late_id = await app.write_async(
+                slow, category=Category.PROJECT_UPDATE, shard_identifier=6, object_identifier=1
+            )
+            [early_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 6, 2)])
+            assert late_id < early_id
+            await wait_until(lambda: early_id in recorder.ids(), what="the higher id first")
+            await wait_until(lambda: table_empty(engine, app), what="the higher id deleted")
+            await transaction.commit()
+        await wait_until(lambda: table_empty(engine, app), timeout=15, what="the late row")
+    assert recorder.ids() == [early_id, late_id]
+
+
+async def test_a_region_filter_leaves_the_other_regions_alone_through_a_sweep(
+    servers, engine, client
+) -> None:
+    """A worker draining region us only: once its row is handled and a whole sweep has run
+    after that, the eu rows are still there, no handler saw them and no workflow of theirs
+    was started."""
+    from temporalio.service import RPCError
+
+    from tests.otel import span_exporter
+
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder, regional=True)
+    await create_tables(engine, app)
+    await write_rows(
+        engine,
+        app,
+        [
+            row(Category.PROJECT_UPDATE, 1, 1, region="us"),
+            row(Category.PROJECT_UPDATE, 1, 1, region="eu"),
+            row(Category.PROJECT_UPDATE, 2, 1, region="eu"),
+        ],
+    )
+    with span_exporter() as spans:
+
+        def sweeps() -> int:
+            return sum(1 for s in spans.get_finished_spans() if s.name == "outbox.bridge.sweep")
+
+        async with running_worker(servers, app, fast_settings(regions=["us"], sweep_interval=0.5)):
+            await wait_until(lambda: _rows_left(engine, table, 2), what="the us row deleted")
+            after = sweeps()
+            await wait_until(lambda: sweeps() >= after + 2, what="a whole sweep after it")
+    assert [c.shard for c in recorder.calls] == ["us:1:1"]
+    async with engine.connect() as conn:
+        left = (await conn.execute(text(f"SELECT region FROM {table}"))).scalars().all()
+    assert sorted(left) == ["eu", "eu"]
+    for shard in (1, 2):
+        with pytest.raises(RPCError, match="not found"):
+            await client.get_workflow_handle(f"outbox:{table}:eu:ORGANIZATION:{shard}").describe()

@@ -9,7 +9,6 @@ usable.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 from collections.abc import Iterator
@@ -36,7 +35,17 @@ from outbox_bridge.db.schema import notify_channel
 from outbox_bridge.producer import BIGINT_MAX, BIGINT_MIN
 from tests.harness import SCOPES, Category, Scope, Servers, create_tables, unique_table
 
-CORE = dict(category=Category.PROJECT_UPDATE, shard_identifier=7, object_identifier=5)
+CORE: dict[str, Any] = dict(
+    category=Category.PROJECT_UPDATE, shard_identifier=7, object_identifier=5
+)
+
+
+def nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep."""
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def new_app(*, regional: bool = False) -> OutboxApp:
@@ -250,7 +259,7 @@ INVALID_ROWS: list[tuple[str, dict[str, Any]]] = [
     ("payload model with NaN", {**CORE, "payload": Measurement(value=math.nan)}),
     (
         "payload too deep",
-        {**CORE, "payload": functools.reduce(lambda inner, _: [inner], range(100_000), [])},
+        {**CORE, "payload": nested(100_000)},
     ),
     ("naive scheduled_for", {**CORE, "scheduled_for": datetime.now()}),
     ("scheduled_for string", {**CORE, "scheduled_for": "2030-01-01T00:00:00Z"}),

@@ -125,7 +125,7 @@ def test_same_category_listed_twice_in_one_scope_is_harmless() -> None:
 
 
 def test_category_in_no_scope_is_refused() -> None:
-    scopes = {
+    scopes: dict[IntEnum, list[IntEnum]] = {
         Scope.ORGANIZATION: [Category.ORGANIZATION_UPDATE],
         Scope.USER: [Category.USER_UPDATE],
     }
@@ -144,7 +144,7 @@ def test_category_in_no_scope_is_refused() -> None:
 
 def test_scope_and_category_must_be_int_enums() -> None:
     with pytest.raises(RegistryError, match="IntEnum"):
-        OutboxApp(scopes={1: [Category.USER_UPDATE]})  # type: ignore[dict-item]
+        OutboxApp(scopes={1: [Category.USER_UPDATE]})  # type: ignore[type-var]
     with pytest.raises(RegistryError, match="IntEnum"):
         OutboxApp(scopes={Scope.USER: [10]})  # type: ignore[list-item]
 

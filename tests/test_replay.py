@@ -21,12 +21,27 @@ def load(path: Path) -> WorkflowHistory:
     return WorkflowHistory.from_json(f"replay-{path.stem}", json.loads(path.read_text()))
 
 
+def version(path: Path) -> int:
+    """The corpus version of a recorded history: ``v10-drain.json`` is of version 10."""
+    prefix = path.stem.split("-", 1)[0]
+    assert prefix[0] == "v" and prefix[1:].isdigit(), f"{path.name}: no vN- prefix"
+    return int(prefix[1:])
+
+
+def latest_corpus(paths: list[Path]) -> list[Path]:
+    """The histories of the newest corpus version (versions compare as numbers: v10 > v9)."""
+    newest = max(version(p) for p in paths)
+    return [p for p in paths if version(p) == newest]
+
+
+def test_corpus_versions_compare_as_numbers() -> None:
+    paths = [Path(f"{name}.json") for name in ("v9-drain", "v10-drain", "v10-flush_run1", "v2-x")]
+    assert [p.stem for p in latest_corpus(paths)] == ["v10-drain", "v10-flush_run1"]
+
+
 def test_the_corpus_covers_the_required_scenarios() -> None:
     # The newest version of the corpus covers every scenario; older versions stay to be replayed.
-    latest = max(p.stem.split("-", 1)[0] for p in HISTORIES)
-    names = {
-        p.stem.split("-", 1)[1].split("_run")[0] for p in HISTORIES if p.stem.startswith(latest)
-    }
+    names = {p.stem.split("-", 1)[1].split("_run")[0] for p in latest_corpus(HISTORIES)}
     assert {
         "drain",
         "failing_then_succeeding",

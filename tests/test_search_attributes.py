@@ -136,7 +136,7 @@ async def test_deferred_and_idle_states(servers, engine, client) -> None:
                 attributes = (await handle.describe()).typed_search_attributes
             except Exception:
                 return False
-            return attributes.get(STATE_ATTRIBUTE) == state
+            return bool(attributes.get(STATE_ATTRIBUTE) == state)
 
         await wait_until(lambda: state_of(41, "deferred"), what="the deferred shard")
         await wait_until(lambda: state_of(42, "idle"), what="the idle shard")

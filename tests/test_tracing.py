@@ -4,8 +4,9 @@ sweeps and signals have spans; exporters follow the settings. No payload ever en
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pytest
 from opentelemetry import trace
@@ -14,7 +15,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import StatusCode, Tracer
 from sqlalchemy import select, text
 
 from outbox_bridge import OutboxMessage
@@ -37,12 +38,18 @@ from tests.otel import span_exporter, span_texts
 
 MARKER = f"payload-{uuid.uuid4().hex}"  # must never appear in a span
 HANDLE_PROJECT = "outbox.handle PROJECT_UPDATE"
-tracer = trace.get_tracer("tests")
+
+
+def tracer() -> Tracer:
+    """The tests' tracer, on the provider installed now (the spans fixture's)."""
+    return trace.get_tracer("tests")
 
 
 @pytest.fixture(scope="module")
-def spans() -> InMemorySpanExporter:
-    return span_exporter()
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing is on for this module only."""
+    with span_exporter() as exporter:
+        yield exporter
 
 
 def row(category: Category, shard: int, obj: int) -> dict[str, object]:
@@ -104,7 +111,7 @@ def test_exporters_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_a_row_stores_the_trace_context_of_the_span_it_is_written_in(engine, spans) -> None:
     _, table, app = await fresh_app(engine)
-    with tracer.start_as_current_span("request") as request:
+    with tracer().start_as_current_span("request") as request:
         [inside] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
     [outside] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 2)])
     await sql(
@@ -177,7 +184,7 @@ async def test_signals_and_activities_are_traced(servers, engine, spans) -> None
 async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engine, spans) -> None:
     _, table, app = await fresh_app(engine)
     async with running_worker(servers, app):
-        with tracer.start_as_current_span("request"):
+        with tracer().start_as_current_span("request"):
             [row_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 7)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled")
     [producer] = of_table(spans, table, "outbox.write PROJECT_UPDATE")
@@ -218,7 +225,7 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans)
         "VALUES (1, 3, 2, 9)",
     )
     for _ in range(3):  # three requests, three transactions
-        with tracer.start_as_current_span("request"):
+        with tracer().start_as_current_span("request"):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 9)])
     producers = of_table(spans, table, "outbox.write PROJECT_UPDATE")
     assert len(producers) == 3
@@ -249,7 +256,7 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
 
     recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
     async with running_worker(servers, app, fast_settings(redact_errors=redact)):
-        with tracer.start_as_current_span("request"):
+        with tracer().start_as_current_span("request"):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled on retry")
     first, retry = of_table(spans, table, HANDLE_PROJECT)
@@ -272,28 +279,37 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     assert_no_payload(spans.get_finished_spans())
 
 
-async def test_sync_handlers_run_in_one_thread_each_get_their_own_span(
+async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
     servers, engine, spans
 ) -> None:
+    """A plain-def handler runs in a thread of the handler pool, not on the event loop, and
+    the span current in that thread is its own call's: the handler span of its row, under the
+    batch's drain activity."""
     table = unique_table()
     app = make_app(table, Recorder(), handle_all=False)
-    handled: list[int] = []
+    loop_thread = threading.get_ident()
+    seen: dict[int, tuple[int, int]] = {}  # row id -> (thread, current span id)
 
     @app.handler(*Category)
     def sync_handler(message: OutboxMessage) -> None:
         span = trace.get_current_span()
         assert span.is_recording()
-        handled.append(message.id)
+        seen[message.id] = (threading.get_ident(), span.get_span_context().span_id)
 
     await create_tables(engine, app)
     rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
     ids = await write_rows(engine, app, rows)  # before the worker: one batch
     async with running_worker(servers, app):
         await wait_until(lambda: table_empty(engine, app), what="the rows handled")
-    assert handled == ids
+    assert sorted(seen) == ids
+    assert all(thread != loop_thread for thread, _ in seen.values()), "ran on the event loop"
     handlers = of_table(spans, table, HANDLE_PROJECT)
-    assert sorted(s.attributes["outbox.id"] for s in handlers if s.attributes) == ids
-    assert len({s.context.span_id for s in handlers if s.context}) == 3
+    span_of_row = {
+        s.attributes["outbox.id"]: s.context.span_id for s in handlers if s.attributes and s.context
+    }
+    # The span current in the handler's thread is the handler span of that very row.
+    assert {row_id: span_id for row_id, (_, span_id) in seen.items()} == span_of_row
+    assert len(set(span_of_row.values())) == 3
     [run] = {parent_of(s, spans) for s in handlers}
     assert run.name == "RunActivity:drain_shard"
     assert_no_payload(spans.get_finished_spans())

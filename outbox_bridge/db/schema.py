@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    CheckConstraint,
     Column,
     DateTime,
     Identity,
@@ -26,7 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from outbox_bridge.config import safe_url
 from outbox_bridge.errors import ConfigurationError
 
-# A NOTIFY payload is limited to 8,000 bytes; past this the trigger asks for a sweep instead.
+# A NOTIFY payload is limited to 8,000 bytes; past this many bytes (octet_length: a region of
+# multi-byte characters counts each of its bytes) the trigger asks for a sweep instead.
 NOTIFY_PAYLOAD_LIMIT = 7000
 SWEEP_NOTIFICATION = "*"
 # The producer's W3C trace context, a JSON object: {"traceparent": ..., "tracestate": ...}.
@@ -68,7 +70,7 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
         # Set when the row was written inside a span; rows from plain SQL have none.
         Column(TRACE_CONTEXT_COLUMN, JSONB(none_as_null=True), nullable=True),
     ]
-    table = Table(name, metadata, *columns)
+    table = Table(name, metadata, *columns, date_added_check(name))
     # The head of a shard, its coalescing groups and its deferral barrier are all read through
     # this index, mostly index-only.
     Index(
@@ -109,7 +111,7 @@ def notify_ddl(table: Table) -> list[str]:
             IF message IS NULL THEN
                 RETURN NULL;
             END IF;
-            IF length(message) > {NOTIFY_PAYLOAD_LIMIT} THEN
+            IF octet_length(message) > {NOTIFY_PAYLOAD_LIMIT} THEN
                 message := '{SWEEP_NOTIFICATION}';
             END IF;
             PERFORM pg_notify('{notify_channel(name)}', message);
@@ -140,6 +142,35 @@ def add_trace_context_ddl(table: Table) -> str:
     return f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} jsonb"
 
 
+# -- date_added is finite ------------------------------------------------------------------------
+# Ages are computed from date_added (the backlog gauges, `outbox-bridge shards`): a row written
+# with plain SQL at +-infinity made them infinite, or failed the command (Python has no
+# infinite datetime). Such a write is refused by this CHECK constraint.
+
+
+def date_added_check(table_name: str) -> CheckConstraint:
+    """The CHECK constraint that refuses an infinite ``date_added``."""
+    return CheckConstraint("isfinite(date_added)", name=f"{table_name}_date_added_finite")
+
+
+async def add_date_added_check(conn: AsyncConnection, table: Table) -> None:
+    """Add :func:`date_added_check` to an outbox table created before it existed. ``NOT
+    VALID``: rows already there are not read (no scan at start-up), new writes are checked.
+    The catalog is read first, so that nothing is locked when the constraint is there."""
+    name = f"{table.name}_date_added_finite"
+    present = await conn.execute(
+        text("SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(:table) AND conname = :n"),
+        {"table": table.name, "n": name},
+    )
+    if present.first() is None:
+        await conn.execute(
+            text(
+                f"ALTER TABLE {table.name} ADD CONSTRAINT {name} CHECK (isfinite(date_added)) "
+                "NOT VALID"
+            )
+        )
+
+
 async def add_missing_columns(conn: AsyncConnection, table: Table) -> None:
     """Add the columns that later versions added to an existing outbox table.
 
@@ -167,6 +198,7 @@ async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> Non
     for table in metadata.sorted_tables:
         if "regional" in table.info:
             await add_missing_columns(conn, table)
+            await add_date_added_check(conn, table)
             for statement in notify_ddl(table):
                 await conn.execute(text(statement))
 

@@ -28,10 +28,13 @@ WORKFLOW = "OutboxShard"
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
-    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`."""
-    parts = name.split(":")
+    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`.
+
+    Read from the right: scope names and ids hold no ``:``, a region may (``eu:west:USER:7``
+    is region ``eu:west``)."""
     spec = app.table_spec(table)
     expected = 3 if spec.regional else 2
+    parts = name.rsplit(":", expected - 1)
     if len(parts) != expected or not all(parts):
         form = "REGION:SCOPE:ID" if spec.regional else "SCOPE:ID"
         raise ShardNameError(f"shard {name!r} is not {form} (table {spec.name})")
@@ -53,7 +56,7 @@ def static_skips(app: OutboxApp, names: list[str] | None) -> frozenset[str]:
     for name in names or []:
         matched = False
         for table, spec in app.tables.items():
-            if (name.count(":") == 2) == spec.regional:
+            if (name.count(":") >= 2) == spec.regional:
                 ids.add(parse_shard(name, app, table=table).workflow_id)
                 matched = True
         if not matched:

@@ -7,7 +7,7 @@ names the marker). The figures of every scenario that ran are printed at the end
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,7 +77,7 @@ def kill_leftover_workers() -> Iterator[None]:
 
 
 @pytest.fixture
-def record_figures(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def record_figures(request: pytest.FixtureRequest) -> Callable[[Figures], None]:
     def record(figures: Figures) -> None:
         request.config.stash.setdefault(FIGURES, []).append(figures)
 

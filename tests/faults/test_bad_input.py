@@ -11,6 +11,7 @@ lists the decisions.
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 from sqlalchemy import text
@@ -33,7 +34,7 @@ from tests.faults.harness import (
     worker_env,
 )
 from tests.faults.history import LOG_DDL, set_control
-from tests.harness import wait_until
+from tests.harness import refusal, wait_until
 
 ORG, USER = 1, 2
 BIG_CANARY = "big-payload-canary-77d0"
@@ -44,7 +45,15 @@ def ref(table: str, scope: int, shard: int, scope_name: str | None = None) -> Sh
     return ShardRef(table, scope, name, shard)
 
 
-async def insert(conn, table: str, scope: int, shard: int, category: int, obj: int, **extra):
+async def insert(
+    conn,
+    table: str,
+    scope: int | None,
+    shard: int | None,
+    category: int | None,
+    obj: int | None,
+    **extra,
+):
     columns = ["shard_scope", "shard_identifier", "category", "object_identifier"]
     values = [":scope", ":shard", ":category", ":obj"]
     params = {"scope": scope, "shard": shard, "category": category, "obj": obj}
@@ -234,7 +243,7 @@ async def test_bad_input_is_refused_or_held_with_a_clear_error_and_nothing_is_lo
 
 
 async def _equals(value, expected) -> bool:
-    return (await value) == expected
+    return bool((await value) == expected)
 
 
 async def check_held_and_handled(engine, client: Client, table: str, rows) -> None:
@@ -243,7 +252,7 @@ async def check_held_and_handled(engine, client: Client, table: str, rows) -> No
     for kind, error in HELD_ERRORS.items():
         shard = rows[kind][0]
         await wait_until(
-            lambda s=shard, e=error: in_state(client, s, "blocked", e),
+            partial(in_state, client, shard, "blocked", error),
             timeout=60,
             what=f"{kind} blocked with {error}",
         )
@@ -252,7 +261,7 @@ async def check_held_and_handled(engine, client: Client, table: str, rows) -> No
         ("infinity", "9999-12-31T23:59:59.999999+00:00"),
     ):
         await wait_until(
-            lambda s=rows[kind][0]: in_state(client, s, "deferred"), timeout=60, what=kind
+            partial(in_state, client, rows[kind][0], "deferred"), timeout=60, what=kind
         )
         current = await status(client, rows[kind][0])
         assert current is not None and current.deferred_until == until
@@ -321,9 +330,14 @@ async def check_malformed_messages(address: str, client: Client, worker, shard: 
             payload,
         )
     await handle.signal("skip", SkipInput(reason=""))
-    for bad in ({"up_to_id": "x", "timeout_seconds": 1}, {"up_to_id": -3, "timeout_seconds": 1}):
-        with pytest.raises(WorkflowUpdateFailedError):
+    for bad, refused_by in (
+        # The data converter refuses what it cannot convert, before the validator runs.
+        ({"up_to_id": "x", "timeout_seconds": 1}, "Failed converting field up_to_id"),
+        ({"up_to_id": -3, "timeout_seconds": 1}, "flush needs up_to_id, a positive integer"),
+    ):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
             await handle.execute_update("flush", bad)
+        assert refused_by in refusal(refused.value)
     await wait_until(lambda: "skip ignored" in worker.output(), timeout=30, what="the skip warning")
     after = await status(client, shard)
     assert after is not None and after.state == "blocked" and after.skip is None

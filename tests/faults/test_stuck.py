@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 from sqlalchemy import text
@@ -49,6 +50,7 @@ async def failed_at_least(engine, table: str, shard: int, times: int) -> bool:
 @pytest.mark.parametrize(
     "size",
     [
+        pytest.param(Size(rows=200, shards=8, hangs=1), id="fast"),
         pytest.param(Size(rows=3_000, shards=40, hangs=4), id="full", marks=FULL),
     ],
 )
@@ -158,7 +160,7 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
     await workload.write(size.rows // 3, shards=[*mixed_shards(size.shards), *poisoned])
     for shard in poison:
         await wait_until(
-            lambda s=shard: failed_at_least(engine, scenario.table, s, 2),
+            partial(failed_at_least, engine, scenario.table, shard, 2),
             timeout=120,
             what=f"shard {shard} blocked",
         )
@@ -197,6 +199,7 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
 @pytest.mark.parametrize(
     "size",
     [
+        pytest.param(Size(rows=0, shards=20), id="fast"),
         pytest.param(Size(rows=0, shards=1_000), id="full", marks=FULL),
     ],
 )

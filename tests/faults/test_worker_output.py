@@ -14,7 +14,9 @@ BRIDGE_FAILED = (
     "[outbox_bridge.runtime.bridge]\nTraceback (most recent call last):\n  ...\nKeyError: 'x'\n"
 )
 STOPPED = "2026-11-22T14:26:17Z [error    ] outbox-bridge stopped on an unexpected error\n"
-CLEAN = "2026-11-22T14:26:07Z [info     ] bridge active for tables f_1 [outbox_bridge.runtime.bridge]\n"
+CLEAN = (
+    "2026-11-22T14:26:07Z [info     ] bridge active for tables f_1 [outbox_bridge.runtime.bridge]\n"
+)
 
 
 def worker_with_output(logs: Path, name: str, stderr: str) -> WorkerProcess:

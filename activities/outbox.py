@@ -1,17 +1,19 @@
-"""Activities of the OutboxShard workflow.
+"""Activities of the OutboxPartition and OutboxShard workflows.
 
-``drain_shard`` is the healthy path: it handles many coalescing groups per call and is run as a
-local activity (about one history event per call). When a handler fails, the workflow switches
-to a *category activity*: a normal activity whose type is the category's name (for example
-``PROJECT_UPDATE``), retried by the server with capped backoff for as long as it takes. It is
-what the Temporal UI shows as the pending activity of a blocked shard.
+``drain_partition`` is the healthy path: a lingering activity of a partition workflow that
+drains many shards at once (no history event per row). A shard that needs attention has its own
+workflow: ``drain_shard`` handles many coalescing groups per call as a local activity (about one
+history event per call); when a handler fails, the workflow switches to a *category activity*:
+a normal activity whose type is the category's name (for example ``PROJECT_UPDATE``), retried by
+the server with capped backoff for as long as it takes. It is what the Temporal UI shows as the
+pending activity of a blocked shard.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from temporalio import activity
@@ -19,7 +21,8 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
 from outbox_bridge.observability.logs import log_context
-from outbox_bridge.runtime.drain import HandlerFailed, ShardDrainer
+from outbox_bridge.runtime.calls import HandlerFailed
+from outbox_bridge.runtime.drain import ShardDrainer
 from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,
@@ -27,14 +30,30 @@ from outbox_bridge.workflows.models import (
     FlushCheckInput,
     HandleHeadInput,
     HandleHeadResult,
+    HoldInput,
+    PartitionDrainInput,
+    PartitionRound,
 )
+
+# Runs one partition's drain for a while: (request, heartbeat) -> what it did.
+PartitionDrainer = Callable[
+    [PartitionDrainInput, Callable[[PartitionRound], None]], Awaitable[PartitionRound]
+]
 
 
 class OutboxActivities:
     """Activity implementations bound to one :class:`ShardDrainer`."""
 
-    def __init__(self, drainer: ShardDrainer) -> None:
+    def __init__(self, drainer: ShardDrainer, partitions: PartitionDrainer) -> None:
         self._drainer = drainer
+        self._partitions = partitions
+
+    @activity.defn(name="drain_partition")
+    async def drain_partition(self, request: PartitionDrainInput) -> PartitionRound:
+        """Drain the partition's healthy shards for ``round_seconds``, heartbeating what it
+        does (the Temporal UI shows it as the pending activity's details)."""
+        with log_context(shard=request.partition.workflow_id):
+            return await self._partitions(request, activity.heartbeat)
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, request: DrainInput) -> DrainResult:
@@ -48,6 +67,12 @@ class OutboxActivities:
         with log_context(shard=request.shard.key):
             async with _heartbeating():
                 return await self._drainer.drain(request)
+
+    @activity.defn(name="hold_shard")
+    async def hold_shard(self, request: HoldInput) -> None:
+        """Record that the shard's workflow holds it (partitions leave it alone)."""
+        with log_context(shard=request.shard.key):
+            await self._drainer.hold(request)
 
     @activity.defn(name="flush_check")
     async def flush_check(self, request: FlushCheckInput) -> FlushCheck:
@@ -80,7 +105,14 @@ class OutboxActivities:
                     ) from None
 
     def all(self) -> list[Callable[..., Any]]:
-        return [self.drain_shard, self.linger_shard, self.flush_check, self.handle_category]
+        return [
+            self.drain_partition,
+            self.drain_shard,
+            self.linger_shard,
+            self.hold_shard,
+            self.flush_check,
+            self.handle_category,
+        ]
 
 
 @contextlib.asynccontextmanager

@@ -1,4 +1,5 @@
-"""What the shard workflows of one benchmark run cost in Temporal, read from visibility.
+"""What the workflows of one benchmark run cost in Temporal (the shard workflows, and the
+partition workflows that drain healthy shards), read from visibility.
 
 Workflow executions of a run are found by their task queue (unique per run). Visibility lags
 behind the workflows, so counts are read until they are stable.
@@ -57,8 +58,16 @@ async def history_stats(
         await asyncio.sleep(0.5)
         closed = await count(client, closed_query)
     events = executions = running = 0
-    async for execution in client.list_workflows(shard_query(task_queue), page_size=1000):
+    async for execution in client.list_workflows(f'TaskQueue = "{task_queue}"', page_size=1000):
         executions += 1
-        events += execution.history_length
-        running += int(execution.close_time is None)
+        if execution.close_time is None:
+            # Visibility records a history's length when the run closes: ask the run itself
+            # (the partitions, which keep running, and shard workflows still open).
+            described = await client.get_workflow_handle(
+                execution.id, run_id=execution.run_id
+            ).describe()
+            events += described.raw_description.workflow_execution_info.history_length
+            running += int(execution.workflow_type == "OutboxShard")
+        else:
+            events += execution.history_length
     return HistoryStats(events, executions, running)

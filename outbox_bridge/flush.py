@@ -37,9 +37,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
-from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest, GetSystemInfoRequest
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import (
     Client,
     WithStartWorkflowOperation,
@@ -55,9 +53,14 @@ from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip, static_skips
-from outbox_bridge.runtime.temporal import connect, temporal_address
+from outbox_bridge.runtime.temporal import (
+    PROBE_TIMEOUT,
+    connect,
+    task_queue_polled,
+    temporal_address,
+)
 from outbox_bridge.sessions import CONTEXTS, LISTENING, session_info, sync_target
-from outbox_bridge.workflows.models import TIMED_OUT, FlushInput, FlushResult, ShardRef
+from outbox_bridge.workflows.models import FlushInput, FlushOutcome, FlushResult, ShardRef
 
 log = logging.getLogger("outbox_bridge.flush")
 
@@ -65,7 +68,7 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 10.0
 # Temporal did not answer: the rows are handled asynchronously (see the detail).
-UNAVAILABLE = "unavailable"
+UNAVAILABLE = FlushOutcome.UNAVAILABLE
 # How much longer than the flush's own timeout the client waits for the update's answer.
 ANSWER_GRACE = 5.0
 # Errors that sending the update again cannot cure.
@@ -77,13 +80,8 @@ FINAL_RPC_STATUSES = frozenset(
         RPCStatusCode.UNIMPLEMENTED,
     }
 )
-# Answers of describe_task_queue that say nothing about the task queue: the flush goes on
-# without the pollers check (a key without the permission, a server without the call).
-UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
 # A task queue seen with pollers is not asked about again for this long (seconds).
 POLLERS_TRUSTED_FOR = 10.0
-# The longest the pollers check, or the check that the server still answers, may take.
-PROBE_TIMEOUT = 2.0
 
 
 class _Unavailable(Exception):
@@ -196,40 +194,20 @@ class Flusher:
         queue = self._settings.task_queue
         if time.monotonic() < self._polled_until.get(queue, 0.0):
             return
-        request = DescribeTaskQueueRequest(
-            namespace=client.namespace,
-            task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-        )
-        pause = 0.05
-        while True:
-            wait = max(min(deadline - time.monotonic(), PROBE_TIMEOUT), 0.01)
-            try:
-                response = await asyncio.wait_for(
-                    client.workflow_service.describe_task_queue(
-                        request, timeout=timedelta(seconds=wait)
-                    ),
-                    wait + 0.5,
-                )
-            except RPCError as exc:
-                if exc.status in UNCHECKABLE_RPC_STATUSES:
-                    log.debug("cannot check the pollers of task queue %s: %s", queue, exc.message)
-                    return
-                raise _Unavailable(self._no_answer(exc.message)) from None
-            except TimeoutError:
-                raise _Unavailable(self._no_answer(f"no answer within {wait:.1f} s")) from None
-            if response.pollers:
-                self._polled_until[queue] = time.monotonic() + POLLERS_TRUSTED_FOR
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _Unavailable(
-                    f"no worker polls task queue {queue!r} in namespace "
-                    f"{client.namespace!r}: the flusher's task queue (OUTBOX_TASK_QUEUE) must "
-                    "be the worker's. The shard's workflow was not started there"
-                )
-            await asyncio.sleep(min(pause, left))
-            pause = min(pause * 2, 0.5)
+        try:
+            polled = await task_queue_polled(client, queue, deadline)
+        except RPCError as exc:
+            raise _Unavailable(self._no_answer(exc.message)) from None
+        except TimeoutError:
+            raise _Unavailable(self._no_answer("no answer in time")) from None
+        if polled is False:
+            raise _Unavailable(
+                f"no worker polls task queue {queue!r} in namespace "
+                f"{client.namespace!r}: the flusher's task queue (OUTBOX_TASK_QUEUE) must "
+                "be the worker's. The shard's workflow was not started there"
+            )
+        if polled:
+            self._polled_until[queue] = time.monotonic() + POLLERS_TRUSTED_FOR
 
     def _no_answer(self, why: str) -> str:
         return f"Temporal at {temporal_address(self._settings)} did not answer: {why}"
@@ -275,7 +253,7 @@ class Flusher:
         client retries calls to an unreachable server until they are cancelled)."""
         why = await self._unreachable(client)
         if why is None:
-            return FlushResult(shard.key, TIMED_OUT)
+            return FlushResult(shard.key, FlushOutcome.TIMED_OUT)
         log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, why)
         return FlushResult(shard.key, UNAVAILABLE, detail=why)
 

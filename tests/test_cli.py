@@ -262,7 +262,7 @@ COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "worker": set(SettingGroup),
     "init-db": {SettingGroup.DATABASE, SettingGroup.APP},
     "status": SHARD_COMMAND,
-    "skip": SHARD_COMMAND,
+    "skip": SHARD_COMMAND | {SettingGroup.SHARDS},  # it may start the shard's workflow
     "resume": SHARD_COMMAND,
     "history export": SHARD_COMMAND,
     "flush": SHARD_COMMAND | {SettingGroup.DATABASE, SettingGroup.SHARDS},

@@ -29,8 +29,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.runtime.drain import ShardDrainer
-from outbox_bridge.runtime.worker import build_worker
+from outbox_bridge.runtime.worker import build_drains, build_worker
 from outbox_bridge.workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
 from outbox_bridge.workflows.shard import OutboxShard
 from tests.harness import (
@@ -248,8 +247,8 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
         task_queue=settings.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
-    drainer = ShardDrainer(engine, app)
-    async with build_worker(client, settings, drainer):
+    drains = build_drains(engine, app, settings)
+    async with build_worker(client, settings, drains):
         handle = await client.start_update_with_start_workflow(
             "flush",
             FlushInput(up_to_id=max(ids), timeout_seconds=60),
@@ -262,7 +261,7 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
         assert len(recorder.calls) == 40
         first_run = client.get_workflow_handle(shard.workflow_id, run_id=handle.workflow_run_id)
         history = await first_run.fetch_history()
-    drainer.close()
+    drains.close()
     kinds = [e.event_type for e in history.events]
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED in kinds
     assert kinds[-1] == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW

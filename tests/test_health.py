@@ -29,9 +29,8 @@ from sqlalchemy.engine import make_url
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.observability.health import LIVENESS_PATH, READINESS_PATH, HealthServer
-from outbox_bridge.runtime.drain import ShardDrainer
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, free_port
-from outbox_bridge.runtime.worker import build_worker
+from outbox_bridge.runtime.worker import build_drains, build_worker
 from tests.harness import (
     Recorder,
     Servers,
@@ -180,7 +179,7 @@ async def test_readiness_never_shows_the_database_password(servers, client, engi
     settings = fast_settings(health_port=free_port(), health_host="127.0.0.1")
     unreachable = f"postgresql://outbox:{CANARY}@127.0.0.1:{free_port()}/outbox"
     health = HealthServer(settings, database_url=unreachable, stop=asyncio.Event())
-    drainer = ShardDrainer(engine, make_app(unique_table(), Recorder()))
+    drains = build_drains(engine, make_app(unique_table(), Recorder()), fast_settings())
     try:
         await health.start()
         # Not attached yet: a worker that is still starting.
@@ -192,7 +191,7 @@ async def test_readiness_never_shows_the_database_password(servers, client, engi
         }
         assert starting.body["checks"]["worker"] == {"ok": False, "detail": "starting"}
 
-        health.attach(client=client, worker=build_worker(client, settings, drainer))
+        health.attach(client=client, worker=build_worker(client, settings, drains))
         answer = await wait_for_answer(settings.health_port, "temporal")
         assert answer.status == 503
         database = answer.body["checks"]["database"]
@@ -204,7 +203,7 @@ async def test_readiness_never_shows_the_database_password(servers, client, engi
         assert answer.body["checks"]["worker"] == {"ok": False, "detail": "starting"}
     finally:
         await health.close()
-        drainer.close()
+        drains.close()
 
 
 async def wait_for_answer(port: int, check: str) -> Answer:
@@ -237,13 +236,13 @@ async def test_the_temporal_worker_is_built_with_the_configured_shutdown_grace(
     client, engine
 ) -> None:
     # That in-flight calls get the grace is what the SIGTERM tests below check.
-    drainer = ShardDrainer(engine, make_app(unique_table(), Recorder()))
+    drains = build_drains(engine, make_app(unique_table(), Recorder()), fast_settings())
     try:
         for grace in (0.0, 7.5, 600.0):
-            worker = build_worker(client, fast_settings(shutdown_grace=grace), drainer)
+            worker = build_worker(client, fast_settings(shutdown_grace=grace), drains)
             assert worker.config()["graceful_shutdown_timeout"] == timedelta(seconds=grace)
     finally:
-        drainer.close()
+        drains.close()
 
 
 # -- python worker.py and SIGTERM -------------------------------------------------------------------

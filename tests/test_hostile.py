@@ -59,14 +59,6 @@ async def state_of(handle: WorkflowHandle[Any, Any]) -> str:
 # -- a skip while the drain lingers ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a skip answered while the shard's drain lingers does not stop handlers at "
-    "once. The lingering linger_shard attempt keeps taking the rows the bridge hands it "
-    "through the worker's hub until it learns of its cancellation, at a heartbeat; a row "
-    "committed right after the skip update was answered (state 'skipped') is handled on the "
-    "skipped shard. The hub (or the lingering drain, before each row) should check the skip.",
-)
 async def test_a_skip_while_the_drain_lingers_stops_handlers_until_resumed(
     servers, engine, client: Client
 ) -> None:
@@ -76,7 +68,10 @@ async def test_a_skip_while_the_drain_lingers_stops_handlers_until_resumed(
     recorder, _, app = await fresh_app(engine)
     shard = parse_shard("ORGANIZATION:21", app)
     handle = client.get_workflow_handle(shard.workflow_id)
-    settings = fast_settings(linger=30.0, idle_timeout=60, sweep_interval=3600.0)
+    # Every shard in its own workflow: steady traffic keeps its drain lingering.
+    settings = fast_settings(
+        linger=30.0, idle_timeout=60, sweep_interval=3600.0, shard_workflows="always"
+    )
     async with running_worker(servers, app, settings):
         for obj in range(3):  # rows after the first drain: steady traffic, so it lingers
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 21, obj)])
@@ -98,7 +93,10 @@ async def test_a_skip_while_the_drain_lingers_stops_handlers_until_resumed(
 # -- two region-scoped bridges on one table ------------------------------------------------------
 
 
-async def test_two_region_scoped_bridges_on_one_table(servers, engine, client: Client) -> None:
+@pytest.mark.parametrize("mode", ["on-demand", "always"])
+async def test_two_region_scoped_bridges_on_one_table(
+    servers, engine, client: Client, mode: str
+) -> None:
     """Workers of regions eu and us (each on its own task queue, as the README says) on one
     regional table: both bridges are active at once, each handles its region's rows only and
     starts their workflows on its own task queue; a third region's rows stay."""
@@ -106,8 +104,8 @@ async def test_two_region_scoped_bridges_on_one_table(servers, engine, client: C
     eu, us = Recorder(), Recorder()
     eu_app, us_app = make_app(table, eu, regional=True), make_app(table, us, regional=True)
     await create_tables(engine, eu_app)
-    eu_settings = fast_settings(regions=["eu"], task_queue=f"tq-eu-{table}")
-    us_settings = fast_settings(regions=["us"], task_queue=f"tq-us-{table}")
+    eu_settings = fast_settings(regions=["eu"], task_queue=f"tq-eu-{table}", shard_workflows=mode)
+    us_settings = fast_settings(regions=["us"], task_queue=f"tq-us-{table}", shard_workflows=mode)
     async with running_worker(servers, eu_app, eu_settings):
         async with running_worker(servers, us_app, us_settings):
             rows = [
@@ -126,8 +124,13 @@ async def test_two_region_scoped_bridges_on_one_table(servers, engine, client: C
     assert sorted(c.shard for c in eu.calls) == ["eu:1:1", "eu:1:2", "eu:1:3"]
     assert sorted(c.shard for c in us.calls) == ["us:1:1", "us:1:2", "us:1:3"]
     for region, settings in (("eu", eu_settings), ("us", us_settings)):
-        for shard in (1, 2, 3):
-            wid = f"outbox:{table}:{region}:ORGANIZATION:{shard}"
+        # Each region's partitions (on demand) or shard workflows (always) on its task queue.
+        wids = (
+            [f"outbox:{table}:partition:{n}:{region}" for n in range(settings.partitions)]
+            if mode == "on-demand"
+            else [f"outbox:{table}:{region}:ORGANIZATION:{shard}" for shard in (1, 2, 3)]
+        )
+        for wid in wids:
             description = await client.get_workflow_handle(wid).describe()
             assert description.task_queue == settings.task_queue, wid
 
@@ -196,7 +199,8 @@ async def test_a_history_with_the_local_drain_fallback_replays(servers, engine, 
             text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
         )
         await holder.commit()
-        async with running_worker(servers, app, fast_settings(idle_timeout=0, linger=0)):
+        settings = fast_settings(idle_timeout=0, linger=0, shard_workflows="always")
+        async with running_worker(servers, app, settings):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 62, 1)])
 
             async def drain_pending() -> bool:

@@ -40,6 +40,10 @@ from tests.harness import (
     write_rows,
 )
 
+# The semantics hold on both paths: partitions draining healthy shards (the default), and a
+# workflow for every shard with rows.
+MODES = pytest.mark.parametrize("mode", ["on-demand", "always"])
+
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
     return {"category": category, "shard_identifier": shard, "object_identifier": obj, **extra}
@@ -100,7 +104,10 @@ class Gate:
             raise ConnectionError(f"downstream unavailable (attempt {self.failures})")
 
 
-async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, engine) -> None:
+@MODES
+async def test_per_shard_order_follows_lowest_pending_id_of_each_group(
+    servers, engine, mode
+) -> None:
     recorder, _, app = await fresh_app(engine)
     categories = [Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, Category.MEMBER_UPDATE]
     written: list[tuple[int, int, int, int]] = []  # id, shard, category, object
@@ -119,7 +126,7 @@ async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, 
     for (shard, _, _), ids in sorted(groups.items(), key=lambda item: min(item[1])):
         expected[shard].append(max(ids))
 
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: table_empty(engine, app), what="all rows handled")
 
     handled: dict[int, list[int]] = defaultdict(list)
@@ -150,8 +157,9 @@ async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, eng
     assert organization.started < user_call.finished <= organization.finished
 
 
+@MODES
 async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(
-    servers, engine
+    servers, engine, mode
 ) -> None:
     recorder, _, app = await fresh_app(engine)
     ids = await write_rows(
@@ -159,14 +167,15 @@ async def test_a_thousand_rows_of_one_group_are_handled_once_with_the_newest(
         app,
         [row(Category.PROJECT_UPDATE, 3, 42, payload={"version": v}) for v in range(1000)],
     )
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: table_empty(engine, app), what="the group handled")
     [call] = recorder.calls
     assert (call.id, call.coalesced, call.payload) == (ids[-1], 1000, {"version": 999})
 
 
+@MODES
 async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
-    servers, engine
+    servers, engine, mode
 ) -> None:
     recorder, _, app = await fresh_app(engine)
     entered, release = asyncio.Event(), asyncio.Event()
@@ -178,7 +187,7 @@ async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
 
     recorder.behaviour[Category.PROJECT_UPDATE] = slow_first_call
     first = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 42)] * 5)
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await asyncio.wait_for(entered.wait(), timeout=20)
         late = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 42)] * 2)
         release.set()
@@ -186,8 +195,9 @@ async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
     assert [(c.id, c.coalesced) for c in recorder.calls] == [(first[-1], 5), (late[-1], 2)]
 
 
+@MODES
 async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(
-    servers, engine, client
+    servers, engine, client, mode
 ) -> None:
     recorder, table, app, gate = await gated_app(engine)
     blocked = await write_rows(
@@ -201,7 +211,7 @@ async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(
     others = await write_rows(
         engine, app, [row(Category.ORGANIZATION_UPDATE, s, s) for s in (2, 3, 4)]
     )
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: gate.failures >= 3, what="three failed attempts")
         await wait_until(lambda: {c.id for c in recorder.calls} >= set(others), what="other shards")
         # Nothing of the blocked shard was handled or deleted, not even the row behind the head.
@@ -250,7 +260,8 @@ async def _at_least(value, minimum: int) -> bool:
     return bool((await value) >= minimum)
 
 
-async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
+@MODES
+async def test_deferred_row_holds_its_shard_until_due(servers, engine, mode) -> None:
     recorder, _, app = await fresh_app(engine)
     due = datetime.now(UTC) + timedelta(seconds=3)
     [deferred] = await write_rows(
@@ -258,7 +269,7 @@ async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
     )
     [behind] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 2)])
     [elsewhere] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 2, 2)])
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: elsewhere in recorder.ids(), what="the other shard")
         assert deferred not in recorder.ids() and behind not in recorder.ids()
         await wait_until(lambda: table_empty(engine, app), what="the deferred shard")
@@ -267,13 +278,16 @@ async def test_deferred_row_holds_its_shard_until_due(servers, engine) -> None:
     assert first.at >= due
 
 
-async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, client) -> None:
+@MODES
+async def test_skip_pauses_a_blocked_shard_and_resume_delivers(
+    servers, engine, client, mode
+) -> None:
     recorder, table, app, gate = await gated_app(engine)
     ids = await write_rows(
         engine, app, [row(Category.PROJECT_UPDATE, 8, 80), row(Category.MEMBER_UPDATE, 8, 81)]
     )
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 8))
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: gate.failures >= 2, what="a blocked head")
         await handle.signal("skip", SkipInput(reason=""))  # no reason: ignored
         # Operators use the temporal CLI, with plain JSON input.
@@ -314,15 +328,16 @@ async def test_skip_pauses_a_blocked_shard_and_resume_delivers(servers, engine, 
     assert [c.id for c in recorder.calls] == ids
 
 
+@MODES
 async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
-    servers, engine, client
+    servers, engine, client, mode
 ) -> None:
     recorder, table, app, gate = await gated_app(engine)
     ids = await write_rows(
         engine, app, [row(Category.PROJECT_UPDATE, 4, 1), row(Category.PROJECT_UPDATE, 4, 2)]
     )
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 4))
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: gate.failures >= 1, what="a blocked head")
         await handle.terminate(reason="an operator terminated it by hand")
         gate.open = True
@@ -360,9 +375,12 @@ async def test_rolled_back_rows_are_never_seen(servers, engine) -> None:
     assert recorder.ids() == [committed]
 
 
-async def test_a_late_commit_with_a_lower_id_is_not_deleted_unhandled(servers, engine) -> None:
+@MODES
+async def test_a_late_commit_with_a_lower_id_is_not_deleted_unhandled(
+    servers, engine, mode
+) -> None:
     recorder, _, app = await fresh_app(engine)
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         async with engine.connect() as slow:
             transaction = await slow.begin()
             late_id = await app.write_async(
@@ -376,7 +394,8 @@ async def test_a_late_commit_with_a_lower_id_is_not_deleted_unhandled(servers, e
     assert recorder.ids() == [early_id, late_id]
 
 
-async def test_regional_table_is_drained_per_region(servers, engine, client) -> None:
+@MODES
+async def test_regional_table_is_drained_per_region(servers, engine, client, mode) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder, regional=True)
@@ -389,18 +408,22 @@ async def test_regional_table_is_drained_per_region(servers, engine, client) -> 
             row(Category.PROJECT_UPDATE, 1, 1, region="eu"),
         ],
     )
-    async with running_worker(servers, app, fast_settings(regions=["us"])):
+    async with running_worker(servers, app, fast_settings(regions=["us"], shard_workflows=mode)):
         await wait_until(lambda: len(recorder.calls) == 1, what="the us row")
         await wait_until(lambda: _rows_left(engine, table, 1), what="the us row deleted")
     assert recorder.calls[0].shard == "us:1:1"
-    description = await client.get_workflow_handle(f"outbox:{table}:us:ORGANIZATION:1").describe()
-    assert description.id.startswith(f"outbox:{table}:us:")
+    if mode == "always":  # else a partition drained it: no workflow of its own
+        wid = f"outbox:{table}:us:ORGANIZATION:1"
+        assert (await client.get_workflow_handle(wid).describe()).id == wid
     async with engine.connect() as conn:
         regions = (await conn.execute(text(f"SELECT region FROM {table}"))).scalars().all()
     assert regions == ["eu"]
 
 
-async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, client) -> None:
+@MODES
+async def test_one_worker_drains_a_plain_and_a_regional_table(
+    servers, engine, client, mode
+) -> None:
     recorder = Recorder()
     plain, regional = unique_table(), unique_table()
     app = OutboxApp(
@@ -409,7 +432,7 @@ async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, c
     )
     app.handler(*Category)(recorder.handle)
     await create_tables(engine, app)
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         async with engine.begin() as conn:
             await app.write_async(
                 conn, category=Category.USER_UPDATE, shard_identifier=3, object_identifier=3
@@ -427,6 +450,8 @@ async def test_one_worker_drains_a_plain_and_a_regional_table(servers, engine, c
         for table in (plain, regional):
             await wait_until(partial(_rows_left, engine, table, 0), what=f"{table} drained")
     assert sorted(c.shard for c in recorder.calls) == ["2:3", "eu:2:3", "us:2:3"]
+    if mode != "always":
+        return  # partitions drained them: no workflow of their own
     for wid in (
         f"outbox:{plain}:USER:3",
         f"outbox:{regional}:us:USER:3",
@@ -490,7 +515,9 @@ async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine,
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 2))
     written = 0
     async with running_worker(
-        servers, app, fast_settings(max_history_events=100, idle_timeout=10, linger=0)
+        servers,
+        app,
+        fast_settings(shard_workflows="always", max_history_events=100, idle_timeout=10, linger=0),
     ):
         for i in range(40):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 2, i)])
@@ -551,7 +578,9 @@ async def test_steady_traffic_is_handled_by_a_lingering_drain_at_few_events_per_
 ) -> None:
     recorder, table, app = await fresh_app(engine)
     rows = 20
-    async with running_worker(servers, app, fast_settings(linger=3.0, idle_timeout=5)):
+    async with running_worker(
+        servers, app, fast_settings(shard_workflows="always", linger=3.0, idle_timeout=5)
+    ):
         for i in range(rows):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
             await wait_until(lambda: table_empty(engine, app), what=f"row {i}")
@@ -585,7 +614,9 @@ async def test_a_row_after_its_lingering_workflow_was_terminated_is_delivered_wi
     recorder, table, app = await fresh_app(engine)
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
 
-    settings = fast_settings(linger=30.0, sweep_interval=120.0, idle_timeout=60)
+    settings = fast_settings(
+        shard_workflows="always", linger=30.0, sweep_interval=120.0, idle_timeout=60
+    )
     async with running_worker(servers, app, settings):
         for i in range(3):  # rows after the first drain: steady traffic, so it lingers
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
@@ -646,7 +677,9 @@ async def test_a_drain_that_keeps_failing_falls_back_to_a_visible_server_retried
             text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
         )
         await holder.commit()
-        async with running_worker(servers, app, fast_settings(idle_timeout=0, linger=0)):
+        async with running_worker(
+            servers, app, fast_settings(shard_workflows="always", idle_timeout=0, linger=0)
+        ):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 61, 1)])
             handle = client.get_workflow_handle(shard.workflow_id)
 
@@ -686,7 +719,9 @@ async def test_a_row_committed_while_a_lingering_drain_runs_a_batch_is_handed_to
     recorder.behaviour[Category.PROJECT_UPDATE] = writes_a_follow_up
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
 
-    settings = fast_settings(linger=20.0, idle_timeout=0, sweep_interval=120.0)
+    settings = fast_settings(
+        shard_workflows="always", linger=20.0, idle_timeout=0, sweep_interval=120.0
+    )
     async with running_worker(servers, app, settings):
         for i in (1, 2):  # a second row soon after the first: the next run lingers
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
@@ -712,7 +747,9 @@ async def test_a_row_after_its_lingering_workflow_was_terminated_starts_a_new_ru
     may still take the first rows): rows are written one by one until a new run exists."""
     recorder, table, app = await fresh_app(engine)
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 1))
-    settings = fast_settings(linger=30.0, sweep_interval=3600.0, idle_timeout=60)
+    settings = fast_settings(
+        shard_workflows="always", linger=30.0, sweep_interval=3600.0, idle_timeout=60
+    )
 
     async def new_run(terminated: str) -> bool:
         description = await handle.describe()  # the latest run of the workflow id

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.workflows.models import (
@@ -47,7 +49,10 @@ async def shards_matching(client: Client, query: str, task_queue: str) -> set[st
     return found
 
 
-async def test_state_attributes_follow_blocked_skipped_resumed(servers, engine, client) -> None:
+@pytest.mark.parametrize("mode", ["on-demand", "always"])
+async def test_state_attributes_follow_blocked_skipped_resumed(
+    servers, engine, client, mode
+) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
@@ -59,7 +64,7 @@ async def test_state_attributes_follow_blocked_skipped_resumed(servers, engine, 
             raise ConnectionError("search index down")
 
     recorder.behaviour[int(Category.PROJECT_UPDATE)] = flaky
-    settings = fast_settings(idle_timeout=0)
+    settings = fast_settings(idle_timeout=0, shard_workflows=mode)
     tq = settings.task_queue
     before_block = datetime.now(UTC) - timedelta(seconds=1)
     async with running_worker(servers, app, settings):
@@ -100,10 +105,16 @@ async def test_state_attributes_follow_blocked_skipped_resumed(servers, engine, 
         assert attributes.get(BLOCKED_CATEGORY_ATTRIBUTE) is None
         assert attributes.get(BLOCKED_SINCE_ATTRIBUTE) is None
 
-    # The healthy shard never upserted anything: its state was set when it started.
     healthy = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:32")
-    events = [e.event_type for e in (await healthy.fetch_history()).events]
-    assert EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES not in events
+    if mode == "always":
+        # The healthy shard never upserted anything: its state was set when it started.
+        events = [e.event_type for e in (await healthy.fetch_history()).events]
+        assert EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES not in events
+    else:
+        # A partition drained the healthy shard: it never had a workflow.
+        with pytest.raises(RPCError) as missing:
+            await healthy.describe()
+        assert missing.value.status == RPCStatusCode.NOT_FOUND
     # The blocked one upserted once per change: blocked, skipped, draining (besides the SDK's
     # own TemporalChangeVersion upsert that marks the code version).
     upserted = [
@@ -122,11 +133,13 @@ async def test_state_attributes_follow_blocked_skipped_resumed(servers, engine, 
 
 
 async def test_deferred_and_idle_states(servers, engine, client) -> None:
+    """Every shard with rows in its own workflow: a deferred one, and an idle one waiting for
+    rows (idle exists only there; on demand, an empty shard goes back to its partition)."""
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
     await create_tables(engine, app)
-    settings = fast_settings(idle_timeout=30)
+    settings = fast_settings(idle_timeout=30, shard_workflows="always")
     async with running_worker(servers, app, settings):
         await write_rows(engine, app, [row(41, scheduled_for=timedelta(hours=1)), row(42)])
 

@@ -20,6 +20,7 @@ from sqlalchemy import select, text
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.observability.sdk import build_tracer_provider
+from outbox_bridge.runtime.hub import ShardKey, partition_of
 from tests.harness import (
     Category,
     Recorder,
@@ -72,6 +73,14 @@ def of_table(spans: InMemorySpanExporter, table: str, name: str) -> list[Readabl
 
 def by_id(spans: InMemorySpanExporter) -> dict[int, ReadableSpan]:
     return {s.context.span_id: s for s in spans.get_finished_spans() if s.context is not None}
+
+
+# Both paths: partitions draining healthy shards (the default), a workflow for every shard.
+MODES = pytest.mark.parametrize("mode", ["on-demand", "always"])
+
+
+def partition_index(table: str, scope: int, shard: int, partitions: int = 4) -> int:
+    return partition_of(ShardKey(table, None, scope, shard), partitions)
 
 
 def parent_of(span: ReadableSpan, spans: InMemorySpanExporter) -> ReadableSpan:
@@ -158,8 +167,9 @@ async def test_an_existing_outbox_table_gets_the_trace_context_column(engine) ->
 
 
 async def test_signals_and_activities_are_traced(servers, engine, spans) -> None:
+    """Every shard in its own workflow: the bridge's signal starts it, in the row's trace."""
     _, table, app = await fresh_app(engine)
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows="always")):
         await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled")
     names = {span.name for span in spans.get_finished_spans()}
@@ -181,9 +191,12 @@ async def test_signals_and_activities_are_traced(servers, engine, spans) -> None
     assert not handler.links
 
 
-async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engine, spans) -> None:
+@MODES
+async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(
+    servers, engine, spans, mode: str
+) -> None:
     _, table, app = await fresh_app(engine)
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         with tracer().start_as_current_span("request"):
             [row_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 7)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled")
@@ -191,7 +204,12 @@ async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engi
     [handler] = of_table(spans, table, HANDLE_PROJECT)
     assert producer.context is not None and handler.context is not None
     assert handler.context.trace_id == producer.context.trace_id
-    assert parent_of(handler, spans).name == "RunActivity:drain_shard"
+    partition = f"outbox:{table}:partition:{partition_index(table, 1, 5)}"
+    if mode == "on-demand":
+        # A partition drained it: the handler span is the producer span's child.
+        assert parent_of(handler, spans) is producer
+    else:
+        assert parent_of(handler, spans).name == "RunActivity:drain_shard"
     assert handler.kind is trace.SpanKind.CONSUMER
     assert [link.context.span_id for link in handler.links] == [producer.context.span_id]
     attributes = dict(handler.attributes or {})
@@ -206,8 +224,13 @@ async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engi
         "outbox.id": row_id,
         "outbox.coalesced": 1,
         "outbox.attempt": 1,
+        **({"outbox.partition": partition} if mode == "on-demand" else {}),
     }
     assert handler.status.status_code is StatusCode.UNSET
+    if mode == "on-demand":
+        assert not of_table(spans, table, "outbox.bridge.signal")  # no Temporal hop per row
+        assert_no_payload(spans.get_finished_spans())
+        return
     # The bridge signalled the shard as a child of the producer span, linked to its wake-up.
     signal = of_table(spans, table, "outbox.bridge.signal")[0]
     assert parent_of(signal, spans) is producer
@@ -216,7 +239,8 @@ async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engi
     assert_no_payload(spans.get_finished_spans())
 
 
-async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans) -> None:
+@MODES
+async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans, mode: str) -> None:
     recorder, table, app = await fresh_app(engine)
     # A row from plain SQL has no trace context; it is coalesced all the same.
     await sql(
@@ -229,7 +253,7 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans)
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 9)])
     producers = of_table(spans, table, "outbox.write PROJECT_UPDATE")
     assert len(producers) == 3
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: table_empty(engine, app), what="the group handled")
     assert [(c.coalesced, c.object_identifier) for c in recorder.calls] == [(4, 9)]
     [handler] = of_table(spans, table, HANDLE_PROJECT)
@@ -238,13 +262,15 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans)
     assert handler.attributes is not None and handler.attributes["outbox.coalesced"] == 4
     newest = producers[-1].context
     assert handler.context is not None and newest is not None
-    assert handler.context.trace_id == newest.trace_id  # the workflow started in its trace
+    # In the newest row's trace: the workflow started in it, or the handler span is its child.
+    assert handler.context.trace_id == newest.trace_id
     assert_no_payload(spans.get_finished_spans())
 
 
+@MODES
 @pytest.mark.parametrize("redact", [False, True], ids=["messages", "redacted"])
 async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
-    servers, engine, spans, redact: bool
+    servers, engine, spans, redact: bool, mode: str
 ) -> None:
     recorder, table, app = await fresh_app(engine)
     failed: list[int] = []
@@ -255,7 +281,8 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
             raise RuntimeError("the downstream service said no")
 
     recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
-    async with running_worker(servers, app, fast_settings(redact_errors=redact)):
+    settings = fast_settings(redact_errors=redact, shard_workflows=mode)
+    async with running_worker(servers, app, settings):
         with tracer().start_as_current_span("request"):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled on retry")
@@ -269,7 +296,9 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     # Redacting keeps the message out of Temporal only: the span has it either way.
     assert event.attributes["exception.message"] == "the downstream service said no"
     assert "downstream" in str(first.status.description)
-    assert parent_of(first, spans).name == "RunActivity:drain_shard"
+    # The first attempt ran in a drain: the partition's (under the producer) or the shard's.
+    expected = "outbox.write PROJECT_UPDATE" if mode == "on-demand" else "RunActivity:drain_shard"
+    assert parent_of(first, spans).name == expected
     # The retry is the category activity's first attempt: the head's second.
     assert retry.status.status_code is StatusCode.UNSET
     assert retry.attributes is not None and retry.attributes["outbox.attempt"] == 2
@@ -279,8 +308,9 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     assert_no_payload(spans.get_finished_spans())
 
 
+@MODES
 async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
-    servers, engine, spans
+    servers, engine, spans, mode: str
 ) -> None:
     """A plain-def handler runs in a thread of the handler pool, not on the event loop, and
     the span current in that thread is its own call's: the handler span of its row, under the
@@ -299,7 +329,7 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
     await create_tables(engine, app)
     rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
     ids = await write_rows(engine, app, rows)  # before the worker: one batch
-    async with running_worker(servers, app):
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: table_empty(engine, app), what="the rows handled")
     assert sorted(seen) == ids
     assert all(thread != loop_thread for thread, _ in seen.values()), "ran on the event loop"
@@ -310,6 +340,8 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
     # The span current in the handler's thread is the handler span of that very row.
     assert {row_id: span_id for row_id, (_, span_id) in seen.items()} == span_of_row
     assert len(set(span_of_row.values())) == 3
-    [run] = {parent_of(s, spans) for s in handlers}
-    assert run.name == "RunActivity:drain_shard"
+    [run] = {parent_of(s, spans) for s in handlers}  # rows without a producer span
+    assert run.name == (
+        "RunActivity:drain_partition" if mode == "on-demand" else "RunActivity:drain_shard"
+    )
     assert_no_payload(spans.get_finished_spans())

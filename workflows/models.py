@@ -7,6 +7,7 @@ classes only, never a payload (the design contract, invariant 7: docs/explanatio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from temporalio.common import SearchAttributeKey
 
@@ -17,6 +18,36 @@ SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")
 BLOCKED_CATEGORY_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxBlockedCategory")
 BLOCKED_SINCE_ATTRIBUTE = SearchAttributeKey.for_datetime("OutboxBlockedSince")
+
+
+class ShardState(StrEnum):
+    """A shard workflow's state: its ``OutboxState`` search attribute and ``status`` answer."""
+
+    DRAINING = "draining"
+    BLOCKED = "blocked"  # a handler failed; its category activity is being retried
+    SKIPPED = "skipped"  # paused by an operator: nothing runs, every row is kept
+    DEFERRED = "deferred"  # the head row is scheduled later; the shard waits for it
+    IDLE = "idle"
+
+
+class FlushOutcome(StrEnum):
+    """How a flush ended: the rows were handled, or why not (they stay and run later)."""
+
+    HANDLED = "handled"
+    BLOCKED = "blocked"
+    SKIPPED = "skipped"
+    DEFERRED = "deferred"
+    TIMED_OUT = "timed_out"
+    UNAVAILABLE = "unavailable"  # Temporal did not answer
+
+
+class HeldFor(StrEnum):
+    """Why a shard's own workflow holds it (partitions leave a held shard alone)."""
+
+    FAILED = "failed"  # a handler failed: the category activity retries it
+    DEFERRED = "deferred"  # its head row is scheduled later: a durable timer waits
+    SKIPPED = "skipped"  # an operator (or the skip_shards setting) paused it
+    WORKFLOW = "workflow"  # its workflow runs for another reason (a flush, a restart, ...)
 
 
 @dataclass(frozen=True)
@@ -39,10 +70,6 @@ class ShardRef:
     def workflow_id(self) -> str:
         return f"outbox:{self.table}:{self.key}"
 
-    @property
-    def hub_key(self) -> tuple[str, str | None, int, int]:
-        return (self.table, self.region, self.scope, self.shard_identifier)
-
 
 @dataclass
 class ShardOptions:
@@ -58,6 +85,9 @@ class ShardOptions:
     max_history_events: int = 10_000
     linger_seconds: float = 0.0
     linger_max_seconds: float = 120.0
+    # On demand (partitions drain healthy shards): each run holds its shard while it runs and
+    # gives it back once the shard is empty. Off: every shard with rows has its own workflow.
+    owns_shard: bool = False
 
 
 @dataclass
@@ -104,6 +134,14 @@ class ShardCarry:
     # Rows kept arriving: the run drains with a lingering activity from the start (set by the
     # bridge for a shard it started or signalled moments ago, and carried across runs).
     traffic: bool = False
+    # A blocked shard continues as new without starting over: its head, attempts so far, since
+    # when, the last error and where the retry backoff stands.
+    head: HeadGroup | None = None
+    attempts: int = 0
+    last_error: HandlerFailure | None = None
+    blocked_since: str | None = None
+    retry_interval_seconds: float | None = None
+    deferred_until: str | None = None
 
 
 @dataclass
@@ -138,12 +176,39 @@ class ResumeInput:
 
 
 @dataclass
+class HandoverInput:
+    """Signal ``handover``: a partition gives the shard to its workflow, with what it found
+    (the failed head group and the failure, or the deferred head, or a configured skip)."""
+
+    max_id: int = 0
+    held_for: HeldFor = HeldFor.WORKFLOW
+    head: HeadGroup | None = None
+    failure: HandlerFailure | None = None
+    deferred_until: str | None = None
+    deferred_seconds: float | None = None
+    skip: SkipInfo | None = None
+
+
+@dataclass
 class DrainInput:
     shard: ShardRef
     max_groups: int = 1000
     time_budget_seconds: float = 2.0
     linger_seconds: float = 0.0
     linger_max_seconds: float = 0.0
+    # Hold the shard (partitions leave it alone) and give it back once it is empty.
+    own: bool = False
+
+
+@dataclass
+class HoldInput:
+    """Local activity ``hold_shard``: record that the shard's workflow holds it (waiting for a
+    partition's round in the shard to end)."""
+
+    shard: ShardRef
+    held_for: HeldFor = HeldFor.WORKFLOW
+    wait_seconds: float = 30.0
+    release: bool = False  # no longer held: give the shard back
 
 
 @dataclass
@@ -158,6 +223,8 @@ class DrainResult:
     failed: HeadGroup | None = None
     failure: HandlerFailure | None = None
     lingered_rows: int = 0
+    released: bool = False  # the shard was empty and went back to its partition
+    deferred_seconds: float | None = None  # by the database's clock, when deferred_until is set
 
 
 @dataclass
@@ -190,7 +257,7 @@ class ShardStatus:
     """Answer of the ``status`` query."""
 
     shard: str
-    state: str
+    state: ShardState
     max_known_id: int
     highest_seen_id: int
     rows_handled: int
@@ -203,10 +270,6 @@ class ShardStatus:
     skip: SkipInfo | None = None
 
 
-# A shard workflow's states (its OutboxState search attribute) ...
-DRAINING, BLOCKED, SKIPPED, DEFERRED, IDLE = "draining", "blocked", "skipped", "deferred", "idle"
-# ... and the outcomes of a flush: handled, timed out, or the state that stopped it.
-HANDLED, TIMED_OUT = "handled", "timed_out"
 FLUSH_MAX_TIMEOUT_SECONDS = 3600.0
 
 
@@ -226,7 +289,7 @@ class FlushResult:
     processed; the others leave them for asynchronous processing, nothing is lost."""
 
     shard: str
-    outcome: str
+    outcome: FlushOutcome
     head: HeadGroup | None = None
     blocked_since: str | None = None
     error: HandlerFailure | None = None
@@ -236,7 +299,7 @@ class FlushResult:
 
     @property
     def handled(self) -> bool:
-        return self.outcome == HANDLED
+        return self.outcome == FlushOutcome.HANDLED
 
 
 @dataclass
@@ -253,3 +316,95 @@ class FlushCheckInput:
 class FlushCheck:
     handled: bool
     deferred_until: str | None = None
+
+
+# -- partitions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionRef:
+    """One of a table's partitions: it drains the healthy shards that hash to it."""
+
+    table: str
+    partition: int
+    partitions: int
+    regions: tuple[str, ...] | None = None  # only rows of these regions (regional tables)
+
+    @property
+    def workflow_id(self) -> str:
+        scope = f":{'+'.join(self.regions)}" if self.regions else ""
+        return f"outbox:{self.table}:partition:{self.partition}{scope}"
+
+
+@dataclass
+class PartitionOptions:
+    """Tuning of a partition workflow and its drain (set by the bridge from the settings)."""
+
+    round_seconds: float = 60.0  # one drain activity runs this long, then reports
+    max_shards: int = 200  # shards locked and read together in one round
+    max_groups: int = 100  # groups of one shard per round
+    time_budget_seconds: float = 2.0  # a round takes no new group after this
+    max_rounds: int = 4  # rounds in flight at once (a slow shard holds only its own round)
+    poll_interval_seconds: float = 1.0  # scan for rows above the newest id seen
+    rescan_interval_seconds: float = 30.0  # scan every shard (late commits, missed news)
+    heartbeat_timeout_seconds: float = 30.0
+    max_history_events: int = 2000
+    skip_shards: tuple[str, ...] = ()  # workflow ids of shards that start skipped
+
+
+@dataclass
+class PartitionCarry:
+    """What a partition carries across continue-as-new: its totals."""
+
+    rows_handled: int = 0
+    groups_handled: int = 0
+    handed_over: int = 0
+    rounds: int = 0
+
+
+@dataclass
+class PartitionInput:
+    partition: PartitionRef
+    options: PartitionOptions = field(default_factory=PartitionOptions)
+    carry: PartitionCarry | None = None
+
+
+@dataclass
+class ShardBacklog:
+    """A shard in a partition's backlog, for its details: pending rows, oldest row's age."""
+
+    shard: str
+    rows: int
+    age_seconds: float
+
+
+@dataclass
+class PartitionRound:
+    """What one drain activity of a partition did (its result, and its heartbeat details)."""
+
+    rows_handled: int = 0
+    groups_handled: int = 0
+    shards_drained: int = 0
+    handed_over: int = 0
+    seconds: float = 0.0
+    queued: int = 0  # shards waiting when it ended
+    deepest: list[ShardBacklog] = field(default_factory=list)
+    oldest: list[ShardBacklog] = field(default_factory=list)
+
+
+@dataclass
+class PartitionDrainInput:
+    partition: PartitionRef
+    options: PartitionOptions
+
+
+@dataclass
+class PartitionStatus:
+    """Answer of a partition's ``status`` query."""
+
+    partition: str
+    rows_handled: int
+    groups_handled: int
+    handed_over: int
+    rounds: int
+    last_round: PartitionRound | None = None

@@ -1,9 +1,17 @@
-"""The OutboxShard workflow: one per active shard, running its handlers one at a time.
+"""The OutboxShard workflow: one per shard that needs attention, running its handlers one at a
+time.
+
+On demand (the default), a shard gets this workflow when a partition hands it over (a handler
+failed, the head is deferred, the shard is on the skip list), when an operator skips it, or
+when a flush waits on it. While the workflow runs it holds the shard (partitions leave it
+alone); once the shard is empty it gives it back and completes. With ``--shard-workflows
+always`` every shard with rows runs in this workflow, started by the bridge.
 
 The workflow holds no rows, only ids and counts. It drains with a local activity while handlers
 succeed, switches to a server-retried category activity when one fails (so the UI shows which
-category is stuck), sleeps on a durable timer while the head row is deferred, and completes
-after an idle period; the bridge starts it again when rows arrive.
+category is stuck), sleeps on a durable timer while the head row is deferred, and continues as
+new before its history grows long, also while it is blocked, skipped or deferred, carrying
+where it stands.
 """
 
 from __future__ import annotations
@@ -20,31 +28,29 @@ from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from outbox_bridge.workflows.models import (
-        BLOCKED,
         BLOCKED_CATEGORY_ATTRIBUTE,
         BLOCKED_SINCE_ATTRIBUTE,
-        DEFERRED,
-        DRAINING,
         FLUSH_MAX_TIMEOUT_SECONDS,
-        HANDLED,
-        IDLE,
-        SKIPPED,
         STATE_ATTRIBUTE,
-        TIMED_OUT,
         DrainInput,
         DrainResult,
         FlushCheck,
         FlushCheckInput,
         FlushInput,
+        FlushOutcome,
         FlushResult,
         HandleHeadInput,
         HandleHeadResult,
         HandlerFailure,
+        HandoverInput,
         HeadGroup,
+        HeldFor,
+        HoldInput,
         NotifyInput,
         ResumeInput,
         ShardCarry,
         ShardInput,
+        ShardState,
         ShardStatus,
         ShardSummary,
         SkipInfo,
@@ -62,6 +68,16 @@ LINGER_ACTIVITY_PATCH = "linger-activity"
 LOCAL_DRAIN_FALLBACK_PATCH = "local-drain-fallback"
 # The state is kept in search attributes (OutboxState, OutboxBlockedCategory, ...).
 STATE_ATTRIBUTES_PATCH = "state-search-attributes"
+# A run continues as new also while it waits (blocked, skipped, deferred, lingering), carrying
+# where it stands.
+CONTINUE_WHILE_WAITING_PATCH = "continue-as-new-while-waiting"
+# A skipped shard's pause is recorded in the table, so that its partition leaves it alone.
+HOLD_WHEN_SKIPPED_PATCH = "hold-when-skipped"
+BACKOFF_COEFFICIENT = 2.0
+
+
+class _Interrupted(Exception):
+    """An activity was stopped because the run must continue as new first."""
 
 
 @workflow.defn(name="OutboxShard")
@@ -70,52 +86,70 @@ class OutboxShard:
     def __init__(self, input: ShardInput) -> None:
         self._shard = input.shard
         self._options = input.options
-        carry = input.carry or ShardCarry()
-        self._max_known_id = carry.max_known_id
-        self._highest_seen_id = carry.highest_seen_id
-        self._rows_handled = carry.rows_handled
-        self._groups_handled = carry.groups_handled
-        self._skip: SkipInfo | None = carry.skip
+        # Everything that outlives a run: what continue-as-new carries.
+        self._s = input.carry or ShardCarry()
         # A run starts because rows exist (or carried on from a run that had some).
         self._dirty = True
         # Set when rows arrive after this run's first drain: traffic is steady, so linger.
         self._drained = False
-        self._traffic = carry.traffic
-        self._state = DRAINING
-        self._head: HeadGroup | None = None
-        self._attempts = 0
-        self._last_error: HandlerFailure | None = None
-        self._blocked_since: datetime | None = None
-        self._deferred_until: datetime | None = None
+        self._state = ShardState.DRAINING
+        self._deferred_until: datetime | None = (
+            datetime.fromisoformat(self._s.deferred_until) if self._s.deferred_until else None
+        )
+        self._deferred_seconds: float | None = None
+        self._handover: HandoverInput | None = None
+        self._skip_recorded = False  # the skip is in the table: no drain takes the shard
+        self._waiting_can_continue = False  # set in run() (a patch decides)
+        self._blocked_at: datetime | None = None  # when this run's category activity began
+        self._retry_from = self._options.initial_retry_seconds
 
     # -- main loop ------------------------------------------------------------------------
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
         self._publish()
+        if self._s.head is not None or self._s.skip is not None or self._deferred_until:
+            # Carried over a continue-as-new (or started skipped): this run waits like the last.
+            self._waiting_can_continue = workflow.patched(CONTINUE_WHILE_WAITING_PATCH)
         while True:
             if self._may_continue_as_new():
                 workflow.continue_as_new(
                     ShardInput(shard=self._shard, options=self._options, carry=self._carry())
                 )
-            if self._skip is not None:
-                await self._stay_skipped()
-            elif self._dirty:
-                await self._drain_once()
-            elif self._deferred_until is not None:
-                await self._wait_for_deferred()
-            elif not workflow.all_handlers_finished():
-                # A flush is waiting for its answer: stay, and drain if rows arrive meanwhile.
-                await workflow.wait_condition(
-                    lambda: (
-                        workflow.all_handlers_finished() or self._dirty or self._skip is not None
+            try:
+                if await self._step():
+                    return ShardSummary(
+                        self._shard.key, self._s.rows_handled, self._s.groups_handled
                     )
-                )
-            elif await self._idle_expired():
-                return ShardSummary(self._shard.key, self._rows_handled, self._groups_handled)
+            except _Interrupted:
+                continue  # continue as new at the top of the loop
 
-    def _flush_answered_or_work(self) -> bool:
-        return workflow.all_handlers_finished() or self._dirty or self._skip is not None
+    async def _step(self) -> bool:
+        """Do what the shard needs next; True when the run is done."""
+        if self._handover is not None:
+            await self._take_handover()
+        elif self._s.skip is not None:
+            await self._stay_skipped()
+        elif self._s.head is not None and self._s.blocked_since is not None:
+            await self._unblock(self._s.head, self._s.last_error, resumed=True)
+            self._dirty = True
+        elif self._dirty:
+            await self._drain_once()
+        elif self._deferred_until is not None:
+            await self._wait_for_deferred()
+        elif not workflow.all_handlers_finished():
+            # A flush is waiting for its answer: stay, and drain if rows arrive meanwhile.
+            await workflow.wait_condition(
+                lambda: (
+                    workflow.all_handlers_finished()
+                    or self._dirty
+                    or self._s.skip is not None
+                    or self._handover is not None
+                )
+            )
+        else:
+            return await self._idle_expired()
+        return False
 
     def _may_continue_as_new(self) -> bool:
         """The history is long enough to continue as new, and no flush is waiting. (Waiting
@@ -128,22 +162,74 @@ class OutboxShard:
         )
         return due and workflow.all_handlers_finished()
 
+    def _continue_due(self) -> bool:
+        """While waiting: whether to stop waiting and continue as new."""
+        return self._waiting_can_continue and self._may_continue_as_new()
+
+    def _enable_continue_while_waiting(self) -> None:
+        if not self._waiting_can_continue:
+            self._waiting_can_continue = workflow.patched(CONTINUE_WHILE_WAITING_PATCH)
+
     async def _stay_skipped(self) -> None:
-        self._set_state(SKIPPED)
-        await workflow.wait_condition(lambda: self._skip is None or self._may_continue_as_new())
-        if self._skip is None:
-            self._dirty = True  # resuming retries the head at once
+        self._enable_continue_while_waiting()
+        if self._holds_skips():
+            # In the table, so that no drain takes the shard any more (a partition's, or a
+            # lingering drain of this workflow's that has not heard of the skip yet).
+            await self._hold(HeldFor.SKIPPED)
+            self._skip_recorded = True
+        self._set_state(ShardState.SKIPPED)
+        await workflow.wait_condition(lambda: self._s.skip is None or self._may_continue_as_new())
+        if self._s.skip is None:
+            if self._skip_recorded:
+                # Resumed: on demand this workflow keeps the shard until it is empty; with a
+                # workflow for every shard, nothing holds it.
+                await self._hold(HeldFor.WORKFLOW, release=not self._options.owns_shard)
+                self._skip_recorded = False
+            # Resuming retries the head at once, from scratch (if it fails again, the shard is
+            # blocked again, since then).
+            self._clear_head()
+            self._dirty = True
+
+    def _holds_skips(self) -> bool:
+        return workflow.patched(HOLD_WHEN_SKIPPED_PATCH)
+
+    async def _hold(self, held_for: HeldFor, *, release: bool = False) -> None:
+        """Record in the table that this workflow holds the shard (or, with ``release``, no
+        longer does); waits for a round in the shard to end (retried by the server until the
+        database answers)."""
+        handle = workflow.start_activity(
+            "hold_shard",
+            HoldInput(self._shard, held_for, release=release),
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=self._retry_policy(maximum_interval=10.0),
+            summary=f"hold {self._shard.key}",
+        )
+        await self._until_done(handle, cancel_on_skip=False)
 
     async def _wait_for_deferred(self) -> None:
         assert self._deferred_until is not None
-        self._set_state(DEFERRED)
-        remaining = (self._deferred_until - workflow.now()).total_seconds()
+        self._enable_continue_while_waiting()
+        self._set_state(ShardState.DEFERRED)
+        if self._deferred_seconds is not None:
+            # By the database's clock, which decides when the row is due: a clock difference
+            # with Temporal can neither make the shard spin nor wake it early.
+            remaining = max(self._deferred_seconds, 0.05)
+            self._deferred_seconds = None
+        else:
+            remaining = (self._deferred_until - workflow.now()).total_seconds()
         if remaining > 0:
             try:
                 await workflow.wait_condition(
-                    lambda: self._dirty or self._skip is not None,
+                    lambda: (
+                        self._dirty
+                        or self._s.skip is not None
+                        or self._handover is not None
+                        or self._continue_due()
+                    ),
                     timeout=timedelta(seconds=remaining),
                 )
+                # Woken by news, a skip, a handover, or a due continue-as-new (which carries
+                # the deferral over).
                 return
             except TimeoutError:
                 pass
@@ -151,41 +237,50 @@ class OutboxShard:
         self._dirty = True
 
     async def _idle_expired(self) -> bool:
-        self._set_state(IDLE)
-        if self._options.idle_timeout_seconds <= 0:
+        self._set_state(ShardState.IDLE)
+        if self._options.idle_timeout_seconds <= 0 or self._options.owns_shard:
             # Complete as soon as the shard is empty: a signal that races the completion fails
             # this task and is replayed first; a later one starts a new run.
             return True
         try:
             await workflow.wait_condition(
-                lambda: self._dirty or self._skip is not None or self._may_continue_as_new(),
+                lambda: self._dirty or self._s.skip is not None or self._may_continue_as_new(),
                 timeout=timedelta(seconds=self._options.idle_timeout_seconds),
             )
         except TimeoutError:
             # A signal that races the completion fails this task and is replayed first, so
             # returning here never drops work.
-            return not self._dirty and self._skip is None
+            return not self._dirty and self._s.skip is None
         return False
+
+    async def _take_handover(self) -> None:
+        """Start from what the partition found, without repeating its attempt."""
+        handover, self._handover = self._handover, None
+        assert handover is not None
+        if handover.held_for == HeldFor.FAILED and handover.head is not None:
+            self._drained = True
+            await self._unblock(handover.head, handover.failure)
+            self._dirty = True
+        elif handover.held_for == HeldFor.DEFERRED and handover.deferred_until is not None:
+            self._drained = True
+            self._dirty = False
+            self._deferred_until = datetime.fromisoformat(handover.deferred_until)
+            self._deferred_seconds = handover.deferred_seconds
 
     # -- draining --------------------------------------------------------------------------
 
     async def _drain_once(self) -> None:
         self._dirty = False
         self._deferred_until = None
-        # Resumed after a skip: the head that blocked is retried from scratch (if it fails
-        # again, the shard is blocked again, since then).
-        self._head = None
-        self._attempts = 0
-        self._last_error = None
-        self._blocked_since = None
-        self._set_state(DRAINING)
+        self._clear_head()
+        self._set_state(ShardState.DRAINING)
         result = await self._drain()
         if result is None:  # skipped while draining
             self._dirty = True
             return
         self._drained = True
         self._count(result.rows_handled, result.groups_handled)
-        self._highest_seen_id = max(self._highest_seen_id, result.highest_seen_id)
+        self._s.highest_seen_id = max(self._s.highest_seen_id, result.highest_seen_id)
         if result.failed is not None:
             await self._unblock(result.failed, result.failure)
             self._dirty = True
@@ -195,20 +290,24 @@ class OutboxShard:
             self._dirty = True
         elif result.deferred_until is not None:
             self._deferred_until = datetime.fromisoformat(result.deferred_until)
+            self._deferred_seconds = result.deferred_seconds
 
     async def _drain(self) -> DrainResult | None:
+        owns = self._options.owns_shard
         if (
-            self._traffic
+            self._s.traffic
+            and not owns  # on demand, the partitions take steady traffic
             and self._options.linger_seconds > 0
             and workflow.patched(LINGER_ACTIVITY_PATCH)
         ):
             lingered = await self._linger()
-            if lingered is not None or self._skip is not None:
+            if lingered is not None or self._s.skip is not None:
                 return lingered
         request = DrainInput(
             shard=self._shard,
             max_groups=self._options.drain_max_groups,
             time_budget_seconds=self._options.drain_time_budget_seconds,
+            own=owns,
         )
         options = self._options
         timeout = timedelta(
@@ -222,11 +321,14 @@ class OutboxShard:
                 start_to_close_timeout=timeout,
                 retry_policy=RetryPolicy(
                     initial_interval=timedelta(seconds=self._options.initial_retry_seconds),
-                    maximum_interval=timedelta(seconds=10),
+                    # The cap may not be below the first interval (a setting above 10 s).
+                    maximum_interval=timedelta(
+                        seconds=max(10.0, self._options.initial_retry_seconds)
+                    ),
                     maximum_attempts=LOCAL_DRAIN_ATTEMPTS,
                 ),
             )
-            return await self._unless_skipped(local)
+            return await self._until_done(local)
         except (ActivityError, ApplicationError):
             # The database or the shard lock kept failing: drain with a normal activity, which
             # the server retries without adding history and the UI shows as pending. (A local
@@ -243,7 +345,7 @@ class OutboxShard:
                 cancellation_type=ActivityCancellationType.TRY_CANCEL,
                 summary=f"drain {self._shard.key}",
             )
-            return await self._unless_skipped(remote)
+            return await self._until_done(remote)
 
     async def _linger(self) -> DrainResult | None:
         """Rows keep arriving: drain with a normal activity that stays for the next rows, so
@@ -275,72 +377,114 @@ class OutboxShard:
             summary=f"linger {self._shard.key}",
         )
         try:
-            return await self._unless_skipped(handle)
+            return await self._until_done(handle)
         except ActivityError:
             return None  # fall back to the local drain and its own fallback
 
-    async def _unblock(self, head: HeadGroup, failure: HandlerFailure | None) -> None:
+    async def _unblock(
+        self, head: HeadGroup, failure: HandlerFailure | None, *, resumed: bool = False
+    ) -> None:
         """Retry the failed head group as a category activity until it succeeds or the shard is
-        skipped."""
-        self._head = head
-        self._attempts = 1
-        self._last_error = failure
-        self._blocked_since = workflow.now()
-        self._set_state(BLOCKED)
+        skipped. ``resumed``: carried over a continue-as-new, with its attempts, since when and
+        where the backoff stood."""
+        s = self._s
+        s.head = head
+        if not resumed:
+            s.attempts = 1
+            s.last_error = failure
+            s.blocked_since = workflow.now().isoformat()
+            s.retry_interval_seconds = None
+        self._retry_from = s.retry_interval_seconds or self._options.initial_retry_seconds
+        self._blocked_at = workflow.now()
+        self._set_state(ShardState.BLOCKED)
+        self._enable_continue_while_waiting()
         handle = workflow.start_activity(
             head.category_name,
             HandleHeadInput(self._shard, head.category, head.object_identifier),
             result_type=HandleHeadResult,
             start_to_close_timeout=timedelta(seconds=self._options.handler_timeout_seconds),
             heartbeat_timeout=timedelta(seconds=self._options.heartbeat_timeout_seconds),
-            retry_policy=self._retry_policy(),
+            retry_policy=self._retry_policy(initial=self._retry_from),
             cancellation_type=ActivityCancellationType.TRY_CANCEL,
             summary=head.summary,
         )
-        result = await self._unless_skipped(handle)
+        try:
+            result = await self._until_done(handle)
+        except _Interrupted:
+            self._carry_backoff()
+            raise
         if result is None:
             return  # skipped: keep showing what blocked the shard
         if result.handled:
             self._count(result.rows_handled, 1)
-        self._head = None
-        self._attempts = 0
-        self._last_error = None
-        self._blocked_since = None
-        self._set_state(DRAINING)
+        self._clear_head()
+        self._set_state(ShardState.DRAINING)
 
-    async def _unless_skipped(self, handle: ActivityHandle[T]) -> T | None:
-        """Await ``handle``; a skip cancels it (TRY_CANCEL: no further retries) and yields None."""
-        await workflow.wait_condition(lambda: handle.done() or self._skip is not None)
+    def _carry_backoff(self) -> None:
+        """Before continuing as new while blocked: how many attempts the server made since this
+        run's category activity began (from the retry schedule: the server does not tell the
+        workflow), and where the backoff stands, so the next run goes on from there."""
+        assert self._blocked_at is not None
+        elapsed = (workflow.now() - self._blocked_at).total_seconds()
+        interval, waited, attempts = self._retry_from, 0.0, 1
+        ceiling = self._options.max_retry_interval_seconds
+        while waited + interval <= elapsed:
+            waited += interval
+            attempts += 1
+            interval = min(interval * BACKOFF_COEFFICIENT, ceiling)
+        self._s.attempts += attempts
+        self._s.retry_interval_seconds = interval
+
+    async def _until_done(
+        self, handle: ActivityHandle[T], *, cancel_on_skip: bool = True
+    ) -> T | None:
+        """Await ``handle``. A skip cancels it (TRY_CANCEL: no further retries) and yields
+        None; a due continue-as-new cancels it and raises :class:`_Interrupted`."""
+        await workflow.wait_condition(
+            lambda: (
+                handle.done()
+                or (cancel_on_skip and self._s.skip is not None)
+                or self._continue_due()
+            )
+        )
         if handle.done():
             return await handle
+        interrupted = not (cancel_on_skip and self._s.skip is not None)
         handle.cancel()
-        try:
+        with contextlib.suppress(ActivityError, asyncio.CancelledError):
             await handle
-        except (ActivityError, asyncio.CancelledError):
-            pass
+        if interrupted:
+            raise _Interrupted
         return None
 
-    def _retry_policy(self) -> RetryPolicy:
+    def _retry_policy(
+        self, *, initial: float | None = None, maximum_interval: float | None = None
+    ) -> RetryPolicy:
+        first = initial or self._options.initial_retry_seconds
+        ceiling = maximum_interval or self._options.max_retry_interval_seconds
         return RetryPolicy(
-            initial_interval=timedelta(seconds=self._options.initial_retry_seconds),
-            backoff_coefficient=2.0,
-            maximum_interval=timedelta(seconds=self._options.max_retry_interval_seconds),
+            initial_interval=timedelta(seconds=first),
+            backoff_coefficient=BACKOFF_COEFFICIENT,
+            maximum_interval=timedelta(seconds=max(first, ceiling)),
             maximum_attempts=0,
         )
 
+    def _clear_head(self) -> None:
+        s = self._s
+        s.head = None
+        s.attempts = 0
+        s.last_error = None
+        s.blocked_since = None
+        s.retry_interval_seconds = None
+
     def _count(self, rows: int, groups: int) -> None:
-        self._rows_handled += rows
-        self._groups_handled += groups
+        self._s.rows_handled += rows
+        self._s.groups_handled += groups
 
     def _carry(self) -> ShardCarry:
-        return ShardCarry(
-            max_known_id=self._max_known_id,
-            highest_seen_id=self._highest_seen_id,
-            rows_handled=self._rows_handled,
-            groups_handled=self._groups_handled,
-            skip=self._skip,
-            traffic=self._traffic,
-        )
+        carry = self._s
+        carry.deferred_until = self._deferred_until.isoformat() if self._deferred_until else None
+        return carry
 
     # -- signals and queries -----------------------------------------------------------------
 
@@ -349,11 +493,21 @@ class OutboxShard:
         """Rows up to ``max_id`` are committed in this shard."""
         self._rows_committed(input.max_id, input.late)
 
+    @workflow.signal
+    def handover(self, input: HandoverInput) -> None:
+        """A partition gives the shard to this workflow (it holds it already): its handler
+        failed, its head is deferred, or it is on the skip list."""
+        self._rows_committed(input.max_id, late=True)
+        if input.skip is not None and self._s.skip is None:
+            self._s.skip = SkipInfo(input.skip.reason, input.skip.by, workflow.now().isoformat())
+        if not self._drained and self._s.head is None:
+            self._handover = input  # else this run has seen the shard itself: it drains again
+
     def _rows_committed(self, max_id: int, late: bool) -> None:
-        self._max_known_id = max(self._max_known_id, max_id)
-        if late or max_id > self._highest_seen_id:
+        self._s.max_known_id = max(self._s.max_known_id, max_id)
+        if late or max_id > self._s.highest_seen_id:
             self._dirty = True
-            self._traffic = self._traffic or self._drained
+            self._s.traffic = self._s.traffic or self._drained
 
     @workflow.update
     async def flush(self, input: FlushInput) -> FlushResult:
@@ -366,7 +520,7 @@ class OutboxShard:
         if stopped is not None:
             return stopped
         # The table is the truth: a local activity watches it (the rows may be handled by a
-        # lingering drain the workflow hears from only when it returns).
+        # lingering drain or a partition the workflow hears from only when it returns).
         check = workflow.start_local_activity(
             "flush_check",
             FlushCheckInput(self._shard, up_to, input.timeout_seconds),
@@ -387,10 +541,12 @@ class OutboxShard:
             except (ActivityError, ApplicationError):
                 checked = FlushCheck(handled=False)  # the table could not be read in time
             if checked.handled:
-                return FlushResult(self._shard.key, HANDLED)
+                return FlushResult(self._shard.key, FlushOutcome.HANDLED)
             if checked.deferred_until is not None:
-                return FlushResult(self._shard.key, DEFERRED, deferred_until=checked.deferred_until)
-        return self._flush_stopped(up_to) or FlushResult(self._shard.key, TIMED_OUT)
+                return FlushResult(
+                    self._shard.key, FlushOutcome.DEFERRED, deferred_until=checked.deferred_until
+                )
+        return self._flush_stopped(up_to) or FlushResult(self._shard.key, FlushOutcome.TIMED_OUT)
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
@@ -409,16 +565,17 @@ class OutboxShard:
 
     def _flush_stopped(self, up_to: int) -> FlushResult | None:
         """Why rows up to ``up_to`` cannot be handled now, if they cannot."""
-        if self._skip is not None:
-            return FlushResult(self._shard.key, SKIPPED, head=self._head, skip=self._skip)
-        head = self._head
-        if self._state == BLOCKED and head is not None and head.first_id <= up_to:
+        s = self._s
+        if s.skip is not None:
+            return FlushResult(self._shard.key, FlushOutcome.SKIPPED, head=s.head, skip=s.skip)
+        head = s.head
+        if self._state == ShardState.BLOCKED and head is not None and head.first_id <= up_to:
             return FlushResult(
                 self._shard.key,
-                BLOCKED,
+                FlushOutcome.BLOCKED,
                 head=head,
-                blocked_since=self._blocked_since.isoformat() if self._blocked_since else None,
-                error=self._last_error,
+                blocked_since=s.blocked_since,
+                error=s.last_error,
             )
         return None
 
@@ -429,23 +586,29 @@ class OutboxShard:
         if not reason:
             workflow.logger.warning("skip ignored for %s: a reason is required", self._shard.key)
             return
-        self._skip = SkipInfo(reason=reason, by=input.by, at=workflow.now().isoformat())
-        self._set_state(SKIPPED)
+        self._s.skip = SkipInfo(reason=reason, by=input.by, at=workflow.now().isoformat())
+        self._set_state(ShardState.SKIPPED)
 
     @workflow.signal
     def resume(self, input: ResumeInput | None = None) -> None:
         """Continue a skipped shard; its head is retried at once."""
-        if self._skip is not None:
-            self._skip = None
+        if self._s.skip is not None:
+            self._s.skip = None
             self._dirty = True
 
     # The same two operations as updates: the caller learns at once whether they were taken,
     # and a malformed one is refused by its validator without reaching the shard's history.
 
     @workflow.update(name="skip")
-    def skip_update(self, input: SkipInput) -> ShardStatus:
-        """:meth:`skip`, answered with the shard's status."""
+    async def skip_update(self, input: SkipInput) -> ShardStatus:
+        """:meth:`skip`, answered with the shard's status once the skip is recorded in the
+        table: from then on no handler of the shard starts (one that was running when the
+        skip came has returned)."""
         self.skip(input)
+        if self._holds_skips():
+            await workflow.wait_condition(
+                lambda: self._skip_recorded or self._s.skip is None
+            )
         return self.status()
 
     @skip_update.validator
@@ -463,29 +626,30 @@ class OutboxShard:
 
     @resume_update.validator
     def _validate_resume(self, input: ResumeInput) -> None:
-        if self._skip is None:
+        if self._s.skip is None:
             raise ValueError(f"shard {self._shard.key} is not skipped")
 
     @workflow.query
     def status(self) -> ShardStatus:
+        s = self._s
         return ShardStatus(
             shard=self._shard.key,
             state=self._state,
-            max_known_id=self._max_known_id,
-            highest_seen_id=self._highest_seen_id,
-            rows_handled=self._rows_handled,
-            groups_handled=self._groups_handled,
-            head=self._head,
-            attempts=self._attempts,
-            last_error=self._last_error,
-            blocked_since=self._blocked_since.isoformat() if self._blocked_since else None,
+            max_known_id=s.max_known_id,
+            highest_seen_id=s.highest_seen_id,
+            rows_handled=s.rows_handled,
+            groups_handled=s.groups_handled,
+            head=s.head,
+            attempts=s.attempts,
+            last_error=s.last_error,
+            blocked_since=s.blocked_since,
             deferred_until=self._deferred_until.isoformat() if self._deferred_until else None,
-            skip=self._skip,
+            skip=s.skip,
         )
 
     # -- what the UI shows ---------------------------------------------------------------------
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: ShardState) -> None:
         self._state = state
         self._publish()
         self._index()
@@ -494,14 +658,17 @@ class OutboxShard:
         """Keep the search attributes OutboxState, OutboxBlockedCategory and OutboxBlockedSince
         current, so that the UI can list shards by state. Each upsert is a history event: only
         changes are written, and the idle state of a run that completes at once is not."""
-        if self._state == IDLE and self._options.idle_timeout_seconds <= 0:
+        if self._state == ShardState.IDLE and (
+            self._options.idle_timeout_seconds <= 0 or self._options.owns_shard
+        ):
             return
-        blocked = self._head is not None and self._blocked_since is not None
-        category = self._head.category_name if blocked and self._head else None
-        since = self._blocked_since if blocked else None
+        s = self._s
+        blocked = s.head is not None and s.blocked_since is not None
+        category = s.head.category_name if blocked and s.head else None
+        since = datetime.fromisoformat(s.blocked_since) if blocked and s.blocked_since else None
         current = workflow.info().typed_search_attributes
         updates = [
-            STATE_ATTRIBUTE.value_set(self._state)
+            STATE_ATTRIBUTE.value_set(self._state.value)
             if current.get(STATE_ATTRIBUTE) != self._state
             else None,
             _set_or_unset(BLOCKED_CATEGORY_ATTRIBUTE, category)
@@ -517,24 +684,23 @@ class OutboxShard:
 
     def _publish(self) -> None:
         # Current details are not carried over continue-as-new; every run sets them again.
+        s = self._s
         lines = [
             f"**Shard** `{self._shard.key}` (table `{self._shard.table}`)",
-            f"**State** {self._state}",
-            f"**Rows handled** {self._rows_handled} in {self._groups_handled} groups",
+            f"**State** {self._state.value}",
+            f"**Rows handled** {s.rows_handled} in {s.groups_handled} groups",
         ]
-        if self._head is not None:
-            head = self._head
+        if s.head is not None:
+            head = s.head
             lines.append(f"**Head group** {head.summary}, ids {head.first_id}–{head.last_id}")
-        if self._last_error is not None:
-            lines.append(
-                f"**Attempts** {self._attempts}+, last error `{self._last_error.error_type}`"
-            )
-        if self._blocked_since is not None:
-            lines.append(f"**Blocked since** {self._blocked_since.isoformat()}")
+        if s.last_error is not None:
+            lines.append(f"**Attempts** {s.attempts}+, last error `{s.last_error.error_type}`")
+        if s.blocked_since is not None:
+            lines.append(f"**Blocked since** {s.blocked_since}")
         if self._deferred_until is not None:
             lines.append(f"**Deferred until** {self._deferred_until.isoformat()}")
-        if self._skip is not None:
-            skip = self._skip
+        if s.skip is not None:
+            skip = s.skip
             lines.append(f"**Skipped** by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
         workflow.set_current_details("\n\n".join(lines))
 

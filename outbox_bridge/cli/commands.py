@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from temporalio.client import Client, WorkflowHistory, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WithStartWorkflowOperation,
+    WorkflowExecutionStatus,
+    WorkflowHistory,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Replayer
 
@@ -29,13 +37,13 @@ from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url, sqlalchemy_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.store import read_shard_depths, read_shard_max_id
-from outbox_bridge.errors import OutboxError
+from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flush import Flusher
 from outbox_bridge.observability.logs import configure_logging
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
-from outbox_bridge.runtime.shards import parse_shard, shard_status
-from outbox_bridge.runtime.temporal import connect, temporal_address
+from outbox_bridge.runtime.shards import WORKFLOW, parse_shard, shard_status, start_arguments
+from outbox_bridge.runtime.temporal import connect, task_queue_polled, temporal_address
 from outbox_bridge.runtime.worker import run as run_worker
 from outbox_bridge.workflows.models import (
     FlushResult,
@@ -187,8 +195,9 @@ def _run_or_exit(work: Awaitable[Any], shard: str) -> Any:
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             click.echo(
-                f"outbox-bridge: shard {shard} has no workflow (no pending rows, or the bridge "
-                "has not started it yet)",
+                f"outbox-bridge: shard {shard} has no workflow of its own: a partition drains "
+                "it when it has rows (see `outbox-bridge shards`), and it gets one when it "
+                "needs attention (a failing handler, a skip, a deferred row, a flush)",
                 err=True,
             )
         else:
@@ -247,18 +256,44 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         Console().print(_status_table(result))
 
 
+# How long skip waits for a worker to poll the task queue it would start the workflow on.
+POLLERS_WAIT = 5.0
+
+
 @main.command("skip")
 @click.option("--reason", required=True, help="Why the shard is paused (shown in the UI).")
-@_shard_command()
+@_shard_command(SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
 def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
-    """Pause a shard: its retrying attempt is cancelled, no handler runs, every row is kept."""
+    """Pause a shard: its retrying attempt is cancelled, no handler runs, every row is kept.
+
+    A shard without a workflow of its own (a partition drains it) gets one, started skipped:
+    the skip is taken once no handler of the shard runs any more."""
     if not reason.strip():
         raise click.BadParameter("a skip needs a reason", param_hint="--reason")
 
     async def work() -> None:
-        client, ref = await _shard_handle(build_settings(overrides), shard, table)
-        await client.get_workflow_handle(ref.workflow_id).execute_update(
-            "skip", SkipInput(reason=reason.strip(), by=getpass.getuser()), result_type=ShardStatus
+        settings = build_settings(overrides)
+        client, ref = await _shard_handle(settings, shard, table)
+        skip = SkipInput(reason=reason.strip(), by=getpass.getuser())
+        handle = client.get_workflow_handle(ref.workflow_id)
+        with contextlib.suppress(RPCError):
+            if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+                await handle.execute_update("skip", skip, result_type=ShardStatus)
+                return
+        # No running workflow: start one, skipped, where the workers will run it.
+        deadline = time.monotonic() + POLLERS_WAIT
+        if await task_queue_polled(client, settings.task_queue, deadline) is False:
+            raise ConfigurationError(
+                f"no worker polls task queue {settings.task_queue!r}: set OUTBOX_TASK_QUEUE "
+                "(--task-queue) to the workers' task queue; nothing was skipped"
+            )
+        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+            WORKFLOW,
+            **start_arguments(ref, settings.shard_options(), settings.task_queue, max_id=0),
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        await client.execute_update_with_start_workflow(
+            "skip", skip, start_workflow_operation=start, result_type=ShardStatus
         )
 
     _run_or_exit(work(), shard)

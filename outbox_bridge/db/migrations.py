@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Table
 from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 
-from outbox_bridge.db.schema import drop_notify_ddl, notify_ddl
+from outbox_bridge.db.schema import drop_notify_ddl, notify_ddl, owners_name, owners_of
 
 if TYPE_CHECKING:
     from alembic.operations import Operations
@@ -58,6 +58,18 @@ def create_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | Non
             op.execute(CreateIndex(index))
         for statement in notify_ddl(table):
             op.execute(statement)
+        op.execute(CreateTable(owners_of(table)))
+
+
+def create_shard_owners(
+    op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
+) -> None:
+    """Create the owner tables (``<table>_owners``) that outbox-bridge 0.2 added beside each
+    outbox table, for databases migrated with :func:`create_outbox` before it: partitions
+    record there which shards their own workflow holds. (The worker and ``init-db`` create
+    them too, when they create missing tables.)"""
+    for table in _tables(app, tables):
+        op.execute(CreateTable(owners_of(table), if_not_exists=True))
 
 
 def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
@@ -65,6 +77,7 @@ def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None 
     indexes, and every row still in the table."""
     for table in reversed(_tables(app, tables)):
         trigger, function = drop_notify_ddl(table)
+        op.execute(DropTable(owners_of(table), if_exists=True))
         op.execute(trigger)
         op.execute(DropTable(table))
         op.execute(function)
@@ -74,12 +87,12 @@ def exclude_outbox_tables(
     app: OutboxApp,
 ) -> Callable[[str | None, str, Mapping[str, str | None]], bool]:
     """An ``include_name`` hook for Alembic's ``context.configure`` that hides the app's outbox
-    tables from autogenerate, for databases whose outbox tables the worker or ``init-db``
-    manages (otherwise autogenerate proposes to drop them)::
+    tables (and their owner tables) from autogenerate, for databases whose outbox tables the
+    worker or ``init-db`` manages (otherwise autogenerate proposes to drop them)::
 
         context.configure(..., include_name=exclude_outbox_tables(app))
     """
-    names = set(app.tables)
+    names = set(app.tables) | {owners_name(name) for name in app.tables}
 
     def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
         return not (type_ == "table" and name in names)

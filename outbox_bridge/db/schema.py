@@ -87,7 +87,44 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
         table.c.id,
     )
     table.info["regional"] = regional
+    owner_table(table)
     return table
+
+
+def owner_table(outbox: Table) -> Table:
+    """The table that records which shards of ``outbox`` their own shard workflow holds.
+
+    A shard is drained by its table's partitions unless it has a row here: then its
+    ``OutboxShard`` workflow owns it (its handler failed, an operator skipped it, its head is
+    deferred, or a flush waits on it) until it gives the shard back. Rows are written and
+    deleted under the shard's lock, so ownership never changes in the middle of a drain.
+    """
+    regional = bool(outbox.info.get("regional"))
+    columns: list[Column[object]] = []
+    if regional:
+        columns.append(Column("region", Text, primary_key=True))
+    columns += [
+        Column("shard_scope", Integer, primary_key=True),
+        Column("shard_identifier", BigInteger, primary_key=True),
+        # Why the workflow took the shard: failed, skipped, deferred, flush, ...
+        Column("held_for", Text, nullable=False),
+        Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    ]
+    owners = Table(owners_name(outbox.name), outbox.metadata, *columns)
+    owners.info["owners_of"] = outbox.name
+    outbox.info["owners"] = owners
+    return owners
+
+
+def owners_name(table: str) -> str:
+    return f"{table}_owners"
+
+
+def owners_of(outbox: Table) -> Table:
+    """The owner table of an outbox table defined by :func:`outbox_table`."""
+    owners = outbox.info["owners"]
+    assert isinstance(owners, Table)
+    return owners
 
 
 def notify_ddl(table: Table) -> list[str]:

@@ -6,9 +6,10 @@ registry, which accepts only plain identifiers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -27,9 +28,11 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of
 from outbox_bridge.workflows.models import ShardRef
 
 
@@ -84,8 +87,62 @@ def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
     return and_(*clauses)
 
 
+# held_for of a shard held because it is skipped (no drain takes it, not even its workflow's).
+SKIPPED_HOLD = "skipped"
+# SQLSTATE of a lock wait that ran into lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
 def lock_key(shard: ShardRef) -> str:
     return f"outbox:{shard.table}:{shard.region or ''}:{shard.scope}:{shard.shard_identifier}"
+
+
+async def try_lock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> list[bool]:
+    """Take the advisory lock of each of ``shards`` that is free, in one statement; says which
+    were taken, in order. Like :func:`try_lock_shard`, the locks belong to the connection."""
+    if not shards:
+        return []
+    result = await conn.execute(
+        text(
+            "SELECT pg_try_advisory_lock(hashtextextended(k, 0)) "
+            "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, n) ORDER BY n"
+        ),
+        {"keys": [lock_key(shard) for shard in shards]},
+    )
+    return [bool(taken) for taken in result.scalars()]
+
+
+async def unlock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> None:
+    """Release the advisory locks of ``shards`` held by this connection."""
+    if shards:
+        await conn.execute(
+            text(
+                "SELECT pg_advisory_unlock(hashtextextended(k, 0)) "
+                "FROM unnest(CAST(:keys AS text[])) AS u(k)"
+            ),
+            {"keys": [lock_key(shard) for shard in shards]},
+        )
+
+
+async def lock_shard_waiting(conn: AsyncConnection, shard: ShardRef, seconds: float) -> bool:
+    """Take ``shard``'s advisory lock, waiting at most ``seconds`` for whoever holds it (an
+    operation that must happen, such as holding a shard for a skip, waits for a drain round in
+    the shard to finish rather than failing). False if the wait ran out."""
+    timeout = f"{max(1, int(seconds * 1000))}ms"
+    await conn.execute(
+        text("SELECT set_config('lock_timeout', :timeout, false)"), {"timeout": timeout}
+    )
+    try:
+        await conn.execute(
+            text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
+        )
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            return False
+        raise
+    finally:
+        await conn.execute(text("SELECT set_config('lock_timeout', '0', false)"))
+    return True
 
 
 async def try_lock_shard(conn: AsyncConnection, shard: ShardRef) -> bool:
@@ -144,6 +201,17 @@ async def read_pending_up_to(
     )
     pending, deferred_until = (await conn.execute(select(exists().where(where), barrier))).one()
     return bool(pending), deferred_until
+
+
+async def read_head_due(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
+    """Whether the shard's first row may run now (by the database's clock)."""
+    head = (
+        select(table.c.scheduled_for <= func.now())
+        .where(shard_where(table, shard))
+        .order_by(table.c.id)
+        .limit(1)
+    )
+    return bool((await conn.execute(head)).scalar_one_or_none())
 
 
 async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef) -> int | None:
@@ -216,6 +284,17 @@ async def read_oldest_ages(
         .group_by(table.c.shard_scope)
     )
     return {int(scope): float(seconds) for scope, seconds in result}
+
+
+async def read_row_ages(
+    conn: AsyncConnection, table: Table, ids: Sequence[int]
+) -> dict[int, float]:
+    """The age in seconds (by the database's clock) of each of ``ids`` still there."""
+    if not ids:
+        return {}
+    age = func.extract("epoch", func.now() - table.c.date_added)
+    result = await conn.execute(select(table.c.id, age).where(table.c.id == _any_id(ids)))
+    return {int(row_id): float(seconds) for row_id, seconds in result}
 
 
 async def delete_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> int:
@@ -297,3 +376,285 @@ async def read_shard_depths(
             )
         )
     return depths
+
+
+# -- many shards at once ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WindowRow:
+    """A row near the head of a shard, as the index holds it (no payload)."""
+
+    id: int
+    category: int
+    object_identifier: int
+    deferred_seconds: float | None  # > 0: not due for that long (by the database's clock)
+    scheduled_for: datetime | None  # when it is due, if it is not yet
+
+
+@dataclass
+class ShardWindow:
+    """The first rows of one shard, in id order, and its highest id."""
+
+    index: int  # the shard's position in the request
+    rows: list[WindowRow]
+    highest_id: int
+
+
+def _shard_source(
+    table: Table, shards: Sequence[ShardRef], **extra: tuple[str, Sequence[Any]]
+) -> tuple[str, dict[str, Any]]:
+    """``unnest`` of the shards' keys as ``s(region?, scope, ident, <extra>..., n)``: one row
+    per shard (``n`` its position, from 1), with the ``extra`` columns given as
+    ``name=(sql type, values)``."""
+    columns: list[tuple[str, str, Sequence[Any]]] = []
+    if "region" in table.c:
+        columns.append(("region", "text", [shard.region or "" for shard in shards]))
+    columns.append(("scope", "integer", [shard.scope for shard in shards]))
+    columns.append(("ident", "bigint", [shard.shard_identifier for shard in shards]))
+    columns += [(name, sql_type, values) for name, (sql_type, values) in extra.items()]
+    arrays = ", ".join(f"CAST(:{name}s AS {sql_type}[])" for name, sql_type, _ in columns)
+    names = ", ".join(name for name, _, _ in columns)
+    params = {f"{name}s": list(values) for name, _, values in columns}
+    return f"unnest({arrays}) WITH ORDINALITY AS s({names}, n)", params
+
+
+def _joins(alias: str, regional: bool) -> str:
+    condition = f"{alias}.shard_scope = s.scope AND {alias}.shard_identifier = s.ident"
+    return f"{alias}.region = s.region AND {condition}" if regional else condition
+
+
+async def read_windows(
+    conn: AsyncConnection,
+    table: Table,
+    shards: Sequence[ShardRef],
+    *,
+    window: int,
+    skip_held: bool,
+    skip_paused: bool = False,
+) -> list[ShardWindow]:
+    """For each of ``shards``, its first ``window`` rows in id order (from the shard index,
+    without touching payloads) and its highest id, in one statement. With ``skip_held``, the
+    shards their own workflow holds are left out (see :func:`hold_shard`); with
+    ``skip_paused``, those held because they are skipped. Shards without rows are left out
+    too."""
+    if not shards:
+        return []
+    regional = "region" in table.c
+    source, params = _shard_source(table, shards)
+    held = ""
+    if skip_held or skip_paused:
+        owners = owners_of(table)
+        paused = "" if skip_held else " AND o.held_for = :paused"
+        params["paused"] = SKIPPED_HOLD
+        held = (
+            f"WHERE NOT EXISTS (SELECT 1 FROM {owners.name} o "
+            f"WHERE {_joins('o', regional)}{paused})"
+        )
+    statement = text(
+        f"""
+        SELECT s.n, w.id, w.category, w.object_identifier,
+               CASE WHEN w.scheduled_for > now()
+                    THEN extract(epoch FROM w.scheduled_for - now())::float8 END AS deferred,
+               CASE WHEN w.scheduled_for > now() THEN w.scheduled_for END AS due,
+               m.highest
+        FROM {source}
+        CROSS JOIN LATERAL (
+            SELECT max(t.id) AS highest FROM {table.name} t WHERE {_joins("t", regional)}
+        ) m
+        CROSS JOIN LATERAL (
+            SELECT t.id, t.category, t.object_identifier, t.scheduled_for FROM {table.name} t
+            WHERE {_joins("t", regional)} ORDER BY t.id LIMIT :window
+        ) w
+        {held}
+        ORDER BY s.n, w.id
+        """
+    )
+    windows: dict[int, ShardWindow] = {}
+    for n, row_id, category, object_identifier, deferred, due, highest in await conn.execute(
+        statement, {**params, "window": window}
+    ):
+        found = windows.get(n)
+        if found is None:
+            found = windows[n] = ShardWindow(n - 1, [], highest)
+        found.rows.append(WindowRow(row_id, category, object_identifier, _finite(deferred), due))
+    return list(windows.values())
+
+
+# The latest a deferred row can be due: 'infinity' in scheduled_for reads as the end of 9999.
+LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
+
+
+def _finite(seconds: float | None) -> float | None:
+    """Seconds until a row is due, at most until :data:`LATEST` (``infinity`` in the table)."""
+    if seconds is None:
+        return None
+    latest = (LATEST - datetime.now(UTC)).total_seconds()
+    return seconds if math.isfinite(seconds) and seconds < latest else latest
+
+
+@dataclass(frozen=True)
+class GroupTail:
+    """A head group that may go on past a shard's window: where to look for the rest."""
+
+    shard: ShardRef
+    category: int
+    object_identifier: int
+    after_id: int  # the window's last id
+
+
+async def read_group_tails(
+    conn: AsyncConnection, table: Table, tails: Sequence[GroupTail]
+) -> list[tuple[list[int], float | None]]:
+    """For each group of ``tails``: its ids after the window that are due and come before the
+    shard's first row not yet due, and when that row is due (seconds; None if none is in the
+    way). One statement for all; each group costs two index lookups plus its own rows, and
+    each shard one range scan up to its groups' newest row."""
+    if not tails:
+        return []
+    regional = "region" in table.c
+    source, params = _shard_source(
+        table,
+        [tail.shard for tail in tails],
+        category=("integer", [tail.category for tail in tails]),
+        object=("bigint", [tail.object_identifier for tail in tails]),
+        after_id=("bigint", [tail.after_id for tail in tails]),
+    )
+    group = (
+        f"{_joins('t', regional)} AND t.category = s.category "
+        "AND t.object_identifier = s.object AND t.id > s.after_id"
+    )
+    key = "s.region, s.scope, s.ident" if regional else "s.scope, s.ident"
+    statement = text(
+        f"""
+        WITH s AS (
+            SELECT s.*, (SELECT max(t.id) FROM {table.name} t WHERE {group}) AS last_id
+            FROM {source}
+        ),
+        barrier AS (
+            SELECT {key}, (
+                SELECT t.id FROM {table.name} t
+                WHERE {_joins("t", regional)} AND t.id > min(s.after_id)
+                  AND t.id <= max(s.last_id) AND t.scheduled_for > now()
+                ORDER BY t.id LIMIT 1
+            ) AS id
+            FROM s GROUP BY {key}
+        )
+        SELECT s.n,
+               ARRAY(SELECT t.id FROM {table.name} t
+                     WHERE {group} AND t.id < coalesce(b.id, 9223372036854775807)
+                     ORDER BY t.id) AS ids,
+               (SELECT extract(epoch FROM t.scheduled_for - now())::float8
+                FROM {table.name} t WHERE t.id = b.id) AS deferred
+        FROM s JOIN barrier b USING ({key.replace("s.", "")})
+        ORDER BY s.n
+        """
+    )
+    result = await conn.execute(statement, params)
+    return [(list(ids), _finite(deferred)) for _, ids, deferred in result]
+
+
+async def read_rows(
+    conn: AsyncConnection, table: Table, ids: Sequence[int], *, with_trace_context: bool
+) -> dict[int, Row[Any]]:
+    """The rows ``ids`` (those still there), payloads included: the newest row of each group
+    a drain is about to hand to its handler."""
+    if not ids:
+        return {}
+    columns = [c for c in table.c if with_trace_context or c.name != TRACE_CONTEXT_COLUMN]
+    result = await conn.execute(select(*columns).where(table.c.id == _any_id(ids)))
+    return {row.id: row for row in result}
+
+
+async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> list[int]:
+    """:func:`delete_rows`, returning the ids that were deleted (a drain counts them per
+    shard)."""
+    if not ids:
+        return []
+    result = await conn.execute(
+        delete(table).where(table.c.id == _any_id(ids)).returning(table.c.id)
+    )
+    return list(result.scalars())
+
+
+# -- shard ownership ------------------------------------------------------------------------------
+
+
+def _owner_values(table: Table, shard: ShardRef) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        "shard_scope": shard.scope,
+        "shard_identifier": shard.shard_identifier,
+    }
+    if "region" in table.c:
+        values["region"] = shard.region
+    return values
+
+
+async def hold_shard(conn: AsyncConnection, table: Table, shard: ShardRef, held_for: str) -> None:
+    """Record that ``shard``'s own workflow holds it, and why (partitions leave it alone until
+    :func:`release_shard`; every drain leaves a shard held because it is skipped alone). Call
+    it under the shard's lock; holding it again records the new reason."""
+    owners = owners_of(table)
+    insert = pg_insert(owners).values(**_owner_values(table, shard), held_for=held_for)
+    await conn.execute(
+        insert.on_conflict_do_update(
+            index_elements=list(owners.primary_key.columns),
+            set_={"held_for": insert.excluded.held_for},
+        )
+    )
+
+
+async def release_shard(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
+    """Give ``shard`` back to its partition (under the shard's lock). False if it was not
+    held."""
+    owners = owners_of(table)
+    values = _owner_values(table, shard)
+    result = await conn.execute(
+        delete(owners).where(and_(*(owners.c[name] == value for name, value in values.items())))
+    )
+    return bool(result.rowcount)
+
+
+@dataclass(frozen=True)
+class HeldShard:
+    """A shard its own workflow holds, as the sweep sees it."""
+
+    region: str | None
+    scope: int
+    shard_identifier: int
+    held_for: str
+    since: datetime
+    head_id: int | None  # its first row, if it has any
+    head_due: bool  # that row may run now
+
+
+async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShard]:
+    """Every shard of ``table`` that a workflow holds, with its head row: one statement, one
+    index lookup per held shard."""
+    owners = owners_of(table)
+    regional = "region" in table.c
+    head = (
+        select(table.c.id, table.c.scheduled_for)
+        .where(*(table.c[c] == owners.c[c] for c in _owner_columns(regional)))
+        .order_by(table.c.id)
+        .limit(1)
+        .lateral("head")
+    )
+    query = select(
+        *(owners.c[c] for c in _owner_columns(regional)),
+        owners.c.held_for,
+        owners.c.since,
+        head.c.id,
+        head.c.scheduled_for <= func.now(),
+    ).select_from(owners.outerjoin(head, text("true")))
+    held = []
+    for row in await conn.execute(query):
+        values = tuple(row)
+        region = values[0] if regional else None
+        scope, ident, held_for, since, head_id, due = values[-6:]
+        held.append(HeldShard(region, scope, ident, held_for, since, head_id, bool(due)))
+    return held
+
+
+def _owner_columns(regional: bool) -> list[str]:
+    return (["region"] if regional else []) + ["shard_scope", "shard_identifier"]

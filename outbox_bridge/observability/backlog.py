@@ -22,7 +22,7 @@ from outbox_bridge.db.store import ShardRange, read_oldest_ages
 from outbox_bridge.observability.metrics import Attributes, OutboxMetrics
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW
-from outbox_bridge.workflows.models import BLOCKED, SKIPPED, STATE_ATTRIBUTE
+from outbox_bridge.workflows.models import STATE_ATTRIBUTE, ShardState
 
 log = logging.getLogger("outbox_bridge.observability.backlog")
 
@@ -89,6 +89,8 @@ async def observe_shard_states(
     """Report ``outbox.shards.blocked`` and ``outbox.shards.skipped``: the running shard
     workflows of ``task_queue`` in that state. A failed count keeps the previous value."""
     attributes: Attributes = (("outbox.task_queue", task_queue),)
-    for state, count in (await count_shard_states(client, task_queue, (BLOCKED, SKIPPED))).items():
+    for state, count in (
+        await count_shard_states(client, task_queue, (ShardState.BLOCKED, ShardState.SKIPPED))
+    ).items():
         if count is not None:
             metrics.report(owner, f"outbox.shards.{state}", {attributes: float(count)})

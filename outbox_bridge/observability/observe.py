@@ -16,13 +16,14 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 
 from outbox_bridge.db.store import GroupRows
 from outbox_bridge.observability.logs import LOG_CONTEXT
 from outbox_bridge.observability.metrics import OutboxMetrics, active_metrics
-from outbox_bridge.observability.telemetry import active_tracer, links_to
+from outbox_bridge.observability.telemetry import active_tracer, context_of, links_to
 from outbox_bridge.registry import OutboxMessage
 from outbox_bridge.workflows.models import ShardRef
 
@@ -35,8 +36,14 @@ class BatchObserver:
     Counters are added once per batch, by :meth:`finish`.
     """
 
-    def __init__(self, shard: ShardRef, *, redact_errors: bool) -> None:
+    def __init__(
+        self, shard: ShardRef, *, redact_errors: bool, partition: str | None = None
+    ) -> None:
         self.shard = shard
+        # Drained by this partition workflow: no Temporal span per row leads from the row's
+        # producer to the drain, so each handler span is the child of its row's producer span
+        # (when the row has one) and names the partition.
+        self.partition = partition
         self.tracer: Tracer | None = active_tracer()
         self.metrics: OutboxMetrics | None = active_metrics()
         self.redact_errors = redact_errors
@@ -47,6 +54,11 @@ class BatchObserver:
     @property
     def traced(self) -> bool:
         return self.tracer is not None
+
+    @staticmethod
+    def tracing() -> bool:
+        """Whether observers made now trace their calls (and want the rows' trace contexts)."""
+        return active_tracer() is not None
 
     def set_trace_contexts(self, contexts: Mapping[int, Any]) -> None:
         self.contexts = contexts
@@ -106,12 +118,21 @@ class ObservedCall:
         if batch.tracer is not None:
             self._span = batch.tracer.start_as_current_span(
                 f"outbox.handle {category}",
+                context=self._parent(),
                 kind=SpanKind.CONSUMER,
                 attributes=self._attributes(attempt),
                 links=self._links(),
                 record_exception=False,
                 set_status_on_exception=False,
             )
+
+    def _parent(self) -> otel_context.Context | None:
+        """On a partition's path, the producer span of the row handed to the handler; else
+        (None) the current span: the activity's."""
+        if self._batch.partition is None:
+            return None
+        carrier = self._batch.contexts.get(self._group.last_id)
+        return context_of(carrier) if carrier is not None else None
 
     def _attributes(self, attempt: int) -> dict[str, Any]:
         shard, group = self._batch.shard, self._group
@@ -128,6 +149,8 @@ class ObservedCall:
         }
         if shard.region is not None:
             attributes["outbox.region"] = shard.region
+        if self._batch.partition is not None:
+            attributes["outbox.partition"] = self._batch.partition
         return attributes
 
     def _links(self) -> list[Link]:

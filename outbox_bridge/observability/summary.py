@@ -26,12 +26,12 @@ from outbox_bridge.db.stats import RowCounters, read_row_counters
 from outbox_bridge.db.store import read_shard_ranges
 from outbox_bridge.observability.backlog import count_shard_states
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.workflows.models import BLOCKED, DEFERRED, SKIPPED
+from outbox_bridge.workflows.models import ShardState
 
 log = logging.getLogger("outbox_bridge.observability.summary")
 
 SUMMARY_INTERVAL = 5.0  # seconds
-STATES = (BLOCKED, SKIPPED, DEFERRED)
+STATES = (ShardState.BLOCKED, ShardState.SKIPPED, ShardState.DEFERRED)
 COLUMNS = ("written/s", "handled/s", "pending", "shards", "workflows", *STATES)
 # What the columns mean, for the banner.
 LEGEND = (

@@ -1,23 +1,29 @@
-"""The bridge: makes sure every shard with committed rows has a running shard workflow that
-knows about them.
+"""The bridge: makes sure every shard with committed rows gets drained.
 
-It wakes on NOTIFY (one notification per INSERT statement, carrying each shard's highest new
-id), scans for new ids on a short timer, and sweeps the whole table on a longer one. It signals
-only what changed: one signal-with-start per shard per wake-up, none when this bridge already
-told the workflow about that id. The full sweep catches what the fast paths can miss: rows that
-committed late with lower ids, lost notifications, and workflows that were terminated or lost;
-it asks Temporal (describe and query, which add no history) before signalling a shard that
-made no progress.
+Every worker's bridge listens for its tables' notifications (one per INSERT statement, carrying
+each shard's highest new id) and hands the news to the drains of its own process.
+
+On demand (the default), those are the partitions' drains (:mod:`~outbox_bridge.runtime.partition`),
+which also find rows by their own scans. The *active* bridge keeps each table's partition
+workflows running and, on every sweep, starts the workflow of a held shard that has none
+(:mod:`~outbox_bridge.runtime.supervisor`).
+
+With ``--shard-workflows always``, every shard with rows has its own workflow, and the active
+bridge signals it: it scans for new ids on a short timer and sweeps the whole table on a
+longer one, and signals only what changed (one signal-with-start per shard per wake-up, none
+when it already told the workflow about that id). The sweep catches what the fast paths can
+miss: rows that committed late with lower ids, lost notifications, and workflows that were
+terminated or lost; it asks Temporal (describe and query, which add no history) before
+signalling a shard that made no progress.
 
 Only one bridge per database and set of tables is active at a time (an advisory lock held by
-its LISTEN connection); other workers' bridges stand by.
+its own connection); other workers' bridges stand by.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -38,42 +44,42 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowQueryRejectedError,
 )
-from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
-from outbox_bridge.db.store import ShardRange, read_shard_ranges, read_trace_contexts
+from outbox_bridge.db.store import (
+    ShardRange,
+    read_head_due,
+    read_shard_ranges,
+    read_trace_contexts,
+)
 from outbox_bridge.observability.backlog import observe_backlog, observe_shard_states
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer, context_of
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub
-from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip
-from outbox_bridge.workflows.models import (
-    NotifyInput,
-    ShardOptions,
-    ShardRef,
-    ShardStatus,
-)
+from outbox_bridge.runtime.hub import ShardHub, ShardKey
+from outbox_bridge.runtime.notifications import Notification, parse_notification
+from outbox_bridge.runtime.shards import ShardStarter
+from outbox_bridge.runtime.supervisor import PartitionSupervisor
+from outbox_bridge.workflows.models import ShardRef, ShardState, ShardStatus
 
 log = logging.getLogger("outbox_bridge.runtime.bridge")
 
 STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
-ShardKey = tuple[str, str | None, int, int]  # table, region, scope, shard identifier
-
 
 @dataclass
 class BridgeOptions:
     task_queue: str
-    shard_options: ShardOptions
     poll_interval: float = 1.0
     sweep_interval: float = 30.0
     listen: bool = True
     regions: Sequence[str] | None = None
     signal_concurrency: int = 50
-    skip_shards: frozenset[str] = frozenset()  # workflow ids that start skipped
     standby_retry: float = 5.0
+    # Always mode: how long a shard's workflow may stay open after its last rows, and lingers.
+    idle_timeout: float = 0.0
+    linger: float = 0.0
 
 
 class Bridge:
@@ -85,6 +91,8 @@ class Bridge:
         client: Client,
         listen_url: str,
         options: BridgeOptions,
+        starter: ShardStarter,
+        supervisor: PartitionSupervisor | None = None,
         hub: ShardHub | None = None,
     ) -> None:
         self._app = app
@@ -92,6 +100,8 @@ class Bridge:
         self._client = client
         self._listen_url = listen_url
         self._options = options
+        self._starter = starter
+        self._supervisor = supervisor  # set: on demand, partitions drain healthy shards
         self._known: dict[ShardKey, int] = {}
         self._last_min: dict[ShardKey, int] = {}
         self._watermark: dict[str, int] = {}
@@ -104,8 +114,13 @@ class Bridge:
         self.signals_sent = 0
         self.starts = 0
         self.handed_to_drains = 0
+        self.notifications_refused = 0
         self.is_leader = False
         self.ready = asyncio.Event()
+
+    @property
+    def on_demand(self) -> bool:
+        return self._supervisor is not None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -132,7 +147,7 @@ class Bridge:
             delay = min(delay * 2, 30.0)
 
     async def _run_connected(self, stop: asyncio.Event) -> None:
-        # Every worker listens (its lingering drains want the news); only the leader signals.
+        # Every worker listens (its drains want the news); only the leader signals and sweeps.
         listen_conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
         lock_conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
         async with listen_conn, lock_conn:
@@ -170,7 +185,7 @@ class Bridge:
         return False
 
     async def _listen(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
-        channels = {notify_channel(t.name): t.name for t in self._tables()}
+        channels = {notify_channel(t.name): t for t in self._tables()}
         try:
             async for notification in conn.notifies():
                 table = channels.get(notification.channel)
@@ -189,6 +204,8 @@ class Bridge:
         lock_conn: psycopg.AsyncConnection[tuple[object, ...]],
     ) -> None:
         next_sweep = next_scan = next_lead = 0.0
+        # On demand, the partitions scan for new rows themselves: the leader only sweeps.
+        poll = self._options.sweep_interval if self.on_demand else self._options.poll_interval
         while not stop.is_set():
             now = time.monotonic()
             if not self.is_leader and now >= next_lead:
@@ -196,7 +213,7 @@ class Bridge:
                     await self._sweep()
                     now = time.monotonic()
                     next_sweep = now + self._options.sweep_interval
-                    next_scan = now + self._options.poll_interval
+                    next_scan = now + poll
                 next_lead = now + self._options.standby_retry
                 self.ready.set()
             deadline = min(next_sweep, next_scan) if self.is_leader else next_lead
@@ -213,36 +230,58 @@ class Bridge:
             if now >= next_sweep:
                 await self._sweep()
                 next_sweep = now + self._options.sweep_interval
-                next_scan = now + self._options.poll_interval
-            elif now >= next_scan or self._scan_requested:
+                next_scan = now + poll
+            elif now >= next_scan or (self._scan_requested and not self.on_demand):
                 await self._scan()
-                next_scan = now + self._options.poll_interval
+                next_scan = now + poll
 
     # -- notifications --------------------------------------------------------------------------
 
-    def _take_notification(self, table: str, payload: str) -> None:
+    def _take_notification(self, table: Table, payload: str) -> None:
         if payload == SWEEP_NOTIFICATION:
-            self._scan_requested.add(table)
+            self._scan_requested.add(table.name)
+            self._offer_rescan(table.name)
             return
-        try:
-            shards = json.loads(payload)
-            for entry in shards:
-                region = entry[0] if len(entry) == 4 else None
-                scope, ident, max_id = (int(v) for v in entry[-3:])
-                key = (table, region, scope, ident)
-                if not self._wanted_region(region):
-                    continue
-                previous = self._pending.get(key)
-                if previous is None or max_id > previous[0]:
-                    self._pending[key] = (max_id, previous[1] if previous else False)
-                known = self._known.get(key, 0)
-                if max_id < known or (previous is not None and max_id < previous[0]):
-                    # Committed after a higher id was announced: the workflow may have drained
-                    # past it already, so it must look again.
-                    self._pending[key] = (self._pending[key][0], True)
-        except (ValueError, TypeError, IndexError):
-            log.warning("unreadable notification on %s; sweeping instead", table)
-            self._scan_requested.add(table)
+        parsed = parse_notification(payload, regional="region" in table.c)
+        if isinstance(parsed, str):
+            # Any role that can connect can NOTIFY: a malformed message is logged and answered
+            # with a scan, never trusted and never a reason to restart.
+            self.notifications_refused += 1
+            log.warning(
+                "refused a notification on %s (%s): %r; scanning instead",
+                notify_channel(table.name),
+                parsed,
+                payload[:200],
+            )
+            self._scan_requested.add(table.name)
+            self._offer_rescan(table.name)
+            return
+        for entry in parsed:
+            self._take_entry(table.name, entry)
+
+    def _take_entry(self, table: str, entry: Notification) -> None:
+        key = ShardKey(table, entry.region, entry.scope, entry.shard_identifier)
+        if not self._wanted_region(key.region):
+            return
+        if self.on_demand:
+            if self._hub is not None and self._hub.offer_to_partition(key, entry.max_id):
+                self.handed_to_drains += 1
+            return
+        max_id = entry.max_id
+        previous = self._pending.get(key)
+        if previous is None or max_id > previous[0]:
+            self._pending[key] = (max_id, previous[1] if previous else False)
+        known = self._known.get(key, 0)
+        if max_id < known or (previous is not None and max_id < previous[0]):
+            # Committed after a higher id was announced: the workflow may have drained past it
+            # already, so it must look again.
+            self._pending[key] = (self._pending[key][0], True)
+
+    def _offer_rescan(self, table: str) -> None:
+        """A statement wrote too many shards to name them: this worker's partitions of the
+        table scan every shard now. (The leader of the other mode scans instead.)"""
+        if self._hub is not None and self.on_demand:
+            self._hub.rescan(table)
 
     def _hand_to_lingering_drains(self) -> None:
         """Standby: wake this process's lingering drains; the leader signals the rest."""
@@ -286,27 +325,46 @@ class Bridge:
     async def _sweep_tables(self) -> None:
         self._scan_requested.clear()
         metrics = active_metrics()
+        if self._supervisor is not None:
+            await self._supervisor.ensure_partitions()
+            await self._supervisor.check_held()
         for table in self._tables():
+            if self._supervisor is not None and metrics is None:
+                continue  # the partitions find the rows; only the metrics need the aggregate
             ranges = await self._ranges(table, after_id=None)
-            await self._signal_new(table, ranges, reason="sweep")
+            if self._supervisor is None:
+                await self._signal_new(table, ranges, reason="sweep")
             if metrics is not None:
                 async with self._engine.connect() as conn:
                     await observe_backlog(metrics, self, conn, self._app, table, ranges)
-            present: set[ShardKey] = set()
-            stalled: list[ShardKey] = []
-            for r in ranges:
-                key = (table.name, r.region, r.scope, r.shard_identifier)
-                present.add(key)
-                if self._last_min.get(key) == r.min_id:
-                    stalled.append(key)
-                self._last_min[key] = r.min_id
-            for key in [k for k in self._last_min if k[0] == table.name and k not in present]:
-                self._last_min.pop(key, None)
-                self._known.pop(key, None)
-                self._last_contact.pop(key, None)
-            await asyncio.gather(*(self._check_stalled(key) for key in stalled))
+            if self._supervisor is None:
+                await self._check_progress(table, ranges)
         if metrics is not None:
             await observe_shard_states(metrics, self, self._client, self._options.task_queue)
+
+    async def _check_progress(self, table: Table, ranges: list[ShardRange]) -> None:
+        """Always mode: check the workflows of shards whose head did not move since the last
+        sweep, and forget shards that have no rows (the bridge's memory stays as large as the
+        backlog, however many shards come and go)."""
+        present: set[ShardKey] = set()
+        stalled: list[ShardKey] = []
+        for r in ranges:
+            key = ShardKey(table.name, r.region, r.scope, r.shard_identifier)
+            present.add(key)
+            if self._last_min.get(key) == r.min_id:
+                stalled.append(key)
+            self._last_min[key] = r.min_id
+        recent = time.monotonic() - max(self._options.linger, self._options.idle_timeout, 1.0)
+        for memory in (self._last_min, self._known):
+            for key in [k for k in memory if k.table == table.name and k not in present]:
+                memory.pop(key, None)
+        for key in [
+            k
+            for k, at in self._last_contact.items()
+            if k.table == table.name and k not in present and at < recent
+        ]:
+            del self._last_contact[key]
+        await asyncio.gather(*(self._check_stalled(key) for key in stalled))
 
     async def _ranges(self, table: Table, *, after_id: int | None) -> list[ShardRange]:
         async with self._engine.connect() as conn:
@@ -319,14 +377,18 @@ class Bridge:
         return ranges
 
     async def _signal_new(self, table: Table, ranges: Iterable[ShardRange], *, reason: str) -> None:
-        keys = (((table.name, r.region, r.scope, r.shard_identifier), r.max_id) for r in ranges)
+        keys = (
+            (ShardKey(table.name, r.region, r.scope, r.shard_identifier), r.max_id) for r in ranges
+        )
         await self._signal_all(
             [(key, max_id, False) for key, max_id in keys if max_id > self._known.get(key, 0)],
             reason=reason,
         )
 
     async def _check_stalled(self, key: ShardKey) -> None:
-        """A shard whose head did not move since the last sweep: make sure a workflow is on it."""
+        """A shard whose head did not move since the last sweep: make sure a workflow is on it,
+        and that a deferred one notices when its head became due (an operator deleted the
+        deferred row or moved it earlier)."""
         shard = self.shard_ref(key)
         handle = self._client.get_workflow_handle(shard.workflow_id)
         async with self._semaphore:
@@ -339,9 +401,12 @@ class Bridge:
                     status = await handle.query(
                         "status", result_type=ShardStatus, rpc_timeout=STATUS_QUERY_TIMEOUT
                     )
-                    if status.state != "idle":
+                    if status.state == ShardState.DEFERRED and await self._head_due(shard):
+                        reason = "its head is due, but its workflow waits for a deferred row"
+                    elif status.state != ShardState.IDLE:
                         return  # draining, blocked, skipped or deferred: it is on it
-                    reason = "its workflow is idle"
+                    else:
+                        reason = "its workflow is idle"
             except RPCError as exc:
                 if exc.status != RPCStatusCode.NOT_FOUND:
                     log.warning("cannot check shard %s: %s", shard.key, exc.message)
@@ -355,7 +420,11 @@ class Bridge:
         self._last_contact.pop(key, None)
         await self._signal(key, self._known.get(key, 0), late=True, via_hub=False)
 
-    # -- signalling ----------------------------------------------------------------------------
+    async def _head_due(self, shard: ShardRef) -> bool:
+        async with self._engine.connect() as conn:
+            return await read_head_due(conn, self._app.table(shard.table), shard)
+
+    # -- signalling (always mode) ----------------------------------------------------------------
 
     async def _signal_all(self, items: list[tuple[ShardKey, int, bool]], *, reason: str) -> None:
         """Signal each shard of ``items``. With tracing on, a wake-up that signals anything has
@@ -379,7 +448,7 @@ class Bridge:
         with wake:
             await asyncio.gather(
                 *(
-                    self._signal(key, max_id, late, parent=producers.get((key[0], max_id)))
+                    self._signal(key, max_id, late, parent=producers.get((key.table, max_id)))
                     for key, max_id, late in items
                 )
             )
@@ -391,7 +460,7 @@ class Bridge:
         table, and only with tracing on."""
         wanted: dict[str, list[int]] = {}
         for key, max_id, _ in items:
-            wanted.setdefault(key[0], []).append(max_id)
+            wanted.setdefault(key.table, []).append(max_id)
         found: dict[tuple[str, int], Context] = {}
         try:
             async with self._engine.connect() as conn:
@@ -406,13 +475,12 @@ class Bridge:
         return found
 
     def shard_ref(self, key: ShardKey) -> ShardRef:
-        table, region, scope, ident = key
         return ShardRef(
-            table=table,
-            scope=scope,
-            scope_name=self._app.scope_name(scope),
-            shard_identifier=ident,
-            region=region,
+            table=key.table,
+            scope=key.scope,
+            scope_name=self._app.scope_name(key.scope),
+            shard_identifier=key.shard_identifier,
+            region=key.region,
         )
 
     async def _signal(
@@ -434,10 +502,12 @@ class Bridge:
         traffic = self._recent_traffic(key)
         with self._signal_span(shard, max_id, late, parent):
             async with self._semaphore:
-                if self._may_be_closed(key) and await self._start(shard, max_id, traffic):
+                if self._may_be_closed(key) and await self._starter.start(
+                    shard, max_id, traffic=traffic
+                ):
                     self.starts += 1
-                elif not await self._signal_with_start(shard, max_id, late, traffic):
-                    return
+                elif not await self._starter.notify(shard, max_id, late=late, traffic=traffic):
+                    return  # not remembered as known: the next scan or sweep signals it again
         self.signals_sent += 1
         self._known[key] = max(self._known.get(key, 0), max_id)
         self._last_contact[key] = time.monotonic()
@@ -472,61 +542,14 @@ class Bridge:
     def _may_be_closed(self, key: ShardKey) -> bool:
         """No contact with this shard's workflow for an idle period: it has likely completed."""
         last = self._last_contact.get(key)
-        idle = self._options.shard_options.idle_timeout_seconds
-        return last is None or time.monotonic() - last > idle / 2
+        return last is None or time.monotonic() - last > self._options.idle_timeout / 2
 
     def _recent_traffic(self, key: ShardKey) -> bool:
         """Rows for this shard again within a linger period of the last: a new run of its
         workflow should linger for the next ones rather than complete and be started again."""
         last = self._last_contact.get(key)
-        linger = self._options.shard_options.linger_seconds
+        linger = self._options.linger
         return last is not None and linger > 0 and time.monotonic() - last <= linger
-
-    async def _start_workflow(
-        self, shard: ShardRef, max_id: int, traffic: bool, **how: Any
-    ) -> None:
-        """Start (or, with a start signal, signal) the shard's workflow; ``how`` says which."""
-        await self._client.start_workflow(
-            WORKFLOW,
-            **start_arguments(
-                shard,
-                self._options.shard_options,
-                self._options.task_queue,
-                max_id=max_id,
-                skip=static_skip(shard, self._options.skip_shards),
-                traffic=traffic,
-            ),
-            **how,
-        )
-
-    async def _start(self, shard: ShardRef, max_id: int, traffic: bool) -> bool:
-        """Start the shard's workflow, eagerly: its first task (which drains) runs in this
-        worker without a round trip through matching. False if it is already running."""
-        try:
-            await self._start_workflow(shard, max_id, traffic, request_eager_start=True)
-        except WorkflowAlreadyStartedError:
-            return False
-        except RPCError as exc:
-            log.warning("start failed for shard %s: %s", shard.key, exc.message)
-            return False
-        return True
-
-    async def _signal_with_start(
-        self, shard: ShardRef, max_id: int, late: bool, traffic: bool
-    ) -> bool:
-        try:
-            await self._start_workflow(
-                shard,
-                max_id,
-                traffic,
-                start_signal="notify",
-                start_signal_args=[NotifyInput(max_id=max_id, late=late)],
-            )
-        except RPCError as exc:
-            # Not remembered as known: the next scan or sweep signals it again.
-            log.warning("signal-with-start failed for shard %s: %s", shard.key, exc.message)
-            return False
-        return True
 
     # -- helpers -------------------------------------------------------------------------------
 

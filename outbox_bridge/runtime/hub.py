@@ -1,44 +1,128 @@
-"""In-process hand-off between the bridge and lingering drains.
+"""In-process hand-off from the bridge's notifications to the drains of this worker.
 
-After a drain empties its shard it lingers for a few seconds, waiting here for news of its
-shard. When the bridge learns of new rows in a shard whose drain is lingering in this process,
-it wakes that drain instead of signalling the workflow: the rows are handled at once and
-steady traffic costs no workflow task per row.
+Every worker listens for its tables' notifications. What they announce goes, without a round
+trip through Temporal, to the drain of this worker that handles the shard:
 
-A lingering drain stays registered for its whole call, batches included: news that comes
-while it handles rows waits in its event, and it reads its shard again right after the batch.
-Both sides run on one event loop, so an offer and a drain's departure are ordered; news that
-came just before the drain left makes it ask its workflow to drain again.
+- a *partition* drain (the healthy path): each of a table's partitions drains the shards that
+  hash to it; news of a shard is queued in that partition's inbox and wakes it;
+- a *lingering* shard drain: the drain of a shard's own workflow that waits a few seconds for
+  the next rows of a shard with steady traffic (``--shard-workflows always``).
+
+Both sides run on one event loop, so an offer and a drain's departure are ordered. A lingering
+drain stays registered for its whole call, batches included: news that comes while it handles
+rows waits in its event, and it reads its shard again right after the batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+import zlib
+from typing import NamedTuple
+
+from outbox_bridge.workflows.models import ShardRef
+
+
+class ShardKey(NamedTuple):
+    """A shard as the bridge and the drains key it: its table and its shard columns."""
+
+    table: str
+    region: str | None
+    scope: int
+    shard_identifier: int
+
+
+def key_of(shard: ShardRef) -> ShardKey:
+    return ShardKey(shard.table, shard.region, shard.scope, shard.shard_identifier)
+
+
+def partition_of(key: ShardKey, partitions: int) -> int:
+    """The partition (0 to ``partitions`` - 1) that drains a healthy shard: the same in every
+    process and every release (a CRC-32 of the shard columns)."""
+    text = f"{key.region or ''}:{key.scope}:{key.shard_identifier}"
+    return zlib.crc32(text.encode()) % partitions
+
+
+class PartitionInbox:
+    """News for one partition drain of this worker: shards with new rows, newest id each."""
+
+    def __init__(self, table: str, partition: int, partitions: int) -> None:
+        self.table = table
+        self.partition = partition
+        self.partitions = partitions
+        self.news: dict[ShardKey, int] = {}
+        self.rescan = False  # a statement touched too many shards to name them
+        self.event = asyncio.Event()
+
+    def offer(self, key: ShardKey, max_id: int) -> None:
+        known = self.news.get(key)
+        if known is None or max_id > known:
+            self.news[key] = max_id
+        self.event.set()
+
+    def take(self) -> dict[ShardKey, int]:
+        news, self.news = self.news, {}
+        self.event.clear()
+        return news
 
 
 class ShardHub:
     def __init__(self) -> None:
-        self._lingering: dict[Hashable, asyncio.Event] = {}
+        self._lingering: dict[ShardKey, asyncio.Event] = {}
+        self._partitions: dict[tuple[str, int], PartitionInbox] = {}
         self.closed = False
 
     def close(self) -> None:
-        """Shutting down: wake every lingering drain so that it returns now."""
+        """Shutting down: wake every drain so that it returns now."""
         self.closed = True
         for event in self._lingering.values():
             event.set()
+        for inbox in self._partitions.values():
+            inbox.event.set()
 
-    def arrive(self, key: Hashable) -> asyncio.Event:
+    # -- partition drains ------------------------------------------------------------------
+
+    def open_partition(self, table: str, partition: int, partitions: int) -> PartitionInbox:
+        """Register this worker's drain of ``partition`` of ``table``."""
+        inbox = PartitionInbox(table, partition, partitions)
+        self._partitions[(table, partition)] = inbox
+        return inbox
+
+    def close_partition(self, inbox: PartitionInbox) -> None:
+        if self._partitions.get((inbox.table, inbox.partition)) is inbox:
+            del self._partitions[(inbox.table, inbox.partition)]
+
+    def rescan(self, table: str) -> None:
+        """Ask this worker's partitions of ``table`` to scan every shard now."""
+        for (name, _), inbox in self._partitions.items():
+            if name == table:
+                inbox.rescan = True
+                inbox.event.set()
+
+    def partitions_open(self) -> int:
+        return len(self._partitions)
+
+    def offer_to_partition(self, key: ShardKey, max_id: int) -> bool:
+        """Queue news of ``key`` for the partition of this worker that drains it; False if that
+        partition's drain runs elsewhere (it finds the rows by its own scan)."""
+        for (table, partition), inbox in self._partitions.items():
+            if table == key.table and partition_of(key, inbox.partitions) == partition:
+                inbox.offer(key, max_id)
+                return True
+        return False
+
+    # -- lingering shard drains ------------------------------------------------------------
+
+    def arrive(self, key: ShardKey) -> asyncio.Event:
         """Register a lingering drain for ``key``; the event is set when rows arrive."""
         event = asyncio.Event()
         self._lingering[key] = event
         return event
 
-    def leave(self, key: Hashable, event: asyncio.Event) -> None:
+    def leave(self, key: ShardKey, event: asyncio.Event) -> None:
         if self._lingering.get(key) is event:
             del self._lingering[key]
 
-    def offer(self, key: Hashable) -> bool:
+    def offer(self, key: ShardKey) -> bool:
         """Hand news of new rows to a drain lingering on ``key``; False if none is."""
         event = self._lingering.get(key)
         if event is None:

@@ -1,30 +1,36 @@
-"""Naming shards and reading their status from Temporal."""
+"""Naming shards, starting and signalling their workflows, and reading their status."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError
 
 from outbox_bridge.errors import ConfigurationError, ShardNameError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import (
-    DRAINING,
     SCOPE_ATTRIBUTE,
     SHARD_ATTRIBUTE,
-    SKIPPED,
     STATE_ATTRIBUTE,
     HandlerFailure,
+    HandoverInput,
+    NotifyInput,
     ShardCarry,
     ShardInput,
     ShardOptions,
     ShardRef,
+    ShardState,
     ShardStatus,
     SkipInfo,
 )
 
 WORKFLOW = "OutboxShard"
+
+log = logging.getLogger("outbox_bridge.runtime.shards")
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
@@ -113,7 +119,80 @@ def start_arguments(
             [
                 SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
                 SearchAttributePair(SHARD_ATTRIBUTE, shard.key),
-                SearchAttributePair(STATE_ATTRIBUTE, SKIPPED if skip else DRAINING),
+                SearchAttributePair(
+                    STATE_ATTRIBUTE, ShardState.SKIPPED if skip else ShardState.DRAINING
+                ),
             ]
         ),
     }
+
+
+class ShardStarter:
+    """Starts and signals shard workflows, for the bridge and for the partitions that hand a
+    shard over to its own workflow. Every call is one RPC; a failed one is logged and
+    reported as False (the sweep repairs what it left undone)."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        task_queue: str,
+        options: ShardOptions,
+        skip_shards: frozenset[str] = frozenset(),
+    ) -> None:
+        self.client = client
+        self.task_queue = task_queue
+        self.options = options
+        self.skip_shards = skip_shards
+
+    def _arguments(self, shard: ShardRef, max_id: int, traffic: bool) -> dict[str, Any]:
+        return start_arguments(
+            shard,
+            self.options,
+            self.task_queue,
+            max_id=max_id,
+            skip=static_skip(shard, self.skip_shards),
+            traffic=traffic,
+        )
+
+    async def start(self, shard: ShardRef, max_id: int, *, traffic: bool = False) -> bool:
+        """Start the shard's workflow, eagerly: its first task (which drains) runs in this
+        worker without a round trip through matching. False if it is already running."""
+        try:
+            await self.client.start_workflow(
+                WORKFLOW, **self._arguments(shard, max_id, traffic), request_eager_start=True
+            )
+        except WorkflowAlreadyStartedError:
+            return False
+        except RPCError as exc:
+            log.warning("start failed for shard %s: %s", shard.key, exc.message)
+            return False
+        return True
+
+    async def notify(
+        self, shard: ShardRef, max_id: int, *, late: bool = False, traffic: bool = False
+    ) -> bool:
+        """Tell the shard's workflow of rows up to ``max_id``, starting it if it is not
+        running. False if Temporal did not take it."""
+        return await self._signal_with_start(
+            shard, max_id, traffic, "notify", NotifyInput(max_id=max_id, late=late)
+        )
+
+    async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
+        """Give the shard to its workflow (the caller holds it for the workflow already)."""
+        return await self._signal_with_start(shard, handover.max_id, False, "handover", handover)
+
+    async def _signal_with_start(
+        self, shard: ShardRef, max_id: int, traffic: bool, signal: str, argument: object
+    ) -> bool:
+        try:
+            await self.client.start_workflow(
+                WORKFLOW,
+                **self._arguments(shard, max_id, traffic),
+                start_signal=signal,
+                start_signal_args=[argument],
+            )
+        except RPCError as exc:
+            log.warning("%s of shard %s failed: %s", signal, shard.key, exc.message)
+            return False
+        return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from temporalio import activity
@@ -33,8 +34,11 @@ class ShutdownGrace(Interceptor):
     workflow hands its rows to a normal drain activity that another worker runs.
     """
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, *, calls_in_flight: Callable[[], int] = lambda: 0) -> None:
         self.seconds = seconds
+        # Handler calls running in drains that are normal activities (a partition's), which
+        # the Temporal worker cancels itself when its graceful shutdown timeout ends.
+        self._calls_in_flight = calls_in_flight
         self._running: set[asyncio.Task[Any]] = set()
         self._abandoned = False
 
@@ -47,11 +51,12 @@ class ShutdownGrace(Interceptor):
         await asyncio.wait([shutdown], timeout=self.seconds)
         if not shutdown.done():
             self._abandoned = True
-            if self._running:
+            running = max(len(self._running), self._calls_in_flight())
+            if running:
                 log.warning(
                     "cancelling %d handler call(s) still running after the shutdown grace of "
                     "%g s; their rows are kept and retried",
-                    len(self._running),
+                    running,
                     self.seconds,
                 )
             for task in self._running:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Sequence
+from datetime import timedelta
 
-from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.enums.v1 import IndexedValueType, TaskQueueKind, TaskQueueType
 from temporalio.api.operatorservice.v1 import (
     AddSearchAttributesRequest,
     ListSearchAttributesRequest,
 )
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, Interceptor
 from temporalio.runtime import Runtime
-from temporalio.service import RPCError, TLSConfig
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
@@ -130,3 +135,44 @@ async def ensure_search_attributes(client: Client) -> None:
             f"Ask an operator to run: {commands}"
         ) from None
     log.info("registered search attributes %s", ", ".join(missing))
+
+
+# Answers of describe_task_queue that say nothing about the task queue (a key without the
+# permission, a server without the call): the caller goes on without the check.
+UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
+# The longest one describe_task_queue may take.
+PROBE_TIMEOUT = 2.0
+
+
+async def task_queue_polled(client: Client, task_queue: str, deadline: float) -> bool | None:
+    """Whether a worker polls ``task_queue`` for workflow tasks, asked again until the
+    ``deadline`` (``time.monotonic()``) while none does: a worker that is starting polls within
+    moments. None when the server will not tell; raises ``RPCError`` or ``TimeoutError`` when
+    it does not answer."""
+    request = DescribeTaskQueueRequest(
+        namespace=client.namespace,
+        task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+        task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+    )
+    pause = 0.05
+    while True:
+        wait = max(min(deadline - time.monotonic(), PROBE_TIMEOUT), 0.01)
+        try:
+            response = await asyncio.wait_for(
+                client.workflow_service.describe_task_queue(
+                    request, timeout=timedelta(seconds=wait)
+                ),
+                wait + 0.5,
+            )
+        except RPCError as exc:
+            if exc.status in UNCHECKABLE_RPC_STATUSES:
+                log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc.message)
+                return None
+            raise
+        if response.pollers:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(pause, left))
+        pause = min(pause * 2, 0.5)

@@ -13,7 +13,8 @@ import logging
 import signal
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import quote
@@ -31,13 +32,19 @@ from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime, tracing_interceptor
 from outbox_bridge.observability.summary import LEGEND, SUMMARY_INTERVAL, WorkerSummary
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.batch import DrainEngine
 from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
+from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.drain import ShardDrainer
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.hub import ShardHub
-from outbox_bridge.runtime.shards import static_skips
+from outbox_bridge.runtime.partition import PartitionDrain
+from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
+from outbox_bridge.runtime.supervisor import PartitionSupervisor
 from outbox_bridge.runtime.temporal import connect, ensure_search_attributes
+from outbox_bridge.workflows.models import PartitionDrainInput, PartitionRound
+from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
 log = logging.getLogger("outbox_bridge.worker")
@@ -54,25 +61,69 @@ def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
     return engine
 
 
+@dataclass
+class Drains:
+    """The drains of one worker: its shard workflows' and its partitions', sharing one drain
+    engine (and its knowledge of running handler calls) and one hub for the bridge's news."""
+
+    engine: DrainEngine
+    shards: ShardDrainer
+    hub: ShardHub
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) -> Drains:
+    calls = HandlerCalls(
+        app,
+        redact_errors=settings.redact_errors,
+        threads=settings.handler_threads,
+        timeout=settings.handler_timeout,
+    )
+    drain_engine = DrainEngine(engine, app, calls=calls, redact_errors=settings.redact_errors)
+    hub = ShardHub()
+    shards = ShardDrainer(drain_engine, hub=hub, max_lingering=settings.linger_max_shards)
+    return Drains(drain_engine, shards, hub)
+
+
 def build_worker(
     client: Client,
     settings: OutboxSettings,
-    drainer: ShardDrainer,
+    drains: Drains,
     *,
+    skip_shards: frozenset[str] = frozenset(),
     interceptors: Sequence[Interceptor] = (),
 ) -> Worker:
+    starter = ShardStarter(
+        client,
+        task_queue=settings.task_queue,
+        options=settings.shard_options(),
+        skip_shards=skip_shards,
+    )
+
+    async def drain_partition(
+        request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
+    ) -> PartitionRound:
+        drain = PartitionDrain(drains.engine, starter, drains.hub, request, heartbeat=heartbeat)
+        return await drain.run()
+
+    tables = len(drains.engine.app.tables)
     return Worker(
         client,
         task_queue=settings.task_queue,
         interceptors=interceptors,
-        workflows=[OutboxShard],
-        activities=OutboxActivities(drainer).all(),
-        # The shard workflow is this library's code, never the user's, and the replay tests
-        # run it under the sandbox too. Unsandboxed, a new shard run costs no module re-import
+        workflows=[OutboxShard, OutboxPartition],
+        activities=OutboxActivities(drains.shards, drain_partition).all(),
+        # The workflows are this library's code, never the user's, and the replay tests run
+        # them under the sandbox too. Unsandboxed, a new shard run costs no module re-import
         # (a third of the worker's CPU on a backlog of new shards).
         workflow_runner=UnsandboxedWorkflowRunner(),
-        # Lingering drains mostly wait; leave room for them beside the busy ones.
-        max_concurrent_activities=settings.max_concurrent_activities + settings.linger_max_shards,
+        # Lingering drains (a partition's, a shard's) mostly wait: room for them beside the
+        # busy ones.
+        max_concurrent_activities=settings.max_concurrent_activities
+        + settings.linger_max_shards
+        + settings.partitions * tables,
         max_concurrent_local_activities=settings.max_concurrent_activities,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
@@ -92,15 +143,8 @@ async def serve(
     ``summary``, print a summary line every few seconds (:class:`WorkerSummary`)."""
     app.check_handlers()
     engine = build_engine(database_url, settings)
-    hub = ShardHub()
-    drainer = ShardDrainer(
-        engine,
-        app,
-        redact_errors=settings.redact_errors,
-        handler_threads=settings.handler_threads,
-        hub=hub,
-        max_lingering=settings.linger_max_shards,
-    )
+    drains = build_drains(engine, app, settings)
+    hub = drains.hub
     health = HealthServer(settings, database_url=database_url, stop=stop)
     try:
         await health.start()
@@ -112,8 +156,31 @@ async def serve(
             runtime=temporal_runtime(),  # the SDK's metrics, when metrics are on
         )
         await ensure_search_attributes(client)
-        grace = ShutdownGrace(settings.shutdown_grace)
-        worker = build_worker(client, settings, drainer, interceptors=[grace])
+        grace = ShutdownGrace(
+            settings.shutdown_grace, calls_in_flight=drains.engine.calls_in_flight
+        )
+        skip_shards = static_skips(app, settings.skip_shards)
+        worker = build_worker(
+            client, settings, drains, skip_shards=skip_shards, interceptors=[grace]
+        )
+        starter = ShardStarter(
+            client,
+            task_queue=settings.task_queue,
+            options=settings.shard_options(),
+            skip_shards=skip_shards,
+        )
+        supervisor = None
+        if settings.on_demand:
+            supervisor = PartitionSupervisor(
+                app=app,
+                engine=engine,
+                client=client,
+                starter=starter,
+                task_queue=settings.task_queue,
+                partitions=settings.partitions,
+                options=settings.partition_options(skip_shards),
+                regions=settings.regions,
+            )
         bridge = Bridge(
             app=app,
             engine=engine,
@@ -121,13 +188,15 @@ async def serve(
             listen_url=libpq_url(sqlalchemy_url(database_url)),
             options=BridgeOptions(
                 task_queue=settings.task_queue,
-                shard_options=settings.shard_options(),
                 poll_interval=settings.poll_interval,
                 sweep_interval=settings.sweep_interval,
                 listen=settings.listen,
                 regions=settings.regions,
-                skip_shards=static_skips(app, settings.skip_shards),
+                idle_timeout=settings.idle_timeout,
+                linger=settings.linger,
             ),
+            starter=starter,
+            supervisor=supervisor,
             hub=hub,
         )
         health.attach(client=client, worker=worker, bridge=bridge)
@@ -152,7 +221,7 @@ async def serve(
                 await task
     finally:
         await health.close()
-        drainer.close()
+        drains.close()
         await engine.dispose()
 
 

@@ -134,6 +134,18 @@ SQL_NAMES = {
     "TRACE_CONTEXT_COLUMN",
     "NOTIFY_PAYLOAD_LIMIT",
     "SWEEP_NOTIFICATION",
+    # The set-based drain statements of db/store.py: the owner table's name, and fragments
+    # built there from column names, table aliases and bind-parameter names only
+    # (_shard_source, _joins).
+    "owners.name",
+    "source",
+    "held",
+    "paused",
+    "group",
+    "key",
+    "key.replace('s.', '')",
+    "_joins('o', regional)",
+    "_joins('t', regional)",
 }
 SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|LISTEN|NOTIFY|WHERE)\b")
 

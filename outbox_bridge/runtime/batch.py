@@ -1,0 +1,556 @@
+"""One drain round over many shards at once: lock them, read their heads, run their handlers,
+delete what was handled, unlock them.
+
+Everything a round changes in the table goes through the one connection that holds the round's
+shard locks. Session advisory locks live as long as their connection: if it dies (a network
+cut, a failover, ``pg_terminate_backend``), the locks are gone, and so is every later delete or
+ownership change of the round. That fence keeps a round that lost its locks from deleting
+anything another execution may now be handling; its handled rows stay and run again (at least
+once). The round also notices the lost connection before each handler call and takes no further
+groups.
+
+Handled rows are deleted in small chunks while the round runs, so a crash repeats only the few
+groups handled since the last chunk; a shard's lock is released once its last chunk is deleted,
+so a slow shard never holds the others back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import select
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from sqlalchemy import Row, Table
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.db.store import (
+    GroupRows,
+    GroupTail,
+    ShardWindow,
+    WindowRow,
+    delete_handled,
+    hold_shard,
+    lock_key,
+    lock_shard_waiting,
+    read_group_tails,
+    read_rows,
+    read_trace_contexts,
+    read_windows,
+    release_shard,
+    try_lock_shards,
+    unlock_shards,
+)
+from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed
+from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
+
+log = logging.getLogger("outbox_bridge.runtime.drain")
+
+# Handled groups are deleted once this many are waiting, or this long after the first of them.
+DELETE_CHUNK_GROUPS = 10
+DELETE_CHUNK_SECONDS = 0.05
+
+
+@dataclass
+class ShardHead:
+    """What a round found at the head of one shard: the groups to handle, in order."""
+
+    shard: ShardRef
+    groups: list[GroupRows]
+    highest_id: int
+    more: bool = False  # due rows may remain after these groups
+    open_ended: bool = False  # the read stopped at its window, not at a deferred row
+    deferred_seconds: float | None = None  # then the head is a row not due for this long
+    deferred_until: datetime | None = None  # (when it is due)
+    rows: dict[int, Row[Any]] = field(default_factory=dict)  # the newest row of each group
+
+
+@dataclass
+class ShardOutcome:
+    """What a round did in one shard, and why it stopped."""
+
+    shard: ShardRef
+    groups_handled: int = 0
+    rows_handled: int = 0
+    highest_seen_id: int = 0
+    more: bool = False
+    deferred_seconds: float | None = None
+    deferred_until: datetime | None = None
+    failed: HeadGroup | None = None
+    failure: HandlerFailure | None = None
+    lock_lost: bool = False
+
+    @property
+    def emptied(self) -> bool:
+        """Nothing is left that this round saw: no due rows, no deferred head, no failure."""
+        return (
+            not self.more
+            and self.failed is None
+            and self.deferred_seconds is None
+            and not self.lock_lost
+        )
+
+
+class LockedShards:
+    """Shards locked on one connection for one round, and the round's writes: deleted groups,
+    held and released shards, unlocks, all in that order and all on that connection."""
+
+    def __init__(self, conn: AsyncConnection, table: Table, locked: list[ShardRef]) -> None:
+        self.conn = conn
+        self.table = table
+        self.locked = locked
+        self.lost = False
+        self.suspect = False  # something arrived between statements: take no further group
+        self._statements = 0  # odd while a statement is under way
+        self._socket: psycopg.AsyncConnection[Any] | None = None
+        self._busy = asyncio.Lock()  # one statement at a time on the connection
+        self._pending: list[tuple[list[int], ShardOutcome]] = []
+        self._pending_groups = 0
+        self._unlocks: list[ShardRef] = []
+        self._holds: list[tuple[ShardRef, str]] = []
+        self._releases: list[ShardRef] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._error: BaseException | None = None
+
+    async def attach(self) -> None:
+        raw = await self.conn.get_raw_connection()
+        driver = raw.driver_connection
+        self._socket = driver if isinstance(driver, psycopg.AsyncConnection) else None
+
+    def alive(self) -> bool:
+        """Whether the connection (and with it every lock of the round) still seems to stand;
+        asked before each handler call, also from handler threads.
+
+        An idle connection that is not listening receives nothing unless the server is closing
+        it, so a readable socket between statements means the locks are likely gone: the round
+        takes no further group. It only polls the socket, never reads it (psycopg may be
+        waiting for a statement's answer on it), and it fences nothing by itself: the next
+        statement on the connection fails if the connection is really gone, and that fences
+        the round's deletes.
+        """
+        if self.lost or self.suspect:
+            return False
+        driver = self._socket
+        if driver is None:
+            return True
+        statements = self._statements
+        if statements % 2:
+            return True  # a statement is under way: its answer tells
+        try:
+            if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
+                self._lose("the connection is closed")
+                return False
+            readable, _, _ = select.select([driver.pgconn.socket], [], [], 0)
+        except (OSError, psycopg.Error, ValueError) as exc:
+            self._lose(str(exc))
+            return False
+        if readable and self._statements == statements:
+            self.suspect = True
+            log.warning(
+                "the connection holding %s shard lock(s) of %s received something between "
+                "statements (the server may be closing it): this round takes no further group",
+                len(self.locked),
+                self.table.name,
+            )
+        return not self.suspect
+
+    def _lose(self, why: str) -> None:
+        if not self.lost:
+            self.lost = True
+            log.warning(
+                "the connection holding %s shard lock(s) of %s is gone (%s): no further groups "
+                "or deletes in this round; its handled rows stay and run again",
+                len(self.locked),
+                self.table.name,
+                why,
+            )
+
+    async def execute(self, work: Any) -> Any:
+        """Run ``work(conn)`` on the round's connection, after every write queued before."""
+        await self.flush()
+        async with self._busy:
+            return await self._statement(work)
+
+    async def _statement(self, work: Any) -> Any:
+        self._statements += 1
+        try:
+            return await work(self.conn)
+        finally:
+            self._statements += 1
+
+    # -- queued writes -----------------------------------------------------------------------
+
+    def deleted(self, ids: list[int], outcome: ShardOutcome) -> None:
+        """Rows of a handled group: deleted with the next chunk."""
+        self._pending.append((ids, outcome))
+        self._pending_groups += 1
+        if self._pending_groups >= DELETE_CHUNK_GROUPS:
+            self._kick()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(DELETE_CHUNK_SECONDS, self._kick)
+
+    def hold(self, shard: ShardRef, held_for: str) -> None:
+        self._holds.append((shard, held_for))
+
+    def release(self, shard: ShardRef) -> None:
+        self._releases.append(shard)
+
+    def unlock(self, shard: ShardRef) -> None:
+        """Release ``shard``'s lock once everything queued for it is written."""
+        if shard in self.locked and shard not in self._unlocks:
+            self._unlocks.append(shard)
+            self._kick()
+
+    def _kick(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def flush(self) -> None:
+        """Write everything queued; raises what a write raised."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
+        if self._pending or self._unlocks or self._holds or self._releases:
+            await self._flush_loop()
+        if self._error is not None:
+            raise self._error
+
+    async def _flush_loop(self) -> None:
+        while self._pending or self._unlocks or self._holds or self._releases:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            pending, self._pending, self._pending_groups = self._pending, [], 0
+            holds, self._holds = self._holds, []
+            releases, self._releases = self._releases, []
+            unlocks, self._unlocks = self._unlocks, []
+            if self.lost or self._error is not None:
+                continue  # fenced: nothing more is written in this round
+            try:
+                async with self._busy:
+                    await self._statement(
+                        functools.partial(self._write, pending, holds, releases, unlocks)
+                    )
+            except (SQLAlchemyError, psycopg.Error, OSError) as exc:
+                self._error = exc
+                self._lose(type(exc).__name__)
+
+    async def _write(
+        self,
+        pending: list[tuple[list[int], ShardOutcome]],
+        holds: list[tuple[ShardRef, str]],
+        releases: list[ShardRef],
+        unlocks: list[ShardRef],
+        _conn: AsyncConnection | None = None,
+    ) -> None:
+        if pending:
+            owner = {row_id: outcome for ids, outcome in pending for row_id in ids}
+            for row_id in await delete_handled(self.conn, self.table, list(owner)):
+                owner[row_id].rows_handled += 1
+        for shard, held_for in holds:
+            await hold_shard(self.conn, self.table, shard, held_for)
+        for shard in releases:
+            await release_shard(self.conn, self.table, shard)
+        if unlocks:
+            await unlock_shards(self.conn, unlocks)
+            for shard in unlocks:
+                if shard in self.locked:
+                    self.locked.remove(shard)
+
+
+# Queues, under a shard's lock, what a round writes about its outcome (a hold, a release).
+Settle = Callable[[LockedShards, ShardOutcome], None]
+
+
+class DrainEngine:
+    """Rounds over the shards of ``app``'s tables, shared by every drain of one worker.
+
+    It knows which shards have a handler call running in this process: a round whose lock was
+    lost may still be running one (a thread cannot be stopped), and no other round of this
+    worker starts a second call of that shard until it returns.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        app: OutboxApp,
+        *,
+        calls: HandlerCalls,
+        redact_errors: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.app = app
+        self.calls = calls
+        self._redact = redact_errors
+        self._running: dict[str, int] = {}
+
+    def calls_in_flight(self) -> int:
+        """Handler calls running in this worker's drains now."""
+        return sum(self._running.values())
+
+    # -- locking -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def locked(
+        self, table: Table, shards: Sequence[ShardRef], *, wait_seconds: float = 0.0
+    ) -> AsyncIterator[LockedShards]:
+        """Lock the free ones of ``shards`` (waiting up to ``wait_seconds`` for each that is
+        taken, when given) on a connection of their own; everything is written and unlocked
+        when the block ends, and the connection is dropped if it may still hold a lock."""
+        conn = await self.engine.connect()
+        batch: LockedShards | None = None
+        try:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            busy = {key for key, count in self._running.items() if count}
+            candidates = [shard for shard in shards if lock_key(shard) not in busy]
+            taken = await self._take(conn, candidates, wait_seconds)
+            batch = LockedShards(
+                conn, table, [s for s, t in zip(candidates, taken, strict=True) if t]
+            )
+            await batch.attach()
+            try:
+                yield batch
+            except BaseException:
+                # Failed or cancelled (a timeout, a skip, a shutdown): what was handled is
+                # still deleted, so that it does not run again.
+                with contextlib.suppress(Exception):
+                    await batch.flush()
+                raise
+            for shard in list(batch.locked):
+                batch.unlock(shard)
+            await batch.flush()
+        finally:
+            await self._close(conn, batch)
+
+    async def _take(
+        self, conn: AsyncConnection, shards: Sequence[ShardRef], wait_seconds: float
+    ) -> list[bool]:
+        taken = await try_lock_shards(conn, shards)
+        if wait_seconds <= 0 or all(taken):
+            return taken
+        # Wait for the others in turn: a round that holds one finishes within its time budget
+        # (or its handler's timeout), and lock_timeout bounds the wait.
+        for index, shard in enumerate(shards):
+            if not taken[index]:
+                taken[index] = await lock_shard_waiting(conn, shard, wait_seconds)
+        return taken
+
+    @staticmethod
+    async def _close(conn: AsyncConnection, batch: LockedShards | None) -> None:
+        try:
+            if batch is not None and batch.locked and not batch.lost:
+                await unlock_shards(conn, batch.locked)
+                batch.locked.clear()
+        except BaseException:
+            # A connection that may still hold a lock must never go back to the pool.
+            await conn.invalidate()
+            raise
+        finally:
+            if batch is not None and (batch.lost or batch.locked):
+                await conn.invalidate()
+            await conn.close()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def read_heads(
+        self,
+        batch: LockedShards,
+        *,
+        max_groups: int,
+        skip_held: bool,
+        skip_paused: bool = False,
+    ) -> list[ShardHead]:
+        """The head groups of every locked shard (at most ``max_groups`` each) and their newest
+        rows, in a few statements for the whole round."""
+        table = batch.table
+        window = max(2 * max_groups, 16)
+        windows = await batch.execute(
+            lambda conn: read_windows(
+                conn,
+                table,
+                batch.locked,
+                window=window,
+                skip_held=skip_held,
+                skip_paused=skip_paused,
+            )
+        )
+        heads: list[ShardHead] = []
+        tails: list[tuple[ShardHead, GroupRows, GroupTail]] = []
+        for found in windows:
+            head = _head_of(batch.locked[found.index], found, window, max_groups)
+            heads.append(head)
+            if head.open_ended:
+                # The window is full and no row in it is deferred: the head groups may go on
+                # past it, up to the first deferred row after it.
+                after = found.rows[-1].id
+                for group in head.groups:
+                    tail = GroupTail(head.shard, group.category, group.object_identifier, after)
+                    tails.append((head, group, tail))
+        if tails:
+            found_tails = await batch.execute(
+                lambda conn: read_group_tails(conn, table, [t for _, _, t in tails])
+            )
+            for (head, group, _), (ids, deferred) in zip(tails, found_tails, strict=True):
+                group.ids.extend(ids)
+                if deferred is not None:
+                    head.more = True  # the rows up to the barrier come first
+        newest = [group.last_id for head in heads for group in head.groups]
+        traced = BatchObserver.tracing()
+        rows = await batch.execute(
+            lambda conn: read_rows(conn, table, newest, with_trace_context=traced)
+        )
+        for head in heads:
+            head.rows = {g.last_id: rows[g.last_id] for g in head.groups if g.last_id in rows}
+        return heads
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def run(
+        self,
+        batch: LockedShards,
+        heads: Sequence[ShardHead],
+        *,
+        deadline: float,
+        attempt: int = 1,
+        unlock_each: bool = True,
+        settle: Settle | None = None,
+        partition: str | None = None,
+    ) -> list[ShardOutcome]:
+        """Handle every shard's head groups, the shards concurrently, each in order; a shard
+        stops at its first failure, or when the deadline passed (after at least one group).
+
+        With ``unlock_each``, each shard is unlocked as soon as it is done (its handled rows
+        deleted), after ``settle`` queued what else must be written under its lock.
+        """
+        outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
+        await asyncio.gather(
+            *(
+                self._run_shard(
+                    batch, head, outcome, deadline, attempt, unlock_each, settle, partition
+                )
+                for head, outcome in zip(heads, outcomes, strict=True)
+            )
+        )
+        return outcomes
+
+    async def _run_shard(
+        self,
+        batch: LockedShards,
+        head: ShardHead,
+        outcome: ShardOutcome,
+        deadline: float,
+        attempt: int,
+        unlock_each: bool,
+        settle: Settle | None,
+        partition: str | None,
+    ) -> None:
+        shard = head.shard
+        calls: list[Call] = []
+        for group in head.groups:
+            row = head.rows.get(group.last_id)
+            if row is None:  # deleted behind our back: read the head again
+                break
+            calls.append(self.calls.prepare(shard, group, row))
+        observer = await self._observer(batch, shard, calls, head.rows, partition)
+        key = lock_key(shard)
+        self._running[key] = self._running.get(key, 0) + 1
+
+        def handled(call: Call) -> None:
+            outcome.groups_handled += 1
+            batch.deleted(call.group.ids, outcome)
+
+        try:
+            finished = await self.calls.run(
+                shard,
+                calls,
+                handled,
+                observer,
+                deadline=deadline,
+                attempt=attempt,
+                may_continue=batch.alive,
+            )
+            outcome.more = head.more or len(calls) < len(head.groups) or not finished
+            if not outcome.more:
+                outcome.deferred_seconds = head.deferred_seconds
+                outcome.deferred_until = head.deferred_until
+        except HandlerFailed as failed:
+            outcome.failed = self.calls.head(failed.group)
+            outcome.failure = failed.failure
+        finally:
+            self._running[key] -= 1
+            if not self._running[key]:
+                del self._running[key]
+            observer.finish()
+            outcome.lock_lost = batch.lost
+        if settle is not None:
+            settle(batch, outcome)
+        if unlock_each and shard in batch.locked:
+            batch.unlock(shard)
+
+    async def _observer(
+        self,
+        batch: LockedShards,
+        shard: ShardRef,
+        calls: list[Call],
+        rows: dict[int, Row[Any]],
+        partition: str | None,
+    ) -> BatchObserver:
+        """The shard's observer; with tracing on, given the producer trace context of every row
+        the calls cover (the handled rows' came with them; the others take one statement)."""
+        observer = BatchObserver(shard, redact_errors=self._redact, partition=partition)
+        if observer.traced and calls:
+            contexts = {
+                row_id: carrier
+                for row_id, row in rows.items()
+                if (carrier := getattr(row, TRACE_CONTEXT_COLUMN, None)) is not None
+            }
+            covered = [row_id for call in calls for row_id in call.group.ids[:-1]]
+            if covered:
+                try:
+                    contexts.update(
+                        await batch.execute(
+                            lambda conn: read_trace_contexts(conn, batch.table, covered)
+                        )
+                    )
+                except (DBAPIError, psycopg.Error):
+                    pass  # the calls matter more than their links; the round notices the loss
+            observer.set_trace_contexts(contexts)
+        return observer
+
+
+def _head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:
+    """Coalescing groups of the window, ordered by their first id, up to the first row not yet
+    due (the barrier: order within a shard waits for it)."""
+    groups: dict[tuple[int, int], GroupRows] = {}
+    head = ShardHead(shard, [], window.highest_id)
+    barrier: WindowRow | None = None
+    for row in window.rows:
+        if row.deferred_seconds is not None:
+            barrier = row
+            break
+        key = (row.category, row.object_identifier)
+        group = groups.get(key)
+        if group is None:
+            if len(groups) == max_groups:
+                head.more = True
+                continue  # later rows of the groups already taken still coalesce into them
+            group = groups[key] = GroupRows(row.category, row.object_identifier, [])
+        group.ids.append(row.id)
+    if barrier is None and len(window.rows) == size:
+        head.open_ended = head.more = True  # rows go on past the window
+    if barrier is not None and not head.more:
+        # Once these groups are handled, the shard waits for this row.
+        head.deferred_seconds = barrier.deferred_seconds
+        head.deferred_until = barrier.scheduled_for
+    head.groups = list(groups.values())
+    return head

@@ -1,0 +1,314 @@
+"""Calling handlers: one shard's head groups, in order, each with its newest row.
+
+Used by every drain (a partition's, a shard workflow's, a category activity). Sync handlers of
+consecutive groups run in one worker thread hop; async ones on the event loop. The first
+failure stops the shard: what succeeded before it is reported, the failure is raised as
+:class:`HandlerFailed`, with what may enter Temporal history about it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sqlalchemy import Row
+
+from outbox_bridge.db.store import GroupRows
+from outbox_bridge.errors import CategoryScopeError, OutboxError, UnknownCategoryError
+from outbox_bridge.observability.logs import log_context
+from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
+from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
+
+log = logging.getLogger("outbox_bridge.runtime.drain")
+
+# What a handler's exception may put into Temporal history: its class, and this much of its
+# message (a handler can raise with a whole response body in the message).
+MAX_ERROR_MESSAGE = 2000
+
+
+class HandlerTimeoutError(Exception):
+    """An async handler ran past ``handler_timeout`` and was cancelled."""
+
+
+class HandlerFailed(Exception):
+    """A handler raised; carries what may enter Temporal history about it."""
+
+    def __init__(self, failure: HandlerFailure, group: GroupRows) -> None:
+        super().__init__(failure.message or failure.error_type)
+        self.failure = failure
+        self.group = group
+
+
+@dataclasses.dataclass
+class Call:
+    """One head group ready to be handled: its handler and message, or why it has none."""
+
+    group: GroupRows
+    handler: Handler | None
+    message: OutboxMessage
+    category: str  # the category's name, for spans, metrics and logs
+    error: BaseException | None = None
+
+    @property
+    def is_sync(self) -> bool:
+        return self.handler is not None and not OutboxApp.is_async_handler(self.handler)
+
+
+class HandlerCalls:
+    """Prepares and runs the handler calls of ``app``'s categories."""
+
+    def __init__(
+        self,
+        app: OutboxApp,
+        *,
+        redact_errors: bool,
+        threads: int,
+        timeout: float = math.inf,
+    ) -> None:
+        self._app = app
+        self._redact = redact_errors
+        # An async call is cancelled after this long (a plain-def call's thread cannot be
+        # stopped: its shard stays locked until it returns).
+        self._timeout = timeout
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- preparing -------------------------------------------------------------------------
+
+    def head(self, group: GroupRows) -> HeadGroup:
+        """``group`` as the workflow sees it (ids and counts, no payload)."""
+        return HeadGroup(
+            category=group.category,
+            category_name=self._app.category_name(group.category),
+            object_identifier=group.object_identifier,
+            first_id=group.first_id,
+            last_id=group.last_id,
+            rows=len(group.ids),
+        )
+
+    def prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> Call:
+        message = self._message(group, row)
+        category = self._app.category_name(group.category)
+        try:
+            handler = self._resolve(shard, group.category)
+        except OutboxError as exc:
+            return Call(group, None, message, category, exc)
+        return Call(group, handler, message, category)
+
+    def _resolve(self, shard: ShardRef, category: int) -> Handler:
+        known = self._app.category(category)
+        if known is None:
+            raise UnknownCategoryError(
+                f"category {category} is not registered in this worker's app; deploy a worker "
+                f"whose registry has it, or skip shard {shard.key}"
+            )
+        owner = self._app.scope_of(category)
+        if owner is None or int(owner) != shard.scope:
+            raise CategoryScopeError(
+                f"category {known.name} belongs to scope {owner.name if owner else '?'}, but the "
+                f"row is in scope {shard.scope_name}; fix or delete the row, or skip shard "
+                f"{shard.key}"
+            )
+        handler = self._app.handler_for(category)
+        if handler is None:  # the worker checks this at start; kept for apps built by hand
+            raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
+        return handler
+
+    def _message(self, group: GroupRows, row: Row[Any]) -> OutboxMessage:
+        scope = self._app.scope(row.shard_scope)
+        category = self._app.category(row.category)
+        return OutboxMessage(
+            id=row.id,
+            shard_scope=scope if scope is not None else row.shard_scope,
+            shard_identifier=row.shard_identifier,
+            category=category if category is not None else row.category,
+            object_identifier=row.object_identifier,
+            payload=row.payload,
+            region=getattr(row, "region", None),
+            date_added=row.date_added,
+            scheduled_for=row.scheduled_for,
+            coalesced=len(group.ids),
+        )
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def run(
+        self,
+        shard: ShardRef,
+        calls: list[Call],
+        handled: Callable[[Call], None],
+        observer: BatchObserver,
+        *,
+        deadline: float = math.inf,
+        attempt: int = 1,
+        may_continue: Callable[[], bool] = lambda: True,
+    ) -> bool:
+        """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
+
+        Raises :class:`HandlerFailed` at the first failure; returns False when the deadline or
+        ``may_continue`` (asked before every call but the first: the shard lock is still held)
+        stopped it early. Runs of consecutive sync handlers go to a worker thread in one hop,
+        so a backlog of cheap handlers does not pay a thread switch per row. Each call gets its
+        own span from ``observer`` (a child of the activity's).
+        """
+        index = 0
+        while index < len(calls):
+            call = calls[index]
+            if index and (time.monotonic() > deadline or not may_continue()):
+                return False
+            if call.is_sync:
+                end = index
+                while end < len(calls) and calls[end].is_sync:
+                    end += 1
+                count, error = await self._in_thread(
+                    calls[index:end], handled, observer, deadline, index, attempt, may_continue
+                )
+                index += count
+                if error is not None:
+                    raise self.failure(shard, calls[index], error, attempt)
+                if index < end:
+                    return False
+                continue
+            try:
+                with observer.call(call.group, call.message, call.category, attempt):
+                    if call.error is not None:
+                        raise call.error
+                    assert call.handler is not None
+                    returned = await self._bounded(call)
+            except asyncio.CancelledError as exc:
+                if _cancelled():
+                    raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
+                # The handler raised CancelledError itself: a failure like any other, or the
+                # local drain would fail the shard's workflow instead of blocking it.
+                raise self.failure(shard, call, exc, attempt) from exc
+            except BaseException as exc:  # a handler's SystemExit must not take the worker down
+                raise self.failure(shard, call, exc, attempt) from exc
+            self._check_returned(call, returned)
+            handled(call)
+            index += 1
+        return True
+
+    async def _bounded(self, call: Call) -> object:
+        assert call.handler is not None
+        running = call.handler(call.message)
+        if self._timeout == math.inf:
+            return await running  # type: ignore[misc]
+        try:
+            # Not wait_for: it would run the handler in a task of its own, and asyncio lets a
+            # SystemExit or KeyboardInterrupt raised in a task stop the whole event loop.
+            async with asyncio.timeout(self._timeout):
+                return await running  # type: ignore[misc]
+        except TimeoutError:
+            raise HandlerTimeoutError(
+                f"the handler did not return within {self._timeout:g} s (handler_timeout); "
+                "it was cancelled and will be retried"
+            ) from None
+
+    async def _in_thread(
+        self,
+        run: list[Call],
+        handled: Callable[[Call], None],
+        observer: BatchObserver,
+        deadline: float,
+        offset: int,
+        attempt: int,
+        may_continue: Callable[[], bool],
+    ) -> tuple[int, BaseException | None]:
+        """Call the sync handlers of ``run`` in order in one worker thread; returns how many
+        succeeded and the exception of the one that failed, if any."""
+        stop = threading.Event()
+        count = 0
+        loop = asyncio.get_running_loop()
+
+        def call_all() -> BaseException | None:
+            nonlocal count
+            for call in run:
+                if stop.is_set():
+                    return None
+                if offset + count and (time.monotonic() > deadline or not may_continue()):
+                    return None
+                assert call.handler is not None
+                try:
+                    with observer.call(call.group, call.message, call.category, attempt):
+                        returned = call.handler(call.message)
+                except BaseException as exc:  # reported by the caller, like an async handler's
+                    return exc
+                self._check_returned(call, returned)
+                # Reported on the event loop's thread: the batch's bookkeeping is not shared
+                # with handler threads.
+                loop.call_soon_threadsafe(handled, call)
+                count += 1
+            return None
+
+        future = loop.run_in_executor(self._executor, contextvars.copy_context().run, call_all)
+        try:
+            error = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted: stop after the running handler and keep the shard
+            # lock until it really returns, so that a retry never overlaps it. What succeeded
+            # is deleted by the caller.
+            stop.set()
+            with contextlib.suppress(BaseException):
+                await future
+            await asyncio.sleep(0)  # let the reports scheduled by the thread run
+            raise
+        await asyncio.sleep(0)  # let the reports scheduled by the thread run first
+        return count, error
+
+    def failure(
+        self, shard: ShardRef, call: Call, exc: BaseException, attempt: int
+    ) -> HandlerFailed:
+        group = call.group
+        with log_context(shard=shard.key, category=call.category):
+            # The traceback on the first failure and every tenth retry; one line in between.
+            log.warning(
+                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: "
+                "%s: %s",
+                shard.key,
+                call.category,
+                group.object_identifier,
+                group.last_id,
+                len(group.ids),
+                attempt,
+                type(exc).__qualname__,
+                exc,
+                exc_info=exc if attempt % 10 == 1 else None,
+            )
+        return HandlerFailed(HandlerFailure(type(exc).__qualname__, self._history_text(exc)), group)
+
+    def _history_text(self, exc: BaseException) -> str:
+        """The exception's message as Temporal may keep it: none when redacted, else bounded."""
+        if self._redact:
+            return ""
+        text = str(exc)
+        if len(text) > MAX_ERROR_MESSAGE:
+            cut = len(text) - MAX_ERROR_MESSAGE
+            text = f"{text[:MAX_ERROR_MESSAGE]}… ({cut} more characters in the worker's log)"
+        return text
+
+    def _check_returned(self, call: Call, returned: object) -> None:
+        if returned is not None:
+            log.warning(
+                "handler for %s returned %r; handlers should return None (the value is ignored)",
+                self._app.category_name(call.group.category),
+                type(returned).__name__,
+            )
+
+
+def _cancelled() -> bool:
+    """Whether the running task was asked to cancel (rather than something raising
+    CancelledError on its own)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

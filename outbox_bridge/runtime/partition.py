@@ -1,0 +1,345 @@
+"""A partition's drain: the healthy path, many shards at a time.
+
+Each of a table's partitions drains the shards that hash to it (:func:`partition_of`), in a
+lingering activity of its ``OutboxPartition`` workflow: a healthy row costs no history event.
+The drain learns of shards with new rows from this worker's notifications (through the
+:class:`ShardHub`), from its own scan for ids above the newest it has seen (every poll
+interval), and from a scan of every shard (every rescan interval, and when it starts), which
+catches late commits and lost notifications.
+
+It drains in *rounds*: up to ``max_shards`` shards locked on one connection, their heads read
+in a few statements, their handlers run concurrently (each shard in order), what was handled
+deleted in small chunks, each shard unlocked as soon as it is done. Several rounds run at
+once, so a slow handler holds back only its own shard.
+
+A shard that needs attention leaves the partition for its own ``OutboxShard`` workflow: its
+handler failed, its head is deferred, or it is on the skip list. Under the shard's lock the
+round records that the workflow holds the shard, then hands it over (signal-with-start); the
+partitions leave a held shard alone until its workflow gives it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from sqlalchemy import Table
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_bridge.db.store import ShardRange, read_row_ages, read_shard_ranges
+from outbox_bridge.runtime.batch import DrainEngine, LockedShards, ShardOutcome
+from outbox_bridge.runtime.hub import (
+    PartitionInbox,
+    ShardHub,
+    ShardKey,
+    key_of,
+    partition_of,
+)
+from outbox_bridge.runtime.shards import ShardStarter
+from outbox_bridge.workflows.models import (
+    HandoverInput,
+    HeldFor,
+    PartitionDrainInput,
+    PartitionRound,
+    ShardBacklog,
+    ShardRef,
+    SkipInfo,
+)
+
+log = logging.getLogger("outbox_bridge.runtime.partition")
+
+HEARTBEAT_SECONDS = 1.0
+BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
+
+
+class PartitionUnavailableError(RuntimeError):
+    """This worker cannot drain the partition now; the activity is retried elsewhere."""
+
+
+class PartitionDrain:
+    """One run of a partition's drain activity (``round_seconds`` long)."""
+
+    def __init__(
+        self,
+        engine: DrainEngine,
+        starter: ShardStarter,
+        hub: ShardHub,
+        request: PartitionDrainInput,
+        *,
+        heartbeat: Callable[[PartitionRound], None] = lambda _: None,
+    ) -> None:
+        self._engine = engine
+        self._app = engine.app
+        self._starter = starter
+        self._hub = hub
+        self._ref = request.partition
+        self._options = request.options
+        self._table: Table = engine.app.table(self._ref.table)
+        self._heartbeat = heartbeat
+        self._queue: dict[ShardKey, None] = {}  # shards to drain, in arrival order
+        self._in_flight: set[ShardKey] = set()
+        self._watermark = 0
+        self._stats = PartitionRound()
+        self._drained: set[ShardKey] = set()
+        self._skip = frozenset(request.options.skip_shards)
+        self._round_done = asyncio.Event()
+
+    # -- the run -----------------------------------------------------------------------------
+
+    async def run(self) -> PartitionRound:
+        if self._hub.closed:
+            # Returning at once would make the workflow start the next round right away (on
+            # this worker again, while it still polls): fail, and let the server retry it with
+            # backoff, on a worker that is not stopping.
+            raise PartitionUnavailableError("this worker is shutting down")
+        options = self._options
+        began = time.monotonic()
+        end = began + options.round_seconds
+        inbox = self._hub.open_partition(self._ref.table, self._ref.partition, self._ref.partitions)
+        rounds: set[asyncio.Task[None]] = set()
+        try:
+            await self._scan(full=True)
+            next_poll = time.monotonic() + options.poll_interval_seconds
+            next_rescan = time.monotonic() + options.rescan_interval_seconds
+            next_beat = time.monotonic() + HEARTBEAT_SECONDS
+            while not self._hub.closed and time.monotonic() < end:
+                rescan = self._take_news(inbox)
+                now = time.monotonic()
+                if now >= next_rescan or rescan:
+                    await self._scan(full=True)
+                    next_rescan = now + options.rescan_interval_seconds
+                    next_poll = now + options.poll_interval_seconds
+                elif now >= next_poll:
+                    await self._scan(full=False)
+                    next_poll = now + options.poll_interval_seconds
+                while len(rounds) < options.max_rounds:
+                    shards = self._next_round()
+                    if not shards:
+                        break
+                    task = asyncio.create_task(self._round(shards))
+                    rounds.add(task)
+                    task.add_done_callback(rounds.discard)
+                if now >= next_beat:
+                    self._beat(began)
+                    next_beat = now + HEARTBEAT_SECONDS
+                wake = min(next_poll, next_rescan, next_beat, end)
+                await self._wait(inbox, wake - time.monotonic())
+            # Rounds end within their time budget (or their handlers' timeout): finish them.
+            while rounds:
+                await asyncio.wait(rounds, timeout=HEARTBEAT_SECONDS)
+                self._beat(began)
+        finally:
+            self._hub.close_partition(inbox)
+            for task in rounds:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*rounds, return_exceptions=True)
+        return self._report(began)
+
+    async def _wait(self, inbox: PartitionInbox, seconds: float) -> None:
+        if seconds <= 0 or inbox.event.is_set():
+            return
+        self._round_done.clear()
+        waiters = [
+            asyncio.create_task(inbox.event.wait()),
+            asyncio.create_task(self._round_done.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    def _take_news(self, inbox: PartitionInbox) -> bool:
+        """Queue the shards the notifications named; True if one asked for a full scan."""
+        rescan, inbox.rescan = inbox.rescan, False
+        for key in inbox.take():
+            self._queue.setdefault(key, None)
+        return rescan
+
+    def _next_round(self) -> list[ShardRef]:
+        shards: list[ShardRef] = []
+        for key in list(self._queue):
+            if len(shards) == self._options.max_shards:
+                break
+            if key in self._in_flight:
+                continue
+            del self._queue[key]
+            self._in_flight.add(key)
+            shards.append(self._shard(key))
+        return shards
+
+    def _shard(self, key: ShardKey) -> ShardRef:
+        return ShardRef(
+            table=key.table,
+            scope=key.scope,
+            scope_name=self._app.scope_name(key.scope),
+            shard_identifier=key.shard_identifier,
+            region=key.region,
+        )
+
+    # -- finding shards with rows --------------------------------------------------------------
+
+    async def _scan(self, *, full: bool) -> None:
+        """Queue this partition's shards with rows: every one (``full``), or those with rows
+        above the newest id seen so far."""
+        try:
+            async with self._engine.engine.connect() as conn:
+                ranges = await read_shard_ranges(
+                    conn,
+                    self._table,
+                    after_id=None if full else self._watermark,
+                    regions=self._ref.regions,
+                )
+                if full:
+                    await self._note_backlog(conn, ranges)
+        except SQLAlchemyError as exc:
+            log.warning(
+                "partition %s cannot scan %s: %s", self._ref.workflow_id, self._table.name, exc
+            )
+            return
+        for shard_range in ranges:
+            self._watermark = max(self._watermark, shard_range.max_id)
+            key = ShardKey(
+                self._table.name,
+                shard_range.region,
+                shard_range.scope,
+                shard_range.shard_identifier,
+            )
+            if partition_of(key, self._ref.partitions) == self._ref.partition:
+                self._queue.setdefault(key, None)
+
+    async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
+        """The deepest and the oldest shards of this partition, for its details."""
+        mine = [
+            r
+            for r in ranges
+            if partition_of(
+                ShardKey(self._table.name, r.region, r.scope, r.shard_identifier),
+                self._ref.partitions,
+            )
+            == self._ref.partition
+        ]
+        deepest = heapq.nlargest(BACKLOG_SHOWN, mine, key=lambda r: r.rows)
+        oldest = heapq.nsmallest(BACKLOG_SHOWN, mine, key=lambda r: r.min_id)
+        ages = await read_row_ages(conn, self._table, [r.min_id for r in {*deepest, *oldest}])
+
+        def shown(r: ShardRange) -> ShardBacklog:
+            key = self._shard(ShardKey(self._table.name, r.region, r.scope, r.shard_identifier))
+            return ShardBacklog(key.key, r.rows, round(ages.get(r.min_id, 0.0), 1))
+
+        self._stats.deepest = [shown(r) for r in deepest]
+        self._stats.oldest = [shown(r) for r in oldest]
+
+    # -- one round -----------------------------------------------------------------------------
+
+    async def _round(self, shards: list[ShardRef]) -> None:
+        handovers: list[tuple[ShardRef, HandoverInput]] = []
+        outcomes: list[ShardOutcome] = []
+        lost = False
+        try:
+            async with self._engine.locked(self._table, shards) as batch:
+                self._hold_skipped(batch, handovers)
+                heads = await self._engine.read_heads(
+                    batch, max_groups=self._options.max_groups, skip_held=True
+                )
+                deadline = time.monotonic() + self._options.time_budget_seconds
+                outcomes = await self._engine.run(
+                    batch,
+                    heads,
+                    deadline=deadline,
+                    settle=lambda b, o: self._settle(b, o, handovers),
+                    partition=self._ref.workflow_id,
+                )
+            lost = batch.lost
+        except (SQLAlchemyError, OSError) as exc:
+            log.warning("partition %s: a round failed: %s", self._ref.workflow_id, exc)
+            lost = True
+        finally:
+            for shard in shards:
+                self._in_flight.discard(key_of(shard))
+            self._round_done.set()
+        if lost:
+            for shard in shards:  # nothing this round wrote can be trusted: read them again
+                self._queue.setdefault(key_of(shard), None)
+            return
+        self._count(outcomes, handovers)
+        if handovers:
+            await asyncio.gather(
+                *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
+            )
+
+    def _hold_skipped(
+        self, batch: LockedShards, handovers: list[tuple[ShardRef, HandoverInput]]
+    ) -> None:
+        """Shards on the skip list go to their workflow, skipped, before anything runs."""
+        if not self._skip:
+            return
+        for shard in list(batch.locked):
+            if shard.workflow_id in self._skip:
+                batch.hold(shard, HeldFor.SKIPPED)
+                skip = SkipInfo(reason="listed in the skip_shards setting", by="configuration")
+                handovers.append((shard, HandoverInput(held_for=HeldFor.SKIPPED, skip=skip)))
+
+    def _settle(
+        self,
+        batch: LockedShards,
+        outcome: ShardOutcome,
+        handovers: list[tuple[ShardRef, HandoverInput]],
+    ) -> None:
+        """Under the shard's lock: a shard that failed or waits for a deferred head becomes its
+        workflow's."""
+        shard = outcome.shard
+        if outcome.lock_lost:
+            return
+        if outcome.failed is not None:
+            batch.hold(shard, HeldFor.FAILED)
+            handover = HandoverInput(
+                max_id=outcome.highest_seen_id,
+                held_for=HeldFor.FAILED,
+                head=outcome.failed,
+                failure=outcome.failure,
+            )
+        elif outcome.deferred_until is not None:
+            batch.hold(shard, HeldFor.DEFERRED)
+            handover = HandoverInput(
+                max_id=outcome.highest_seen_id,
+                held_for=HeldFor.DEFERRED,
+                deferred_until=outcome.deferred_until.isoformat(),
+                deferred_seconds=outcome.deferred_seconds,
+            )
+        else:
+            return
+        handovers.append((shard, handover))
+
+    def _count(
+        self, outcomes: list[ShardOutcome], handovers: list[tuple[ShardRef, HandoverInput]]
+    ) -> None:
+        stats = self._stats
+        handed = {key_of(shard) for shard, _ in handovers}
+        for outcome in outcomes:
+            key = key_of(outcome.shard)
+            stats.rows_handled += outcome.rows_handled
+            stats.groups_handled += outcome.groups_handled
+            if outcome.groups_handled:
+                self._drained.add(key)
+            if outcome.more and key not in handed:
+                self._queue.setdefault(key, None)
+        stats.handed_over += len(handovers)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def _beat(self, began: float) -> None:
+        self._heartbeat(self._report(began))
+
+    def _report(self, began: float) -> PartitionRound:
+        stats = self._stats
+        stats.seconds = round(time.monotonic() - began, 3)
+        stats.shards_drained = len(self._drained)
+        stats.queued = len(self._queue)
+        return stats

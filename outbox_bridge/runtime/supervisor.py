@@ -1,0 +1,189 @@
+"""What the active bridge looks after when partitions drain the healthy shards (on demand):
+
+- every table has its ``OutboxPartition`` workflows running, with the current options, and no
+  partition beyond the configured number keeps running;
+- every held shard with rows has its ``OutboxShard`` workflow running (a workflow terminated
+  by hand, a lost start, a namespace that was reset: the sweep starts it again), and a held
+  shard that waits for a deferred head notices when an operator deleted that row or made it
+  due earlier.
+
+It asks Temporal's visibility once per sweep for the running shard workflows, and describes
+only the few held shards that visibility does not list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from outbox_bridge.db.store import HeldShard, read_held_shards
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.shards import WORKFLOW, ShardStarter
+from outbox_bridge.workflows.models import (
+    STATE_ATTRIBUTE,
+    PartitionInput,
+    PartitionOptions,
+    PartitionRef,
+    ShardRef,
+    ShardState,
+)
+
+log = logging.getLogger("outbox_bridge.runtime.supervisor")
+
+PARTITION_WORKFLOW = "OutboxPartition"
+
+
+class PartitionSupervisor:
+    def __init__(
+        self,
+        *,
+        app: OutboxApp,
+        engine: AsyncEngine,
+        client: Client,
+        starter: ShardStarter,
+        task_queue: str,
+        partitions: int,
+        options: PartitionOptions,
+        regions: Sequence[str] | None = None,
+    ) -> None:
+        self._app = app
+        self._engine = engine
+        self._client = client
+        self._starter = starter
+        self._task_queue = task_queue
+        self._partitions = partitions
+        self._options = options
+        self._regions = tuple(sorted(regions)) if regions else None
+        self._configured = False
+        self.restarted = 0  # held shards whose workflow the sweep started again
+
+    def partition_refs(self, table: str) -> list[PartitionRef]:
+        return [
+            PartitionRef(table, n, self._partitions, self._regions) for n in range(self._partitions)
+        ]
+
+    # -- partitions ----------------------------------------------------------------------------
+
+    async def ensure_partitions(self) -> None:
+        """Start the partition workflows that are not running (one idempotent RPC each). The
+        first time, also hand the running ones the current options and retire the partitions
+        beyond the configured number."""
+        for table in self._app.tables:
+            for ref in self.partition_refs(table):
+                try:
+                    handle = await self._client.start_workflow(
+                        PARTITION_WORKFLOW,
+                        PartitionInput(ref, self._options),
+                        id=ref.workflow_id,
+                        task_queue=self._task_queue,
+                        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    )
+                    if not self._configured:
+                        await handle.signal("reconfigure", self._options)
+                except RPCError as exc:
+                    log.warning("cannot start partition %s: %s", ref.workflow_id, exc.message)
+                    return
+            if not self._configured:
+                await self._retire_extra(table)
+        self._configured = True
+
+    async def _retire_extra(self, table: str) -> None:
+        wanted = {ref.workflow_id for ref in self.partition_refs(table)}
+        prefix = f"outbox:{table}:partition:"
+        query = (
+            f"WorkflowType = '{PARTITION_WORKFLOW}' AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = '{_escaped(self._task_queue)}'"
+        )
+        try:
+            async for execution in self._client.list_workflows(query):
+                if execution.id.startswith(prefix) and execution.id not in wanted:
+                    log.info(
+                        "retiring partition %s (partitions: %s)", execution.id, self._partitions
+                    )
+                    await self._client.get_workflow_handle(execution.id).signal("retire")
+        except RPCError as exc:
+            log.warning("cannot list the partitions of %s: %s", table, exc.message)
+
+    # -- held shards ------------------------------------------------------------------------------
+
+    async def check_held(self) -> None:
+        """Start the workflow of every held shard that has rows and no running workflow, and
+        wake a deferred one whose head is due now."""
+        running = await self._running_shard_states()
+        if running is None:
+            return
+        for table in self._app.tables:
+            try:
+                async with self._engine.connect() as conn:
+                    held = await read_held_shards(conn, self._app.table(table))
+            except SQLAlchemyError as exc:
+                log.warning("cannot read the held shards of %s: %s", table, exc)
+                continue
+            for shard in held:
+                if shard.head_id is not None and self._wanted(shard):
+                    await self._check(self._ref(table, shard), shard, running)
+
+    def _wanted(self, shard: HeldShard) -> bool:
+        return shard.region is None or self._regions is None or shard.region in self._regions
+
+    async def _check(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
+        state = running.get(ref.workflow_id)
+        if state is None:
+            if await self._is_running(ref):
+                return  # visibility lags behind: it has just started
+            log.info(
+                "shard %s is held for its workflow (%s since %s) but none runs; starting it",
+                ref.key,
+                shard.held_for,
+                shard.since.isoformat(),
+            )
+            self.restarted += 1
+            await self._starter.notify(ref, 0, late=True)
+        elif state == ShardState.DEFERRED and shard.head_due:
+            log.info("shard %s waits for a deferred row, but its head is due: waking it", ref.key)
+            await self._starter.notify(ref, 0, late=True)
+
+    async def _is_running(self, ref: ShardRef) -> bool:
+        try:
+            description = await self._client.get_workflow_handle(ref.workflow_id).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                log.warning("cannot describe shard %s: %s", ref.key, exc.message)
+                return True  # ask again next sweep
+            return False
+        return description.status == WorkflowExecutionStatus.RUNNING
+
+    async def _running_shard_states(self) -> dict[str, str] | None:
+        """Workflow id → OutboxState of every running shard workflow of this task queue."""
+        query = (
+            f"WorkflowType = '{WORKFLOW}' AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = '{_escaped(self._task_queue)}'"
+        )
+        states: dict[str, str] = {}
+        try:
+            async for execution in self._client.list_workflows(query):
+                state = execution.typed_search_attributes.get(STATE_ATTRIBUTE)
+                states[execution.id] = state or ShardState.DRAINING
+        except RPCError as exc:
+            log.warning("cannot list the running shard workflows: %s", exc.message)
+            return None
+        return states
+
+    def _ref(self, table: str, shard: HeldShard) -> ShardRef:
+        return ShardRef(
+            table=table,
+            scope=shard.scope,
+            scope_name=self._app.scope_name(shard.scope),
+            shard_identifier=shard.shard_identifier,
+            region=shard.region,
+        )
+
+
+def _escaped(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("'", "\\'")

@@ -224,6 +224,13 @@ class OutboxSettings(BaseSettings):
     max_concurrent_activities: int = Field(
         20, ge=1, description="Activities (and drains) one worker runs at once."
     )
+    max_concurrent_flushes: int = Field(
+        200,
+        ge=1,
+        description="Flushes one worker waits for at once (each watches the table for its "
+        "rows; they run on the task queue's .flush queue, so they never take the drains' "
+        "slots).",
+    )
     database_pool_size: int = Field(
         25, ge=2, description="Database connections of the worker (activities + bridge)."
     )

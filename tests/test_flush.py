@@ -29,7 +29,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.runtime.worker import build_drains, build_worker
+from outbox_bridge.runtime.worker import build_drains, build_flush_worker, build_worker
 from outbox_bridge.workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
 from outbox_bridge.workflows.shard import OutboxShard
 from tests.harness import (
@@ -248,7 +248,8 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
     drains = build_drains(engine, app, settings)
-    async with build_worker(client, settings, drains):
+    flushes = build_flush_worker(client, settings, drains)
+    async with build_worker(client, settings, drains), flushes:
         handle = await client.start_update_with_start_workflow(
             "flush",
             FlushInput(up_to_id=max(ids), timeout_seconds=60),
@@ -335,3 +336,28 @@ def test_the_flush_validator_refuses_what_another_converter_might_pass(
     with pytest.raises(ValueError, match="flush needs") as refused:
         OutboxShard._validate_flush(object.__new__(OutboxShard), odd)
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", ["on-demand", "always"])
+async def test_many_concurrent_flushes_never_starve_the_drains_they_wait_for(
+    servers, engine, mode: str
+) -> None:
+    """Three times as many flushes as the worker has activity slots, each waiting for a slow
+    row of its own shard: the waits run on the flush task queue, in slots of their own, so the
+    drains they wait for still get theirs, and every flush is answered ``handled``."""
+    async with flushing(servers, engine, shard_workflows=mode, max_concurrent_activities=4) as (
+        recorder,
+        app,
+        settings,
+    ):
+
+        async def slow(message: OutboxMessage) -> None:
+            await asyncio.sleep(0.5)
+
+        recorder.behaviour[Category.PROJECT_UPDATE] = slow
+        shards = range(300, 300 + 3 * settings.max_concurrent_activities)
+        results = await asyncio.gather(
+            *(flush_one(app, engine, shard, timeout=20.0) for shard in shards)
+        )
+    assert [r.outcome for r in results] == ["handled"] * len(shards)
+    assert sorted(int(c.shard.split(":")[1]) for c in recorder.calls) == list(shards)

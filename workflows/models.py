@@ -302,6 +302,12 @@ class FlushResult:
         return self.outcome == FlushOutcome.HANDLED
 
 
+def flush_queue(task_queue: str) -> str:
+    """The task queue of the activities that wait for a flush: the workers of ``task_queue``
+    poll it too, with slots of its own."""
+    return f"{task_queue}.flush"
+
+
 @dataclass
 class FlushCheckInput:
     """Local activity ``flush_check``: wait until no row of the shard up to ``up_to_id`` is

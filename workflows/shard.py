@@ -55,6 +55,7 @@ with workflow.unsafe.imports_passed_through():
         ShardSummary,
         SkipInfo,
         SkipInput,
+        flush_queue,
     )
 
 T = TypeVar("T")
@@ -73,6 +74,8 @@ STATE_ATTRIBUTES_PATCH = "state-search-attributes"
 CONTINUE_WHILE_WAITING_PATCH = "continue-as-new-while-waiting"
 # A skipped shard's pause is recorded in the table, so that its partition leaves it alone.
 HOLD_WHEN_SKIPPED_PATCH = "hold-when-skipped"
+# A flush's wait runs on the flush task queue, not in the worker's local-activity slots.
+FLUSH_QUEUE_PATCH = "flush-check-queue"
 BACKOFF_COEFFICIENT = 2.0
 
 
@@ -519,15 +522,31 @@ class OutboxShard:
         stopped = self._flush_stopped(up_to)
         if stopped is not None:
             return stopped
-        # The table is the truth: a local activity watches it (the rows may be handled by a
-        # lingering drain or a partition the workflow hears from only when it returns).
-        check = workflow.start_local_activity(
-            "flush_check",
-            FlushCheckInput(self._shard, up_to, input.timeout_seconds),
-            result_type=FlushCheck,
-            start_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-        )
+        # The table is the truth: an activity watches it (the rows may be handled by a
+        # lingering drain or a partition the workflow hears from only when it returns). It runs
+        # on a task queue of its own, whose slots no drain needs: however many flushes wait,
+        # the drains they wait for still run.
+        request = FlushCheckInput(self._shard, up_to, input.timeout_seconds)
+        bound = timedelta(seconds=input.timeout_seconds + 10)
+        check: ActivityHandle[FlushCheck]
+        if workflow.patched(FLUSH_QUEUE_PATCH):
+            check = workflow.start_activity(
+                "flush_check",
+                request,
+                result_type=FlushCheck,
+                task_queue=flush_queue(workflow.info().task_queue),
+                schedule_to_close_timeout=bound,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                cancellation_type=ActivityCancellationType.TRY_CANCEL,
+            )
+        else:
+            check = workflow.start_local_activity(
+                "flush_check",
+                request,
+                result_type=FlushCheck,
+                start_to_close_timeout=bound,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
         await workflow.wait_condition(
             lambda: check.done() or self._flush_stopped(up_to) is not None
         )
@@ -606,9 +625,7 @@ class OutboxShard:
         skip came has returned)."""
         self.skip(input)
         if self._holds_skips():
-            await workflow.wait_condition(
-                lambda: self._skip_recorded or self._s.skip is None
-            )
+            await workflow.wait_condition(lambda: self._skip_recorded or self._s.skip is None)
         return self.status()
 
     @skip_update.validator

@@ -43,7 +43,7 @@ from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 from outbox_bridge.runtime.temporal import connect, ensure_search_attributes
-from outbox_bridge.workflows.models import PartitionDrainInput, PartitionRound
+from outbox_bridge.workflows.models import PartitionDrainInput, PartitionRound, flush_queue
 from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
@@ -129,6 +129,32 @@ def build_worker(
     )
 
 
+def build_flush_worker(
+    client: Client,
+    settings: OutboxSettings,
+    drains: Drains,
+    *,
+    interceptors: Sequence[Interceptor] = (),
+) -> Worker:
+    """The worker of the flush task queue: the activities that wait for a flush's rows, in
+    slots of their own (a thousand waiting flushes never keep a drain from starting)."""
+    activities = OutboxActivities(drains.shards, _no_partitions)
+    return Worker(
+        client,
+        task_queue=flush_queue(settings.task_queue),
+        interceptors=interceptors,
+        activities=activities.flush(),
+        max_concurrent_activities=settings.max_concurrent_flushes,
+        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
+    )
+
+
+async def _no_partitions(
+    request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
+) -> PartitionRound:
+    raise RuntimeError("the flush task queue drains no partition")
+
+
 async def serve(
     settings: OutboxSettings,
     app: OutboxApp,
@@ -199,9 +225,11 @@ async def serve(
             supervisor=supervisor,
             hub=hub,
         )
+        flush_worker = build_flush_worker(client, settings, drains)
         health.attach(client=client, worker=worker, bridge=bridge)
         tasks = [
             asyncio.create_task(worker.run(), name="worker"),
+            asyncio.create_task(flush_worker.run(), name="flush worker"),
             asyncio.create_task(bridge.run(stop), name="bridge"),
         ]
         if settings.demo:
@@ -215,7 +243,7 @@ async def serve(
         announcer.cancel()
         stop.set()
         hub.close()
-        await grace.stop(worker)
+        await asyncio.gather(grace.stop(worker), flush_worker.shutdown())
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -1,6 +1,6 @@
 """Record shard workflow histories from real runs into tests/histories/.
 
-    python -m tests.record_histories v4
+    python -m tests.record_histories v5
 
 Starts its own PostgreSQL and Temporal dev server, runs each scenario through the real worker,
 and writes every run's history as ``<version>-<scenario>.json``. Record a new version after a
@@ -16,12 +16,14 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
-from outbox_bridge.workflows.models import ResumeInput, ShardStatus, SkipInput
+from outbox_bridge.runtime.hub import ShardKey, partition_of
+from outbox_bridge.workflows.models import PartitionRef, ResumeInput, ShardStatus, SkipInput
 from tests.harness import (
     Category,
     Recorder,
@@ -40,6 +42,7 @@ from tests.harness import (
 )
 
 HISTORIES = Path(__file__).parent / "histories"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
@@ -147,6 +150,81 @@ async def scenario_flush(app, recorder, client, engine, settings) -> None:
     assert outbox.report.handled, outbox.report
 
 
+async def scenario_handover_failed(app, recorder, client, engine, settings) -> None:
+    """On demand: a partition hands the failing shard over; its workflow retries the head,
+    drains the rest and gives the shard back."""
+    recorder.behaviour[Category.PROJECT_UPDATE] = Failing(3)
+    await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.MEMBER_UPDATE, 1, 2)]
+    )
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_handover_deferred(app, recorder, client, engine, settings) -> None:
+    from datetime import timedelta
+
+    await write_rows(
+        engine,
+        app,
+        [
+            row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=timedelta(seconds=2)),
+            row(Category.PROJECT_UPDATE, 1, 2),
+        ],
+    )
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_skip_healthy(app, recorder, client, engine, settings) -> None:
+    """On demand: an operator skips a shard a partition drains (update-with-start), rows
+    arrive and stay, the shard is resumed and drained by its workflow, which gives it back."""
+    from temporalio.client import WithStartWorkflowOperation
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from outbox_bridge.runtime.shards import WORKFLOW, parse_shard, start_arguments
+
+    shard = parse_shard("ORGANIZATION:1", app)
+    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+        WORKFLOW,
+        **start_arguments(shard, settings.shard_options(), settings.task_queue, max_id=0),
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    await client.execute_update_with_start_workflow(
+        "skip",
+        SkipInput(reason="deploying a fix", by="recorder"),
+        start_workflow_operation=start,
+        result_type=ShardStatus,
+    )
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    await asyncio.sleep(1.0)
+    await client.get_workflow_handle(shard.workflow_id).execute_update(
+        "resume", ResumeInput(by="recorder"), result_type=ShardStatus
+    )
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def scenario_blocked_continue_as_new(app, recorder, client, engine, settings) -> None:
+    """Always: a blocked shard keeps receiving rows (each a signal) and continues as new while
+    blocked, carrying its head and backoff; then the head succeeds."""
+    failing = Failing(10_000)
+    recorder.behaviour[Category.PROJECT_UPDATE] = failing
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    handle = client.get_workflow_handle(f"outbox:{app.table().name}:ORGANIZATION:1")
+
+    async def runs() -> int:
+        return len([w async for w in client.list_workflows(f'WorkflowId = "{handle.id}"')])
+
+    for i in range(60):
+        await write_rows(engine, app, [row(Category.MEMBER_UPDATE, 1, 100 + i)])
+        await asyncio.sleep(0.15)
+    await wait_until(lambda: _at_least(runs(), 2), what="a continue-as-new while blocked")
+    failing.times = 0
+    await wait_until(lambda: table_empty(engine, app))
+
+
+async def _at_least(value: Awaitable[int], minimum: int) -> bool:
+    return (await value) >= minimum
+
+
 Scenario = Callable[..., Awaitable[None]]
 SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
     "drain": (scenario_drain, {}),
@@ -158,6 +236,15 @@ SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
     "complete_when_empty": (scenario_drain, {"idle_timeout": 0}),
     "lingering_from_start": (scenario_lingering, {"idle_timeout": 0}),
     "flush": (scenario_flush, {"idle_timeout": 0}),
+    # Since v5: partitions drain healthy shards; the ones above run with a workflow each.
+    "handover_failed": (scenario_handover_failed, {"shard_workflows": "on-demand"}),
+    "handover_deferred": (scenario_handover_deferred, {"shard_workflows": "on-demand"}),
+    "skip_healthy": (scenario_skip_healthy, {"shard_workflows": "on-demand"}),
+    "flush_on_demand": (scenario_flush, {"shard_workflows": "on-demand"}),
+    "blocked_continue_as_new": (
+        scenario_blocked_continue_as_new,
+        {"max_history_events": 100, "linger": 0},
+    ),
 }
 
 
@@ -170,31 +257,62 @@ async def record(
     client = await Client.connect(servers.temporal_address)
     await create_tables(engine, app)
     settings = fast_settings(
-        **{"idle_timeout": 1.0, "temporal_address": servers.temporal_address, **overrides}
+        **{
+            "idle_timeout": 1.0,
+            "temporal_address": servers.temporal_address,
+            "shard_workflows": "always",
+            **overrides,
+        }
     )
     workflow_id = f"outbox:{app.table().name}:{Scope.ORGANIZATION.name}:1"
+    key = ShardKey(app.table().name, None, int(Scope.ORGANIZATION), 1)
+    partition = PartitionRef(
+        app.table().name, partition_of(key, settings.partitions), settings.partitions
+    )
     async with running_worker(servers, app, settings):
         await scenario(app, recorder, client, engine, settings)
-
-        async def closed() -> bool:
-            return (
-                await client.get_workflow_handle(workflow_id).describe()
-            ).status == WorkflowExecutionStatus.COMPLETED
-
-        await wait_until(closed, what=f"{name} to complete")
+        await wait_until(lambda: _completed(client, workflow_id), what=f"{name} to complete")
+        if settings.on_demand:
+            # The partition that drained the shard: retired, so that its history is complete
+            # (the bridge's next sweep starts a new run of it, which is not recorded).
+            handle = client.get_workflow_handle(partition.workflow_id)
+            run = (await handle.describe()).run_id
+            await handle.signal("retire")
+            await wait_until(
+                lambda: _completed(client, partition.workflow_id, run),
+                what="the partition to retire",
+            )
     await engine.dispose()
+    written = await _write_runs(client, workflow_id, f"{version}-{name}")
+    if settings.on_demand:
+        written += await _write_runs(client, partition.workflow_id, f"{version}-{name}_partition")
+    return written
+
+
+async def _completed(client: Client, workflow_id: str, run_id: str | None = None) -> bool:
+    description = await client.get_workflow_handle(workflow_id, run_id=run_id).describe()
+    return description.status == WorkflowExecutionStatus.COMPLETED
+
+
+async def _write_runs(client: Client, workflow_id: str, stem: str) -> list[Path]:
     runs = sorted(
-        [w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')],
+        [
+            w
+            async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')
+            if w.status != WorkflowExecutionStatus.RUNNING
+        ],
         key=lambda w: w.start_time,
     )
     written = []
     for index, run in enumerate(runs):
         history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
         suffix = f"_run{index + 1}" if len(runs) > 1 else ""
-        path = HISTORIES / f"{version}-{name}{suffix}.json"
+        path = HISTORIES / f"{stem}{suffix}.json"
         if path.exists():
             raise SystemExit(f"{path} exists: record under a new version instead")
-        path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+        text = json.dumps(json.loads(history.to_json()), indent=1) + "\n"
+        # Failure stack traces name this machine's paths: keep them relative to the project.
+        path.write_text(text.replace(f"{ROOT}/", "").replace(f"{sys.prefix}/", ""))
         written.append(path)
     return written
 

@@ -12,6 +12,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
+from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -52,6 +53,13 @@ def test_the_corpus_covers_the_required_scenarios() -> None:
         "complete_when_empty",
         "lingering_from_start",
         "flush",
+        # Since v5, on demand: partitions, handovers, giving a shard back.
+        "handover_failed",
+        "handover_failed_partition",
+        "handover_deferred",
+        "skip_healthy",
+        "flush_on_demand",
+        "blocked_continue_as_new",
     } <= names
     kinds = {e.event_type for p in HISTORIES for e in load(p).events}
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW in kinds
@@ -67,6 +75,6 @@ RUNNERS = {"unsandboxed": UnsandboxedWorkflowRunner(), "sandboxed": SandboxedWor
 @pytest.mark.parametrize("runner", RUNNERS.values(), ids=list(RUNNERS))
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 async def test_history_replays(path: Path, runner: WorkflowRunner) -> None:
-    replayer = Replayer(workflows=[OutboxShard], workflow_runner=runner)
+    replayer = Replayer(workflows=[OutboxShard, OutboxPartition], workflow_runner=runner)
     result = await replayer.replay_workflow(load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"

@@ -52,6 +52,7 @@ from outbox_bridge.workflows.models import (
     ShardStatus,
     SkipInput,
 )
+from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
 
@@ -413,7 +414,7 @@ def replay(files: tuple[Path, ...]) -> None:
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
-    replayer = Replayer(workflows=[OutboxShard])
+    replayer = Replayer(workflows=[OutboxShard, OutboxPartition])
     failed = 0
     for path in files:
         try:

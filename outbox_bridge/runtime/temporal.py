@@ -155,8 +155,11 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
         task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
     )
     pause = 0.05
+    answered = False
     while True:
-        wait = max(min(deadline - time.monotonic(), PROBE_TIMEOUT), 0.01)
+        # Each call gets PROBE_TIMEOUT even past the deadline: a busy server that answers late
+        # still tells whether anyone polls.
+        wait = max(min(deadline - time.monotonic(), PROBE_TIMEOUT), 0.5)
         try:
             response = await asyncio.wait_for(
                 client.workflow_service.describe_task_queue(
@@ -168,9 +171,19 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
             if exc.status in UNCHECKABLE_RPC_STATUSES:
                 log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc.message)
                 return None
-            raise
-        if response.pollers:
-            return True
+            if exc.status != RPCStatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
+                if answered:
+                    return False
+                raise
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                if answered:
+                    return False
+                raise
+        else:
+            if response.pollers:
+                return True
+            answered = True
         left = deadline - time.monotonic()
         if left <= 0:
             return False

@@ -49,12 +49,15 @@ from outbox_bridge.workflows.models import (
     FlushResult,
     ResumeInput,
     ShardRef,
+    ShardState,
     ShardStatus,
     SkipInput,
 )
 from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
+# The state `shards` shows for a shard with no workflow of its own (its partition drains it).
+NO_WORKFLOW = "none"
 
 def run() -> None:
     """Entry point: run the command line, then leave without interpreter teardown.
@@ -437,7 +440,7 @@ async def _replay(files: tuple[Path, ...]) -> int:
 @click.option("--scope", "scope_name", help="Only shards of this scope.")
 @click.option(
     "--state",
-    type=click.Choice(["draining", "blocked", "skipped", "deferred", "idle", "none"]),
+    type=click.Choice([*(state.value for state in ShardState), NO_WORKFLOW]),
     help="Only shards whose workflow is in this state (none: no running workflow).",
 )
 @click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
@@ -540,9 +543,11 @@ async def _workflow_state(client: Client, shard: ShardRef) -> tuple[str, str | N
         sys.exit(1)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            return "none", None
+            return NO_WORKFLOW, None
         raise
     except Exception:  # a closed run cannot answer queries on some servers
-        return "none", None
-    blocked = status.head.category_name if status.head and status.state == "blocked" else None
+        return NO_WORKFLOW, None
+    blocked = (
+        status.head.category_name if status.head and status.state == ShardState.BLOCKED else None
+    )
     return status.state, blocked

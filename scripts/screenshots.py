@@ -359,13 +359,33 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
         # A partition workflow and what its drain did (only when the worker runs partitions).
         partitions = sorted(await workflows(client, 'WorkflowType="OutboxPartition"'))
         if partitions:
-            partition_id, partition_run = partitions[0]
+            partition_id, partition_run = await busiest_partition(client, partitions)
             page = f"workflows/{partition_id}/{partition_run}/user-metadata"
-            browser.open_showing(ui_url(ui_port, page), partition_id, "Current Details")
+            browser.open_showing(ui_url(ui_port, page), partition_id, "Last round")
             browser.screenshot(out / "ui-partition.png")
         else:
             missing.append("ui-partition.png: this worker runs no OutboxPartition workflow")
     return missing
+
+
+async def busiest_partition(
+    client: Client, partitions: list[tuple[str, str]], timeout: float = 150.0
+) -> tuple[str, str]:
+    """The partition that handled the most rows, once every partition has finished a drain
+    round (a round lasts a minute; until then the details show no figures)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = []
+        for workflow_id, _ in partitions:
+            handle = client.get_workflow_handle(workflow_id)
+            status = await handle.query("status")
+            statuses.append((status["rows_handled"], status["rounds"], workflow_id))
+        if min(rounds for _, rounds, _ in statuses) >= 1 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(2)
+    workflow_id = max(statuses)[2]
+    run_id = (await client.get_workflow_handle(workflow_id).describe()).run_id
+    return workflow_id, run_id
 
 
 def main() -> None:

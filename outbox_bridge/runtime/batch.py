@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import select
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -372,46 +373,15 @@ class DrainEngine:
     ) -> list[ShardHead]:
         """The head groups of every locked shard (at most ``max_groups`` each) and their newest
         rows, in a few statements for the whole round."""
-        table = batch.table
-        window = max(2 * max_groups, 16)
-        windows = await batch.execute(
-            lambda conn: read_windows(
-                conn,
-                table,
-                batch.locked,
-                window=window,
-                skip_held=skip_held,
-                skip_paused=skip_paused,
-            )
+        return await read_shard_heads(
+            batch.execute,
+            batch.table,
+            batch.locked,
+            max_groups=max_groups,
+            skip_held=skip_held,
+            skip_paused=skip_paused,
+            with_trace_context=BatchObserver.tracing(),
         )
-        heads: list[ShardHead] = []
-        tails: list[tuple[ShardHead, GroupRows, GroupTail]] = []
-        for found in windows:
-            head = _head_of(batch.locked[found.index], found, window, max_groups)
-            heads.append(head)
-            if head.open_ended:
-                # The window is full and no row in it is deferred: the head groups may go on
-                # past it, up to the first deferred row after it.
-                after = found.rows[-1].id
-                for group in head.groups:
-                    tail = GroupTail(head.shard, group.category, group.object_identifier, after)
-                    tails.append((head, group, tail))
-        if tails:
-            found_tails = await batch.execute(
-                lambda conn: read_group_tails(conn, table, [t for _, _, t in tails])
-            )
-            for (head, group, _), (ids, deferred) in zip(tails, found_tails, strict=True):
-                group.ids.extend(ids)
-                if deferred is not None:
-                    head.more = True  # the rows up to the barrier come first
-        newest = [group.last_id for head in heads for group in head.groups]
-        traced = BatchObserver.tracing()
-        rows = await batch.execute(
-            lambda conn: read_rows(conn, table, newest, with_trace_context=traced)
-        )
-        for head in heads:
-            head.rows = {g.last_id: rows[g.last_id] for g in head.groups if g.last_id in rows}
-        return heads
 
     # -- running -----------------------------------------------------------------------------
 
@@ -528,9 +498,81 @@ class DrainEngine:
         return observer
 
 
-def _head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:
+# Runs one statement on the connection that holds the shards' locks: ``execute(work)`` awaits
+# ``work(conn)`` (see LockedShards.execute).
+Execute = Callable[[Callable[[AsyncConnection], Awaitable[Any]]], Awaitable[Any]]
+
+
+async def read_shard_heads(
+    execute: Execute,
+    table: Table,
+    shards: Sequence[ShardRef],
+    *,
+    max_groups: int,
+    skip_held: bool,
+    skip_paused: bool = False,
+    with_trace_context: bool = False,
+    deferred_as_due: bool = False,
+) -> list[ShardHead]:
+    """The head groups of each of ``shards`` (at most ``max_groups`` each) and their newest
+    rows, in a few statements for all of them: the shards' windows, then the rest of the head
+    groups that go on past a full window, then the rows their handlers get.
+
+    Shared by every drain of the worker and by :func:`outbox_bridge.testing.drain_outbox`. With
+    ``deferred_as_due`` (the testing drain's ``run_deferred``), rows not yet due count as due
+    in the windows; a head group read on past a full window still stops before the shard's
+    first row not yet due, and its later rows come in a later read.
+    """
+    window = max(2 * max_groups, 16)
+    windows = await execute(
+        lambda conn: read_windows(
+            conn,
+            table,
+            shards,
+            window=window,
+            skip_held=skip_held,
+            skip_paused=skip_paused,
+        )
+    )
+    heads: list[ShardHead] = []
+    tails: list[tuple[ShardHead, GroupRows, GroupTail]] = []
+    for found in windows:
+        if deferred_as_due:
+            found.rows = [dataclasses.replace(row, deferred_seconds=None) for row in found.rows]
+        head = head_of(shards[found.index], found, window, max_groups)
+        heads.append(head)
+        if head.open_ended:
+            # The window is full and no row in it is deferred: the head groups may go on past
+            # it, up to the first deferred row after it.
+            after = found.rows[-1].id
+            for group in head.groups:
+                tail = GroupTail(head.shard, group.category, group.object_identifier, after)
+                tails.append((head, group, tail))
+    if tails:
+        found_tails = await execute(
+            lambda conn: read_group_tails(conn, table, [t for _, _, t in tails])
+        )
+        for (head, group, _), (ids, deferred) in zip(tails, found_tails, strict=True):
+            group.ids.extend(ids)
+            if deferred is not None:
+                head.more = True  # the rows up to the barrier come first
+    newest = [group.last_id for head in heads for group in head.groups]
+    rows = await execute(
+        lambda conn: read_rows(conn, table, newest, with_trace_context=with_trace_context)
+    )
+    for head in heads:
+        head.rows = {g.last_id: rows[g.last_id] for g in head.groups if g.last_id in rows}
+    return heads
+
+
+def head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:
     """Coalescing groups of the window, ordered by their first id, up to the first row not yet
-    due (the barrier: order within a shard waits for it)."""
+    due (the barrier: order within a shard waits for it).
+
+    ``size`` is the window's size as read: a full window without a barrier is open-ended (the
+    head groups may go on past it). At most ``max_groups`` groups are taken; later rows of the
+    groups taken still coalesce into them.
+    """
     groups: dict[tuple[int, int], GroupRows] = {}
     head = ShardHead(shard, [], window.highest_id)
     barrier: WindowRow | None = None

@@ -195,7 +195,11 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     tampered.write_text(json.dumps(recorded))
     code, out, err = await cli(servers, table, "replay", str(exported), str(tampered))
     assert code == 1
-    assert "1 replayed, 1 failed" in out and "FAIL" in out
+    assert "1 replayed, 1 failed" in out
+    # The file, the first event the code disagrees with, and the runner it failed under.
+    assert f"FAIL {tampered}: " in out, out
+    assert "Nondeterminism" in out and "at event 6 ActivityTaskScheduled USER_UPDATE" in out, out
+    assert "(unsandboxed)" in out, out
 
 
 async def test_shards_lists_depth_age_and_state(servers, engine) -> None:

@@ -24,12 +24,10 @@ from temporalio.client import (
     Client,
     WithStartWorkflowOperation,
     WorkflowExecutionStatus,
-    WorkflowHistory,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import Replayer
 
 from outbox_bridge import __version__, demo
 from outbox_bridge.cli.apps import app_from_settings
@@ -42,6 +40,7 @@ from outbox_bridge.flush import Flusher
 from outbox_bridge.observability.logs import configure_logging
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
+from outbox_bridge.runtime.replay import HistoryReplayer
 from outbox_bridge.runtime.shards import WORKFLOW, parse_shard, shard_status, start_arguments
 from outbox_bridge.runtime.temporal import connect, task_queue_polled, temporal_address
 from outbox_bridge.runtime.worker import run as run_worker
@@ -53,8 +52,6 @@ from outbox_bridge.workflows.models import (
     ShardStatus,
     SkipInput,
 )
-from outbox_bridge.workflows.partition import OutboxPartition
-from outbox_bridge.workflows.shard import OutboxShard
 
 # The state `shards` shows for a shard with no workflow of its own (its partition drains it).
 NO_WORKFLOW = "none"
@@ -410,27 +407,22 @@ def history_export(shard: str, table: str | None, output: Path, **overrides: Any
     "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
 )
 def replay(files: tuple[Path, ...]) -> None:
-    """Replay exported histories against the current workflow code; exit 1 on nondeterminism."""
+    """Replay exported histories against the current workflow code, as the worker runs it and
+    under the sandbox; exit 1 on nondeterminism, naming the first event that differs."""
     failed = asyncio.run(_replay(files))
     click.echo(f"{len(files) - failed} replayed, {failed} failed")
     sys.exit(1 if failed else 0)
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
-    replayer = Replayer(workflows=[OutboxShard, OutboxPartition])
+    replayer = HistoryReplayer()
     failed = 0
     for path in files:
-        try:
-            recorded = WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
-        except (ValueError, KeyError) as exc:
-            click.echo(f"FAIL {path}: not a workflow history ({exc})")
-            failed += 1
-            continue
-        result = await replayer.replay_workflow(recorded, raise_on_replay_failure=False)
-        if result.replay_failure is None:
+        failure = await replayer.replay_file(path)
+        if failure is None:
             click.echo(f"ok   {path}")
         else:
-            click.echo(f"FAIL {path}: {result.replay_failure}")
+            click.echo(f"FAIL {failure}")
             failed += 1
     return failed
 

@@ -1,0 +1,195 @@
+"""Replaying exported workflow histories against the installed workflow code: for the
+``replay`` command and :func:`outbox_bridge.testing.assert_replays`.
+
+A history is replayed as the worker runs its workflows (unsandboxed, see
+:func:`outbox_bridge.runtime.worker.build_worker`), then under Temporal's sandbox too, which
+proves that the code makes no call the sandbox refuses as nondeterministic. A history that
+fails is replayed again cut short, to find the first event the code disagrees with.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import json_format
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.client import WorkflowHistory
+from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, WorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+
+from outbox_bridge.workflows.partition import OutboxPartition
+from outbox_bridge.workflows.shard import OutboxShard
+
+# Every workflow a worker runs: exported histories are of either.
+WORKFLOWS = (OutboxShard, OutboxPartition)
+
+UNSANDBOXED = "unsandboxed"
+SANDBOXED = "sandboxed"
+
+
+def _runner(name: str) -> WorkflowRunner:
+    return UnsandboxedWorkflowRunner() if name == UNSANDBOXED else SandboxedWorkflowRunner()
+
+
+@functools.cache
+def _quiet_runtime() -> Runtime:
+    """A Temporal runtime that logs errors only: the SDK's core warns of every workflow task a
+    replay fails, and a failing history is replayed several times to find its event."""
+    errors_only = TelemetryFilter(core_level="ERROR", other_level="ERROR")
+    return Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(filter=errors_only)))
+
+
+class HistoryError(ValueError):
+    """A file or history that cannot be replayed: not a workflow history, or one without a
+    workflow task."""
+
+
+def load_history(path: Path) -> WorkflowHistory:
+    """The history in ``path``: the JSON of ``outbox-bridge history export``, or the SDK's
+    (``WorkflowHistory.to_json``), which the Temporal CLI (``temporal workflow show --output
+    json``) and the UI's download write too. Raises :class:`HistoryError`."""
+    try:
+        recorded = WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, json_format.Error) as exc:
+        raise HistoryError(f"not a workflow history ({exc})") from None
+    check_history(recorded)
+    started = recorded.events[0].workflow_execution_started_event_attributes
+    workflow_id = getattr(started, "workflow_id", "") or path.stem
+    return WorkflowHistory(workflow_id, recorded.events)
+
+
+def check_history(history: WorkflowHistory) -> None:
+    """Raise :class:`HistoryError` unless ``history`` can be replayed: it begins with the
+    workflow's start and holds a workflow task."""
+    events = history.events
+    if not events or events[0].event_type != EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
+        raise HistoryError("not a workflow history (it does not begin with a start event)")
+    if not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED for e in events):
+        # Nothing to replay (and the SDK's replayer would wait forever for a workflow task).
+        raise HistoryError("the history has no workflow task to replay")
+
+
+def describe_event(event: HistoryEvent) -> str:
+    """``event 6 ActivityTaskScheduled PROJECT_UPDATE``: the event's id, its type and what it
+    names (the activity, timer, marker, signal or update), for a replay failure."""
+    kind = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
+    name = "".join(part.capitalize() for part in kind.split("_"))
+    detail = ""
+    which = event.WhichOneof("attributes")
+    if which == "activity_task_scheduled_event_attributes":
+        detail = event.activity_task_scheduled_event_attributes.activity_type.name
+    elif which == "timer_started_event_attributes":
+        detail = f"timer {event.timer_started_event_attributes.timer_id}"
+    elif which == "marker_recorded_event_attributes":
+        detail = event.marker_recorded_event_attributes.marker_name
+    elif which == "workflow_execution_signaled_event_attributes":
+        detail = event.workflow_execution_signaled_event_attributes.signal_name
+    elif which == "workflow_execution_update_accepted_event_attributes":
+        accepted = event.workflow_execution_update_accepted_event_attributes
+        detail = accepted.accepted_request.input.name
+    return f"event {event.event_id} {name}" + (f" {detail}" if detail else "")
+
+
+# The SDK wraps the core's failure in Rust debug output: its message is what matters.
+_CORE_MESSAGE = re.compile(r'message: "((?:[^"\\]|\\.)*)"')
+
+
+def _reason(error: Exception) -> str:
+    found = _CORE_MESSAGE.search(str(error))
+    return found.group(1).replace('\\"', '"') if found else str(error)
+
+
+@dataclass(frozen=True)
+class ReplayFailure:
+    """Why a history does not replay: where it came from, the runner it failed under, the
+    failure, and the first event the workflow code disagrees with (when one was found)."""
+
+    source: str
+    reason: str
+    runner: str | None = None
+    event: HistoryEvent | None = None
+
+    def __str__(self) -> str:
+        where = f" at {describe_event(self.event)}" if self.event is not None else ""
+        runner = f" ({self.runner})" if self.runner else ""
+        return f"{self.source}: {self.reason}{where}{runner}"
+
+
+class HistoryReplayer:
+    """Replays histories of the outbox workflows, unsandboxed like the worker runs them and,
+    with ``sandboxed``, under the sandbox as well."""
+
+    def __init__(self, *, sandboxed: bool = True) -> None:
+        names = [UNSANDBOXED, SANDBOXED] if sandboxed else [UNSANDBOXED]
+        self._replayers = [
+            (
+                name,
+                Replayer(
+                    workflows=list(WORKFLOWS),
+                    workflow_runner=_runner(name),
+                    runtime=_quiet_runtime(),
+                ),
+            )
+            for name in names
+        ]
+
+    async def replay_file(self, path: Path) -> ReplayFailure | None:
+        """Replay the history in ``path``; None if it replays."""
+        try:
+            recorded = load_history(path)
+        except HistoryError as exc:
+            return ReplayFailure(str(path), str(exc))
+        return await self.replay(recorded, source=str(path))
+
+    async def replay(self, history: WorkflowHistory, *, source: str) -> ReplayFailure | None:
+        """Replay ``history`` under each runner in turn; None if it replays under every one."""
+        try:
+            check_history(history)
+        except HistoryError as exc:
+            return ReplayFailure(source, str(exc))
+        for name, replayer in self._replayers:
+            result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+            if result.replay_failure is not None:
+                event = await _first_failing_event(replayer, history)
+                return ReplayFailure(source, _reason(result.replay_failure), name, event)
+        return None
+
+
+async def _first_failing_event(replayer: Replayer, history: WorkflowHistory) -> HistoryEvent | None:
+    """The event whose arrival makes the replay fail: a binary search over the history cut
+    after each event (a few replays of a short prefix each). None if no cut fails."""
+    events: Sequence[HistoryEvent] = history.events
+    started = next(
+        (
+            index
+            for index, event in enumerate(events)
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED
+        ),
+        None,
+    )
+    if started is None:
+        return None
+
+    async def fails(length: int) -> bool:
+        cut = WorkflowHistory(history.workflow_id, list(events[:length]))
+        result = await replayer.replay_workflow(cut, raise_on_replay_failure=False)
+        return result.replay_failure is not None
+
+    # A history needs its first workflow task to be replayed at all: cut after it at least.
+    low, high = started + 1, len(events)
+    if not await fails(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if await fails(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return events[low - 1]

@@ -1,0 +1,59 @@
+"""Testing an application's outbox: its handlers without Temporal (:func:`drain_outbox`), its
+upgrades against its own exported histories (:func:`assert_replays`), and the real path through
+a worker with the pytest plugin's fixtures (:mod:`outbox_bridge.testing.plugin`).
+
+The names below are loaded on first use, like the package's own: pytest loads the plugin in
+every run, and importing it must not load the worker's side of the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from outbox_bridge.testing.drain import (
+        DrainFailure,
+        DrainReport,
+        HandlerFailedError,
+        OutboxRunner,
+        ShardReport,
+        drain_outbox,
+        drain_outbox_async,
+        outbox_runner,
+    )
+
+_EXPORTS = {
+    "DrainFailure": "outbox_bridge.testing.drain",
+    "DrainReport": "outbox_bridge.testing.drain",
+    "HandlerFailedError": "outbox_bridge.testing.drain",
+    "OutboxRunner": "outbox_bridge.testing.drain",
+    "ShardReport": "outbox_bridge.testing.drain",
+    "drain_outbox": "outbox_bridge.testing.drain",
+    "drain_outbox_async": "outbox_bridge.testing.drain",
+    "outbox_runner": "outbox_bridge.testing.drain",
+}
+
+__all__ = [
+    "DrainFailure",
+    "DrainReport",
+    "HandlerFailedError",
+    "OutboxRunner",
+    "ShardReport",
+    "drain_outbox",
+    "drain_outbox_async",
+    "outbox_runner",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'outbox_bridge.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

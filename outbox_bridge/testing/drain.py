@@ -1,0 +1,555 @@
+"""Handling an app's outbox rows in-process, without Temporal: for tests of handlers.
+
+The drain reads each shard's head like a worker's drain does (:func:`read_shard_heads`, with the
+coalescing and deferral barrier of :func:`~outbox_bridge.runtime.batch.head_of`), resolves each
+group's handler and builds its message like the worker (:class:`HandlerCalls`), calls the
+handler, and deletes exactly the rows of the group it handled. It takes no shard lock and
+starts no workflow: it is meant for a database no worker drains at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import Connection, Engine, Table
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from outbox_bridge.db.store import (
+    SKIPPED_HOLD,
+    delete_handled,
+    read_held_shards,
+    read_shard_ranges,
+)
+from outbox_bridge.errors import OutboxError
+from outbox_bridge.registry import OutboxApp, OutboxMessage
+from outbox_bridge.runtime.batch import read_shard_heads
+from outbox_bridge.runtime.calls import Call, HandlerCalls
+from outbox_bridge.runtime.shards import parse_shard
+from outbox_bridge.workflows.models import ShardRef
+
+T = TypeVar("T")
+
+# Head groups taken per read of a shard (its window is twice as many rows), as the worker's
+# drain_max_groups would.
+MAX_GROUPS = 500
+# Reads in one drain before it gives up: handlers that write a new row for every row they
+# handle would keep it going forever.
+MAX_READS = 10_000
+
+SyncBind = Engine | Connection | Session
+AsyncBind = AsyncEngine | AsyncConnection | AsyncSession
+
+
+@dataclass(frozen=True)
+class DrainFailure:
+    """A handler that raised (or a row without a handler): the shard stopped there, and the
+    rows of the group are kept."""
+
+    table: str
+    shard: str  # SCOPE:ID, or REGION:SCOPE:ID
+    category: str
+    message: OutboxMessage  # the row the handler was given: the newest of its group
+    row_ids: tuple[int, ...]  # every row of the group, all kept
+    error: Exception
+
+    def __str__(self) -> str:
+        coalesced = f", {len(self.row_ids)} rows coalesced" if len(self.row_ids) > 1 else ""
+        return (
+            f"the handler of {self.category} failed on row {self.message.id} of {self.table} "
+            f"(shard {self.shard}, object {self.message.object_identifier}{coalesced}): "
+            f"{type(self.error).__qualname__}: {self.error}"
+        )
+
+
+@dataclass
+class ShardReport:
+    """What a drain did in one shard, and why it stopped if rows are left."""
+
+    table: str
+    shard: str  # SCOPE:ID, or REGION:SCOPE:ID
+    messages: list[OutboxMessage] = field(default_factory=list)  # handled, in order
+    rows_deleted: int = 0
+    deferred_until: datetime | None = None  # the shard waits for a row not due yet
+    failure: DrainFailure | None = None  # the shard stopped at this failure
+    skipped: bool = False  # skipped by an operator: left alone
+
+    @property
+    def handled(self) -> int:
+        """Handler calls that succeeded (one per coalescing group)."""
+        return len(self.messages)
+
+    @property
+    def coalesced(self) -> int:
+        """Rows deleted without a call of their own: older rows of a handled group."""
+        return self.rows_deleted - self.handled
+
+    @property
+    def ids(self) -> list[int]:
+        """The ids of the rows the handlers were given, in order."""
+        return [message.id for message in self.messages]
+
+
+@dataclass
+class DrainReport:
+    """What :func:`drain_outbox` did: one :class:`ShardReport` per shard that had rows, in the
+    order the shards were drained."""
+
+    shards: list[ShardReport] = field(default_factory=list)
+
+    @property
+    def handled(self) -> int:
+        """Handler calls that succeeded, in every shard."""
+        return sum(report.handled for report in self.shards)
+
+    @property
+    def coalesced(self) -> int:
+        """Rows deleted without a handler call of their own, in every shard."""
+        return sum(report.coalesced for report in self.shards)
+
+    @property
+    def rows_deleted(self) -> int:
+        return sum(report.rows_deleted for report in self.shards)
+
+    @property
+    def messages(self) -> list[OutboxMessage]:
+        """Every message handled, shard after shard."""
+        return [message for report in self.shards for message in report.messages]
+
+    @property
+    def failures(self) -> list[DrainFailure]:
+        return [report.failure for report in self.shards if report.failure is not None]
+
+    def shard(self, name: str, *, table: str | None = None) -> ShardReport:
+        """The report of shard ``name`` (``SCOPE:ID``; of ``table`` when the app has several
+        with that shard). Raises ``KeyError`` if the drain found no row there."""
+        for report in self.shards:
+            if report.shard == name and table in (None, report.table):
+                return report
+        raise KeyError(f"the drain found no row in shard {name}")
+
+
+class HandlerFailedError(OutboxError):
+    """A handler raised during :func:`drain_outbox`: the handler's exception is its cause, the
+    failed row is ``failure.message``, and ``report`` says what was handled before."""
+
+    def __init__(self, failure: DrainFailure, report: DrainReport) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+        self.report = report
+
+
+# -- the drain -------------------------------------------------------------------------------------
+
+
+class _UsageError(TypeError):
+    """The drain was called where it cannot run a handler: not the handler's failure."""
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self) -> None:
+        self.reads += 1
+        if self.reads > MAX_READS:
+            raise OutboxError(
+                f"the outbox was not empty after {MAX_READS} reads: do the handlers write a "
+                "new row for each row they handle?"
+            )
+
+
+class _Drain:
+    """One drain over ``conn``: shard after shard, each up to its end, its first failure or
+    its first row not yet due; then again, for rows the handlers wrote meanwhile."""
+
+    def __init__(
+        self,
+        app: OutboxApp,
+        conn: AsyncConnection,
+        invoke: Callable[[Call], Awaitable[None]],
+        *,
+        shards: list[tuple[Table, ShardRef | None]],
+        run_deferred: bool,
+        raise_on_failure: bool,
+    ) -> None:
+        self.app = app
+        self.conn = conn
+        self.invoke = invoke
+        self.targets = shards
+        self.run_deferred = run_deferred
+        self.raise_on_failure = raise_on_failure
+        self.calls = HandlerCalls(app, redact_errors=False, threads=1)
+        self.report = DrainReport()
+        self._reports: dict[tuple[str, str], ShardReport] = {}
+        self._progress = _Progress()
+
+    async def run(self) -> DrainReport:
+        try:
+            while await self._round():
+                pass
+        finally:
+            self.calls.close()
+        return self.report
+
+    async def _round(self) -> bool:
+        """Drain every shard with rows once; whether any row was handled."""
+        progressed = False
+        for table, only in self.targets:
+            skipped = {
+                (held.region, held.scope, held.shard_identifier)
+                for held in await read_held_shards(self.conn, table)
+                if held.held_for == SKIPPED_HOLD
+            }
+            for ref in await self._pending(table, only):
+                report = self._reports.get((table.name, ref.key))
+                if report is None:
+                    report = self._reports[table.name, ref.key] = ShardReport(table.name, ref.key)
+                    self.report.shards.append(report)
+                stopped = report.failure is not None or report.deferred_until is not None
+                if stopped or report.skipped:
+                    continue
+                if (ref.region, ref.scope, ref.shard_identifier) in skipped:
+                    report.skipped = True
+                    continue
+                before = report.rows_deleted
+                await self._shard(table, ref, report)
+                progressed = progressed or report.rows_deleted > before
+                if report.failure is not None and self.raise_on_failure:
+                    raise HandlerFailedError(report.failure, self.report) from report.failure.error
+        return progressed
+
+    async def _pending(self, table: Table, only: ShardRef | None) -> list[ShardRef]:
+        """The shards of ``table`` with rows, the one with the oldest row first."""
+        ranges = sorted(await read_shard_ranges(self.conn, table), key=lambda r: r.min_id)
+        refs = [
+            ShardRef(
+                table.name,
+                found.scope,
+                self.app.scope_name(found.scope),
+                found.shard_identifier,
+                found.region,
+            )
+            for found in ranges
+        ]
+        return [ref for ref in refs if only is None or ref == only]
+
+    async def _shard(self, table: Table, ref: ShardRef, report: ShardReport) -> None:
+        conn = self.conn
+
+        async def execute(work: Callable[[AsyncConnection], Awaitable[Any]]) -> Any:
+            return await work(conn)
+
+        while True:
+            self._progress.read()
+            heads = await read_shard_heads(
+                execute,
+                table,
+                [ref],
+                max_groups=MAX_GROUPS,
+                skip_held=False,
+                deferred_as_due=self.run_deferred,
+            )
+            if not heads:
+                return  # emptied
+            [head] = heads
+            if not head.groups and head.deferred_until is None:
+                return  # nothing due and nothing deferred: nothing to do
+            for group in head.groups:
+                row = head.rows.get(group.last_id)
+                if row is None:
+                    break  # a handler deleted it: read the head again
+                call = self.calls.prepare(ref, group, row)
+                try:
+                    if call.error is not None:
+                        raise call.error
+                    await self.invoke(call)
+                except _UsageError:
+                    raise
+                except Exception as exc:
+                    # Only an Exception is a handler's failure: a test's own outcome (pytest's
+                    # fail or skip, a KeyboardInterrupt) goes through as it is.
+                    report.failure = DrainFailure(
+                        table.name, ref.key, call.category, call.message, tuple(group.ids), exc
+                    )
+                    return
+                report.messages.append(call.message)
+                report.rows_deleted += len(await delete_handled(conn, table, group.ids))
+            else:
+                if not head.more and head.deferred_until is not None:
+                    report.deferred_until = head.deferred_until
+                    return
+
+
+def _targets(
+    app: OutboxApp, shard: str | ShardRef | None, table: str | None
+) -> list[tuple[Table, ShardRef | None]]:
+    """The tables to drain, each with the one shard to drain in it (None: every shard)."""
+    names = [app.table(table).name] if table is not None else list(app.tables)
+    if shard is None:
+        return [(app.table(name), None) for name in names]
+    if isinstance(shard, ShardRef):
+        return [(app.table(shard.table), shard)]
+    targets: list[tuple[Table, ShardRef | None]] = []
+    for name in names:
+        # A shard's name fits the tables of its form (REGION:SCOPE:ID for a regional table).
+        if (shard.count(":") >= 2) == app.table_spec(name).regional:
+            targets.append((app.table(name), parse_shard(shard, app, table=name)))
+    if not targets:
+        parse_shard(shard, app, table=table)  # raises, saying which form the name needs
+    return targets
+
+
+# -- sync ------------------------------------------------------------------------------------------
+
+
+class _Blocking:
+    """A sync ``Connection`` behind the awaitable ``execute`` that the statements of
+    :mod:`outbox_bridge.db.store` use: its statements run at once, in the calling thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    async def execute(self, statement: Any, parameters: Any = None) -> Any:
+        return self.conn.execute(statement, parameters)
+
+
+class _SyncCalls:
+    """Calls handlers in the calling thread; an ``async def`` handler runs to its end on an
+    event loop of the drain's own."""
+
+    def __init__(self) -> None:
+        self._runner: asyncio.Runner | None = None
+
+    async def __call__(self, call: Call) -> None:
+        assert call.handler is not None
+        if call.is_sync:
+            call.handler(call.message)
+            return
+        if self._runner is None:
+            # A loop of its own, never set as the thread's current one.
+            self._runner = asyncio.Runner(loop_factory=asyncio.new_event_loop)
+        running = cast(Coroutine[Any, Any, None], call.handler(call.message))
+        try:
+            self._runner.run(running)
+        except RuntimeError as exc:
+            if "running event loop" not in str(exc):
+                raise
+            running.close()
+            raise _UsageError(
+                "drain_outbox() cannot run an async handler while an event loop runs in this "
+                "thread (an async test): use await drain_outbox_async()"
+            ) from None
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+
+
+def _to_the_end(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never waits (every statement and call in it completes at once)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coroutine.close()
+    raise RuntimeError("the in-process drain waited on something: it cannot run synchronously")
+
+
+@contextlib.contextmanager
+def _sync_connection(bind: SyncBind) -> Iterator[Connection]:
+    if isinstance(bind, Session):
+        bind.flush()  # rows of OutboxModel instances are written by the flush
+        yield bind.connection()
+    elif isinstance(bind, Connection):
+        yield bind
+    elif isinstance(bind, Engine):
+        # Each statement commits on its own, like the worker's deletes.
+        with bind.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+    elif isinstance(bind, AsyncEngine | AsyncConnection | AsyncSession):
+        raise TypeError(f"drain_outbox() got an {type(bind).__name__}: use drain_outbox_async()")
+    else:
+        raise TypeError(
+            f"drain_outbox() needs a SQLAlchemy Engine, Connection or Session, not "
+            f"{type(bind).__name__}"
+        )
+
+
+def drain_outbox(
+    app: OutboxApp,
+    bind: SyncBind,
+    *,
+    shard: str | ShardRef | None = None,
+    table: str | None = None,
+    run_deferred: bool = False,
+    raise_on_failure: bool = True,
+) -> DrainReport:
+    """Handle every due row of ``app``'s tables in the calling thread, as the worker would:
+    shard by shard in id order, each coalescing group once with its newest row, deleting
+    exactly the rows handled. Rows that handlers write meanwhile are handled too.
+
+    Args:
+        app: the app whose handlers run.
+        bind: an ``Engine`` (each statement commits on its own), or a ``Connection`` or
+            ``Session``: the drain then runs in its transaction, sees its uncommitted rows and
+            deletes in it, and never commits (a test may roll everything back).
+        shard: only this shard (``SCOPE:ID``, ``REGION:SCOPE:ID`` for a regional table).
+        table: only this table of the app.
+        run_deferred: handle rows not due yet too, in id order; otherwise the first of them
+            holds its shard, as in the worker.
+        raise_on_failure: raise :class:`HandlerFailedError` at the first handler that raises;
+            otherwise record it in the report, keep its rows and stop its shard (the other
+            shards go on).
+
+    Shards skipped by an operator (``outbox-bridge skip``) are left alone; a shard that a
+    workflow holds for any other reason is drained (no workflow runs in a test). Sync
+    handlers run in the calling thread, async ones on an event loop of the drain's own.
+    """
+    targets = _targets(app, shard, table)
+    calls = _SyncCalls()
+    try:
+        with _sync_connection(bind) as conn:
+            drain = _Drain(
+                app,
+                cast(AsyncConnection, _Blocking(conn)),
+                calls,
+                shards=targets,
+                run_deferred=run_deferred,
+                raise_on_failure=raise_on_failure,
+            )
+            return _to_the_end(drain.run())
+    finally:
+        calls.close()
+
+
+# -- async -----------------------------------------------------------------------------------------
+
+
+async def _call_async(call: Call) -> None:
+    assert call.handler is not None
+    if call.is_sync:
+        # In a thread, as the worker runs plain-def handlers.
+        await asyncio.to_thread(call.handler, call.message)
+    else:
+        await cast(Awaitable[None], call.handler(call.message))
+
+
+@contextlib.asynccontextmanager
+async def _async_connection(bind: AsyncBind) -> AsyncIterator[AsyncConnection]:
+    if isinstance(bind, AsyncSession):
+        await bind.flush()
+        yield await bind.connection()
+    elif isinstance(bind, AsyncConnection):
+        yield bind
+    elif isinstance(bind, AsyncEngine):
+        async with bind.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
+    elif isinstance(bind, Engine | Connection | Session):
+        raise TypeError(f"drain_outbox_async() got a {type(bind).__name__}: use drain_outbox()")
+    else:
+        raise TypeError(
+            "drain_outbox_async() needs a SQLAlchemy AsyncEngine, AsyncConnection or "
+            f"AsyncSession, not {type(bind).__name__}"
+        )
+
+
+async def drain_outbox_async(
+    app: OutboxApp,
+    bind: AsyncBind,
+    *,
+    shard: str | ShardRef | None = None,
+    table: str | None = None,
+    run_deferred: bool = False,
+    raise_on_failure: bool = True,
+) -> DrainReport:
+    """:func:`drain_outbox` in the running event loop, with an ``AsyncEngine``,
+    ``AsyncConnection`` or ``AsyncSession``. Async handlers run in this loop; plain-def
+    handlers in a thread, one at a time, as the worker runs them."""
+    targets = _targets(app, shard, table)
+    async with _async_connection(bind) as conn:
+        drain = _Drain(
+            app,
+            conn,
+            _call_async,
+            shards=targets,
+            run_deferred=run_deferred,
+            raise_on_failure=raise_on_failure,
+        )
+        return await drain.run()
+
+
+# -- a runner --------------------------------------------------------------------------------------
+
+
+class OutboxRunner:
+    """Drains when its block ends (unless the block raised): ``with`` runs
+    :func:`drain_outbox`, ``async with`` runs :func:`drain_outbox_async`. ``report`` holds the
+    last drain's report; :meth:`drain` drains within the block."""
+
+    def __init__(self, app: OutboxApp, bind: SyncBind | AsyncBind, **options: Any) -> None:
+        self.app = app
+        self.bind = bind
+        self.options = options
+        self.report: DrainReport | None = None
+
+    def drain(self) -> DrainReport:
+        self.report = drain_outbox(self.app, cast(SyncBind, self.bind), **self.options)
+        return self.report
+
+    async def drain_async(self) -> DrainReport:
+        bind = cast(AsyncBind, self.bind)
+        self.report = await drain_outbox_async(self.app, bind, **self.options)
+        return self.report
+
+    def __enter__(self) -> OutboxRunner:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.drain()
+
+    async def __aenter__(self) -> OutboxRunner:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            await self.drain_async()
+
+
+def outbox_runner(
+    app: OutboxApp,
+    bind: SyncBind | AsyncBind,
+    *,
+    shard: str | ShardRef | None = None,
+    table: str | None = None,
+    run_deferred: bool = False,
+    raise_on_failure: bool = True,
+) -> OutboxRunner:
+    """A context manager that drains ``app``'s outbox when its block ends: ``with
+    outbox_runner(app, session) as runner:`` (or ``async with`` and an async bind). The
+    options are :func:`drain_outbox`'s."""
+    return OutboxRunner(
+        app,
+        bind,
+        shard=shard,
+        table=table,
+        run_deferred=run_deferred,
+        raise_on_failure=raise_on_failure,
+    )

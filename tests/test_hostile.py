@@ -15,14 +15,12 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from outbox_bridge import OutboxMessage, outbox_context
 from outbox_bridge.db.store import lock_key
 from outbox_bridge.runtime.shards import parse_shard
+from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import ShardStatus, SkipInput
-from outbox_bridge.workflows.shard import OutboxShard
 from tests.harness import (
     Category,
     Recorder,
@@ -226,10 +224,7 @@ async def test_a_history_with_the_local_drain_fallback_replays(servers, engine, 
     markers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
     assert "drain_shard" in scheduled and markers  # failed local drains, then the fallback
     assert [c.object_identifier for c in recorder.calls] == [1]
-    for runner in (UnsandboxedWorkflowRunner(), SandboxedWorkflowRunner()):
-        replayer = Replayer(workflows=[OutboxShard], workflow_runner=runner)
-        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
-        assert result.replay_failure is None, result.replay_failure
+    assert_replays(history)
 
 
 # -- the connection pool exhausted by slow handlers ----------------------------------------------

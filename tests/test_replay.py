@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
-from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, WorkflowRunner
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
-from outbox_bridge.workflows.partition import OutboxPartition
-from outbox_bridge.workflows.shard import OutboxShard
+from outbox_bridge.testing import assert_replays
 
-HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+HISTORY_FOLDER = Path(__file__).parent / "histories"
+HISTORIES = sorted(HISTORY_FOLDER.glob("*.json"))
 
 
 def load(path: Path) -> WorkflowHistory:
@@ -67,14 +65,61 @@ def test_the_corpus_covers_the_required_scenarios() -> None:
     assert EventType.EVENT_TYPE_TIMER_STARTED in kinds
 
 
-# The worker runs the workflow unsandboxed (it is library code); replaying under the sandbox as
-# well proves the code makes no call the sandbox would refuse as nondeterministic.
-RUNNERS = {"unsandboxed": UnsandboxedWorkflowRunner(), "sandboxed": SandboxedWorkflowRunner()}
+def test_every_recorded_history_replays() -> None:
+    """Unsandboxed, as the worker runs the workflows, and under the sandbox, which proves the
+    code makes no call the sandbox would refuse as nondeterministic."""
+    assert_replays(HISTORY_FOLDER)
 
 
-@pytest.mark.parametrize("runner", RUNNERS.values(), ids=list(RUNNERS))
-@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
-async def test_history_replays(path: Path, runner: WorkflowRunner) -> None:
-    replayer = Replayer(workflows=[OutboxShard, OutboxPartition], workflow_runner=runner)
-    result = await replayer.replay_workflow(load(path), raise_on_replay_failure=False)
-    assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
+# -- assert_replays ---------------------------------------------------------------------------------
+
+
+def tampered(tmp_path: Path) -> Path:
+    """A recorded history as if the workflow had scheduled another category's activity."""
+    recorded = json.loads((HISTORY_FOLDER / "v3-failing_then_succeeding.json").read_text())
+    for event in recorded["events"]:
+        attributes = event.get("activityTaskScheduledEventAttributes")
+        if attributes:
+            attributes["activityType"]["name"] = "USER_UPDATE"
+    path = tmp_path / "tampered.json"
+    path.write_text(json.dumps(recorded))
+    return path
+
+
+def test_assert_replays_takes_files_folders_patterns_and_histories(tmp_path: Path) -> None:
+    drain = HISTORY_FOLDER / "v4-drain.json"
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "drain.json").write_text(drain.read_text())
+    assert_replays(
+        drain,
+        str(tmp_path / "nested"),
+        f"{tmp_path}/**/*.json",
+        load(HISTORY_FOLDER / "v4-flush_run1.json"),
+    )
+
+
+def test_a_nondeterministic_history_fails_naming_the_file_and_the_event(tmp_path: Path) -> None:
+    bad = tampered(tmp_path)
+    with pytest.raises(AssertionError) as raised:
+        assert_replays(HISTORY_FOLDER / "v4-drain.json", bad)
+    message = str(raised.value)
+    assert message.startswith("1 of 2 histories do not replay"), message
+    assert f"{bad}: [TMPRL1100] Nondeterminism error" in message, message
+    assert "at event 6 ActivityTaskScheduled USER_UPDATE (unsandboxed)" in message, message
+    assert "v4-drain" not in message
+
+
+def test_assert_replays_refuses_what_is_no_history(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no history file matches"):
+        assert_replays(f"{tmp_path}/*.json")
+    with pytest.raises(FileNotFoundError, match="no history file"):
+        assert_replays(tmp_path / "missing.json")
+    (tmp_path / "notes.json").write_text('{"events": "none"}')
+    with pytest.raises(AssertionError, match=r"notes\.json: not a workflow history"):
+        assert_replays(tmp_path)
+
+
+async def test_assert_replays_in_an_async_test(tmp_path: Path) -> None:
+    assert_replays(HISTORY_FOLDER / "v4-deferred.json")
+    with pytest.raises(AssertionError, match=r"tampered\.json"):
+        assert_replays(tampered(tmp_path))

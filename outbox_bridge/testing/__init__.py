@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         drain_outbox_async,
         outbox_runner,
     )
+    from outbox_bridge.testing.replay import assert_replays
 
 _EXPORTS = {
     "DrainFailure": "outbox_bridge.testing.drain",
@@ -32,6 +33,7 @@ _EXPORTS = {
     "drain_outbox": "outbox_bridge.testing.drain",
     "drain_outbox_async": "outbox_bridge.testing.drain",
     "outbox_runner": "outbox_bridge.testing.drain",
+    "assert_replays": "outbox_bridge.testing.replay",
 }
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "HandlerFailedError",
     "OutboxRunner",
     "ShardReport",
+    "assert_replays",
     "drain_outbox",
     "drain_outbox_async",
     "outbox_runner",

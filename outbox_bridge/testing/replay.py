@@ -1,0 +1,85 @@
+"""Replaying exported histories in a test: :func:`assert_replays`."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from temporalio.client import WorkflowHistory
+
+from outbox_bridge.runtime.replay import HistoryReplayer, ReplayFailure
+
+T = TypeVar("T")
+
+History = str | os.PathLike[str] | WorkflowHistory
+
+
+def _files(source: str | os.PathLike[str]) -> list[Path]:
+    """The files ``source`` names: a file, a folder (its ``*.json``) or a glob pattern."""
+    text = os.fspath(source)
+    if glob.has_magic(text):
+        found = sorted(Path(p) for p in glob.glob(text, recursive=True))
+        if not found:
+            raise FileNotFoundError(f"no history file matches {text}")
+        return found
+    path = Path(text)
+    if path.is_dir():
+        found = sorted(path.glob("*.json"))
+        if not found:
+            raise FileNotFoundError(f"no history file (*.json) in {text}")
+        return found
+    if not path.exists():
+        raise FileNotFoundError(f"no history file {text}")
+    return [path]
+
+
+async def _replay_all(
+    histories: list[Path | WorkflowHistory], sandboxed: bool
+) -> list[ReplayFailure]:
+    replayer = HistoryReplayer(sandboxed=sandboxed)
+    failures = []
+    for history in histories:
+        if isinstance(history, WorkflowHistory):
+            failure = await replayer.replay(history, source=f"history of {history.workflow_id}")
+        else:
+            failure = await replayer.replay_file(history)
+        if failure is not None:
+            failures.append(failure)
+    return failures
+
+
+def _apart(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` on an event loop in a thread of its own (a test may run its own)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="outbox-replay") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def assert_replays(*histories: History, sandboxed: bool = True) -> None:
+    """Replay exported workflow histories against the installed workflow code (``OutboxShard``
+    and ``OutboxPartition``), as the worker runs it and, with ``sandboxed``, under Temporal's
+    sandbox too; fail the test naming every history that does not replay and the first event
+    the code disagrees with.
+
+    Each argument is a history file (``outbox-bridge history export``'s JSON, or the Temporal
+    SDK's, CLI's or UI's), a folder of them (``*.json``), a glob pattern
+    (``"histories/**/*.json"``), or a ``WorkflowHistory``. A name that matches no file raises
+    ``FileNotFoundError``: a corpus that went missing must not pass.
+    """
+    __tracebackhide__ = True
+    if not histories:
+        raise TypeError("assert_replays() needs at least one history, file, folder or pattern")
+    found: list[Path | WorkflowHistory] = []
+    for history in histories:
+        found += [history] if isinstance(history, WorkflowHistory) else _files(history)
+    failures = _apart(_replay_all(found, sandboxed))
+    if failures:
+        lines = "\n".join(f"  {failure}" for failure in failures)
+        raise AssertionError(
+            f"{len(failures)} of {len(found)} histories do not replay against the installed "
+            f"workflow code:\n{lines}"
+        )

@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from outbox_bridge.testing import PostgresServer, TemporalServer
 from tests.harness import Servers, connect_client, new_engine, start_servers
 
 pytest_plugins = ["pytester"]
@@ -94,3 +95,19 @@ async def engine(servers: Servers) -> AsyncIterator[AsyncEngine]:
 @pytest.fixture(scope="session")
 async def client(servers: Servers) -> Client:
     return await connect_client(servers)
+
+
+# The fixtures of outbox-bridge's pytest plugin (outbox_bridge.testing.plugin) use the suite's
+# servers rather than starting their own.
+
+
+@pytest.fixture(scope="session")
+def outbox_postgres(servers: Servers) -> Iterator[PostgresServer]:
+    server = PostgresServer(servers.database_url)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def outbox_temporal(servers: Servers) -> TemporalServer:
+    return TemporalServer(servers.temporal_address)

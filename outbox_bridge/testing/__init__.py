@@ -23,6 +23,13 @@ if TYPE_CHECKING:
         outbox_runner,
     )
     from outbox_bridge.testing.replay import assert_replays
+    from outbox_bridge.testing.servers import (
+        OutboxDatabase,
+        OutboxWorker,
+        PostgresServer,
+        TemporalServer,
+        worker_settings,
+    )
 
 _EXPORTS = {
     "DrainFailure": "outbox_bridge.testing.drain",
@@ -34,18 +41,28 @@ _EXPORTS = {
     "drain_outbox_async": "outbox_bridge.testing.drain",
     "outbox_runner": "outbox_bridge.testing.drain",
     "assert_replays": "outbox_bridge.testing.replay",
+    "OutboxDatabase": "outbox_bridge.testing.servers",
+    "OutboxWorker": "outbox_bridge.testing.servers",
+    "PostgresServer": "outbox_bridge.testing.servers",
+    "TemporalServer": "outbox_bridge.testing.servers",
+    "worker_settings": "outbox_bridge.testing.servers",
 }
 
 __all__ = [
     "DrainFailure",
     "DrainReport",
     "HandlerFailedError",
+    "OutboxDatabase",
     "OutboxRunner",
+    "OutboxWorker",
+    "PostgresServer",
     "ShardReport",
+    "TemporalServer",
     "assert_replays",
     "drain_outbox",
     "drain_outbox_async",
     "outbox_runner",
+    "worker_settings",
 ]
 
 

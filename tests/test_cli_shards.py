@@ -14,6 +14,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxMessage
+from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import ResumeInput, SkipInput
 from tests.harness import (
     Category,
@@ -184,6 +185,7 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     code, out, err = await cli(servers, table, "replay", str(exported))
     assert code == 0, out + err
     assert "1 replayed, 0 failed" in out
+    assert_replays(exported)  # what an application's test does with its exported histories
 
     # The same history as if the workflow had scheduled another category: nondeterminism.
     recorded = json.loads((ROOT / "tests/histories/v3-failing_then_succeeding.json").read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -74,16 +75,65 @@ def test_every_recorded_history_replays() -> None:
 # -- assert_replays ---------------------------------------------------------------------------------
 
 
-def tampered(tmp_path: Path) -> Path:
-    """A recorded history as if the workflow had scheduled another category's activity."""
-    recorded = json.loads((HISTORY_FOLDER / "v3-failing_then_succeeding.json").read_text())
+def scheduling_another_activity(recorded: dict[str, Any]) -> dict[str, Any]:
+    """``recorded`` as if the workflow had scheduled another category's activity."""
     for event in recorded["events"]:
         attributes = event.get("activityTaskScheduledEventAttributes")
         if attributes:
             attributes["activityType"]["name"] = "USER_UPDATE"
+    return recorded
+
+
+def tampered(tmp_path: Path) -> Path:
+    """A recorded history as if the workflow had scheduled another category's activity."""
+    recorded = json.loads((HISTORY_FOLDER / "v3-failing_then_succeeding.json").read_text())
     path = tmp_path / "tampered.json"
-    path.write_text(json.dumps(recorded))
+    path.write_text(json.dumps(scheduling_another_activity(recorded)))
     return path
+
+
+def pascal_case(name: str, prefix: str) -> str:
+    """``EVENT_TYPE_WORKFLOW_EXECUTION_STARTED`` as the Temporal UI writes it:
+    ``WorkflowExecutionStarted``."""
+    return "".join(part.capitalize() for part in name.removeprefix(prefix).split("_"))
+
+
+def as_the_ui_writes_it(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A history in the JSON of the Temporal UI's download (and older CLIs): enum values
+    without their prefix, in PascalCase."""
+    for event in recorded["events"]:
+        event["eventType"] = pascal_case(event["eventType"], "EVENT_TYPE_")
+        for value in event.values():
+            queue = value.get("taskQueue") if isinstance(value, dict) else None
+            if queue and "kind" in queue:
+                queue["kind"] = pascal_case(queue["kind"], "TASK_QUEUE_KIND_")
+    return recorded
+
+
+def test_assert_replays_reads_the_sdks_and_the_uis_json(tmp_path: Path) -> None:
+    """``outbox-bridge history export`` writes the SDK's JSON indented (the corpus's files);
+    the SDK's ``to_json`` writes it as it is; the UI's download names enums its own way.
+    Each replays, and each fails the same way when the code disagrees with it."""
+    exported = HISTORY_FOLDER / "v5-failing_then_succeeding.json"
+    sdk = tmp_path / "sdk" / "history.json"
+    ui = tmp_path / "ui" / "history.json"
+    for path in (sdk, ui):
+        path.parent.mkdir()
+    sdk.write_text(load(exported).to_json())
+    assert sdk.read_text() != exported.read_text() and "EVENT_TYPE_" in sdk.read_text()
+    ui.write_text(json.dumps(as_the_ui_writes_it(json.loads(exported.read_text()))))
+    assert "EVENT_TYPE_" not in ui.read_text() and "WorkflowTaskScheduled" in ui.read_text()
+    assert_replays(exported, sdk, ui)
+
+    for path in (sdk, ui):
+        path.write_text(json.dumps(scheduling_another_activity(json.loads(path.read_text()))))
+    with pytest.raises(AssertionError) as raised:
+        assert_replays(sdk, ui)
+    message = str(raised.value)
+    assert message.startswith("2 of 2 histories do not replay"), message
+    for path in (sdk, ui):
+        assert f"{path}: [TMPRL1100] Nondeterminism error" in message, message
+    assert message.count("ActivityTaskScheduled USER_UPDATE (unsandboxed)") == 2, message
 
 
 def test_assert_replays_takes_files_folders_patterns_and_histories(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import outbox_bridge
+from outbox_bridge import testing
 from outbox_bridge.cli import main as cli
 from outbox_bridge.config import OutboxSettings, env_name
 
@@ -61,6 +62,13 @@ def test_every_public_name_is_in_the_api_reference(site: Path) -> None:
     text = page(site, "reference/api")
     for name in outbox_bridge.__all__:
         assert f'id="outbox_bridge.{name}"' in text, name
+
+
+def test_every_name_of_the_testing_toolkit_is_in_the_api_reference(site: Path) -> None:
+    text = page(site, "reference/api")
+    for name in testing.__all__:
+        assert f'id="outbox_bridge.testing.{name}"' in text, name
+    assert "outbox_bridge.testing" in page(site, "how-to/testing")
 
 
 def test_benchmark_charts_are_served_from_bench_results(site: Path) -> None:

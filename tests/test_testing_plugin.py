@@ -1,6 +1,6 @@
 """The pytest plugin of outbox_bridge.testing: its fixtures in this suite (on the suite's servers,
-see tests/conftest.py), and in a user's project that pytester runs with nothing but the
-plugin's entry point and an ini option."""
+see tests/conftest.py), in a user's project that pytester runs with nothing but the plugin's
+entry point and an ini option, and in examples/testing run as a project of its own."""
 
 from __future__ import annotations
 

@@ -13,39 +13,36 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from outbox_bridge.testing.drain import (
-        DrainFailure,
-        DrainReport,
-        HandlerFailedError,
         OutboxRunner,
-        ShardReport,
         drain_outbox,
         drain_outbox_async,
         outbox_runner,
     )
     from outbox_bridge.testing.replay import assert_replays
-    from outbox_bridge.testing.servers import (
-        OutboxDatabase,
-        OutboxWorker,
-        PostgresServer,
-        TemporalServer,
-        worker_settings,
+    from outbox_bridge.testing.report import (
+        DrainFailure,
+        DrainReport,
+        HandlerFailedError,
+        ShardReport,
     )
+    from outbox_bridge.testing.servers import OutboxDatabase, PostgresServer, TemporalServer
+    from outbox_bridge.testing.worker import OutboxWorker, worker_settings
 
 _EXPORTS = {
-    "DrainFailure": "outbox_bridge.testing.drain",
-    "DrainReport": "outbox_bridge.testing.drain",
-    "HandlerFailedError": "outbox_bridge.testing.drain",
+    "DrainFailure": "outbox_bridge.testing.report",
+    "DrainReport": "outbox_bridge.testing.report",
+    "HandlerFailedError": "outbox_bridge.testing.report",
     "OutboxRunner": "outbox_bridge.testing.drain",
-    "ShardReport": "outbox_bridge.testing.drain",
+    "ShardReport": "outbox_bridge.testing.report",
     "drain_outbox": "outbox_bridge.testing.drain",
     "drain_outbox_async": "outbox_bridge.testing.drain",
     "outbox_runner": "outbox_bridge.testing.drain",
     "assert_replays": "outbox_bridge.testing.replay",
     "OutboxDatabase": "outbox_bridge.testing.servers",
-    "OutboxWorker": "outbox_bridge.testing.servers",
+    "OutboxWorker": "outbox_bridge.testing.worker",
     "PostgresServer": "outbox_bridge.testing.servers",
     "TemporalServer": "outbox_bridge.testing.servers",
-    "worker_settings": "outbox_bridge.testing.servers",
+    "worker_settings": "outbox_bridge.testing.worker",
 }
 
 __all__ = [

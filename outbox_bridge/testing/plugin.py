@@ -40,10 +40,10 @@ if TYPE_CHECKING:
         DatabaseTemplate,
         EventLoopThread,
         OutboxDatabase,
-        OutboxWorker,
         PostgresServer,
         TemporalServer,
     )
+    from outbox_bridge.testing.worker import OutboxWorker
 
 DATABASE_URL_ENV = "OUTBOX_TEST_DATABASE_URL"
 TEMPORAL_ADDRESS_ENV = "OUTBOX_TEST_TEMPORAL_ADDRESS"
@@ -72,6 +72,13 @@ def _servers() -> ModuleType:
     from outbox_bridge.testing import servers
 
     return servers
+
+
+def _worker() -> ModuleType:
+    # Imported when a fixture is used, as _servers.
+    from outbox_bridge.testing import worker
+
+    return worker
 
 
 def _setting(config: pytest.Config, env: str, ini: str) -> str | None:
@@ -177,7 +184,7 @@ def outbox_session_database(_outbox_template: DatabaseTemplate) -> Iterator[Outb
 def outbox_settings() -> OutboxSettings:
     """The settings of the test's worker: short timers and a task queue of its own. Override
     it to change a setting (``return worker_settings(linger=0)``)."""
-    settings: OutboxSettings = _servers().worker_settings()
+    settings: OutboxSettings = _worker().worker_settings()
     return settings
 
 
@@ -192,7 +199,7 @@ def outbox_worker(
     """The app's worker, running on ``outbox_database`` for the test (in a thread of its own),
     with ``wait_handled(row id or shard, timeout=...)``; stopped after the test, and its
     workflows terminated."""
-    worker: OutboxWorker = _servers().OutboxWorker(
+    worker: OutboxWorker = _worker().OutboxWorker(
         outbox_app, outbox_database, outbox_temporal.address, _outbox_loop, outbox_settings
     )
     worker.start()

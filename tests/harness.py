@@ -27,6 +27,7 @@ from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from outbox_bridge.runtime.worker import serve
+from outbox_bridge.testing import worker_settings
 
 
 class Scope(IntEnum):
@@ -75,22 +76,9 @@ async def start_servers(base: Path) -> Servers:
 
 
 def fast_settings(**overrides: Any) -> OutboxSettings:
-    """Settings with short timers, so that tests see retries, sweeps and idleness quickly."""
-    values: dict[str, Any] = {
-        "idle_timeout": 2.0,
-        "initial_retry_interval": 0.2,
-        "max_retry_interval": 1.0,
-        "handler_timeout": 20.0,
-        "heartbeat_timeout": 5.0,
-        "poll_interval": 0.2,
-        "sweep_interval": 1.5,
-        "task_queue": f"tq-{uuid.uuid4().hex[:8]}",
-        # No health endpoints unless a test asks for them: the default port (8080) belongs
-        # to the machine, and a taken one is logged as an error.
-        "health_port": 0,
-    }
-    values.update(overrides)
-    return OutboxSettings(**values)
+    """Settings with short timers, so that tests see retries, sweeps and idleness quickly: the
+    testing toolkit's, which applications' tests run their workers with."""
+    return worker_settings(**overrides)
 
 
 @dataclass

@@ -39,6 +39,8 @@ def worker_settings(**overrides: Any) -> OutboxSettings:
         "poll_interval": 0.2,
         "sweep_interval": 1.5,
         "task_queue": f"outbox-test-{uuid.uuid4().hex[:8]}",
+        # No health endpoints unless asked for: the default port (8080) belongs to the machine,
+        # and a taken one is logged as an error.
         "health_port": 0,
     }
     values.update(overrides)

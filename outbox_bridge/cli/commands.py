@@ -56,6 +56,7 @@ from outbox_bridge.workflows.models import (
 # The state `shards` shows for a shard with no workflow of its own (its partition drains it).
 NO_WORKFLOW = "none"
 
+
 def run() -> None:
     """Entry point: run the command line, then leave without interpreter teardown.
 

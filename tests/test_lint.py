@@ -1,4 +1,4 @@
-"""The code stays ruff-clean and strictly typed: part of the default suite, so CI enforces it."""
+"""The code stays ruff-clean, ruff-formatted and strictly typed: part of the default suite, so CI enforces it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def _run(*command: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff_finds_nothing() -> None:
     result = _run("ruff", "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_changes_nothing() -> None:
+    result = _run("ruff", "format", "--check", ".")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -289,6 +289,26 @@ class OutboxApp:
     def handler_for(self, category: int) -> Handler | None:
         return self._handlers.get(int(category))
 
+    def wrap_handlers(self, wrapper: Callable[[Handler], Handler]) -> None:
+        """Replace every registered handler ``fn`` with ``wrapper(fn)``, for code that must run
+        around each call in the worker (the Django worker command keeps each call's database
+        connections usable). A handler registered for several categories is wrapped once. The
+        wrapper must keep the handler's kind: an ``async def`` for an async handler, a plain
+        function for a plain one."""
+        wrapped: dict[int, Handler] = {}
+        for fn in self._handlers.values():
+            if id(fn) not in wrapped:
+                replacement = wrapper(fn)
+                if self.is_async_handler(replacement) != self.is_async_handler(fn):
+                    raise RegistryError(
+                        f"the wrapper of {getattr(fn, '__qualname__', fn)!s} changed it from "
+                        f"{'async' if self.is_async_handler(fn) else 'plain'} to "
+                        f"{'async' if self.is_async_handler(replacement) else 'plain'}"
+                    )
+                wrapped[id(fn)] = replacement
+        # Every wrapper checked before any handler is replaced.
+        self._handlers = {category: wrapped[id(fn)] for category, fn in self._handlers.items()}
+
     def check_handlers(self) -> None:
         """Raise :class:`MissingHandlerError` unless every category has a handler."""
         missing = [c.name for c in self._categories.values() if int(c) not in self._handlers]
@@ -329,7 +349,7 @@ class OutboxApp:
         The scope follows from the category; pass ``shard_scope`` to have it checked.
         ``scheduled_for`` (an aware datetime, or a delay) defers the row: its shard waits.
         """
-        row = self._prepare(
+        row = self.prepare(
             RowSpec(
                 category,
                 shard_identifier,
@@ -365,7 +385,7 @@ class OutboxApp:
         table: str | None = None,
     ) -> int:
         """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
-        row = self._prepare(
+        row = self.prepare(
             RowSpec(
                 category,
                 shard_identifier,
@@ -382,8 +402,15 @@ class OutboxApp:
             row_id = seen.written(int(result.scalar_one()))
         return self._written(session, row.shard, row_id)
 
-    def _prepare(self, spec: RowSpec) -> PreparedRow:
-        """Resolve the row's table, category and scope; the producer checks the rest."""
+    def prepare(self, spec: RowSpec) -> PreparedRow:
+        """Check ``spec`` against the registry and build its INSERT ... RETURNING id, without
+        running it: what :meth:`write` runs with a SQLAlchemy session, for integrations that
+        run it with a connection of their own (:mod:`outbox_bridge.contrib.django`).
+
+        The registry resolves the row's table, category and scope; the producer checks the
+        rest. Raises :class:`~outbox_bridge.InvalidRowError` (or
+        :class:`~outbox_bridge.RegistryError` for an unknown table) like :meth:`write`.
+        """
         table = self.table(spec.table)
         category = self.category(bigint("category", spec.category))
         if category is None:

@@ -11,6 +11,7 @@ from enum import IntEnum
 import pytest
 
 from outbox_bridge import (
+    Handler,
     MissingHandlerError,
     OutboxApp,
     OutboxError,
@@ -328,6 +329,42 @@ def test_check_handlers_lists_every_missing_category() -> None:
 
 def test_an_empty_registry_needs_no_handler() -> None:
     OutboxApp(scopes={}).check_handlers()
+
+
+def test_wrap_handlers_wraps_each_handler_once_and_keeps_its_kind() -> None:
+    app = full_app()
+    app.handler(Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE)(_sync_handler)
+    app.handler(Category.USER_UPDATE)(_async_handler)
+    seen: list[object] = []
+
+    def wrapper(fn: Handler) -> Handler:
+        seen.append(fn)
+        if OutboxApp.is_async_handler(fn):
+
+            async def async_wrapped(message: OutboxMessage) -> None:
+                return None
+
+            return async_wrapped
+
+        def wrapped(message: OutboxMessage) -> None:
+            return None
+
+        return wrapped
+
+    app.wrap_handlers(wrapper)
+    assert seen == [_sync_handler, _async_handler]  # the shared handler once
+    organization = app.handler_for(Category.ORGANIZATION_UPDATE)
+    assert organization is app.handler_for(Category.PROJECT_UPDATE)
+    assert organization is not _sync_handler and organization is not None
+    assert not OutboxApp.is_async_handler(organization)
+    user = app.handler_for(Category.USER_UPDATE)
+    assert user is not None and OutboxApp.is_async_handler(user)
+    assert app.handler_for(Category.MEMBER_UPDATE) is None
+
+    with pytest.raises(RegistryError, match="changed it from async to plain"):
+        app.wrap_handlers(lambda fn: _sync_handler)
+    assert app.handler_for(Category.USER_UPDATE) is user  # a refused wrapper changes nothing
+    assert app.handler_for(Category.ORGANIZATION_UPDATE) is organization
 
 
 # -- load_app -----------------------------------------------------------------------------------

@@ -19,21 +19,20 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, get_args
 
 from sqlalchemy import Integer, event
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Mapper, Session, object_session
 
-from outbox_bridge.errors import OutboxModelError, RegistryError
+from outbox_bridge.declarations import Declaration, ModelRow, Operation, declare, model_row
+from outbox_bridge.errors import OutboxModelError
 from outbox_bridge.registry import OutboxApp
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import UOWTransaction
-
-Operation = Literal["insert", "update", "delete"]
 
 # Key in session.info: the changes of the flush under way.
 PENDING = "outbox_bridge.orm.pending"
@@ -82,37 +81,16 @@ class OutboxModel:
 
 
 @dataclass(frozen=True)
-class _Declaration:
-    app: OutboxApp
-    category: IntEnum
-    table: str
-    shard_attribute: str
-    object_attribute: str
-
-
-@dataclass(frozen=True)
-class _Row:
-    declaration: _Declaration
-    shard_identifier: int
-    object_identifier: int
-    payload: Any
-
-
-@dataclass(frozen=True)
 class _Change:
     instance: Any
     operation: Operation
-    row: _Row | None  # computed at once for deletes: after the DELETE, nothing can load
+    row: ModelRow | None  # computed at once for deletes: after the DELETE, nothing can load
 
 
 # -- declaration ---------------------------------------------------------------------------------
 
 # Each mapped OutboxModel class, resolved once when it is mapped.
-_declarations: weakref.WeakKeyDictionary[type[Any], _Declaration] = weakref.WeakKeyDictionary()
-
-
-def _camel(name: str) -> str:
-    return "".join(part.capitalize() for part in name.lower().split("_"))
+_declarations: weakref.WeakKeyDictionary[type[Any], Declaration] = weakref.WeakKeyDictionary()
 
 
 def _primary_key_attribute(mapper: Mapper[Any]) -> str | None:
@@ -125,92 +103,12 @@ def _primary_key_attribute(mapper: Mapper[Any]) -> str | None:
     return mapper.get_property_by_column(column).key
 
 
-def _declared_attribute(cls: type[Any], option: str) -> str | None:
-    value = getattr(cls, option, None)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not hasattr(cls, value):
-        raise OutboxModelError(
-            f"{cls.__name__}: {option} is {value!r}, which is not the name of an attribute of "
-            f"{cls.__name__}"
-        )
-    return value
-
-
-def _object_attribute(mapper: Mapper[Any], cls: type[Any]) -> str:
-    declared = _declared_attribute(cls, "__outbox_object__")
-    if declared is not None:
-        return declared
-    key = _primary_key_attribute(mapper)
-    if key is None:
-        columns = ", ".join(f"{c.name} {c.type}" for c in mapper.primary_key)
-        raise OutboxModelError(
-            f"{cls.__name__}: the object identifier is the primary key, which must be one "
-            f"integer column (it is {columns}); declare __outbox_object__ = '<attribute>' "
-            "naming an integer attribute"
-        )
-    return key
-
-
-def _shard_attribute(mapper: Mapper[Any], cls: type[Any], scope: IntEnum) -> str:
-    declared = _declared_attribute(cls, "__outbox_shard__")
-    if declared is not None:
-        return declared
-    conventional = f"{scope.name.lower()}_id"
-    if hasattr(cls, conventional):
-        return conventional
-    own = _camel(scope.name)
-    key = _primary_key_attribute(mapper)
-    if cls.__name__ == own and key is not None:
-        return key
-    raise OutboxModelError(
-        f"{cls.__name__}: cannot infer the shard identifier of scope {scope.name}: it has no "
-        f"attribute {conventional!r} and is not the {own} model; declare __outbox_shard__ = "
-        f"'<attribute holding the {scope.name.lower()} id>'"
-    )
-
-
-def _resolve(mapper: Mapper[Any], cls: type[Any]) -> _Declaration:
-    name = cls.__name__
-    app = getattr(cls, "__outbox_app__", None)
-    if not isinstance(app, OutboxApp):
-        raise OutboxModelError(
-            f"{name}: __outbox_app__ must be the OutboxApp that receives its rows, got {app!r}"
-        )
-    given = getattr(cls, "__outbox_category__", None)
-    if given is None:
-        raise OutboxModelError(
-            f"{name}: declare __outbox_category__ = <category>, the category of its rows"
-        )
-    category = None
-    if isinstance(given, int) and not isinstance(given, bool):
-        category = app.category(given)
-    if category is None:
-        raise OutboxModelError(
-            f"{name}: __outbox_category__ {given!r} is not registered in any scope of its app"
-        )
-    scope = app.scope_of(category)
-    assert scope is not None  # every registered category has a scope
-    try:
-        table = app.table_spec(getattr(cls, "__outbox_table__", None))
-    except RegistryError as exc:
-        raise OutboxModelError(f"{name}: __outbox_table__: {exc}") from None
-    if table.regional:
-        raise OutboxModelError(
-            f"{name}: table {table.name} is regional and needs one row per target region; "
-            "write those rows with app.write(session, region=...) instead"
-        )
-    return _Declaration(
-        app,
-        category,
-        table.name,
-        _shard_attribute(mapper, cls, scope),
-        _object_attribute(mapper, cls),
-    )
-
-
 def _declare(mapper: Mapper[Any], cls: type[Any]) -> None:
-    _declarations[cls] = _resolve(mapper, cls)
+    _declarations[cls] = declare(
+        cls,
+        primary_key=_primary_key_attribute(mapper),
+        primary_key_columns=", ".join(f"{c.name} {c.type}" for c in mapper.primary_key),
+    )
     _listen_to_sessions()
 
 
@@ -225,7 +123,7 @@ def _describe(instance: Any) -> str:
     return f"{type(instance).__name__} {key!r}"
 
 
-def _declaration(instance: Any) -> _Declaration:
+def _declaration(instance: Any) -> Declaration:
     state = sa_inspect(instance, raiseerr=False)
     declaration = None if state is None else _declarations.get(state.mapper.class_)
     if declaration is None:
@@ -235,27 +133,11 @@ def _declaration(instance: Any) -> _Declaration:
     return declaration
 
 
-def _identifier(instance: Any, attribute: str, what: str) -> int:
-    value = getattr(instance, attribute)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OutboxModelError(
-            f"cannot write the outbox row of {_describe(instance)}: its {what} ({attribute}) is "
-            f"{value!r}, not an integer; set it before the flush"
-        )
-    return value
+def _row_of(instance: Any, operation: Operation) -> ModelRow:
+    return model_row(_declaration(instance), instance, operation, _describe, "before the flush")
 
 
-def _row_of(instance: Any, operation: Operation) -> _Row:
-    declaration = _declaration(instance)
-    return _Row(
-        declaration,
-        _identifier(instance, declaration.shard_attribute, "shard identifier"),
-        _identifier(instance, declaration.object_attribute, "object identifier"),
-        instance.outbox_payload(operation),
-    )
-
-
-def _write_row(session: Session, row: _Row) -> int:
+def _write_row(session: Session, row: ModelRow) -> int:
     # With the Session itself, not its connection: outbox_context finds its rows through it.
     return row.declaration.app.write(
         session,
@@ -270,7 +152,7 @@ def _write_row(session: Session, row: _Row) -> int:
 # -- events --------------------------------------------------------------------------------------
 
 
-def _note(instance: Any, operation: Operation, row: _Row | None = None) -> None:
+def _note(instance: Any, operation: Operation, row: ModelRow | None = None) -> None:
     session = object_session(instance)
     if session is not None:
         session.info.setdefault(PENDING, []).append(_Change(instance, operation, row))

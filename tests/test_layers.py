@@ -24,6 +24,7 @@ PRODUCER_SIDE = frozenset(
     {
         "outbox_bridge.config",
         "outbox_bridge.db.schema",
+        "outbox_bridge.declarations",
         "outbox_bridge.errors",
         "outbox_bridge.identifiers",
         "outbox_bridge.observability.metrics",
@@ -186,6 +187,7 @@ def test_db_stands_below_everything_but_config_and_errors() -> None:
         "outbox_bridge.registry",
         "outbox_bridge.producer",
         "outbox_bridge.orm",
+        "outbox_bridge.declarations",
         "outbox_bridge.identifiers",
         "outbox_bridge.db.migrations",
     ],

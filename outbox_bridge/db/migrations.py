@@ -18,16 +18,18 @@
 The statements are the ones the worker and ``init-db`` use (:mod:`outbox_bridge.db.schema`), so
 a migrated database and a database the worker created are the same. They are emitted with
 ``op.execute``, so offline mode (``alembic upgrade --sql``) prints them too. Importing this
-module does not need Alembic; calling its functions does.
+module does not need Alembic; calling its functions does. :func:`create_statements` and
+:func:`drop_statements` are the statements themselves, which Django's migration operations
+(:mod:`outbox_bridge.contrib.django.operations`) run too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sqlalchemy import Table
-from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
+from sqlalchemy.schema import CreateIndex, CreateTable, DropTable, ExecutableDDLElement
 
 from outbox_bridge.db.schema import drop_notify_ddl, notify_ddl, owners_name, owners_of
 
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
     from alembic.operations import Operations
 
     from outbox_bridge.registry import OutboxApp
+
+# A statement of a migration: a SQLAlchemy DDL construct, or SQL text (the NOTIFY trigger's).
+DDL: TypeAlias = ExecutableDDLElement | str
 
 
 def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
@@ -45,6 +50,31 @@ def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
     return [app.table(name) for name in tables]
 
 
+def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
+    """The statements that create the app's outbox tables (all of them, or those named in
+    ``tables``) with their indexes, NOTIFY triggers and owner tables, in order: what
+    :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
+    statements: list[DDL] = []
+    for table in _tables(app, tables):
+        statements.append(CreateTable(table))
+        statements += [
+            CreateIndex(index) for index in sorted(table.indexes, key=lambda i: str(i.name))
+        ]
+        statements += notify_ddl(table)
+        statements.append(CreateTable(owners_of(table)))
+    return statements
+
+
+def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
+    """The statements that drop what :func:`create_statements` creates, in order."""
+    statements: list[DDL] = []
+    for table in reversed(_tables(app, tables)):
+        trigger, function = drop_notify_ddl(table)
+        statements += [DropTable(owners_of(table), if_exists=True), trigger, DropTable(table)]
+        statements.append(function)
+    return statements
+
+
 def create_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
     """Create the app's outbox tables (all of them, or those named in ``tables``) with their
     indexes and NOTIFY triggers.
@@ -52,13 +82,8 @@ def create_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | Non
     Emits the schema of the installed outbox-bridge version. If a later version changes it,
     autogenerate against ``app.metadata`` shows the difference.
     """
-    for table in _tables(app, tables):
-        op.execute(CreateTable(table))
-        for index in sorted(table.indexes, key=lambda index: str(index.name)):
-            op.execute(CreateIndex(index))
-        for statement in notify_ddl(table):
-            op.execute(statement)
-        op.execute(CreateTable(owners_of(table)))
+    for statement in create_statements(app, tables=tables):
+        op.execute(statement)
 
 
 def create_shard_owners(
@@ -75,12 +100,8 @@ def create_shard_owners(
 def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
     """Drop what :func:`create_outbox` created: the trigger, its function, the table and its
     indexes, and every row still in the table."""
-    for table in reversed(_tables(app, tables)):
-        trigger, function = drop_notify_ddl(table)
-        op.execute(DropTable(owners_of(table), if_exists=True))
-        op.execute(trigger)
-        op.execute(DropTable(table))
-        op.execute(function)
+    for statement in drop_statements(app, tables=tables):
+        op.execute(statement)
 
 
 def exclude_outbox_tables(

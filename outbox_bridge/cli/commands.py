@@ -37,7 +37,7 @@ from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.store import read_shard_depths, read_shard_max_id
 from outbox_bridge.errors import ConfigurationError, OutboxError
 from outbox_bridge.flush import Flusher
-from outbox_bridge.observability.logs import configure_logging
+from outbox_bridge.observability.logs import configure_logging, quiet_sdk_loggers
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
 from outbox_bridge.runtime.replay import HistoryReplayer
@@ -99,10 +99,7 @@ def worker(**overrides: Any) -> None:
         handler = configure_logging(settings.log_level, settings.log_format)
         if settings.demo:
             handler.addFilter(demo.IntendedFailures())
-        logging.getLogger("temporalio").setLevel(logging.WARNING)
-        # Handler failures are logged by the drain with shard and category; the SDK's own line
-        # for each failed attempt would repeat them.
-        logging.getLogger("temporalio.activity").setLevel(logging.ERROR)
+        quiet_sdk_loggers()
         app = app_from_settings(settings.demo, settings.app)
         asyncio.run(run_worker(settings, app))
     except OutboxError as exc:

@@ -107,3 +107,11 @@ def configure_logging(
         cache_logger_on_first_use=True,
     )
     return handler
+
+
+def quiet_sdk_loggers() -> None:
+    """The Temporal SDK's loggers as a worker wants them: warnings and above, and no line of
+    their own for a failed activity attempt (the drain logs each handler failure with its
+    shard and category; the SDK's line would repeat it)."""
+    logging.getLogger("temporalio").setLevel(logging.WARNING)
+    logging.getLogger("temporalio.activity").setLevel(logging.ERROR)

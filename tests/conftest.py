@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from outbox_bridge.testing import PostgresServer, TemporalServer
+from tests.django_support import point_django_at
 from tests.harness import Servers, connect_client, new_engine, start_servers
 
 pytest_plugins = ["pytester"]
@@ -83,6 +84,12 @@ async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ser
         started.temporal.stop()
         if started.postgres is not None:
             started.postgres.stop()
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(servers: Servers) -> None:
+    """pytest-django creates the Django tests' databases on the test PostgreSQL."""
+    point_django_at(servers)
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,11 @@ def test_an_error_record_of_the_library_fails_the_test(pytester: pytest.Pytester
         f"markers = {ERROR_LOGS_MARKER}: errors on purpose\n"
     )
     pytester.makepyfile(test_inner=INNER_TESTS)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--strict-markers")
+    # Without pytest-django: this process set Django up already, and the inner run has no
+    # Django tests.
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "-p", "no:django", "--strict-markers"
+    )
     result.assert_outcomes(passed=5, errors=2)
     result.stdout.fnmatch_lines(
         [

@@ -18,11 +18,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "outbox_bridge"
 
+# The Django integration's modules that a Django project loads to write rows (its settings, its
+# models' modules, its migrations, its views): the producer's side, like the modules below.
+DJANGO_PRODUCER_SIDE = (
+    "apps",
+    "checks",
+    "conf",
+    "contexts",
+    "handlers",
+    "models",
+    "operations",
+    "writes",
+)
+
 # What an application that writes rows may load, and nothing more: the registry and what it
 # stands on. Never the worker's side (runtime, cli, flush, the SDK setup, logs, health).
 PRODUCER_SIDE = frozenset(
     {
         "outbox_bridge.config",
+        "outbox_bridge.db.migrations",
         "outbox_bridge.db.schema",
         "outbox_bridge.declarations",
         "outbox_bridge.errors",
@@ -36,6 +50,7 @@ PRODUCER_SIDE = frozenset(
         "outbox_bridge.sessions",
         "outbox_bridge.workflows.models",
     }
+    | {f"outbox_bridge.contrib.django.{name}" for name in DJANGO_PRODUCER_SIDE}
 )
 # Third-party modules the worker needs and a producer must not load.
 WORKER_ONLY_DEPENDENCIES = (
@@ -190,6 +205,7 @@ def test_db_stands_below_everything_but_config_and_errors() -> None:
         "outbox_bridge.declarations",
         "outbox_bridge.identifiers",
         "outbox_bridge.db.migrations",
+        *(f"outbox_bridge.contrib.django.{name}" for name in DJANGO_PRODUCER_SIDE),
     ],
 )
 def test_the_producer_side_never_reaches_the_worker(module: str) -> None:
@@ -201,6 +217,17 @@ def test_only_the_command_line_imports_the_command_line() -> None:
     for module in GRAPH.values():
         if not in_package(module.name, "outbox_bridge.cli", "outbox_bridge.__main__"):
             reached = {i for i in module.imports if in_package(i, "outbox_bridge.cli")}
+            assert not reached, f"{module.name} imports {sorted(reached)}"
+
+
+def test_only_the_integrations_import_the_integrations() -> None:
+    """contrib/ stands above everything but the command line, which it never imports."""
+    for module in GRAPH.values():
+        if in_package(module.name, "outbox_bridge.contrib"):
+            reached = {i for i in module.imports if in_package(i, "outbox_bridge.cli")}
+            assert not reached, f"{module.name} imports {sorted(reached)}"
+        else:
+            reached = {i for i in module.imports if in_package(i, "outbox_bridge.contrib")}
             assert not reached, f"{module.name} imports {sorted(reached)}"
 
 
@@ -243,6 +270,62 @@ class FakeSession:
 engine = create_mock_engine("postgresql+psycopg://", lambda *a, **k: None)
 assert app.write(FakeSession(), category=Category.ORGANIZATION_UPDATE, shard_identifier=1,
                  object_identifier=2, payload={{"a": 1}}) == 1
+loaded = [m for m in {list(WORKER_ONLY_DEPENDENCIES)!r}
+          if any(n == m or n.startswith(m + ".") for n in sys.modules)]
+print(json.dumps(loaded))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_a_django_project_that_writes_rows_loads_nothing_of_the_worker() -> None:
+    """In a fresh interpreter: set Django up with the integration installed, declare a model,
+    import the migration operations, and build a row's statement as write_row runs it."""
+    script = f"""
+import json, sys
+from enum import IntEnum
+
+import django
+from django.conf import settings
+
+settings.configure(
+    INSTALLED_APPS=["outbox_bridge.contrib.django"],
+    DATABASES={{"default": {{"ENGINE": "django.db.backends.postgresql", "NAME": "x"}}}},
+    OUTBOX_BRIDGE={{}},
+)
+django.setup()
+
+from django.db import models
+
+from outbox_bridge.contrib.django.checks import check_outbox_settings
+from outbox_bridge.contrib.django.models import OutboxModel
+from outbox_bridge.contrib.django.operations import CreateOutbox
+from outbox_bridge.contrib.django.writes import compiled
+from outbox_bridge.producer import RowSpec
+from outbox_bridge.registry import OutboxApp
+
+class Scope(IntEnum):
+    ORGANIZATION = 1
+
+class Category(IntEnum):
+    ORGANIZATION_UPDATE = 1
+
+app = OutboxApp({{Scope.ORGANIZATION: [Category.ORGANIZATION_UPDATE]}})
+
+class Organization(OutboxModel):
+    __outbox_app__ = app
+    __outbox_category__ = Category.ORGANIZATION_UPDATE
+
+    class Meta:
+        app_label = "outbox_bridge"
+
+sql, parameters = compiled(app.prepare(RowSpec(Category.ORGANIZATION_UPDATE, 1, 2, {{"a": 1}})).statement)
+assert sql.startswith("INSERT INTO outbox"), sql
+assert check_outbox_settings()  # a warning: no APP
+CreateOutbox("m:app")
 loaded = [m for m in {list(WORKER_ONLY_DEPENDENCIES)!r}
           if any(n == m or n.startswith(m + ".") for n in sys.modules)]
 print(json.dumps(loaded))

@@ -62,6 +62,6 @@ def test_telemetry_of_one_file_does_not_leak_into_the_next(
     pytester.makepyfile(test_traced=TRACED, test_plain=PLAIN)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", *(f"test_{name}.py" for name in order)
+        "-p", "no:cacheprovider", "-p", "no:django", *(f"test_{name}.py" for name in order)
     )
     result.assert_outcomes(passed=2)

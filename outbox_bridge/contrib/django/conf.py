@@ -1,0 +1,232 @@
+"""outbox-bridge's settings in a Django project: the ``OUTBOX_BRIDGE`` dict of the Django
+settings, and the ``DATABASES`` entry of the outbox's database.
+
+::
+
+    OUTBOX_BRIDGE = {
+        "APP": "shop.outbox:app",          # the OutboxApp, as module:attribute
+        "DATABASE": "default",             # the DATABASES alias of the outbox tables
+        "TEMPORAL_ADDRESS": "temporal:7233",
+        "TASK_QUEUE": "outbox",
+        "FLUSH_TIMEOUT": 10,               # flush_outbox and OutboxFlushMiddleware, seconds
+    }
+
+Every other key is an :class:`~outbox_bridge.OutboxSettings` field, named like its environment
+variable without the prefix (``TASK_QUEUE``, ``TEMPORAL_API_KEY``, ``HEALTH_PORT``,
+``PARTITIONS``, ...; any letter case). A setting the dict does not give comes from the
+environment (``OUTBOX_*``, ``TEMPORAL_*``), else its default, as for ``outbox-bridge worker``.
+The database URL is built from the ``DATABASES`` entry (``NAME``, ``USER``, ``PASSWORD``,
+``HOST``, ``PORT`` and the libpq ``OPTIONS``) unless the dict gives ``DATABASE_URL``.
+
+This module reads settings only: it connects to nothing and loads nothing of the worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils.connection import ConnectionDoesNotExist
+from pydantic import ValidationError
+from sqlalchemy.engine import URL
+
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp
+
+SETTING = "OUTBOX_BRIDGE"
+# Keys of OUTBOX_BRIDGE that are not OutboxSettings fields.
+DATABASE_KEY = "DATABASE"
+FLUSH_TIMEOUT_KEY = "FLUSH_TIMEOUT"
+DJANGO_KEYS = frozenset({DATABASE_KEY, FLUSH_TIMEOUT_KEY})
+
+# OPTIONS of a DATABASES entry that Django's PostgreSQL backend reads itself; every other
+# option is a libpq connection parameter (sslmode, sslrootcert, options, service, ...).
+DJANGO_ONLY_OPTIONS = frozenset(
+    {
+        "assume_role",
+        "context",
+        "cursor_factory",
+        "isolation_level",
+        "pool",
+        "prepare_threshold",
+        "server_side_binding",
+    }
+)
+
+
+class OutboxConfigurationError(ConfigurationError, ImproperlyConfigured):
+    """``OUTBOX_BRIDGE`` or a ``DATABASES`` entry does not fit: both outbox-bridge's
+    :class:`~outbox_bridge.ConfigurationError` and Django's ``ImproperlyConfigured``."""
+
+
+def bridge_settings() -> dict[str, Any]:
+    """The ``OUTBOX_BRIDGE`` dict, its keys in upper case; refused when it is not a dict or
+    names a key that is no setting."""
+    given = getattr(django_settings, SETTING, {})
+    if not isinstance(given, Mapping):
+        raise OutboxConfigurationError(f"{SETTING} must be a dict, got {type(given).__name__}")
+    known = {name.upper() for name in OutboxSettings.model_fields} | DJANGO_KEYS
+    values: dict[str, Any] = {}
+    for key, value in given.items():
+        name = str(key).upper()
+        if name not in known:
+            raise OutboxConfigurationError(
+                f"{SETTING} has an unknown key {key!r}; the keys are APP, DATABASE, "
+                "FLUSH_TIMEOUT and the OutboxSettings fields (TASK_QUEUE, TEMPORAL_ADDRESS, "
+                "...; see the settings reference)"
+            )
+        if name in values:
+            raise OutboxConfigurationError(f"{SETTING} gives {name} twice")
+        values[name] = value
+    return values
+
+
+def outbox_database(using: str | None = None) -> str:
+    """The alias of the outbox's database: ``using``, else ``OUTBOX_BRIDGE["DATABASE"]``,
+    else ``"default"``."""
+    alias = using or bridge_settings().get(DATABASE_KEY) or DEFAULT_DB_ALIAS
+    if not isinstance(alias, str):
+        raise OutboxConfigurationError(f"{SETTING}['DATABASE'] must be a DATABASES alias")
+    return alias
+
+
+def database_url(using: str | None = None) -> str:
+    """The SQLAlchemy URL (``postgresql+psycopg://``) of a ``DATABASES`` entry: ``using``, or
+    :func:`outbox_database`. It holds the password: show it only through
+    :func:`outbox_bridge.config.safe_url`.
+
+    The entry as the connection sees it: in a test, the test database. ``OPTIONS`` that only
+    Django reads (``isolation_level``, ``pool``, ``assume_role``, ...) are left out; the others
+    are libpq connection parameters and go into the URL's query.
+    """
+    alias = outbox_database(using)
+    try:
+        connection = connections[alias]
+    except ConnectionDoesNotExist:
+        raise OutboxConfigurationError(f"DATABASES has no alias {alias!r}") from None
+    if connection.vendor != "postgresql":
+        raise OutboxConfigurationError(
+            f"DATABASES[{alias!r}] is a {connection.vendor} database; outbox-bridge needs "
+            "PostgreSQL"
+        )
+    entry = connection.settings_dict
+    options = entry.get("OPTIONS") or {}
+    query: dict[str, str] = {
+        str(key): str(value)
+        for key, value in options.items()
+        if key not in DJANGO_ONLY_OPTIONS
+        and isinstance(value, str | int)
+        and not isinstance(value, bool)
+    }
+    host = str(entry.get("HOST") or "") or None
+    port = str(entry.get("PORT") or "") or None
+    if host is not None and (host.startswith("/") or "," in host):
+        # A socket directory, or several hosts: libpq's own syntax, in the query.
+        query["host"] = host
+        host = None
+        if port is not None:
+            query["port"] = port
+            port = None
+    user = entry.get("USER") or None
+    password = entry.get("PASSWORD") or None
+    if password is not None and user is None:
+        # A URL holds a password only after a user name: libpq's parameter, in the query.
+        query["password"] = str(password)
+        password = None
+    name = entry.get("NAME")
+    if name is None and "service" not in query:
+        name = "postgres"  # as Django does: NAME None connects to the 'postgres' database
+    try:
+        url = URL.create(
+            "postgresql+psycopg",
+            username=user,
+            password=password,
+            host=host,
+            port=int(port) if port is not None else None,
+            database=name or None,
+            query=query,
+        )
+    except ValueError:
+        raise OutboxConfigurationError(
+            f"DATABASES[{alias!r}]['PORT'] must be a port number, got {port!r}"
+        ) from None
+    return url.render_as_string(hide_password=False)
+
+
+def outbox_settings(*, using: str | None = None) -> OutboxSettings:
+    """:class:`~outbox_bridge.OutboxSettings` from ``OUTBOX_BRIDGE``, the environment for
+    what it does not give, and the ``DATABASES`` entry of ``using`` (default: the outbox's
+    database) for the database URL."""
+    config = bridge_settings()
+    values = {key.lower(): value for key, value in config.items() if key not in DJANGO_KEYS}
+    if "database_url" in values:
+        if using is not None or DATABASE_KEY in config:
+            raise OutboxConfigurationError(
+                f"{SETTING} gives both DATABASE_URL and a DATABASES alias; give one"
+            )
+    else:
+        values["database_url"] = database_url(using)
+    try:
+        return OutboxSettings(**values)
+    except ValidationError as exc:
+        # The messages only: a value given (an API key) is never repeated.
+        problems = "; ".join(
+            f"{SETTING}[{'.'.join(str(part) for part in e['loc']).upper()!r}]: {e['msg']}"
+            for e in exc.errors()
+        )
+        raise OutboxConfigurationError(f"invalid outbox-bridge settings: {problems}") from None
+
+
+def load_app(spec: str) -> OutboxApp:
+    """The :class:`~outbox_bridge.OutboxApp` that ``spec`` names: ``module:attribute`` (as for
+    ``OUTBOX_APP``), or a dotted path."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon:
+        module_name, _, attribute = spec.rpartition(".")
+    if not module_name or not attribute:
+        raise OutboxConfigurationError(
+            f"{SETTING}['APP'] must look like module:attribute, got {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OutboxConfigurationError(
+            f"cannot import {module_name!r} for {SETTING}['APP'] {spec}: {exc}"
+        ) from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, OutboxApp):
+        what = type(app).__name__ if app is not None else "missing"
+        raise OutboxConfigurationError(f"{SETTING}['APP'] {spec} is {what}, not an OutboxApp")
+    return app
+
+
+def app_spec() -> str | None:
+    """Where the app is: ``OUTBOX_BRIDGE["APP"]``, else ``OUTBOX_APP``, else None."""
+    given = bridge_settings().get("APP")
+    if given is not None:
+        if not isinstance(given, str):
+            raise OutboxConfigurationError(f"{SETTING}['APP'] must be a string")
+        return given
+    nothing_given: dict[str, Any] = {}
+    try:
+        return OutboxSettings(**nothing_given).app  # from the environment
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise OutboxConfigurationError(
+            f"invalid outbox-bridge settings: {problem['loc']}: {problem['msg']}"
+        ) from None
+
+
+def outbox_app() -> OutboxApp:
+    """The app that ``OUTBOX_BRIDGE["APP"]`` (else ``OUTBOX_APP``) names."""
+    spec = app_spec()
+    if spec is None:
+        raise OutboxConfigurationError(
+            f"no OutboxApp configured: set {SETTING}['APP'] = 'module:attribute' (or OUTBOX_APP)"
+        )
+    return load_app(spec)

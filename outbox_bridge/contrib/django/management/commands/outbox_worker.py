@@ -1,0 +1,83 @@
+"""``manage.py outbox_worker``: run the outbox-bridge worker of a Django project.
+
+The worker is ``outbox-bridge worker``'s (the bridge and the Temporal worker, on SQLAlchemy and
+psycopg), with its settings from the Django settings: the database from the ``DATABASES``
+entry of the outbox's alias, the app and everything else from ``OUTBOX_BRIDGE``, then the
+environment (:mod:`outbox_bridge.contrib.django.conf`). Every handler of the app runs with
+:func:`~outbox_bridge.contrib.django.handlers.with_django_connections`. The worker serves its
+health endpoints (``/healthz``, ``/readyz``) on ``HEALTH_PORT`` itself, and stops gracefully on
+SIGTERM or SIGINT. Its banner shows the database with the password masked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import traceback
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.contrib.django.conf import outbox_app, outbox_settings
+from outbox_bridge.contrib.django.handlers import with_django_connections
+from outbox_bridge.errors import OutboxError
+from outbox_bridge.observability.logs import configure_logging, quiet_sdk_loggers
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.worker import run as run_worker
+
+
+class Command(BaseCommand):
+    help = (
+        "Run the outbox-bridge worker: the bridge that finds shards with rows and the Temporal "
+        "worker that runs their handlers, with settings from OUTBOX_BRIDGE and DATABASES."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--database",
+            help="The DATABASES alias of the outbox tables (default: OUTBOX_BRIDGE['DATABASE'], "
+            "else 'default').",
+        )
+
+    def prepare(self, database: str | None) -> tuple[OutboxSettings, OutboxApp]:
+        """The worker's settings and app; every handler wrapped for the ORM."""
+        try:
+            settings = outbox_settings(using=database)
+            app = outbox_app()
+            app.check_handlers()
+        except OutboxError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        app.wrap_handlers(with_django_connections)
+        return settings, app
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        settings, app = self.prepare(options["database"])
+        if not logging.getLogger().handlers:
+            # The project's LOGGING leaves the root logger alone: log like outbox-bridge worker
+            # (LOG_LEVEL, LOG_FORMAT). Otherwise its own configuration stands.
+            configure_logging(settings.log_level, settings.log_format)
+        quiet_sdk_loggers()
+        try:
+            asyncio.run(run_worker(settings, app))
+        except OutboxError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        """From ``manage.py``: run, then leave without interpreter teardown, as
+        ``outbox-bridge worker`` does (a process that ran a Temporal worker can crash in
+        teardown after its work is done, turning a success into a failure)."""
+        code = 0
+        try:
+            super().run_from_argv(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

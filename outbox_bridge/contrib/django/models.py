@@ -1,0 +1,226 @@
+"""Outbox rows from Django models.
+
+A model that inherits :class:`OutboxModel` writes one outbox row each time an instance is
+saved or deleted, in the same transaction as the change: ``save()`` runs in
+``transaction.atomic()``, and the rows are written by ``post_save`` and ``post_delete``
+receivers connected to each such model (so that ``QuerySet.delete()`` and cascades, which send
+``post_delete`` for every object, write theirs too). The declaration is the SQLAlchemy mixin's
+(:mod:`outbox_bridge.declarations`): ``__outbox_app__``, ``__outbox_category__`` and the
+optional ``__outbox_shard__``, ``__outbox_object__`` and ``__outbox_table__``, resolved when
+the class is defined, where a declaration that does not fit raises
+:class:`~outbox_bridge.OutboxModelError`.
+
+``bulk_create()``, ``bulk_update()``, ``QuerySet.update()`` and raw SQL send no signal and
+write no row: :func:`write_outbox_rows` writes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable
+from enum import IntEnum
+from typing import Any, ClassVar, get_args
+
+from asgiref.sync import sync_to_async
+from django.db import models, router, transaction
+from django.db.models.signals import class_prepared, post_delete, post_save
+
+from outbox_bridge.contrib.django.writes import write_row
+from outbox_bridge.declarations import Declaration, ModelRow, Operation, declare, model_row
+from outbox_bridge.errors import OutboxModelError
+from outbox_bridge.registry import OutboxApp
+
+# When an instance's identifiers must be set, for the message that refuses them.
+_WHEN = "before saving it"
+
+
+class OutboxModel(models.Model):
+    """An abstract model whose instances write an outbox row when they are saved or deleted.
+
+    Declare on the model (or on an abstract base of your replicated models):
+
+    - ``__outbox_app__``: the :class:`~outbox_bridge.OutboxApp` (required).
+    - ``__outbox_category__``: the category of the rows (required). Its scope comes from the
+      app's registry.
+    - ``__outbox_shard__``: the attribute holding the shard identifier. When omitted, it is
+      ``<scope>_id`` (``organization_id`` for ``ORGANIZATION``: a foreign key named
+      ``organization``, say) if the model has one, else the primary key if the model is the
+      scope's own (``Organization`` for ``ORGANIZATION``, ``AuditLog`` for ``AUDIT_LOG``).
+    - ``__outbox_object__``: the attribute holding the object identifier; the primary key (an
+      integer field) when omitted.
+    - ``__outbox_table__``: the app's table to write to; the app's first when omitted.
+      Regional tables are refused: they need one row per target region, written with
+      :func:`~outbox_bridge.contrib.django.writes.write_row`.
+
+    Every ``save()`` writes a row (operation ``"insert"`` when it created the object, else
+    ``"update"``: Django does not know whether anything changed), and so does every deleted
+    object. Override :meth:`outbox_payload` to give the rows a payload.
+    """
+
+    __outbox_app__: ClassVar[OutboxApp]
+    __outbox_category__: ClassVar[IntEnum]
+    __outbox_shard__: ClassVar[str | None] = None
+    __outbox_object__: ClassVar[str | None] = None
+    __outbox_table__: ClassVar[str | None] = None
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Django's ``save()``, in ``transaction.atomic()`` on the database it writes to: the
+        outbox row written after it commits with it (a save in autocommit included)."""
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using, savepoint=False):
+            super().save(*args, **kwargs)
+
+    def outbox_payload(self, operation: Operation) -> Any:
+        """The payload of the row written for ``operation`` on this instance (``None``: none).
+
+        Called after the change (``"insert"``, ``"update"``, ``"delete"``; a deleted instance
+        still has its field values). Rows coalesce, so a handler sees only the newest payload
+        of its group: carry what identifies the change, and read the current state from the
+        database in the handler.
+        """
+        return None
+
+
+# -- declaration ---------------------------------------------------------------------------------
+
+# Each concrete OutboxModel class (proxies included), resolved once when it is defined.
+_declarations: weakref.WeakKeyDictionary[type[Any], Declaration] = weakref.WeakKeyDictionary()
+
+
+def _integer_primary_key(cls: type[models.Model]) -> str | None:
+    """The attribute of an integer primary key (a one-to-one parent link counts as its
+    target's type), or ``None``."""
+    pk = cls._meta.pk
+    field: Any = pk
+    while field is not None and field.is_relation:
+        field = field.target_field
+    if pk is None or not isinstance(field, models.IntegerField):
+        return None
+    return str(pk.attname)
+
+
+def _primary_key_columns(cls: type[models.Model]) -> str:
+    pk = cls._meta.pk
+    return "none" if pk is None else f"{pk.column} {pk.get_internal_type()}"
+
+
+def _declare(sender: type[Any], **kwargs: Any) -> None:
+    if not issubclass(sender, OutboxModel):
+        return
+    _declarations[sender] = declare(
+        sender,
+        primary_key=_integer_primary_key(sender),
+        primary_key_columns=_primary_key_columns(sender),
+    )
+    uid = f"outbox_bridge.contrib.django:{sender.__module__}.{sender.__qualname__}"
+    post_save.connect(_saved, sender=sender, weak=False, dispatch_uid=uid)
+    post_delete.connect(_deleted, sender=sender, weak=False, dispatch_uid=uid)
+
+
+class_prepared.connect(_declare, weak=False, dispatch_uid="outbox_bridge.contrib.django")
+
+
+# -- rows ----------------------------------------------------------------------------------------
+
+
+def _describe(instance: Any) -> str:
+    key = getattr(instance, "pk", None)
+    if key is None:
+        return f"a new {type(instance).__name__}"
+    return f"{type(instance).__name__} {key!r}"
+
+
+def _declaration(instance: Any) -> Declaration:
+    declaration = _declarations.get(type(instance))
+    if declaration is None:
+        raise OutboxModelError(
+            f"{type(instance).__name__} is not a concrete model declared with OutboxModel"
+        )
+    return declaration
+
+
+def _row_of(instance: Any, operation: Operation) -> ModelRow:
+    return model_row(_declaration(instance), instance, operation, _describe, _WHEN)
+
+
+def _write(row: ModelRow, using: str | None) -> int:
+    return write_row(
+        row.declaration.app,
+        category=row.declaration.category,
+        shard_identifier=row.shard_identifier,
+        object_identifier=row.object_identifier,
+        payload=row.payload,
+        table=row.declaration.table,
+        using=using,
+    )
+
+
+def _saved(sender: type[Any], instance: Any, created: bool, using: str, **kwargs: Any) -> None:
+    _write(_row_of(instance, "insert" if created else "update"), using)
+
+
+def _deleted(sender: type[Any], instance: Any, using: str, **kwargs: Any) -> None:
+    _write(_row_of(instance, "delete"), using)
+
+
+# -- changes that send no signal -----------------------------------------------------------------
+
+
+def _database(instance: Any, using: str | None) -> str:
+    if using is not None:
+        return using
+    saved_in = instance._state.db
+    if isinstance(saved_in, str):
+        return saved_in
+    return str(router.db_for_write(type(instance), instance=instance))
+
+
+def write_outbox_rows(
+    instances: Iterable[Any], *, operation: Operation = "update", using: str | None = None
+) -> list[int]:
+    """Write the outbox row of each :class:`OutboxModel` instance, as a ``save()`` or a
+    ``delete()`` that did ``operation`` to it would have, and return the new rows' ids.
+
+    For changes that send no signal and so write no row themselves: ``bulk_create()`` (on
+    PostgreSQL it sets the primary keys), ``bulk_update()``, ``QuerySet.update()`` (read the
+    objects first) and raw SQL. Inside the same ``transaction.atomic()``::
+
+        with transaction.atomic():
+            projects = list(Project.objects.select_for_update().filter(organization_id=4))
+            Project.objects.filter(pk__in=[p.pk for p in projects]).update(archived=True)
+            write_outbox_rows(projects)
+
+    Each row goes to ``using``, else the database the instance was read from or saved to.
+    Every row is checked before any is written. Never commits.
+    """
+    if operation not in get_args(Operation):
+        raise ValueError(f"operation must be one of {get_args(Operation)}, got {operation!r}")
+    objects = list(instances)
+    rows = [(_row_of(instance, operation), _database(instance, using)) for instance in objects]
+    return [_write(row, alias) for row, alias in rows]
+
+
+async def write_outbox_rows_async(
+    instances: Iterable[Any], *, operation: Operation = "update", using: str | None = None
+) -> list[int]:
+    """:func:`write_outbox_rows` for async code, with ``sync_to_async`` in one
+    ``transaction.atomic()`` of its own (async code cannot hold one open: after
+    ``abulk_create()``, the rows commit apart from the objects; for one transaction, do both in
+    a sync function under ``atomic()``)."""
+    objects = list(instances)
+    aliases = sorted({_database(instance, using) for instance in objects})
+
+    def write() -> list[int]:
+        with contextlib.ExitStack() as transactions:
+            for alias in aliases:
+                transactions.enter_context(transaction.atomic(using=alias))
+            return write_outbox_rows(objects, operation=operation, using=using)
+
+    return await sync_to_async(write, thread_sensitive=True)()
+
+
+__all__ = ["OutboxModel", "write_outbox_rows", "write_outbox_rows_async"]

@@ -1,0 +1,166 @@
+"""Django migration operations that create and drop the outbox tables.
+
+::
+
+    from django.db import migrations
+
+    from outbox_bridge.contrib.django.operations import CreateOutbox
+
+
+    class Migration(migrations.Migration):
+        dependencies = []
+        operations = [CreateOutbox("shop.outbox:app", tables=["outbox"])]
+
+The statements are the ones ``outbox-bridge init-db``, the worker and the Alembic operations
+run (:func:`outbox_bridge.db.migrations.create_statements`), compiled for PostgreSQL: the
+tables, their indexes, the NOTIFY trigger, the ``trace_context`` column and the
+``<table>_owners`` tables. The outbox tables are not Django models (an identity column, covering
+indexes, a statement-level trigger): the operations change no model state, ``sqlmigrate`` prints
+their SQL, and they are reversible (``CreateOutbox`` backwards drops, ``DropOutbox`` backwards
+creates). Like ``RunSQL``, they run on a database when the routers allow the migration's app
+there (``allow_migrate(db, app_label, **hints)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import router
+from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+from django.db.migrations.operations.base import Operation
+from django.db.migrations.state import ProjectState
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.schema import ExecutableDDLElement
+
+from outbox_bridge.contrib.django.conf import OutboxConfigurationError, load_app
+from outbox_bridge.db.migrations import DDL, create_statements, drop_statements
+from outbox_bridge.registry import OutboxApp
+
+_DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
+
+
+def sql_of(statement: DDL) -> str:
+    """One migration statement as PostgreSQL SQL text."""
+    if isinstance(statement, ExecutableDDLElement):
+        return str(statement.compile(dialect=_DIALECT)).strip()
+    return statement.strip()
+
+
+class _OutboxOperation(Operation):
+    reduces_to_sql = True
+    reversible = True
+    atomic = True
+
+    def __init__(
+        self, app: str, tables: Sequence[str] | None = None, hints: dict[str, Any] | None = None
+    ) -> None:
+        if not isinstance(app, str):
+            raise TypeError(
+                f"{type(self).__name__} takes the app as 'module:attribute' (a migration file "
+                f"must be able to name it), got {type(app).__name__}"
+            )
+        if isinstance(tables, str):
+            raise TypeError("tables must be a list of table names, not one string")
+        self.app = app
+        self.tables = list(tables) if tables is not None else None
+        self.hints = hints or {}
+
+    def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
+        kwargs: dict[str, Any] = {"app": self.app}
+        if self.tables is not None:
+            kwargs["tables"] = self.tables
+        if self.hints:
+            kwargs["hints"] = self.hints
+        return (type(self).__qualname__, [], kwargs)
+
+    def state_forwards(self, app_label: str, state: ProjectState) -> None:
+        """No model state: the outbox tables are not Django models."""
+
+    def outbox_app(self) -> OutboxApp:
+        return load_app(self.app)
+
+    def create_sql(self) -> list[str]:
+        return [sql_of(s) for s in create_statements(self.outbox_app(), tables=self.tables)]
+
+    def drop_sql(self) -> list[str]:
+        return [sql_of(s) for s in drop_statements(self.outbox_app(), tables=self.tables)]
+
+    def _run(self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, create: bool) -> None:
+        connection = schema_editor.connection
+        if not router.allow_migrate(connection.alias, app_label, **self.hints):
+            return
+        if connection.vendor != "postgresql":
+            raise OutboxConfigurationError(
+                f"{type(self).__name__} needs PostgreSQL, and database {connection.alias!r} is "
+                f"{connection.vendor}; keep the migration off it with a router (allow_migrate) "
+                "or hints"
+            )
+        for sql in self.create_sql() if create else self.drop_sql():
+            schema_editor.execute(sql, params=None)
+
+    def _names(self) -> str:
+        return ", ".join(self.tables) if self.tables is not None else f"every table of {self.app}"
+
+
+class CreateOutbox(_OutboxOperation):
+    """Create the outbox tables of the app that ``app`` names (``"module:attribute"``): all of
+    them, or those named in ``tables``. Backwards, drop them, and every row in them."""
+
+    def database_forwards(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        from_state: ProjectState,
+        to_state: ProjectState,
+    ) -> None:
+        self._run(app_label, schema_editor, create=True)
+
+    def database_backwards(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        from_state: ProjectState,
+        to_state: ProjectState,
+    ) -> None:
+        self._run(app_label, schema_editor, create=False)
+
+    def describe(self) -> str:
+        return f"Create the outbox tables ({self._names()})"
+
+    @property
+    def migration_name_fragment(self) -> str:
+        return "create_outbox"
+
+
+class DropOutbox(_OutboxOperation):
+    """Drop the outbox tables of ``app`` (all, or those named in ``tables``) and every row in
+    them. Backwards, create them again, empty."""
+
+    def database_forwards(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        from_state: ProjectState,
+        to_state: ProjectState,
+    ) -> None:
+        self._run(app_label, schema_editor, create=False)
+
+    def database_backwards(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        from_state: ProjectState,
+        to_state: ProjectState,
+    ) -> None:
+        self._run(app_label, schema_editor, create=True)
+
+    def describe(self) -> str:
+        return f"Drop the outbox tables ({self._names()})"
+
+    @property
+    def migration_name_fragment(self) -> str:
+        return "drop_outbox"
+
+
+__all__ = ["CreateOutbox", "DropOutbox"]

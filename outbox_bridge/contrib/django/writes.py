@@ -1,0 +1,149 @@
+"""Writing outbox rows with Django's connections.
+
+:func:`write_row` is ``app.write`` for Django: the same checks against the registry (the same
+errors), the same INSERT (built by SQLAlchemy, compiled for PostgreSQL and run on the Django
+connection's cursor), the same producer span and ``trace_context``. It runs inside
+``transaction.atomic()`` and never commits: the row commits, or rolls back, with the change it
+describes. :func:`write_row_async` serves async views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from enum import IntEnum
+from typing import Any, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.transaction import TransactionManagementError
+from sqlalchemy import Insert
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+
+from outbox_bridge.contrib.django.contexts import record_write
+from outbox_bridge.errors import OutboxError
+from outbox_bridge.observability.writes import observed_write
+from outbox_bridge.producer import RowSpec
+from outbox_bridge.registry import OutboxApp
+
+T = TypeVar("T")
+
+# Django's PostgreSQL backend runs on psycopg 3 next to outbox-bridge (which requires it), and
+# psycopg takes the dialect's pyformat parameters and its adapted values (Jsonb) as they are.
+_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
+
+
+class NotInTransactionError(OutboxError, TransactionManagementError):
+    """A row written outside ``transaction.atomic()``: in autocommit it would commit apart from
+    the change it describes. Both an :class:`~outbox_bridge.OutboxError` and Django's
+    ``TransactionManagementError``."""
+
+
+def compiled(statement: Insert) -> tuple[str, dict[str, Any]]:
+    """``statement`` as SQL and parameters for a psycopg cursor: compiled for PostgreSQL, each
+    value through its column type's bind processor (a payload becomes psycopg's ``Jsonb``)."""
+    query = statement.compile(dialect=_DIALECT)
+    parameters: dict[str, Any] = {}
+    for name, value in query.construct_params().items():
+        processor = query.binds[name].type.dialect_impl(_DIALECT).bind_processor(_DIALECT)
+        parameters[name] = processor(value) if processor is not None else value
+    return query.string, parameters
+
+
+def write_row(
+    app: OutboxApp,
+    *,
+    category: IntEnum | int,
+    shard_identifier: int,
+    object_identifier: int,
+    payload: Any = None,
+    shard_scope: IntEnum | int | None = None,
+    region: str | None = None,
+    scheduled_for: datetime | timedelta | None = None,
+    table: str | None = None,
+    using: str | None = None,
+) -> int:
+    """Write one outbox row of ``app`` with the connection of database ``using`` (default:
+    ``"default"``) and return its id.
+
+    Checked like :meth:`OutboxApp.write <outbox_bridge.OutboxApp.write>`: a row that does not
+    fit the registry raises :class:`~outbox_bridge.InvalidRowError` and writes nothing. It must
+    run inside ``transaction.atomic(using=...)`` (else :class:`NotInTransactionError`), and
+    never commits: the row commits or rolls back with the caller's transaction, and an open
+    :func:`~outbox_bridge.contrib.django.flush.outbox_context` waits for it once it committed.
+    """
+    row = app.prepare(
+        RowSpec(
+            category,
+            shard_identifier,
+            object_identifier,
+            payload,
+            shard_scope,
+            region,
+            scheduled_for,
+            table,
+        )
+    )
+    alias = using or DEFAULT_DB_ALIAS
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        raise NotInTransactionError(
+            f"write outbox rows inside transaction.atomic(using={alias!r}): in autocommit the "
+            "row would commit apart from the change it describes (wrap a row of its own in "
+            "atomic() too)"
+        )
+    with observed_write(row, app.category_name(int(category)), object_identifier) as seen:
+        sql, parameters = compiled(seen.statement)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, parameters)
+            found = cursor.fetchone()
+        assert found is not None  # INSERT ... RETURNING id returns the row
+        row_id = seen.written(int(found[0]))
+    record_write(app, alias, connection, row.shard, row_id)
+    return row_id
+
+
+def _atomic(using: str | None, work: Callable[[], T]) -> T:
+    with transaction.atomic(using=using):
+        return work()
+
+
+async def write_row_async(
+    app: OutboxApp,
+    *,
+    category: IntEnum | int,
+    shard_identifier: int,
+    object_identifier: int,
+    payload: Any = None,
+    shard_scope: IntEnum | int | None = None,
+    region: str | None = None,
+    scheduled_for: datetime | timedelta | None = None,
+    table: str | None = None,
+    using: str | None = None,
+) -> int:
+    """:func:`write_row` for async code (an async view): runs it with ``sync_to_async`` (in
+    the thread Django gives the request's database work) inside ``transaction.atomic(using)``.
+
+    Async code cannot hold a transaction open across ``await``: the row commits on its own when
+    this returns (unless the thread is already inside ``atomic()``, when the call is nested in
+    a sync function). To write it in one transaction with a model change, do both in one sync
+    function under ``transaction.atomic()`` and call that with ``sync_to_async``; models
+    declared with :class:`~outbox_bridge.contrib.django.models.OutboxModel` do it in
+    ``asave()`` and ``adelete()``.
+    """
+
+    def write() -> int:
+        return write_row(
+            app,
+            category=category,
+            shard_identifier=shard_identifier,
+            object_identifier=object_identifier,
+            payload=payload,
+            shard_scope=shard_scope,
+            region=region,
+            scheduled_for=scheduled_for,
+            table=table,
+            using=using,
+        )
+
+    return await sync_to_async(_atomic, thread_sensitive=True)(using, write)

@@ -1,0 +1,39 @@
+"""The Django project of the Django integration's tests (tests/test_django*.py), run by
+pytest-django (``DJANGO_SETTINGS_MODULE`` in pyproject.toml).
+
+Its two databases are on the test PostgreSQL: tests/conftest.py fills in where it is before
+pytest-django creates the test databases (test_djangotests, test_djangotests_other). A
+subprocess that runs the project (the ``outbox_worker`` command) finds it in the environment:
+``PGHOST``, ``PGPORT``, ``PGUSER``, ``PGPASSWORD``, and ``DJANGO_TESTS_DATABASE`` for the name
+of the default database.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _database(name: str) -> dict[str, Any]:
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": name,
+        "HOST": os.environ.get("PGHOST", ""),
+        "PORT": os.environ.get("PGPORT", ""),
+        "USER": os.environ.get("PGUSER", ""),
+        "PASSWORD": os.environ.get("PGPASSWORD", ""),
+    }
+
+
+SECRET_KEY = "outbox-bridge tests"
+USE_TZ = True
+DEBUG = False
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+INSTALLED_APPS = ["outbox_bridge.contrib.django", "tests.django_app"]
+DATABASES = {
+    "default": _database(os.environ.get("DJANGO_TESTS_DATABASE", "djangotests")),
+    "other": _database("djangotests_other"),
+}
+ROOT_URLCONF = "tests.django_app.urls"
+MIDDLEWARE: list[str] = []
+OUTBOX_BRIDGE: dict[str, Any] = {"APP": "tests.django_app.outbox:app"}

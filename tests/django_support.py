@@ -1,0 +1,105 @@
+"""What the Django tests share: the test PostgreSQL as Django database settings, and a worker
+that runs in a thread of its own while sync tests run Django code."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from django.conf import settings
+from sqlalchemy.engine import make_url
+
+from outbox_bridge import OutboxApp, OutboxSettings
+from outbox_bridge.runtime.worker import serve
+from tests.harness import Servers
+
+
+def database_settings(servers: Servers) -> dict[str, str]:
+    """The test PostgreSQL as a DATABASES entry's HOST, PORT, USER and PASSWORD."""
+    url = make_url(servers.database_url)
+    host = url.host or str(url.query.get("host", ""))
+    port = url.port or url.query.get("port", "")
+    return {
+        "HOST": host,
+        "PORT": str(port or ""),
+        "USER": url.username or "",
+        "PASSWORD": url.password or "",
+    }
+
+
+def point_django_at(servers: Servers) -> None:
+    """Every alias of the Django settings on the test PostgreSQL (changed in place: the
+    connections share these dicts)."""
+    for entry in settings.DATABASES.values():
+        entry.update(database_settings(servers))
+
+
+class ThreadWorker:
+    """``serve(settings, app)`` on an event loop in a thread of its own, so that sync tests can
+    run Django views (and their flushes) while it handles the rows."""
+
+    def __init__(
+        self, servers: Servers, app: OutboxApp, settings: OutboxSettings, database_url: str
+    ) -> None:
+        self.servers = servers
+        self.app = app
+        self.settings = settings
+        self.database_url = database_url
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="django-test-worker", daemon=True)
+
+    def start(self) -> ThreadWorker:
+        self._thread.start()
+        if not self._ready.wait(30) or self._failure is not None:
+            self.close()
+            raise AssertionError(f"the worker did not become ready: {self._failure!r}")
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as exc:  # reported by start() or close()
+            self._failure = exc
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        ready = asyncio.Event()
+        task = asyncio.create_task(
+            serve(
+                self.settings,
+                self.app,
+                stop=self._stop,
+                database_url=self.database_url,
+                temporal_address=self.servers.temporal_address,
+                ready=ready,
+            )
+        )
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            waiter.cancel()
+            task.result()
+        self._ready.set()
+        await task
+
+    def close(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the worker did not stop within 30 s"
+        if self._failure is not None:
+            raise self._failure
+
+
+def flush_settings(worker: ThreadWorker) -> OutboxSettings:
+    """The settings a producer flushes with to reach ``worker``."""
+    update: dict[str, Any] = {"temporal_address": worker.servers.temporal_address}
+    return worker.settings.model_copy(update=update)

@@ -4,15 +4,45 @@ that runs in a thread of its own while sync tests run Django code."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
 from django.conf import settings
+from django.db import connections
 from sqlalchemy.engine import make_url
 
 from outbox_bridge import OutboxApp, OutboxSettings
 from outbox_bridge.runtime.worker import serve
 from tests.harness import Servers
+
+# The tests' outbox tables (tests/django_app/outbox.py).
+OUTBOX = "django_outbox"
+ARCHIVE = "django_archive_outbox"
+
+
+def rows(table: str = OUTBOX, using: str = "default") -> list[dict[str, Any]]:
+    """The rows of an outbox table, read with Django's connection."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT id, shard_scope, shard_identifier, category, object_identifier, "
+            f"payload::text, scheduled_for, trace_context::text FROM {table} ORDER BY id"
+        )
+        names = [
+            "id",
+            "shard_scope",
+            "shard_identifier",
+            "category",
+            "object_identifier",
+            "payload",
+            "scheduled_for",
+            "trace_context",
+        ]
+        found = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for row in found:
+        for key in ("payload", "trace_context"):
+            row[key] = None if row[key] is None else json.loads(row[key])
+    return found
 
 
 def database_settings(servers: Servers) -> dict[str, str]:

@@ -5,7 +5,6 @@ PostgreSQL (pytest-django's test databases); no worker."""
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,35 +18,9 @@ from outbox_bridge import InvalidRowError, OutboxError, RegistryError
 from outbox_bridge.contrib.django.writes import NotInTransactionError, write_row, write_row_async
 from tests.django_app.models import Note
 from tests.django_app.outbox import app, archive_app
+from tests.django_support import ARCHIVE, OUTBOX, rows
 from tests.harness import Category, Scope
 from tests.otel import span_exporter
-
-OUTBOX = "django_outbox"
-ARCHIVE = "django_archive_outbox"
-
-
-def rows(table: str = OUTBOX, using: str = "default") -> list[dict[str, Any]]:
-    """The rows of an outbox table, read with Django's connection."""
-    with connections[using].cursor() as cursor:
-        cursor.execute(
-            "SELECT id, shard_scope, shard_identifier, category, object_identifier, "
-            f"payload::text, scheduled_for, trace_context::text FROM {table} ORDER BY id"
-        )
-        names = [
-            "id",
-            "shard_scope",
-            "shard_identifier",
-            "category",
-            "object_identifier",
-            "payload",
-            "scheduled_for",
-            "trace_context",
-        ]
-        found = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-    for row in found:
-        for key in ("payload", "trace_context"):
-            row[key] = None if row[key] is None else json.loads(row[key])
-    return found
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ that runs in a thread of its own while sync tests run Django code."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from typing import Any
@@ -133,3 +134,12 @@ def flush_settings(worker: ThreadWorker) -> OutboxSettings:
     """The settings a producer flushes with to reach ``worker``."""
     update: dict[str, Any] = {"temporal_address": worker.servers.temporal_address}
     return worker.settings.model_copy(update=update)
+
+
+# Shard and object identifiers unique in the session, far above the models' primary keys: the
+# Django tests share one table, one Temporal namespace and the workers' shard workflows.
+_identifiers = itertools.count(10**9)
+
+
+def next_identifier() -> int:
+    return next(_identifiers)

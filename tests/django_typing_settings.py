@@ -6,4 +6,4 @@ from __future__ import annotations
 from tests.django_settings import *  # noqa: F403
 from tests.django_settings import INSTALLED_APPS
 
-INSTALLED_APPS = [*INSTALLED_APPS]
+INSTALLED_APPS = [*INSTALLED_APPS, "examples.djangoshop.shop"]

@@ -1,10 +1,16 @@
-"""The examples keep working: the FastAPI example serves requests against the test servers.
+"""The examples keep working: the FastAPI example serves requests against the test servers,
+and the Django example's own tests pass against them.
 
-The example's tables (example_outbox, example_organization, example_project) are used by this
-test only.
+The FastAPI example's tables (example_outbox, example_organization, example_project) are used
+by its test only; the Django example's tests create a test database of their own.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import httpx
 from pydantic import SecretStr
@@ -12,7 +18,11 @@ from sqlalchemy import func, select
 
 from examples.projects import api as example_api
 from examples.projects import outbox as example
-from tests.harness import fast_settings, running_worker, table_empty
+from tests.django_support import database_settings
+from tests.harness import Servers, fast_settings, running_worker, table_empty
+from tests.test_cli import clean_env
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def test_projects_example_waits_for_its_rows(servers, engine) -> None:
@@ -56,3 +66,42 @@ async def test_projects_example_waits_for_its_rows(servers, engine) -> None:
                 await conn.execute(select(func.count()).select_from(example.Organization))
             ).scalar_one()
         assert "apollo" in names and count >= 1
+
+
+def test_the_django_example_s_own_tests_pass(servers: Servers, tmp_path: Path) -> None:
+    """examples/djangoshop's tests: its models and views write rows, its migration creates the
+    outbox table, and its requests wait for a worker that ``manage.py outbox_worker`` runs."""
+    database = database_settings(servers)
+    env = clean_env(
+        PGHOST=database["HOST"],
+        PGPORT=database["PORT"],
+        PGUSER=database["USER"],
+        PGPASSWORD=database["PASSWORD"],
+        PGDATABASE="djangoshop",
+        TEMPORAL_ADDRESS=servers.temporal_address,
+        OUTBOX_TASK_QUEUE=f"tq-shop-{uuid.uuid4().hex[:8]}",
+    )
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the example's pytest.ini names its own settings
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "examples/djangoshop",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:asyncio",  # no async test there (and its settings would be unset)
+            "-W",
+            "error",  # like this suite: a warning fails the run
+            "--basetemp",
+            str(tmp_path / "pytest"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 passed" in result.stdout, result.stdout

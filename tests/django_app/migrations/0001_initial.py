@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import django.db.models.deletion
 from django.db import migrations, models
-from django.db.migrations.operations.base import Operation
 
 from outbox_bridge.contrib.django.operations import CreateOutbox
 
@@ -14,9 +11,9 @@ from outbox_bridge.contrib.django.operations import CreateOutbox
 class Migration(migrations.Migration):
     initial = True
 
-    dependencies: ClassVar[list[tuple[str, str]]] = []
+    dependencies = []
 
-    operations: ClassVar[list[Operation]] = [
+    operations = [
         migrations.CreateModel(
             name="Note",
             fields=[

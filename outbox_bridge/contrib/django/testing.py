@@ -34,17 +34,17 @@ except ImportError:  # an outbox-bridge without the testing toolkit
 def drain_outbox_django(app: OutboxApp, using: str | None = None, **options: Any) -> Any:
     """``drain_outbox(app, engine, **options)`` with an engine on the Django database ``using``
     (default ``"default"``), disposed afterwards; returns what ``drain_outbox`` returns."""
-    if drain_outbox is None:
-        raise ConfigurationError(
-            "drain_outbox_django needs outbox_bridge.testing (the testing toolkit), which this "
-            "version of outbox-bridge does not have"
-        )
     alias = using or DEFAULT_DB_ALIAS
     if connections[alias].in_atomic_block:
         raise ConfigurationError(
             f"the rows written on {alias!r} have not committed: the test runs inside a "
             "transaction (django_db without transaction=True, or TestCase); mark it "
             "django_db(transaction=True) so that the drain sees them"
+        )
+    if drain_outbox is None:
+        raise ConfigurationError(
+            "drain_outbox_django needs outbox_bridge.testing (the testing toolkit), which this "
+            "version of outbox-bridge does not have"
         )
     engine = create_engine(database_url(alias))
     try:

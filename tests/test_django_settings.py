@@ -210,6 +210,9 @@ def test_system_checks(settings, monkeypatch) -> None:
     settings.OUTBOX_BRIDGE = {"APP": APP, "DATABASE": "nowhere"}
     [error] = check_outbox_settings()
     assert error.id == SETTINGS_ID and "no alias 'nowhere'" in error.msg
+    settings.OUTBOX_BRIDGE = {"APP": APP, "FLUSH_TIMEOUT": 0}
+    [error] = check_outbox_settings()
+    assert error.id == SETTINGS_ID and "FLUSH_TIMEOUT" in error.msg
 
 
 def test_the_worker_command_refuses_what_does_not_fit(settings, monkeypatch) -> None:

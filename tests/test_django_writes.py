@@ -14,7 +14,7 @@ from django.db import connections, transaction
 from django.db.transaction import TransactionManagementError
 from opentelemetry import trace
 
-from outbox_bridge import InvalidRowError, OutboxError, RegistryError
+from outbox_bridge import ConfigurationError, InvalidRowError, OutboxError, RegistryError
 from outbox_bridge.contrib.django.writes import NotInTransactionError, write_row, write_row_async
 from tests.django_app.models import Note
 from tests.django_app.outbox import app, archive_app
@@ -146,6 +146,13 @@ def test_outside_atomic_nothing_is_written() -> None:
     with transaction.atomic(using="other"), pytest.raises(NotInTransactionError):
         write()  # atomic on another database is not atomic on this one
     assert rows() == []
+
+
+@pytest.mark.django_db
+def test_a_database_that_is_not_postgresql_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(connections["default"], "vendor", "sqlite")
+    with transaction.atomic(), pytest.raises(ConfigurationError, match="is sqlite"):
+        write()
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])

@@ -14,6 +14,7 @@ from outbox_bridge.contrib.django.conf import (
     SETTING,
     OutboxConfigurationError,
     app_spec,
+    flush_timeout,
     outbox_app,
     outbox_settings,
 )
@@ -30,6 +31,7 @@ def check_outbox_settings(
     be loaded."""
     try:
         outbox_settings()
+        flush_timeout(1.0)
     except OutboxConfigurationError as exc:
         return [Error(str(exc), hint=f"See the {SETTING} setting.", id=SETTINGS_ID)]
     try:

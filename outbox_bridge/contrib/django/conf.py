@@ -158,6 +158,16 @@ def database_url(using: str | None = None) -> str:
     return url.render_as_string(hide_password=False)
 
 
+def flush_timeout(default: float) -> float:
+    """``OUTBOX_BRIDGE["FLUSH_TIMEOUT"]`` (seconds), else ``default``."""
+    value = bridge_settings().get(FLUSH_TIMEOUT_KEY, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+        raise OutboxConfigurationError(
+            f"{SETTING}['FLUSH_TIMEOUT'] must be a number of seconds in (0, 3600], got {value!r}"
+        )
+    return float(value)
+
+
 def outbox_settings(*, using: str | None = None) -> OutboxSettings:
     """:class:`~outbox_bridge.OutboxSettings` from ``OUTBOX_BRIDGE``, the environment for
     what it does not give, and the ``DATABASES`` entry of ``using`` (default: the outbox's

@@ -36,10 +36,8 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponseBase
 
 from outbox_bridge.contrib.django.conf import (
-    FLUSH_TIMEOUT_KEY,
-    SETTING,
     OutboxConfigurationError,
-    bridge_settings,
+    flush_timeout,
     outbox_app,
     outbox_settings,
 )
@@ -75,7 +73,9 @@ class _Row:
 
     def still_pending(self) -> bool:
         """Its transaction is still open: its ``on_commit`` callback is queued. (A rollback
-        drops the callbacks of what it rolled back.)"""
+        drops the callbacks of what it rolled back.) The queue is the connection's
+        ``run_on_commit`` list of ``(savepoint ids, callback, robust)``, which Django's own
+        ``TestCase.captureOnCommitCallbacks`` reads too."""
         queued = getattr(self.connection, "run_on_commit", None) or []
         return any(entry[1] == self.committed for entry in queued)
 
@@ -254,16 +254,6 @@ def _configured_app() -> OutboxApp | None:
         return None
 
 
-def flush_timeout() -> float:
-    """``OUTBOX_BRIDGE["FLUSH_TIMEOUT"]`` (seconds), else the default (10)."""
-    value = bridge_settings().get(FLUSH_TIMEOUT_KEY, DEFAULT_TIMEOUT)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
-        raise OutboxConfigurationError(
-            f"{SETTING}['FLUSH_TIMEOUT'] must be a number of seconds in (0, 3600], got {value!r}"
-        )
-    return float(value)
-
-
 # -- views ---------------------------------------------------------------------------------------
 
 
@@ -327,7 +317,7 @@ def flush_outbox(
 
 
 def _timeout(given: float | None) -> float:
-    return given if given is not None else flush_timeout()
+    return given if given is not None else flush_timeout(DEFAULT_TIMEOUT)
 
 
 class OutboxFlushMiddleware:
@@ -342,7 +332,7 @@ class OutboxFlushMiddleware:
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
         self.get_response = get_response
-        self.timeout = flush_timeout()
+        self.timeout = flush_timeout(DEFAULT_TIMEOUT)
         self._async = iscoroutinefunction(get_response)
         if self._async:
             markcoroutinefunction(self)

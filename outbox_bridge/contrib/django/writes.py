@@ -20,6 +20,7 @@ from django.db.transaction import TransactionManagementError
 from sqlalchemy import Insert
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
+from outbox_bridge.contrib.django.conf import OutboxConfigurationError
 from outbox_bridge.contrib.django.contexts import record_write
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.writes import observed_write
@@ -86,6 +87,10 @@ def write_row(
     )
     alias = using or DEFAULT_DB_ALIAS
     connection = connections[alias]
+    if connection.vendor != "postgresql":
+        raise OutboxConfigurationError(
+            f"database {alias!r} is {connection.vendor}: outbox rows live in PostgreSQL"
+        )
     if not connection.in_atomic_block:
         raise NotInTransactionError(
             f"write outbox rows inside transaction.atomic(using={alias!r}): in autocommit the "

@@ -4,6 +4,7 @@ that runs in a thread of its own while sync tests run Django code."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import threading
@@ -12,10 +13,13 @@ from typing import Any
 from django.conf import settings
 from django.db import connections
 from sqlalchemy.engine import make_url
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxSettings
 from outbox_bridge.runtime.worker import serve
-from tests.harness import Servers
+from outbox_bridge.workflows.models import PartitionRef
+from tests.harness import Servers, connect_client
 
 # The tests' outbox tables (tests/django_app/outbox.py).
 OUTBOX = "django_outbox"
@@ -126,8 +130,56 @@ class ThreadWorker:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
         assert not self._thread.is_alive(), "the worker did not stop within 30 s"
+        end_workflows(self.servers, self.app, self.settings)
         if self._failure is not None:
             raise self._failure
+
+
+def end_workflows(servers: Servers, app: OutboxApp, worker_settings: OutboxSettings) -> None:
+    """Terminate the workflows that a stopped worker (of these settings) left running: with an
+    idle timeout of 0 its partitions wait for rows for ever, and workflow ids name the table,
+    not the task queue, so the next worker of these tables (on a task queue of its own) would
+    find them running where nobody polls, and its rows would wait."""
+    failures: list[BaseException] = []
+
+    # On a loop and a thread of their own: asyncio.run in the test's thread would unset
+    # pytest-asyncio's loop there.
+    def run() -> None:
+        try:
+            asyncio.run(_end_workflows(servers, app, worker_settings))
+        except BaseException as exc:  # re-raised in the caller's thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, name="end-workflows")
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the workflows were not terminated within 60 s"
+    if failures:
+        raise failures[0]
+
+
+async def _end_workflows(servers: Servers, app: OutboxApp, worker_settings: OutboxSettings) -> None:
+    client = await connect_client(servers)
+    task_queue, partitions = worker_settings.task_queue, worker_settings.partitions
+    # A partition's id is known (and described at once); shard workflows are listed.
+    ids = [
+        PartitionRef(table, n, partitions).workflow_id
+        for table in app.tables
+        for n in range(partitions)
+    ]
+    query = f"ExecutionStatus = 'Running' AND TaskQueue = '{task_queue}'"
+    ids += [execution.id async for execution in client.list_workflows(query)]
+    for workflow_id in ids:
+        handle = client.get_workflow_handle(workflow_id)
+        try:
+            described = await handle.describe()
+        except RPCError:
+            continue  # never started
+        if described.status == WorkflowExecutionStatus.RUNNING and (
+            described.task_queue == task_queue
+        ):
+            with contextlib.suppress(RPCError):  # ended meanwhile
+                await handle.terminate("the test is over")
 
 
 def flush_settings(worker: ThreadWorker) -> OutboxSettings:

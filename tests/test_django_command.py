@@ -24,7 +24,7 @@ from outbox_bridge.contrib.django.flush import flush_report
 from outbox_bridge.registry import FlushRoute
 from outbox_bridge.runtime.embedded import free_port
 from tests.django_app.outbox import app
-from tests.django_support import database_settings, next_identifier, rows
+from tests.django_support import database_settings, end_workflows, next_identifier, rows
 from tests.harness import Servers
 from tests.test_cli import CANARY, clean_env
 
@@ -115,6 +115,7 @@ def test_the_worker_command_handles_the_rows_of_a_view(servers, tmp_path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        end_workflows(servers, app, OutboxSettings(task_queue=task_queue))
     output = out.read_text() + err.read_text()
     assert "postgresql+psycopg://" in output and "***" in output  # the banner, masked
     assert password not in output, output

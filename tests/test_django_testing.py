@@ -1,25 +1,26 @@
 """drain_outbox_django: the testing toolkit's in-process drain on a Django database. Its engine
 is on the test database and disposed afterwards; a test whose rows have not committed is
-refused. The end-to-end test runs once outbox_bridge.testing (the toolkit) is installed."""
+refused; the rows a view committed, on either database, are handled in the test's thread, and a
+failing handler fails the drain with its row kept."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 from django.test import Client
 from sqlalchemy import Engine, text
 
-from outbox_bridge import ConfigurationError, OutboxApp
+from outbox_bridge import ConfigurationError, OutboxApp, OutboxMessage
 from outbox_bridge.contrib.django import testing
 from outbox_bridge.contrib.django.testing import drain_outbox_django
-from tests.django_app.outbox import app, recorder
-from tests.django_support import next_identifier, rows
-
-TOOLKIT = importlib.util.find_spec("outbox_bridge.testing") is not None
+from outbox_bridge.contrib.django.writes import write_row
+from outbox_bridge.testing import DrainReport, HandlerFailedError
+from tests.django_app.outbox import app, archive_app, archive_recorder, recorder
+from tests.django_support import ARCHIVE, OUTBOX, next_identifier, rows
+from tests.harness import Category
 
 
 @pytest.mark.django_db
@@ -31,17 +32,24 @@ def test_rows_that_have_not_committed_are_refused() -> None:
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
 def test_the_drain_gets_an_engine_on_the_test_database(monkeypatch) -> None:
     seen: list[tuple[OutboxApp, Engine, Any, str]] = []
+    drained = DrainReport()
 
-    def drain_outbox(given: OutboxApp, bind: Engine, **options: Any) -> str:
+    def drain_outbox(given: OutboxApp, bind: Engine, **options: Any) -> DrainReport:
         with bind.connect() as conn:
             database = conn.execute(text("SELECT current_database()")).scalar_one()
         seen.append((given, bind, options, database))
-        return "drained"
+        return drained
 
     monkeypatch.setattr(testing, "drain_outbox", drain_outbox)
-    assert drain_outbox_django(app, using="other", limit=5) == "drained"
+    assert drain_outbox_django(app, using="other", shard="ORGANIZATION:1") is drained
     [(given, bind, options, database)] = seen
-    assert given is app and isinstance(bind, Engine) and options == {"limit": 5}
+    assert given is app and isinstance(bind, Engine)
+    assert options == {
+        "shard": "ORGANIZATION:1",
+        "table": None,
+        "run_deferred": False,
+        "raise_on_failure": True,
+    }
     assert database == connections["other"].settings_dict["NAME"]
     assert others_connected("other") == 0  # disposed: nothing else holds the test database
 
@@ -61,20 +69,60 @@ def others_connected(alias: str) -> int:
         time.sleep(0.05)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_without_the_toolkit_it_says_so(monkeypatch) -> None:
-    monkeypatch.setattr(testing, "drain_outbox", None)
-    with pytest.raises(ConfigurationError, match=r"needs outbox_bridge\.testing"):
-        drain_outbox_django(app)
+def empty(*tables: str, using: str = "default") -> None:
+    with connections[using].cursor() as cursor:
+        for table in tables:
+            cursor.execute(f"DELETE FROM {table}")
 
 
-@pytest.mark.skipif(not TOOLKIT, reason="outbox_bridge.testing (the testing toolkit) is absent")
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
 def test_rows_written_by_a_view_are_handled_in_the_test() -> None:
-    with connections["default"].cursor() as cursor:
-        cursor.execute("DELETE FROM django_outbox")
-    shard = next_identifier()
+    empty(OUTBOX)
+    empty(ARCHIVE, using="other")
+    shard, archived = next_identifier(), next_identifier()
     assert Client().get(f"/write/{shard}").status_code == 200  # committed by the view
-    drain_outbox_django(app)
+    with transaction.atomic(using="other"):
+        write_row(
+            archive_app,
+            category=Category.ORGANIZATION_UPDATE,
+            shard_identifier=archived,
+            object_identifier=archived,
+            using="other",
+        )
+
+    report = drain_outbox_django(app)
+    assert report.shard(f"ORGANIZATION:{shard}").handled == 1
     assert any(call.object_identifier == shard for call in recorder.calls)
     assert rows() == []
+    assert len(rows(ARCHIVE, using="other")) == 1  # another database, another app
+
+    report = drain_outbox_django(archive_app, using="other")
+    assert [message.object_identifier for message in report.messages] == [archived]
+    assert any(call.object_identifier == archived for call in archive_recorder.calls)
+    assert rows(ARCHIVE, using="other") == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_handler_fails_the_drain_and_keeps_its_row() -> None:
+    empty(OUTBOX)
+    shard = next_identifier()
+
+    async def fail(message: OutboxMessage) -> None:
+        raise RuntimeError(f"cannot handle {message.object_identifier}")
+
+    recorder.behaviour[int(Category.PROJECT_UPDATE)] = fail
+    try:
+        with transaction.atomic():
+            written = write_row(
+                app,
+                category=Category.PROJECT_UPDATE,
+                shard_identifier=shard,
+                object_identifier=shard,
+            )
+        with pytest.raises(HandlerFailedError) as failed:
+            drain_outbox_django(app)
+        assert isinstance(failed.value.__cause__, RuntimeError)
+        assert failed.value.failure.message.id == written
+        assert [row["id"] for row in rows()] == [written]
+    finally:
+        del recorder.behaviour[int(Category.PROJECT_UPDATE)]

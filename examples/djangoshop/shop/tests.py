@@ -2,7 +2,8 @@
 with PostgreSQL named by PGHOST, PGPORT, PGUSER and PGPASSWORD.
 
 pytest-django creates the test database with the migrations (the outbox table included). The
-models and the views write rows without a worker. The requests that wait for their rows run
+models and the views write rows without a worker, and drain_outbox_django runs the handlers in
+the test. The requests that wait for their rows run
 against a real worker: ``manage.py outbox_worker``, started for these tests on the test
 database, with Temporal at TEMPORAL_ADDRESS (unset: the worker starts a dev server on
 127.0.0.1:7233, where the flushes look for it too).
@@ -27,9 +28,10 @@ import pytest
 from django.db import connection, transaction
 from django.test import Client
 
-from examples.djangoshop.shop.models import Invitation, Organization, Project
-from examples.djangoshop.shop.outbox import Category, Scope
+from examples.djangoshop.shop.models import Invitation, Organization, Project, SearchEntry
+from examples.djangoshop.shop.outbox import Category, Scope, app
 from outbox_bridge.contrib.django.flush import flush_report
+from outbox_bridge.contrib.django.testing import drain_outbox_django
 
 MANAGE = Path(__file__).resolve().parents[1] / "manage.py"
 
@@ -79,6 +81,23 @@ def test_a_failed_request_writes_nothing() -> None:
         Organization.objects.create(name="acme")
         raise RuntimeError("the request failed")
     assert outbox_rows() == []
+
+
+@pytest.mark.usefixtures("no_rows_left")
+def test_the_handlers_index_what_the_models_wrote() -> None:
+    with transaction.atomic():
+        organization = Organization.objects.create(name="acme")
+        project = Project.objects.create(organization=organization, name="apollo")
+        project.name = "apollo 11"
+        project.save()  # coalesces with the project's first row
+    report = drain_outbox_django(app)  # the handlers, in this test's thread
+    assert (report.handled, report.coalesced) == (2, 1)
+    assert outbox_rows() == []
+    indexed = SearchEntry.objects.order_by("kind").values_list("kind", "object_id", "title")
+    assert list(indexed) == [
+        ("organization", organization.pk, "acme"),
+        ("project", project.pk, "apollo 11"),
+    ]
 
 
 # -- with a worker: manage.py outbox_worker --------------------------------------------------------

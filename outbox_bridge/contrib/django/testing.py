@@ -12,28 +12,28 @@ connection sees them, and is refused.
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy import create_engine
 
 from outbox_bridge.contrib.django.conf import database_url
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-
-# The testing toolkit's drain, drain_outbox(app, bind) with a SQLAlchemy Engine, Connection or
-# Session as bind. Until a release ships outbox_bridge.testing, drain_outbox_django says so.
-try:
-    from outbox_bridge.testing import (  # type: ignore[import-not-found, unused-ignore]
-        drain_outbox,
-    )
-except ImportError:  # an outbox-bridge without the testing toolkit
-    drain_outbox = None
+from outbox_bridge.testing import DrainReport, drain_outbox
 
 
-def drain_outbox_django(app: OutboxApp, using: str | None = None, **options: Any) -> Any:
-    """``drain_outbox(app, engine, **options)`` with an engine on the Django database ``using``
-    (default ``"default"``), disposed afterwards; returns what ``drain_outbox`` returns."""
+def drain_outbox_django(
+    app: OutboxApp,
+    using: str | None = None,
+    *,
+    shard: str | None = None,
+    table: str | None = None,
+    run_deferred: bool = False,
+    raise_on_failure: bool = True,
+) -> DrainReport:
+    """Handle the committed rows of ``app`` on the Django database ``using`` (default
+    ``"default"``) in the calling thread: :func:`~outbox_bridge.testing.drain_outbox` with an
+    engine on that database, disposed afterwards, and the same keyword arguments and report.
+    Handlers that use the ORM run in the test's thread, on the test database."""
     alias = using or DEFAULT_DB_ALIAS
     if connections[alias].in_atomic_block:
         raise ConfigurationError(
@@ -41,13 +41,15 @@ def drain_outbox_django(app: OutboxApp, using: str | None = None, **options: Any
             "transaction (django_db without transaction=True, or TestCase); mark it "
             "django_db(transaction=True) so that the drain sees them"
         )
-    if drain_outbox is None:
-        raise ConfigurationError(
-            "drain_outbox_django needs outbox_bridge.testing (the testing toolkit), which this "
-            "version of outbox-bridge does not have"
-        )
     engine = create_engine(database_url(alias))
     try:
-        return drain_outbox(app, engine, **options)
+        return drain_outbox(
+            app,
+            engine,
+            shard=shard,
+            table=table,
+            run_deferred=run_deferred,
+            raise_on_failure=raise_on_failure,
+        )
     finally:
         engine.dispose()

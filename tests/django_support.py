@@ -1,5 +1,6 @@
-"""What the Django tests share: the test PostgreSQL as Django database settings, and a worker
-that runs in a thread of its own while sync tests run Django code."""
+"""What the Django tests share: the test PostgreSQL as Django database settings, the testing
+toolkit's worker on a Django test database, and the end of the workflows a worker in a
+subprocess left."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import itertools
 import json
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
@@ -17,7 +19,9 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxSettings
-from outbox_bridge.runtime.worker import serve
+from outbox_bridge.registry import FlushRoute
+from outbox_bridge.testing import OutboxDatabase, OutboxWorker, PostgresServer, worker_settings
+from outbox_bridge.testing.servers import EventLoopThread
 from outbox_bridge.workflows.models import PartitionRef
 from tests.harness import Servers, connect_client
 
@@ -70,73 +74,30 @@ def point_django_at(servers: Servers) -> None:
         entry.update(database_settings(servers))
 
 
-class ThreadWorker:
-    """``serve(settings, app)`` on an event loop in a thread of its own, so that sync tests can
-    run Django views (and their flushes) while it handles the rows."""
-
-    def __init__(
-        self, servers: Servers, app: OutboxApp, settings: OutboxSettings, database_url: str
-    ) -> None:
-        self.servers = servers
-        self.app = app
-        self.settings = settings
-        self.database_url = database_url
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="django-test-worker", daemon=True)
-
-    def start(self) -> ThreadWorker:
-        self._thread.start()
-        if not self._ready.wait(30) or self._failure is not None:
-            self.close()
-            raise AssertionError(f"the worker did not become ready: {self._failure!r}")
-        return self
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve())
-        except BaseException as exc:  # reported by start() or close()
-            self._failure = exc
-            self._ready.set()
-        finally:
-            self._loop.close()
-
-    async def _serve(self) -> None:
-        self._stop = asyncio.Event()
-        ready = asyncio.Event()
-        task = asyncio.create_task(
-            serve(
-                self.settings,
-                self.app,
-                stop=self._stop,
-                database_url=self.database_url,
-                temporal_address=self.servers.temporal_address,
-                ready=ready,
-            )
-        )
-        waiter = asyncio.create_task(ready.wait())
-        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            waiter.cancel()
-            task.result()
-        self._ready.set()
-        await task
-
-    def close(self) -> None:
-        if self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "the worker did not stop within 30 s"
-        end_workflows(self.servers, self.app, self.settings)
-        if self._failure is not None:
-            raise self._failure
+@contextlib.contextmanager
+def django_worker(
+    postgres: PostgresServer, temporal_address: str, app: OutboxApp, using: str = "default"
+) -> Iterator[OutboxWorker]:
+    """The testing toolkit's worker of ``app`` on the test database of ``using``, in a thread
+    of its own, so that sync tests run Django views (and their flushes) while it handles the
+    rows; ``app`` flushes to it meanwhile. Its partitions never idle out (the tests' rows come
+    in bursts far apart); its workflows are terminated when it stops."""
+    loop = EventLoopThread(name="django-test-worker")
+    database = OutboxDatabase(postgres, str(connections[using].settings_dict["NAME"]))
+    tuned = worker_settings(idle_timeout=0)
+    try:
+        with OutboxWorker(app, database, temporal_address, loop, tuned) as worker:
+            app.configure_flush(worker.settings)
+            try:
+                yield worker
+            finally:
+                app.flush_route = FlushRoute()
+    finally:
+        loop.close()
 
 
-def end_workflows(servers: Servers, app: OutboxApp, worker_settings: OutboxSettings) -> None:
-    """Terminate the workflows that a stopped worker (of these settings) left running: with an
+def end_workflows(servers: Servers, app: OutboxApp, options: OutboxSettings) -> None:
+    """Terminate the workflows that a stopped worker (of these options) left running: with an
     idle timeout of 0 its partitions wait for rows for ever, and workflow ids name the table,
     not the task queue, so the next worker of these tables (on a task queue of its own) would
     find them running where nobody polls, and its rows would wait."""
@@ -146,7 +107,7 @@ def end_workflows(servers: Servers, app: OutboxApp, worker_settings: OutboxSetti
     # pytest-asyncio's loop there.
     def run() -> None:
         try:
-            asyncio.run(_end_workflows(servers, app, worker_settings))
+            asyncio.run(_end_workflows(servers, app, options))
         except BaseException as exc:  # re-raised in the caller's thread
             failures.append(exc)
 
@@ -158,9 +119,9 @@ def end_workflows(servers: Servers, app: OutboxApp, worker_settings: OutboxSetti
         raise failures[0]
 
 
-async def _end_workflows(servers: Servers, app: OutboxApp, worker_settings: OutboxSettings) -> None:
+async def _end_workflows(servers: Servers, app: OutboxApp, options: OutboxSettings) -> None:
     client = await connect_client(servers)
-    task_queue, partitions = worker_settings.task_queue, worker_settings.partitions
+    task_queue, partitions = options.task_queue, options.partitions
     # A partition's id is known (and described at once); shard workflows are listed.
     ids = [
         PartitionRef(table, n, partitions).workflow_id
@@ -180,12 +141,6 @@ async def _end_workflows(servers: Servers, app: OutboxApp, worker_settings: Outb
         ):
             with contextlib.suppress(RPCError):  # ended meanwhile
                 await handle.terminate("the test is over")
-
-
-def flush_settings(worker: ThreadWorker) -> OutboxSettings:
-    """The settings a producer flushes with to reach ``worker``."""
-    update: dict[str, Any] = {"temporal_address": worker.servers.temporal_address}
-    return worker.settings.model_copy(update=update)
 
 
 # Shard and object identifiers unique in the session, far above the models' primary keys: the

@@ -16,40 +16,29 @@ from django.db import connections, transaction
 from django.test import AsyncClient, Client
 
 from outbox_bridge import FlushResult
-from outbox_bridge.contrib.django.conf import database_url
 from outbox_bridge.contrib.django.flush import flush_report, outbox_context
 from outbox_bridge.contrib.django.writes import write_row
 from outbox_bridge.registry import FlushRoute
+from outbox_bridge.testing import OutboxWorker
 from tests.django_app.outbox import app, archive_app, archive_recorder, recorder
-from tests.django_support import ThreadWorker, flush_settings, next_identifier
-from tests.harness import Category, Recorder, fast_settings
+from tests.django_support import django_worker, next_identifier
+from tests.harness import Category, Recorder
 
 MIDDLEWARE = ["outbox_bridge.contrib.django.flush.OutboxFlushMiddleware"]
 
 
 @pytest.fixture(scope="module")
-def worker(servers, django_db_setup) -> Iterator[ThreadWorker]:
+def worker(outbox_postgres, servers, django_db_setup) -> Iterator[OutboxWorker]:
     """The worker of ``app``, on the default test database."""
-    running = ThreadWorker(servers, app, fast_settings(idle_timeout=0), database_url()).start()
-    app.configure_flush(flush_settings(running))
-    try:
+    with django_worker(outbox_postgres, servers.temporal_address, app) as running:
         yield running
-    finally:
-        app.flush_route = FlushRoute()
-        running.close()
 
 
 @pytest.fixture(scope="module")
-def archive_worker(servers, django_db_setup) -> Iterator[ThreadWorker]:
+def archive_worker(outbox_postgres, servers, django_db_setup) -> Iterator[OutboxWorker]:
     """The worker of ``archive_app``, on the ``other`` test database."""
-    url = database_url("other")
-    running = ThreadWorker(servers, archive_app, fast_settings(idle_timeout=0), url).start()
-    archive_app.configure_flush(flush_settings(running))
-    try:
+    with django_worker(outbox_postgres, servers.temporal_address, archive_app, "other") as running:
         yield running
-    finally:
-        archive_app.flush_route = FlushRoute()
-        running.close()
 
 
 def write(shard: int, *, using: str | None = None) -> int:
@@ -247,7 +236,7 @@ def test_the_flush_is_configured_from_the_django_settings(settings, worker) -> N
     try:
         settings.OUTBOX_BRIDGE = {
             "APP": "tests.django_app.outbox:app",
-            "TEMPORAL_ADDRESS": worker.servers.temporal_address,
+            "TEMPORAL_ADDRESS": worker.settings.temporal_address,
             "TASK_QUEUE": worker.settings.task_queue,
         }
         shard = next_identifier()
@@ -269,4 +258,4 @@ def test_the_flush_is_configured_from_the_django_settings(settings, worker) -> N
         wait_for_call(shard)
     finally:
         app.flush_route = FlushRoute()
-        app.configure_flush(flush_settings(worker))
+        app.configure_flush(worker.settings)

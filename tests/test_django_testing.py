@@ -1,7 +1,7 @@
 """drain_outbox_django: the testing toolkit's in-process drain on a Django database. Its engine
 is on the test database and disposed afterwards; a test whose rows have not committed is
-refused; the rows a view committed, on either database, are handled in the test's thread, and a
-failing handler fails the drain with its row kept."""
+refused; the rows a view committed, on either database, are handled in the test's thread, a
+failing handler fails the drain with its row kept, and an async test drains in its loop."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import time
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.test import Client
 from sqlalchemy import Engine, text
 
 from outbox_bridge import ConfigurationError, OutboxApp, OutboxMessage
 from outbox_bridge.contrib.django import testing
-from outbox_bridge.contrib.django.testing import drain_outbox_django
-from outbox_bridge.contrib.django.writes import write_row
+from outbox_bridge.contrib.django.testing import drain_outbox_django, drain_outbox_django_async
+from outbox_bridge.contrib.django.writes import write_row, write_row_async
 from outbox_bridge.testing import DrainReport, HandlerFailedError
 from tests.django_app.outbox import app, archive_app, archive_recorder, recorder
 from tests.django_support import ARCHIVE, OUTBOX, next_identifier, rows
@@ -44,12 +45,7 @@ def test_the_drain_gets_an_engine_on_the_test_database(monkeypatch) -> None:
     assert drain_outbox_django(app, using="other", shard="ORGANIZATION:1") is drained
     [(given, bind, options, database)] = seen
     assert given is app and isinstance(bind, Engine)
-    assert options == {
-        "shard": "ORGANIZATION:1",
-        "table": None,
-        "run_deferred": False,
-        "raise_on_failure": True,
-    }
+    assert options == {"shard": "ORGANIZATION:1"}
     assert database == connections["other"].settings_dict["NAME"]
     assert others_connected("other") == 0  # disposed: nothing else holds the test database
 
@@ -126,3 +122,23 @@ def test_a_failing_handler_fails_the_drain_and_keeps_its_row() -> None:
         assert [row["id"] for row in rows()] == [written]
     finally:
         del recorder.behaviour[int(Category.PROJECT_UPDATE)]
+
+
+@pytest.fixture
+async def async_db(transactional_db: None) -> Any:
+    """An async transactional test: the connections of sync_to_async's thread are closed
+    afterwards (else the test database cannot be dropped)."""
+    yield
+    await sync_to_async(connections.close_all, thread_sensitive=True)()
+
+
+async def test_an_async_test_drains_in_its_event_loop(async_db) -> None:
+    await sync_to_async(empty, thread_sensitive=True)(OUTBOX)
+    shard = next_identifier()
+    written = await write_row_async(
+        app, category=Category.ORGANIZATION_UPDATE, shard_identifier=shard, object_identifier=shard
+    )
+    report = await drain_outbox_django_async(app)
+    assert [message.id for message in report.messages] == [written]
+    assert any(call.object_identifier == shard for call in recorder.calls)
+    assert await sync_to_async(rows, thread_sensitive=True)() == []

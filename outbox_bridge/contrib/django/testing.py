@@ -3,6 +3,7 @@
 :func:`drain_outbox_django` runs the testing toolkit's in-process drain
 (:func:`outbox_bridge.testing.drain_outbox`) against a Django database: it builds a SQLAlchemy
 engine for the same database (the test database, in a test) and hands it over.
+:func:`drain_outbox_django_async` does the same in an async test.
 
 The rows must have committed, as for a worker: run the test with
 ``@pytest.mark.django_db(transaction=True)`` (or a ``TransactionTestCase``). A test in a
@@ -12,28 +13,57 @@ connection sees them, and is refused.
 
 from __future__ import annotations
 
+from typing import TypedDict, Unpack
+
 from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy import create_engine
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge.contrib.django.conf import database_url
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.testing import DrainReport, drain_outbox
+from outbox_bridge.testing import DrainReport, drain_outbox, drain_outbox_async
+
+
+class DrainOptions(TypedDict, total=False):
+    """The options of :func:`~outbox_bridge.testing.drain_outbox`, passed on as they are."""
+
+    shard: str | None
+    table: str | None
+    run_deferred: bool
+    raise_on_failure: bool
 
 
 def drain_outbox_django(
-    app: OutboxApp,
-    using: str | None = None,
-    *,
-    shard: str | None = None,
-    table: str | None = None,
-    run_deferred: bool = False,
-    raise_on_failure: bool = True,
+    app: OutboxApp, using: str | None = None, **options: Unpack[DrainOptions]
 ) -> DrainReport:
     """Handle the committed rows of ``app`` on the Django database ``using`` (default
     ``"default"``) in the calling thread: :func:`~outbox_bridge.testing.drain_outbox` with an
-    engine on that database, disposed afterwards, and the same keyword arguments and report.
-    Handlers that use the ORM run in the test's thread, on the test database."""
+    engine on that database, disposed afterwards, and the same options (``shard``, ``table``,
+    ``run_deferred``, ``raise_on_failure``) and report. Handlers that use the ORM run in the
+    test's thread, on the test database."""
+    engine = create_engine(_committed_rows_url(using))
+    try:
+        return drain_outbox(app, engine, **options)
+    finally:
+        engine.dispose()
+
+
+async def drain_outbox_django_async(
+    app: OutboxApp, using: str | None = None, **options: Unpack[DrainOptions]
+) -> DrainReport:
+    """:func:`drain_outbox_django` in the running event loop
+    (:func:`~outbox_bridge.testing.drain_outbox_async` with an async engine). Async handlers run
+    in this loop; plain-def handlers in a thread, where the ORM has a connection of its own."""
+    engine = create_async_engine(_committed_rows_url(using))
+    try:
+        return await drain_outbox_async(app, engine, **options)
+    finally:
+        await engine.dispose()
+
+
+def _committed_rows_url(using: str | None) -> str:
+    """The URL of the database ``using``, once its rows are known to be committed."""
     alias = using or DEFAULT_DB_ALIAS
     if connections[alias].in_atomic_block:
         raise ConfigurationError(
@@ -41,15 +71,4 @@ def drain_outbox_django(
             "transaction (django_db without transaction=True, or TestCase); mark it "
             "django_db(transaction=True) so that the drain sees them"
         )
-    engine = create_engine(database_url(alias))
-    try:
-        return drain_outbox(
-            app,
-            engine,
-            shard=shard,
-            table=table,
-            run_deferred=run_deferred,
-            raise_on_failure=raise_on_failure,
-        )
-    finally:
-        engine.dispose()
+    return database_url(alias)

@@ -27,6 +27,10 @@ def _database(name: str) -> dict[str, Any]:
 
 SECRET_KEY = "outbox-bridge tests"
 USE_TZ = True
+# Django sets the process's TZ from TIME_ZONE when the settings load (before any server
+# starts), so the test PostgreSQL runs in this zone, not UTC: the suite checks the worker
+# does not depend on the session's time zone.
+TIME_ZONE = "America/Chicago"
 DEBUG = False
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INSTALLED_APPS = ["outbox_bridge.contrib.django", "tests.django_app"]

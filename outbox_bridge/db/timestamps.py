@@ -41,3 +41,9 @@ def load_infinite_timestamps(engine: AsyncEngine) -> None:
         dbapi_connection.driver_connection.adapters.register_loader(
             "timestamptz", InfiniteTimestamptzLoader
         )
+
+
+def iso_utc(moment: datetime) -> str:
+    """``moment`` in ISO 8601, in UTC whatever the database session's time zone: what the
+    workflows keep and show reads the same from every server."""
+    return moment.astimezone(UTC).isoformat()

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_bridge.db.store import read_pending_up_to
+from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardLockedError
 from outbox_bridge.runtime.batch import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.calls import HandlerFailed
@@ -228,7 +229,7 @@ class ShardDrainer:
                 if not pending:
                     return FlushCheck(handled=True)
                 if deferred_until is not None:
-                    return FlushCheck(handled=False, deferred_until=deferred_until.isoformat())
+                    return FlushCheck(handled=False, deferred_until=iso_utc(deferred_until))
             left = deadline - time.monotonic()
             if left <= 0:
                 return FlushCheck(handled=False)
@@ -248,7 +249,7 @@ def _add(result: DrainResult, outcome: ShardOutcome) -> None:
         result.failed = outcome.failed
         result.failure = outcome.failure
     elif not outcome.more and outcome.deferred_until is not None:
-        result.deferred_until = outcome.deferred_until.isoformat()
+        result.deferred_until = iso_utc(outcome.deferred_until)
         result.deferred_seconds = outcome.deferred_seconds
 
 

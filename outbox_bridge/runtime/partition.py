@@ -32,6 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.store import ShardRange, read_row_ages, read_shard_ranges
+from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.batch import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.hub import (
     PartitionInbox,
@@ -310,7 +311,7 @@ class PartitionDrain:
             handover = HandoverInput(
                 max_id=outcome.highest_seen_id,
                 held_for=HeldFor.DEFERRED,
-                deferred_until=outcome.deferred_until.isoformat(),
+                deferred_until=iso_utc(outcome.deferred_until),
                 deferred_seconds=outcome.deferred_seconds,
             )
         else:

@@ -23,6 +23,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.store import HeldShard, read_held_shards
+from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW, ShardStarter
 from outbox_bridge.workflows.models import (
@@ -141,7 +142,7 @@ class PartitionSupervisor:
                 "shard %s is held for its workflow (%s since %s) but none runs; starting it",
                 ref.key,
                 shard.held_for,
-                shard.since.isoformat(),
+                iso_utc(shard.since),
             )
             self.restarted += 1
             await self._starter.notify(ref, 0, late=True)

@@ -15,6 +15,9 @@ from typing import Any
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
+# PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more (the trigger sends ``*`` well
+# before that): a longer message is not read at all.
+MAX_PAYLOAD_BYTES = 7999
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class Notification:
 
 def parse_notification(payload: str, *, regional: bool) -> list[Notification] | str:
     """The shards a trigger's message names, or why the message is refused."""
+    if len(payload) > MAX_PAYLOAD_BYTES or _utf8_length(payload) > MAX_PAYLOAD_BYTES:
+        return "longer than a notification can be"
     try:
         entries = json.loads(payload)
     except (ValueError, RecursionError):
@@ -50,8 +55,13 @@ def _entry(entry: Any, regional: bool) -> Notification | str:
         shape = "[region, scope, id, max id]" if regional else "[scope, id, max id]"
         return f"an entry is not {shape} for this table"
     region = entry[0] if regional else None
-    if regional and (not isinstance(region, str) or not region):
-        return "a region is not a non-empty string"
+    if regional:
+        if not isinstance(region, str) or not region:
+            return "a region is not a non-empty string"
+        if not _storable(region):
+            # JSON can spell what no text column holds (\u0000, a lone surrogate): such a
+            # region names no shard, and its key could be neither hashed nor sent to Temporal.
+            return "a region is not text a column can hold"
     scope, ident, max_id = entry[-3:]
     if not _integer(scope, INT32):
         return "a scope is not a 32-bit integer"
@@ -60,6 +70,20 @@ def _entry(entry: Any, regional: bool) -> Notification | str:
     if not _integer(max_id, (1, INT64[1])):
         return "an id is not a positive 64-bit integer"
     return Notification(region, scope, ident, max_id)
+
+
+def _utf8_length(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _storable(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _integer(value: Any, bounds: tuple[int, int]) -> bool:

@@ -42,6 +42,11 @@ def partition_of(key: ShardKey, partitions: int) -> int:
     return zlib.crc32(text.encode()) % partitions
 
 
+# Shards a partition's inbox keeps news of between two looks of its drain; past that, it asks
+# the drain to scan every shard instead.
+MAX_NEWS = 100_000
+
+
 class PartitionInbox:
     """News for one partition drain of this worker: shards with new rows, newest id each."""
 
@@ -55,7 +60,9 @@ class PartitionInbox:
 
     def offer(self, key: ShardKey, max_id: int) -> None:
         known = self.news.get(key)
-        if known is None or max_id > known:
+        if known is None and len(self.news) >= MAX_NEWS:
+            self.rescan = True
+        elif known is None or max_id > known:
             self.news[key] = max_id
         self.event.set()
 

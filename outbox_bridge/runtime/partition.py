@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,10 @@ log = logging.getLogger("outbox_bridge.runtime.partition")
 
 HEARTBEAT_SECONDS = 1.0
 BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
+# Shards a partition's drain keeps queued at most. Past that, news of further shards is dropped
+# (they have rows: a full scan finds them again), and the drain scans every shard as soon as its
+# queue has emptied, instead of at the next rescan interval.
+MAX_QUEUED_SHARDS = 100_000
 
 
 class PartitionUnavailableError(RuntimeError):
@@ -73,6 +78,7 @@ class PartitionDrain:
         request: PartitionDrainInput,
         *,
         heartbeat: Callable[[PartitionRound], None] = lambda _: None,
+        max_queued: int = MAX_QUEUED_SHARDS,
     ) -> None:
         self._engine = engine
         self._app = engine.app
@@ -83,6 +89,8 @@ class PartitionDrain:
         self._table: Table = engine.app.table(self._ref.table)
         self._heartbeat = heartbeat
         self._queue: dict[ShardKey, None] = {}  # shards to drain, in arrival order
+        self._max_queued = max_queued
+        self._overflowed = False  # shards were left out of the queue: scan every shard again
         self._in_flight: set[ShardKey] = set()
         self._watermark = 0
         self._stats = PartitionRound()
@@ -111,6 +119,8 @@ class PartitionDrain:
             while not self._hub.closed and time.monotonic() < end:
                 rescan = self._take_news(inbox)
                 now = time.monotonic()
+                if self._overflowed and not self._queue:
+                    next_rescan = min(next_rescan, next_poll)  # the left-out shards are next
                 if now >= next_rescan or rescan:
                     await self._scan(full=True)
                     next_rescan = now + options.rescan_interval_seconds
@@ -160,12 +170,30 @@ class PartitionDrain:
         """Queue the shards the notifications named; True if one asked for a full scan."""
         rescan, inbox.rescan = inbox.rescan, False
         for key in inbox.take():
-            self._queue.setdefault(key, None)
+            self._enqueue(key)
         return rescan
+
+    def _enqueue(self, key: ShardKey) -> None:
+        """Queue ``key`` unless it is queued already or the queue is full."""
+        if key in self._queue:
+            return
+        if len(self._queue) >= self._max_queued:
+            if not self._overflowed:
+                log.warning(
+                    "partition %s has %s shards queued: further shards wait for a scan of "
+                    "every shard once these are drained",
+                    self._ref.workflow_id,
+                    len(self._queue),
+                )
+            self._overflowed = True
+            return
+        self._queue[key] = None
 
     def _next_round(self) -> list[ShardRef]:
         shards: list[ShardRef] = []
-        for key in list(self._queue):
+        # Queued shards that are in flight are passed over: look no further than needed.
+        candidates = self._options.max_shards + len(self._in_flight)
+        for key in list(itertools.islice(self._queue, candidates)):
             if len(shards) == self._options.max_shards:
                 break
             if key in self._in_flight:
@@ -204,6 +232,8 @@ class PartitionDrain:
                 "partition %s cannot scan %s: %s", self._ref.workflow_id, self._table.name, exc
             )
             return
+        if full:
+            self._overflowed = False  # this scan finds every shard the queue left out
         for shard_range in ranges:
             self._watermark = max(self._watermark, shard_range.max_id)
             key = ShardKey(
@@ -213,7 +243,7 @@ class PartitionDrain:
                 shard_range.shard_identifier,
             )
             if partition_of(key, self._ref.partitions) == self._ref.partition:
-                self._queue.setdefault(key, None)
+                self._enqueue(key)
 
     async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
         """The deepest and the oldest shards of this partition, for its details."""
@@ -267,7 +297,7 @@ class PartitionDrain:
             self._round_done.set()
         if lost:
             for shard in shards:  # nothing this round wrote can be trusted: read them again
-                self._queue.setdefault(key_of(shard), None)
+                self._enqueue(key_of(shard))
             return
         self._count(outcomes, handovers)
         if handovers:
@@ -330,7 +360,7 @@ class PartitionDrain:
             if outcome.groups_handled:
                 self._drained.add(key)
             if outcome.more and key not in handed:
-                self._queue.setdefault(key, None)
+                self._enqueue(key)
         stats.handed_over += len(handovers)
 
     # -- reporting -----------------------------------------------------------------------------

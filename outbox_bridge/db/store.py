@@ -566,6 +566,18 @@ async def read_rows(
     return {row.id: row for row in result}
 
 
+async def read_payload_sizes(
+    conn: AsyncConnection, table: Table, ids: Sequence[int]
+) -> dict[int, int]:
+    """The payload size in bytes of each of ``ids`` still there, as stored
+    (``pg_column_size``: compressed if it was, and read without loading the payload)."""
+    if not ids:
+        return {}
+    size = func.coalesce(func.pg_column_size(table.c.payload), 0)
+    result = await conn.execute(select(table.c.id, size).where(table.c.id == _any_id(ids)))
+    return {int(row_id): int(size) for row_id, size in result}
+
+
 async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> list[int]:
     """:func:`delete_rows`, returning the ids that were deleted (a drain counts them per
     shard)."""

@@ -12,6 +12,11 @@ groups.
 Handled rows are deleted in small chunks while the round runs, so a crash repeats only the few
 groups handled since the last chunk; a shard's lock is released once its last chunk is deleted,
 so a slow shard never holds the others back.
+
+A round reads the payloads of its groups' newest rows at once, so it is bounded by their bytes
+as well as by the number of groups: the sizes are read first, and each shard keeps a prefix of
+its groups that fits the round's budget (the first groups of every shard before the second of
+any); the others wait for the next round.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from outbox_bridge.db.store import (
     lock_key,
     lock_shard_waiting,
     read_group_tails,
+    read_payload_sizes,
     read_rows,
     read_trace_contexts,
     read_windows,
@@ -60,6 +66,9 @@ log = logging.getLogger("outbox_bridge.runtime.drain")
 # Handled groups are deleted once this many are waiting, or this long after the first of them.
 DELETE_CHUNK_GROUPS = 10
 DELETE_CHUNK_SECONDS = 0.05
+# Payload bytes (as stored) one round reads at most; a round takes at least one group, however
+# large its payload.
+ROUND_MAX_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -288,10 +297,12 @@ class DrainEngine:
         *,
         calls: HandlerCalls,
         redact_errors: bool = False,
+        max_round_bytes: int = ROUND_MAX_BYTES,
     ) -> None:
         self.engine = engine
         self.app = app
         self.calls = calls
+        self.max_round_bytes = max_round_bytes
         self._redact = redact_errors
         self._running: dict[str, int] = {}
 
@@ -371,8 +382,9 @@ class DrainEngine:
         skip_held: bool,
         skip_paused: bool = False,
     ) -> list[ShardHead]:
-        """The head groups of every locked shard (at most ``max_groups`` each) and their newest
-        rows, in a few statements for the whole round."""
+        """The head groups of every locked shard (at most ``max_groups`` each, and within the
+        round's payload budget) and their newest rows, in a few statements for the whole
+        round."""
         return await read_shard_heads(
             batch.execute,
             batch.table,
@@ -381,6 +393,7 @@ class DrainEngine:
             skip_held=skip_held,
             skip_paused=skip_paused,
             with_trace_context=BatchObserver.tracing(),
+            max_bytes=self.max_round_bytes,
         )
 
     # -- running -----------------------------------------------------------------------------
@@ -513,6 +526,7 @@ async def read_shard_heads(
     skip_paused: bool = False,
     with_trace_context: bool = False,
     deferred_as_due: bool = False,
+    max_bytes: int | None = None,
 ) -> list[ShardHead]:
     """The head groups of each of ``shards`` (at most ``max_groups`` each) and their newest
     rows, in a few statements for all of them: the shards' windows, then the rest of the head
@@ -521,7 +535,9 @@ async def read_shard_heads(
     Shared by every drain of the worker and by :func:`outbox_bridge.testing.drain_outbox`. With
     ``deferred_as_due`` (the testing drain's ``run_deferred``), rows not yet due count as due
     in the windows; a head group read on past a full window still stops before the shard's
-    first row not yet due, and its later rows come in a later read.
+    first row not yet due, and its later rows come in a later read. With ``max_bytes``, each
+    shard keeps the prefix of its head groups whose newest rows fit that many payload bytes in
+    all (their stored sizes are read first), and only those rows are read.
     """
     window = max(2 * max_groups, 16)
     windows = await execute(
@@ -557,12 +573,49 @@ async def read_shard_heads(
             if deferred is not None:
                 head.more = True  # the rows up to the barrier come first
     newest = [group.last_id for head in heads for group in head.groups]
+    if max_bytes is not None and len(newest) > 1:
+        sizes = await execute(lambda conn: read_payload_sizes(conn, table, newest))
+        if _keep_within(heads, sizes, max_bytes):
+            newest = [group.last_id for head in heads for group in head.groups]
     rows = await execute(
         lambda conn: read_rows(conn, table, newest, with_trace_context=with_trace_context)
     )
     for head in heads:
         head.rows = {g.last_id: rows[g.last_id] for g in head.groups if g.last_id in rows}
     return heads
+
+
+def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int) -> bool:
+    """Keep, of each shard's groups, the prefix whose newest rows' payloads fit ``budget``
+    bytes in all (``sizes``: by row id): every shard's first group before any shard's second,
+    and so on; a shard stops at its first group that does not fit (a later one would run out
+    of order). At least one group is kept. True if any group was left for a later round."""
+    kept = [0] * len(heads)
+    used = taken = 0
+    open_ = [index for index, head in enumerate(heads) if head.groups]
+    level = 0
+    while open_:
+        still = []
+        for index in open_:
+            groups = heads[index].groups
+            size = sizes.get(groups[level].last_id, 0)
+            if taken and used + size > budget:
+                continue  # this shard stops here
+            used += size
+            taken += 1
+            kept[index] += 1
+            if level + 1 < len(groups):
+                still.append(index)
+        open_ = still
+        level += 1
+    cut = False
+    for head, count in zip(heads, kept, strict=True):
+        if count < len(head.groups):
+            del head.groups[count:]
+            head.more = True  # the rest of its groups come first, in the next round
+            head.deferred_seconds = head.deferred_until = None
+            cut = True
+    return cut
 
 
 def head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:

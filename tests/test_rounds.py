@@ -6,14 +6,34 @@ Unit tests without a server, then rounds against a real PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
+import math
+import os
+import time
+from collections import defaultdict
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
+from sqlalchemy import Row, Table
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.store import ShardWindow, WindowRow
-from outbox_bridge.runtime.batch import _head_of
-from outbox_bridge.runtime.hub import ShardKey, partition_of
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow
+from outbox_bridge.db.store import read_rows as store_read_rows
+from outbox_bridge.runtime import batch as batch_module
+from outbox_bridge.runtime import hub as hub_module
+from outbox_bridge.runtime.batch import DrainEngine, ShardHead, _head_of, _keep_within
+from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, ShardKey, partition_of
+from outbox_bridge.runtime.partition import PartitionDrain
+from outbox_bridge.workflows.models import (
+    PartitionDrainInput,
+    PartitionOptions,
+    PartitionRef,
+    PartitionRound,
+    ShardRef,
+)
+from tests.harness import Category, count_rows, fresh_app, wait_until, write_rows
 
 SHARD = ShardRef("outbox", 1, "ORGANIZATION", 42)
 LATER = datetime(2030, 1, 1, tzinfo=UTC)
@@ -148,3 +168,237 @@ def test_partition_of_spreads_shards_over_every_partition() -> None:
     for ident in range(8000):
         counts[partition_of(ShardKey("outbox", None, 1, ident), 8)] += 1
     assert min(counts) > 800 and max(counts) < 1200
+
+
+# -- a round's payload budget ------------------------------------------------------------------------
+
+
+def head_with(shard: int, sizes: list[int], first_id: int) -> tuple[ShardHead, dict[int, int]]:
+    """A head of one group per size, the newest row of each with that payload size."""
+    ref = ShardRef("outbox", 1, "ORGANIZATION", shard)
+    groups = [GroupRows(1, n, [first_id + n]) for n in range(len(sizes))]
+    head = ShardHead(ref, groups, first_id + len(sizes))
+    return head, {first_id + n: size for n, size in enumerate(sizes)}
+
+
+def kept(heads: list[ShardHead]) -> list[int]:
+    return [len(head.groups) for head in heads]
+
+
+def test_the_budget_takes_every_shard_s_first_group_before_any_second() -> None:
+    a, sizes_a = head_with(1, [4, 4, 4], 100)
+    b, sizes_b = head_with(2, [3, 3], 200)
+    c, sizes_c = head_with(3, [8], 300)
+    heads = [a, b, c]
+    assert _keep_within(heads, {**sizes_a, **sizes_b, **sizes_c}, 10)
+    # Level 1: a (4) and b (3) fit, c (8) does not; level 2: a's second (4) does not, b's does.
+    assert kept(heads) == [1, 2, 0]
+    assert a.more and c.more and not b.more
+
+
+def test_a_shard_keeps_a_prefix_of_its_groups() -> None:
+    """Never a group skipped and a later one of the same shard taken: it would run first."""
+    head, sizes = head_with(1, [1, 100, 1, 1], 100)
+    assert _keep_within([head], sizes, 10)
+    assert [g.last_id for g in head.groups] == [100]
+
+
+def test_at_least_one_group_is_taken_however_large() -> None:
+    big, sizes = head_with(1, [50, 1], 100)
+    other, other_sizes = head_with(2, [50], 200)
+    assert _keep_within([big, other], {**sizes, **other_sizes}, 10)
+    assert kept([big, other]) == [1, 0]
+
+
+def test_a_cut_shard_no_longer_reports_its_deferred_barrier() -> None:
+    head, sizes = head_with(1, [5, 6], 100)
+    head.deferred_seconds, head.deferred_until = 30.0, datetime(2030, 1, 1, tzinfo=UTC)
+    assert _keep_within([head], sizes, 10)
+    assert head.more and head.deferred_seconds is None and head.deferred_until is None
+
+
+def test_what_fits_is_left_alone() -> None:
+    a, sizes_a = head_with(1, [4, 4], 100)
+    b, sizes_b = head_with(2, [2], 200)
+    a.deferred_seconds = 5.0
+    assert not _keep_within([a, b], {**sizes_a, **sizes_b}, 10)
+    assert kept([a, b]) == [2, 1] and not a.more and a.deferred_seconds == 5.0
+    # Unknown sizes (rows deleted meanwhile) count as nothing.
+    assert not _keep_within([a, b], {}, 0)
+
+
+PAYLOAD_CHARS = 300_000  # random hex: incompressible, stored at about this size
+BUDGET = 1_000_000
+
+
+async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monkeypatch) -> None:
+    """Large payloads: each round reads the newest rows of only as many groups as fit its
+    budget (one group per round at least), every shard's groups run in order, and every row
+    is handled once."""
+    recorder, _, app = await fresh_app(engine)
+    table = app.table()
+    rows: list[dict[str, object]] = []
+    for obj in range(3):
+        for shard in range(1, 5):
+            text = os.urandom(PAYLOAD_CHARS // 2).hex()
+            rows.append(
+                {
+                    "category": Category.PROJECT_UPDATE,
+                    "shard_identifier": shard,
+                    "object_identifier": obj,
+                    "payload": {"blob": text},
+                }
+            )
+    # One group alone is larger than the budget: it still runs, in a round of its own.
+    rows.append(
+        {
+            "category": Category.MEMBER_UPDATE,
+            "shard_identifier": 5,
+            "object_identifier": 1,
+            "payload": {"blob": os.urandom(BUDGET).hex()},
+        }
+    )
+    ids = await write_rows(engine, app, rows)
+    reads: list[tuple[int, int]] = []  # rows and payload characters of each read
+    real_read_rows = store_read_rows
+
+    async def read_rows(
+        conn: AsyncConnection, table: Table, wanted: list[int], *, with_trace_context: bool
+    ) -> dict[int, Row[Any]]:
+        found = await real_read_rows(conn, table, wanted, with_trace_context=with_trace_context)
+        reads.append((len(found), sum(len(str(row.payload)) for row in found.values())))
+        return found
+
+    monkeypatch.setattr(batch_module, "read_rows", read_rows)
+    calls = HandlerCalls(app, redact_errors=False, threads=2)
+    drains = DrainEngine(engine, app, calls=calls, max_round_bytes=BUDGET)
+    shards = [ShardRef(table.name, 1, "ORGANIZATION", n) for n in range(1, 6)]
+    try:
+        for _ in range(30):
+            if not await count_rows(engine, app):
+                break
+            async with drains.locked(table, shards) as locked:
+                heads = await drains.read_heads(locked, max_groups=100, skip_held=True)
+                await drains.run(locked, heads, deadline=math.inf)
+    finally:
+        calls.close()
+    assert await count_rows(engine, app) == 0
+    # 12 groups of 300 kB, 3 a round at most; the large group in a round of its own.
+    assert all(size <= BUDGET for rows, size in reads if rows > 1)
+    assert [rows for rows, size in reads if size > BUDGET] == [1]
+    assert len(reads) >= 5
+    handled: dict[str, list[int]] = defaultdict(list)
+    for call in recorder.calls:
+        handled[call.shard].append(call.id)
+    for shard in range(1, 5):
+        assert handled[f"1:{shard}"] == [
+            i for i, r in zip(ids, rows, strict=True) if r["shard_identifier"] == shard
+        ]
+    assert sorted(recorder.ids()) == sorted(ids)
+
+
+# -- a partition's queue ------------------------------------------------------------------------------
+
+
+class NoHandovers:
+    """A starter for a partition drain whose shards never need their own workflow."""
+
+    async def hand_over(self, shard: ShardRef, handover: object) -> bool:
+        raise AssertionError(f"unexpected handover of {shard.key}")
+
+
+async def test_a_partition_s_queue_stays_bounded_and_overflow_is_found_by_a_scan(
+    engine, monkeypatch
+) -> None:
+    """More shards with rows than the queue holds: the queue never holds more than its cap,
+    and the shards left out are found by a scan of every shard once the queue has emptied
+    (the regular one is an hour away here); every row is handled."""
+    recorder, _, app = await fresh_app(engine)
+    await write_rows(
+        engine,
+        app,
+        [
+            {"category": Category.PROJECT_UPDATE, "shard_identifier": n, "object_identifier": 1}
+            for n in range(40)
+        ],
+    )
+    calls = HandlerCalls(app, redact_errors=False, threads=2)
+    drains = DrainEngine(engine, app, calls=calls)
+    hub = ShardHub()
+    options = PartitionOptions(
+        round_seconds=120.0,
+        max_shards=3,
+        max_rounds=1,
+        poll_interval_seconds=0.1,
+        rescan_interval_seconds=3600.0,
+    )
+    beats: list[PartitionRound] = []
+    drain = PartitionDrain(
+        drains,
+        NoHandovers(),  # type: ignore[arg-type]
+        hub,
+        PartitionDrainInput(PartitionRef(app.table().name, 0, 1), options),
+        heartbeat=beats.append,
+        max_queued=5,
+    )
+    sizes: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            sizes.append(len(drain._queue))
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    running = asyncio.create_task(drain.run())
+    try:
+        await wait_until(lambda: len(recorder.calls) == 40, timeout=30, what="every shard")
+    finally:
+        hub.close()
+        await running
+        watcher.cancel()
+        calls.close()
+    assert max(sizes) <= 5
+    assert all(beat.queued <= 5 for beat in beats)
+    assert sorted(int(c.shard.split(":")[1]) for c in recorder.calls) == list(range(40))
+
+
+def test_a_partition_s_inbox_asks_for_a_scan_past_its_cap(monkeypatch) -> None:
+    monkeypatch.setattr(hub_module, "MAX_NEWS", 3)
+    inbox = PartitionInbox("outbox", 0, 1)
+    for n in range(3):
+        inbox.offer(ShardKey("outbox", None, 1, n), 10 + n)
+    assert not inbox.rescan
+    inbox.offer(ShardKey("outbox", None, 1, 1), 99)  # a shard it knows: newer news is kept
+    inbox.offer(ShardKey("outbox", None, 1, 7), 20)
+    assert inbox.rescan and len(inbox.news) == 3
+    assert inbox.news[ShardKey("outbox", None, 1, 1)] == 99
+    assert inbox.event.is_set()
+
+
+def test_a_partition_drain_queues_news_up_to_its_cap() -> None:
+    """News of more shards than the cap: the queue keeps the first ones and notes the
+    overflow (the next scan of every shard finds the others)."""
+    hub = ShardHub()
+    drain = PartitionDrain(
+        DrainEngine(None, _tiny_app(), calls=None),  # type: ignore[arg-type]
+        NoHandovers(),  # type: ignore[arg-type]
+        hub,
+        PartitionDrainInput(PartitionRef("t_tiny", 0, 1), PartitionOptions()),
+        max_queued=10,
+    )
+    inbox = hub.open_partition("t_tiny", 0, 1)
+    for n in range(1000):
+        inbox.offer(ShardKey("t_tiny", None, 1, n), n + 1)
+    assert not drain._take_news(inbox)
+    assert list(drain._queue) == [ShardKey("t_tiny", None, 1, n) for n in range(10)]
+    assert drain._overflowed
+    started = time.monotonic()
+    for _ in range(100):
+        drain._next_round()
+    assert time.monotonic() - started < 1.0
+
+
+def _tiny_app() -> Any:
+    from tests.harness import Recorder, make_app
+
+    return make_app("t_tiny", Recorder())

@@ -141,6 +141,8 @@ class ShardCarry:
     last_error: HandlerFailure | None = None
     blocked_since: str | None = None
     retry_interval_seconds: float | None = None
+    # When the backoff had scheduled the next attempt (a run carried over waits for it).
+    next_attempt_at: str | None = None
     deferred_until: str | None = None
 
 
@@ -158,6 +160,15 @@ class NotifyInput:
 
     max_id: int = 0
     late: bool = False
+
+
+@dataclass
+class RecheckInput:
+    """Signal ``recheck``: the shard's head in the table is no longer the group its workflow is
+    blocked on (an operator deleted the row or changed its category): try the head again now
+    instead of at the next retry."""
+
+    reason: str = ""
 
 
 @dataclass

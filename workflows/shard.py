@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         HeldFor,
         HoldInput,
         NotifyInput,
+        RecheckInput,
         ResumeInput,
         ShardCarry,
         ShardInput,
@@ -76,11 +77,19 @@ CONTINUE_WHILE_WAITING_PATCH = "continue-as-new-while-waiting"
 HOLD_WHEN_SKIPPED_PATCH = "hold-when-skipped"
 # A flush's wait runs on the flush task queue, not in the worker's local-activity slots.
 FLUSH_QUEUE_PATCH = "flush-check-queue"
+# A blocked shard carried over a continue-as-new waits for the attempt its backoff scheduled.
+RETRY_SCHEDULE_PATCH = "blocked-retry-schedule"
+# A blocked shard whose head an operator changed tries it again at once (signal ``recheck``).
+RECHECK_HEAD_PATCH = "recheck-blocked-head"
 BACKOFF_COEFFICIENT = 2.0
 
 
 class _Interrupted(Exception):
     """An activity was stopped because the run must continue as new first."""
+
+
+class _Recheck(Exception):
+    """A blocked head's category activity was stopped because the head in the table changed."""
 
 
 @workflow.defn(name="OutboxShard")
@@ -105,6 +114,7 @@ class OutboxShard:
         self._waiting_can_continue = False  # set in run() (a patch decides)
         self._blocked_at: datetime | None = None  # when this run's category activity began
         self._retry_from = self._options.initial_retry_seconds
+        self._recheck = False  # the head in the table changed while this run was blocked
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -398,9 +408,12 @@ class OutboxShard:
             s.blocked_since = workflow.now().isoformat()
             s.retry_interval_seconds = None
         self._retry_from = s.retry_interval_seconds or self._options.initial_retry_seconds
-        self._blocked_at = workflow.now()
         self._set_state(ShardState.BLOCKED)
         self._enable_continue_while_waiting()
+        self._recheck = False
+        if resumed and not await self._wait_for_next_attempt():
+            return  # skipped meanwhile
+        self._blocked_at = workflow.now()
         handle = workflow.start_activity(
             head.category_name,
             HandleHeadInput(self._shard, head.category, head.object_identifier),
@@ -412,16 +425,49 @@ class OutboxShard:
             summary=head.summary,
         )
         try:
-            result = await self._until_done(handle)
+            result = await self._until_done(handle, recheck=True)
         except _Interrupted:
             self._carry_backoff()
             raise
+        except _Recheck:
+            # Tried again at once by the caller, still blocked since then, with the backoff
+            # where it stood (if the new head fails too).
+            self._carry_backoff()
+            self._s.next_attempt_at = None
+            return
         if result is None:
             return  # skipped: keep showing what blocked the shard
         if result.handled:
             self._count(result.rows_handled, 1)
         self._clear_head()
         self._set_state(ShardState.DRAINING)
+
+    async def _wait_for_next_attempt(self) -> bool:
+        """A run carried over while blocked waits until the attempt the last run's backoff had
+        scheduled, so that continuing as new never retries sooner than the backoff says.
+        False if the shard was skipped meanwhile; raises :class:`_Interrupted` if the run
+        must continue as new first (carrying the same schedule), and returns at once when
+        the head changed (``recheck``)."""
+        s = self._s
+        if s.next_attempt_at is None or not workflow.patched(RETRY_SCHEDULE_PATCH):
+            return True
+        remaining = (datetime.fromisoformat(s.next_attempt_at) - workflow.now()).total_seconds()
+        if remaining > 0:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: self._s.skip is not None or self._recheck or self._continue_due(),
+                    timeout=timedelta(seconds=remaining),
+                )
+            if s.skip is not None:
+                return False
+            if not self._recheck and self._continue_due():
+                raise _Interrupted
+        # The attempt the last run scheduled: the backoff goes on from the interval after it.
+        self._retry_from = min(
+            self._retry_from * BACKOFF_COEFFICIENT, self._options.max_retry_interval_seconds
+        )
+        s.next_attempt_at = None
+        return True
 
     def _carry_backoff(self) -> None:
         """Before continuing as new while blocked: how many attempts the server made since this
@@ -437,28 +483,34 @@ class OutboxShard:
             interval = min(interval * BACKOFF_COEFFICIENT, ceiling)
         self._s.attempts += attempts
         self._s.retry_interval_seconds = interval
+        next_attempt = self._blocked_at + timedelta(seconds=waited + interval)
+        self._s.next_attempt_at = next_attempt.isoformat()
 
     async def _until_done(
-        self, handle: ActivityHandle[T], *, cancel_on_skip: bool = True
+        self, handle: ActivityHandle[T], *, cancel_on_skip: bool = True, recheck: bool = False
     ) -> T | None:
         """Await ``handle``. A skip cancels it (TRY_CANCEL: no further retries) and yields
-        None; a due continue-as-new cancels it and raises :class:`_Interrupted`."""
+        None; with ``recheck``, a changed head cancels it and raises :class:`_Recheck`; a due
+        continue-as-new cancels it and raises :class:`_Interrupted`."""
         await workflow.wait_condition(
             lambda: (
                 handle.done()
                 or (cancel_on_skip and self._s.skip is not None)
+                or (recheck and self._recheck)
                 or self._continue_due()
             )
         )
         if handle.done():
             return await handle
-        interrupted = not (cancel_on_skip and self._s.skip is not None)
+        skipped = cancel_on_skip and self._s.skip is not None
         handle.cancel()
         with contextlib.suppress(ActivityError, asyncio.CancelledError):
             await handle
-        if interrupted:
-            raise _Interrupted
-        return None
+        if skipped:
+            return None
+        if recheck and self._recheck:
+            raise _Recheck
+        raise _Interrupted
 
     def _retry_policy(
         self, *, initial: float | None = None, maximum_interval: float | None = None
@@ -479,6 +531,7 @@ class OutboxShard:
         s.last_error = None
         s.blocked_since = None
         s.retry_interval_seconds = None
+        s.next_attempt_at = None
 
     def _count(self, rows: int, groups: int) -> None:
         self._s.rows_handled += rows
@@ -495,6 +548,13 @@ class OutboxShard:
     def notify(self, input: NotifyInput) -> None:
         """Rows up to ``max_id`` are committed in this shard."""
         self._rows_committed(input.max_id, input.late)
+
+    @workflow.signal
+    def recheck(self, input: RecheckInput) -> None:
+        """The bridge saw that the head in the table is no longer the group this shard is
+        blocked on: try the head again now (the activity finds out what it is)."""
+        if self._state == ShardState.BLOCKED and workflow.patched(RECHECK_HEAD_PATCH):
+            self._recheck = True
 
     @workflow.signal
     def handover(self, input: HandoverInput) -> None:

@@ -203,15 +203,35 @@ async def read_pending_up_to(
     return bool(pending), deferred_until
 
 
-async def read_head_due(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
-    """Whether the shard's first row may run now (by the database's clock)."""
-    head = (
-        select(table.c.scheduled_for <= func.now())
-        .where(shard_where(table, shard))
-        .order_by(table.c.id)
-        .limit(1)
-    )
-    return bool((await conn.execute(head)).scalar_one_or_none())
+@dataclass(frozen=True)
+class FirstRow:
+    """A shard's first pending row: which group heads the shard, and whether it may run now
+    (by the database's clock)."""
+
+    id: int
+    category: int
+    object_identifier: int
+    due: bool
+
+    def heads(self, category: int, object_identifier: int) -> bool:
+        """Whether this row belongs to the group ``(category, object_identifier)``."""
+        return (self.category, self.object_identifier) == (category, object_identifier)
+
+
+def _first_row_columns(table: Table) -> list[Any]:
+    return [
+        table.c.id,
+        table.c.category,
+        table.c.object_identifier,
+        table.c.scheduled_for <= func.now(),
+    ]
+
+
+async def read_first_row(conn: AsyncConnection, table: Table, shard: ShardRef) -> FirstRow | None:
+    """The shard's first pending row, if it has any (one index lookup)."""
+    first = select(*_first_row_columns(table)).where(shard_where(table, shard))
+    row = (await conn.execute(first.order_by(table.c.id).limit(1))).one_or_none()
+    return None if row is None else FirstRow(row[0], row[1], row[2], bool(row[3]))
 
 
 async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef) -> int | None:
@@ -636,8 +656,7 @@ class HeldShard:
     shard_identifier: int
     held_for: str
     since: datetime
-    head_id: int | None  # its first row, if it has any
-    head_due: bool  # that row may run now
+    head: FirstRow | None  # its first row, if it has any
 
 
 async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShard]:
@@ -646,7 +665,7 @@ async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShar
     owners = owners_of(table)
     regional = "region" in table.c
     head = (
-        select(table.c.id, table.c.scheduled_for)
+        select(*_first_row_columns(table))
         .where(*(table.c[c] == owners.c[c] for c in _owner_columns(regional)))
         .order_by(table.c.id)
         .limit(1)
@@ -656,15 +675,15 @@ async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShar
         *(owners.c[c] for c in _owner_columns(regional)),
         owners.c.held_for,
         owners.c.since,
-        head.c.id,
-        head.c.scheduled_for <= func.now(),
+        *head.c,
     ).select_from(owners.outerjoin(head, text("true")))
     held = []
     for row in await conn.execute(query):
         values = tuple(row)
         region = values[0] if regional else None
-        scope, ident, held_for, since, head_id, due = values[-6:]
-        held.append(HeldShard(region, scope, ident, held_for, since, head_id, bool(due)))
+        scope, ident, held_for, since, head_id, category, obj, due = values[-8:]
+        first = None if head_id is None else FirstRow(head_id, category, obj, bool(due))
+        held.append(HeldShard(region, scope, ident, held_for, since, first))
     return held
 
 

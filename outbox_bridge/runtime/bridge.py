@@ -28,7 +28,6 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -48,8 +47,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
 from outbox_bridge.db.store import (
+    FirstRow,
     ShardRange,
-    read_head_due,
+    read_first_row,
     read_shard_ranges,
     read_trace_contexts,
 )
@@ -59,13 +59,15 @@ from outbox_bridge.observability.telemetry import active_tracer, context_of
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.hub import ShardHub, ShardKey
 from outbox_bridge.runtime.notifications import Notification, parse_notification
-from outbox_bridge.runtime.shards import ShardStarter
+from outbox_bridge.runtime.shards import (
+    STATUS_QUERY_TIMEOUT,
+    ShardStarter,
+    blocked_on_another_head,
+)
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 from outbox_bridge.workflows.models import ShardRef, ShardState, ShardStatus
 
 log = logging.getLogger("outbox_bridge.runtime.bridge")
-
-STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
 
 @dataclass
@@ -401,8 +403,13 @@ class Bridge:
                     status = await handle.query(
                         "status", result_type=ShardStatus, rpc_timeout=STATUS_QUERY_TIMEOUT
                     )
-                    if status.state == ShardState.DEFERRED and await self._head_due(shard):
+                    first = await self._first_row(shard)
+                    if status.state == ShardState.DEFERRED and first is not None and first.due:
                         reason = "its head is due, but its workflow waits for a deferred row"
+                    elif blocked_on_another_head(status, first):
+                        log.info("shard %s is blocked on a group no longer its head", shard.key)
+                        await self._starter.recheck(shard, "its head changed")
+                        return
                     elif status.state != ShardState.IDLE:
                         return  # draining, blocked, skipped or deferred: it is on it
                     else:
@@ -420,9 +427,9 @@ class Bridge:
         self._last_contact.pop(key, None)
         await self._signal(key, self._known.get(key, 0), late=True, via_hub=False)
 
-    async def _head_due(self, shard: ShardRef) -> bool:
+    async def _first_row(self, shard: ShardRef) -> FirstRow | None:
         async with self._engine.connect() as conn:
-            return await read_head_due(conn, self._app.table(shard.table), shard)
+            return await read_first_row(conn, self._app.table(shard.table), shard)
 
     # -- signalling (always mode) ----------------------------------------------------------------
 

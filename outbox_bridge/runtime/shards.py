@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
@@ -10,6 +11,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
+from outbox_bridge.db.store import FirstRow
 from outbox_bridge.errors import ConfigurationError, ShardNameError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import (
@@ -19,6 +21,7 @@ from outbox_bridge.workflows.models import (
     HandlerFailure,
     HandoverInput,
     NotifyInput,
+    RecheckInput,
     ShardCarry,
     ShardInput,
     ShardOptions,
@@ -29,6 +32,8 @@ from outbox_bridge.workflows.models import (
 )
 
 WORKFLOW = "OutboxShard"
+# How long the bridge waits for a shard workflow's answer to ``status``.
+STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
 log = logging.getLogger("outbox_bridge.runtime.shards")
 
@@ -94,6 +99,16 @@ async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
             error_type = failure.application_failure_info.type or "Error"
             status.last_error = HandlerFailure(error_type, failure.message)
     return status
+
+
+def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool:
+    """Whether a shard's workflow is blocked on a group that no longer heads the shard in the
+    table (an operator deleted the row or changed its category): it should try the head again
+    now, not at its next retry."""
+    head = status.head
+    if status.state != ShardState.BLOCKED or head is None:
+        return False
+    return first is None or not first.heads(head.category, head.object_identifier)
 
 
 def start_arguments(
@@ -181,6 +196,16 @@ class ShardStarter:
     async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
         """Give the shard to its workflow (the caller holds it for the workflow already)."""
         return await self._signal_with_start(shard, handover.max_id, False, "handover", handover)
+
+    async def recheck(self, shard: ShardRef, reason: str) -> bool:
+        """Tell a blocked shard's running workflow that its head changed in the table."""
+        handle = self.client.get_workflow_handle(shard.workflow_id)
+        try:
+            await handle.signal("recheck", RecheckInput(reason=reason))
+        except RPCError as exc:
+            log.warning("recheck of shard %s failed: %s", shard.key, exc.message)
+            return False
+        return True
 
     async def _signal_with_start(
         self, shard: ShardRef, max_id: int, traffic: bool, signal: str, argument: object

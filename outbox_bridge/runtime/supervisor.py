@@ -18,14 +18,24 @@ from collections.abc import Sequence
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.shards import WORKFLOW, ShardStarter
+from outbox_bridge.runtime.shards import (
+    STATUS_QUERY_TIMEOUT,
+    WORKFLOW,
+    ShardStarter,
+    blocked_on_another_head,
+)
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     PartitionInput,
@@ -33,6 +43,7 @@ from outbox_bridge.workflows.models import (
     PartitionRef,
     ShardRef,
     ShardState,
+    ShardStatus,
 )
 
 log = logging.getLogger("outbox_bridge.runtime.supervisor")
@@ -127,7 +138,7 @@ class PartitionSupervisor:
                 log.warning("cannot read the held shards of %s: %s", table, exc)
                 continue
             for shard in held:
-                if shard.head_id is not None and self._wanted(shard):
+                if shard.head is not None and self._wanted(shard):
                     await self._check(self._ref(table, shard), shard, running)
 
     def _wanted(self, shard: HeldShard) -> bool:
@@ -146,9 +157,22 @@ class PartitionSupervisor:
             )
             self.restarted += 1
             await self._starter.notify(ref, 0, late=True)
-        elif state == ShardState.DEFERRED and shard.head_due:
+        elif state == ShardState.DEFERRED and shard.head is not None and shard.head.due:
             log.info("shard %s waits for a deferred row, but its head is due: waking it", ref.key)
             await self._starter.notify(ref, 0, late=True)
+        elif state == ShardState.BLOCKED and await self._head_changed(ref, shard):
+            log.info("shard %s is blocked on a group that no longer heads it: waking it", ref.key)
+            await self._starter.recheck(ref, "its head changed")
+
+    async def _head_changed(self, ref: ShardRef, shard: HeldShard) -> bool:
+        try:
+            status = await self._client.get_workflow_handle(ref.workflow_id).query(
+                "status", result_type=ShardStatus, rpc_timeout=STATUS_QUERY_TIMEOUT
+            )
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as exc:
+            log.warning("cannot query shard %s: %s", ref.key, exc)  # the next sweep asks again
+            return False
+        return blocked_on_another_head(status, shard.head)
 
     async def _is_running(self, ref: ShardRef) -> bool:
         try:

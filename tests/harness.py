@@ -230,6 +230,20 @@ async def sql(engine: AsyncEngine, statement: str, **params: Any) -> None:
         await conn.execute(text(statement), params)
 
 
+async def lock_holders(engine: Any, key: str) -> list[int]:
+    """The backends holding the advisory lock of ``key`` (a shard's lock_key)."""
+    async with engine.connect() as conn:
+        found = await conn.execute(
+            text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                "AND objsubid = 1 "
+                "AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(:key, 0)"
+            ),
+            {"key": key},
+        )
+        return [int(pid) for pid in found.scalars()]
+
+
 async def table_empty(engine: AsyncEngine, app: OutboxApp) -> bool:
     return await count_rows(engine, app) == 0
 

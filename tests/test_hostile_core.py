@@ -36,6 +36,7 @@ from tests.harness import (
     create_tables,
     fast_settings,
     fresh_app,
+    lock_holders,
     make_app,
     running_worker,
     sql,
@@ -483,20 +484,6 @@ class HangingHandler:
 
     def objects(self) -> list[int]:
         return [obj for obj, _, _ in self.calls]
-
-
-async def lock_holders(engine: Any, key: str) -> list[int]:
-    """The backends holding the advisory lock of ``key`` (a shard's lock_key)."""
-    async with engine.connect() as conn:
-        found = await conn.execute(
-            text(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                "AND objsubid = 1 "
-                "AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(:key, 0)"
-            ),
-            {"key": key},
-        )
-        return [int(pid) for pid in found.scalars()]
 
 
 @pytest.mark.parametrize("mode", ["on-demand", "always"])

@@ -22,7 +22,7 @@ from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow
 from outbox_bridge.db.store import read_rows as store_read_rows
 from outbox_bridge.runtime import batch as batch_module
 from outbox_bridge.runtime import hub as hub_module
-from outbox_bridge.runtime.batch import DrainEngine, ShardHead, _head_of, _keep_within
+from outbox_bridge.runtime.batch import DrainEngine, ShardHead, _keep_within, head_of
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, ShardKey, partition_of
 from outbox_bridge.runtime.partition import PartitionDrain
@@ -48,17 +48,17 @@ def deferred(row_id: int, category: int, obj: int, seconds: float = 60.0) -> Win
 
 
 def groups_of(rows: list[WindowRow], *, size: int = 16, max_groups: int = 100) -> list[object]:
-    head = _head_of(SHARD, ShardWindow(0, rows, rows[-1].id if rows else 0), size, max_groups)
+    head = head_of(SHARD, ShardWindow(0, rows, rows[-1].id if rows else 0), size, max_groups)
     return [(g.category, g.object_identifier, g.ids) for g in head.groups]
 
 
-# -- _head_of: a window of rows into head groups -------------------------------------------------
+# -- head_of: a window of rows into head groups -------------------------------------------------
 
 
 def test_groups_are_ordered_by_their_lowest_id_and_coalesce_their_rows() -> None:
     rows = [due(1, 2, 10), due(2, 1, 5), due(3, 2, 10), due(4, 3, 7), due(5, 1, 5), due(6, 2, 11)]
     assert groups_of(rows) == [(2, 10, [1, 3]), (1, 5, [2, 5]), (3, 7, [4]), (2, 11, [6])]
-    head = _head_of(SHARD, ShardWindow(0, rows, 9), 16, 100)
+    head = head_of(SHARD, ShardWindow(0, rows, 9), 16, 100)
     assert [g.last_id for g in head.groups] == [3, 5, 4, 6]  # each handled with its newest row
     assert head.highest_id == 9
     assert not head.more and not head.open_ended
@@ -73,7 +73,7 @@ def test_a_deferred_row_is_a_barrier_that_nothing_passes() -> None:
     """Rows after the first row not yet due wait for it, even rows of a group that is already
     at the head: coalescing them past the barrier would run them before it."""
     rows = [due(1, 2, 10), due(2, 1, 5), deferred(3, 3, 7, 30.0), due(4, 2, 10), due(5, 4, 1)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 5), 16, 100)
+    head = head_of(SHARD, ShardWindow(0, rows, 5), 16, 100)
     assert [(g.category, g.ids) for g in head.groups] == [(2, [1]), (1, [2])]
     assert not head.more and not head.open_ended
     # Once these groups are handled, the shard waits for the barrier.
@@ -83,7 +83,7 @@ def test_a_deferred_row_is_a_barrier_that_nothing_passes() -> None:
 
 def test_a_deferred_head_leaves_no_group() -> None:
     rows = [deferred(1, 2, 10, 5.0), due(2, 2, 10), due(3, 1, 1)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 3), 16, 100)
+    head = head_of(SHARD, ShardWindow(0, rows, 3), 16, 100)
     assert head.groups == []
     assert head.deferred_seconds == 5.0
     assert not head.more
@@ -91,7 +91,7 @@ def test_a_deferred_head_leaves_no_group() -> None:
 
 def test_max_groups_truncates_but_later_rows_of_taken_groups_still_coalesce() -> None:
     rows = [due(1, 1, 1), due(2, 1, 2), due(3, 1, 3), due(4, 1, 1), due(5, 1, 2), due(6, 1, 4)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 6), 16, 2)
+    head = head_of(SHARD, ShardWindow(0, rows, 6), 16, 2)
     assert [(g.object_identifier, g.ids) for g in head.groups] == [(1, [1, 4]), (2, [2, 5])]
     assert head.more  # groups 3 and 4 wait for the next round
     assert not head.open_ended
@@ -100,7 +100,7 @@ def test_max_groups_truncates_but_later_rows_of_taken_groups_still_coalesce() ->
 def test_a_barrier_after_truncation_is_not_reported_as_the_shard_s_deferral() -> None:
     """Groups were left for the next round: the shard does not wait for the barrier yet."""
     rows = [due(1, 1, 1), due(2, 1, 2), deferred(3, 1, 3)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 3), 16, 1)
+    head = head_of(SHARD, ShardWindow(0, rows, 3), 16, 1)
     assert [g.ids for g in head.groups] == [[1]]
     assert head.more
     assert head.deferred_seconds is None and head.deferred_until is None
@@ -110,27 +110,27 @@ def test_a_full_window_is_open_ended() -> None:
     """The window stopped at its size, not at a barrier: the head groups may go on past it
     (the round reads their tails), and due rows may remain."""
     rows = [due(n, 1, n % 3) for n in range(1, 9)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 8), 8, 100)
+    head = head_of(SHARD, ShardWindow(0, rows, 8), 8, 100)
     assert head.open_ended and head.more
     assert [g.ids for g in head.groups] == [[1, 4, 7], [2, 5, 8], [3, 6]]
 
 
 def test_a_full_window_ending_at_a_barrier_is_not_open_ended() -> None:
     rows = [due(1, 1, 1), due(2, 1, 2), deferred(3, 1, 1)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 3), 3, 100)
+    head = head_of(SHARD, ShardWindow(0, rows, 3), 3, 100)
     assert not head.open_ended and not head.more
     assert head.deferred_seconds == 60.0
 
 
 def test_a_full_window_with_truncated_groups_is_open_ended_too() -> None:
     rows = [due(n, 1, n) for n in range(1, 5)]
-    head = _head_of(SHARD, ShardWindow(0, rows, 4), 4, 2)
+    head = head_of(SHARD, ShardWindow(0, rows, 4), 4, 2)
     assert head.open_ended and head.more
     assert [g.ids for g in head.groups] == [[1], [2]]
 
 
 def test_a_short_window_is_the_whole_shard() -> None:
-    head = _head_of(SHARD, ShardWindow(0, [due(7, 1, 1)], 7), 16, 100)
+    head = head_of(SHARD, ShardWindow(0, [due(7, 1, 1)], 7), 16, 100)
     assert not head.open_ended and not head.more
     assert [g.ids for g in head.groups] == [[7]]
 

@@ -171,6 +171,7 @@ async def through_runs(
     *,
     runs: int,
     cap: int,
+    at_least: int = 2,
 ) -> tuple[list[int], list[Run], ShardStatus]:
     """Rows keep coming to ``shard`` until its workflow has continued as new ``runs`` times,
     each run under the cap: the rows written, the chain of runs, and the status at the end."""
@@ -180,7 +181,7 @@ async def through_runs(
         engine, app, shard, client, handle.id, first_run, runs=runs, seconds=45
     )
     chain = await runs_from(client, handle.id, first_run)
-    check_runs(chain, cap, at_least=2)
+    check_runs(chain, cap, at_least=at_least)
     after = await status_of(handle)
     assert after is not None
     return written, chain, after
@@ -357,6 +358,30 @@ async def test_a_long_deferred_shard_continues_as_new_carrying_its_deferral(
         await sql(engine, f"UPDATE {table} SET scheduled_for = now() WHERE id = :id", id=head_id)
         await wait_until(lambda: table_empty(engine, app), timeout=30, what="the due shard")
     assert recorder.ids() == [head_id, *written]
+
+
+async def test_a_lingering_shard_continues_as_new_under_the_cap(
+    servers, engine, client: Client
+) -> None:
+    """Always mode: steady traffic keeps a shard's drain lingering (each lingering activity
+    stays for the next rows, up to --linger-max); its runs continue as new under the cap,
+    and every row is handled once, in order."""
+    recorder, _, app = await fresh_app(engine)
+    cap = 100  # the least the settings allow
+    settings = fast_settings(
+        shard_workflows="always", max_history_events=cap, linger=1.0, linger_max=1.0
+    )
+    shard = parse_shard("ORGANIZATION:35", app)
+    handle = client.get_workflow_handle(shard.workflow_id)
+    async with running_worker(servers, app, settings):
+        [first] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 35, 1)])
+        await wait_until(lambda: first in recorder.ids(), what="the first row")
+        written, chain, _ = await through_runs(
+            engine, app, client, handle, 35, runs=2, cap=cap, at_least=1
+        )
+        assert any(run.scheduled("linger_shard") for run in chain[1:])
+        await wait_until(lambda: table_empty(engine, app), what="every row")
+    assert recorder.ids() == [first, *written]
 
 
 # -- 2. edits to pending rows take effect within a sweep ---------------------------------------------

@@ -7,7 +7,7 @@ worker's connection pool.
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from typing import Any
 
 import pytest
@@ -231,8 +231,9 @@ async def test_a_history_with_the_local_drain_fallback_replays(servers, engine, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["on-demand", "always"])
 async def test_slow_handlers_that_exhaust_the_connection_pool_slow_the_worker_down(
-    servers, engine
+    servers, engine, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A drain holds a connection (and its shard's lock) while its handlers run. With more
     concurrent drains than connections, and handlers slower than the pool's 30 s wait, drains
@@ -247,16 +248,21 @@ async def test_slow_handlers_that_exhaust_the_connection_pool_slow_the_worker_do
 
     recorder.behaviour[Category.PROJECT_UPDATE] = held
     # 2 connections + 5 overflow; 10 drains may run at once.
-    settings = fast_settings(database_pool_size=2, max_concurrent_activities=10, linger=0)
-    async with running_worker(servers, app, settings):
-        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, s, 1) for s in range(1, 11)])
-        started = time.monotonic()
-        # Every connection is held by a blocked drain for longer than the pool's timeout;
-        # meanwhile rows of other shards arrive and must be noticed.
-        await asyncio.sleep(35)
-        [late] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 11, 1)])
-        release.set()
-        await wait_until(lambda: table_empty(engine, app), timeout=120, what="every row")
+    settings = fast_settings(
+        shard_workflows=mode, database_pool_size=2, max_concurrent_activities=10, linger=0
+    )
+    with caplog.at_level(logging.INFO, logger="outbox_bridge"):
+        async with running_worker(servers, app, settings):
+            rows = [row(Category.PROJECT_UPDATE, s, 1) for s in range(1, 11)]
+            await write_rows(engine, app, rows)
+            # Every connection is held by a blocked drain for longer than the pool's timeout;
+            # meanwhile rows of other shards arrive and must be noticed.
+            await asyncio.sleep(35)
+            [late] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 11, 1)])
+            release.set()
+            await wait_until(lambda: table_empty(engine, app), timeout=120, what="every row")
     assert late in recorder.ids()
     assert {c.shard for c in recorder.calls} == {f"1:{s}" for s in range(1, 12)}
-    assert time.monotonic() - started >= 35
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("outbox_bridge")]
+    assert not [m for m in messages if m.startswith(("bridge failed", "bridge lost"))]
+    assert len([m for m in messages if m.startswith("bridge active")]) == 1  # never restarted

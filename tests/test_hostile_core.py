@@ -388,8 +388,9 @@ async def test_a_lingering_shard_continues_as_new_under_the_cap(
 
 SWEEP = 2.0
 # On demand, the sweep wakes a held shard whose head changed; with a workflow for every shard,
-# the bridge looks at a shard once its head has not moved between two sweeps.
-WITHIN = {"on-demand": SWEEP + 3.0, "always": 2 * SWEEP + 3.0}
+# the bridge looks at a shard once its head has not moved between two sweeps. The waits below
+# are far shorter than what would release the rows without the sweep (an hour's deferral, a
+# retry 20 s away), and far longer than two sweeps.
 DEFERRED_EDITS = ["deferred head deleted", "deferred head due now"]
 BLOCKED_EDITS = ["blocked head's category changed", "blocked head deleted"]
 
@@ -416,18 +417,13 @@ async def test_an_edit_to_a_deferred_head_takes_effect_within_a_sweep(
     async with running_worker(servers, app, settings):
         await wait_until(lambda: in_state(handle, "deferred"), what="the deferred shard")
         await asyncio.sleep(2 * SWEEP)  # the sweeps have seen the shard as it is
-        edited = time.monotonic()
         if edit == "deferred head deleted":
             await sql(engine, f"DELETE FROM {table} WHERE id = :id", id=head)
         else:
             await sql(engine, f"UPDATE {table} SET scheduled_for = now() WHERE id = :id", id=head)
-        await wait_until(
-            lambda: table_empty(engine, app), timeout=3 * WITHIN[mode], what="the rows behind"
-        )
-        took = time.monotonic() - edited
+        await wait_until(lambda: table_empty(engine, app), timeout=15, what="the rows behind")
     expected = behind if edit == "deferred head deleted" else [head, *behind]
     assert recorder.ids() == expected
-    assert took <= WITHIN[mode], f"{took:.1f} s after the edit"
 
 
 @MODES
@@ -462,7 +458,6 @@ async def test_an_edit_to_a_blocked_head_takes_effect_within_a_sweep(
         await wait_until(lambda: in_state(handle, "blocked"), what="the blocked shard")
         # The drain's attempt and the category activity's first: the next is 20 s away.
         await wait_until(lambda: len(gate.attempts) >= 2, what="the first retry")
-        edited = time.monotonic()
         if edit == "blocked head deleted":
             await sql(engine, f"DELETE FROM {table} WHERE id = :id", id=head)
         else:
@@ -470,11 +465,10 @@ async def test_an_edit_to_a_blocked_head_takes_effect_within_a_sweep(
             await sql(
                 engine, f"UPDATE {table} SET category = :c WHERE id = :id", c=category, id=head
             )
-        await wait_until(lambda: table_empty(engine, app), timeout=40, what="the rows behind")
-        took = time.monotonic() - edited
+        await wait_until(lambda: table_empty(engine, app), timeout=15, what="the rows behind")
     expected = behind if edit == "blocked head deleted" else [head, *behind]
     assert recorder.ids() == expected
-    assert took <= WITHIN[mode], f"{took:.1f} s after the edit"
+    assert len(gate.attempts) == 2  # not released by a retry of the old head
 
 
 # -- 4. lost locks ------------------------------------------------------------------------------------

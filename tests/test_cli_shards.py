@@ -284,6 +284,11 @@ async def test_flush_from_the_command_line(servers, engine) -> None:
     async with running_worker(servers, app, settings):
         code, out, err = await cli(servers, table, "flush", "ORGANIZATION:21", env=env)
         assert code == 0 and "no pending rows" in out, err
+        code, out, err = await cli(servers, table, "flush", "ORGANIZATION:21", "--json", env=env)
+        assert code == 0, err
+        assert json.loads(out) | {"outcome": "handled", "detail": "no pending rows"} == json.loads(
+            out
+        )
 
         await write_rows(
             engine,

@@ -35,6 +35,13 @@ def _no_calls_yet() -> None:
     RECORDER.behaviour.clear()
 
 
+@pytest.fixture(autouse=True)
+def _a_project_without_django(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest-django exports this suite's DJANGO_SETTINGS_MODULE; the users' projects run here
+    are not Django projects and must not inherit it."""
+    monkeypatch.delenv("DJANGO_SETTINGS_MODULE", raising=False)
+
+
 def test_a_row_through_the_real_worker(outbox_app, outbox_worker, outbox_database) -> None:
     with outbox_database.engine.begin() as conn:
         first = outbox_app.write(

@@ -45,6 +45,7 @@ from outbox_bridge.runtime.shards import WORKFLOW, parse_shard, shard_status, st
 from outbox_bridge.runtime.temporal import connect, task_queue_polled, temporal_address
 from outbox_bridge.runtime.worker import run as run_worker
 from outbox_bridge.workflows.models import (
+    FlushOutcome,
     FlushResult,
     ResumeInput,
     ShardRef,
@@ -55,6 +56,8 @@ from outbox_bridge.workflows.models import (
 
 # The state `shards` shows for a shard with no workflow of its own (its partition drains it).
 NO_WORKFLOW = "none"
+# What `flush` says of a shard with nothing pending: handled, there is nothing to wait for.
+NO_PENDING_ROWS = "no pending rows"
 
 
 def run() -> None:
@@ -328,19 +331,19 @@ def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overri
     """Wait until a shard has handled every row pending now (exit 0), or say why it cannot:
     blocked, skipped, deferred or timed out (exit 1). Starts the shard's workflow if needed."""
 
-    async def work() -> FlushResult | None:
+    async def work() -> FlushResult:
         settings = build_settings(overrides)
         app = _app(settings)
         ref = parse_shard(shard, app, table=table)
         async with _database(settings) as engine, engine.connect() as conn:
             up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
         if up_to is None:
-            return None
+            return FlushResult(ref.key, FlushOutcome.HANDLED, detail=NO_PENDING_ROWS)
         [result] = await Flusher(app, settings).flush({ref: up_to}, timeout)
         return result
 
-    result: FlushResult | None = _run_or_exit(work(), shard)
-    if result is None:
+    result: FlushResult = _run_or_exit(work(), shard)
+    if result.detail == NO_PENDING_ROWS and not as_json:
         click.echo(f"shard {shard} has no pending rows")
         return
     if as_json:

@@ -127,6 +127,9 @@ async def test_the_worker_runs_over_tls_with_an_api_key_and_never_prints_its_sec
 # OutboxTable), names derived from them, the fixed shard key columns, and constants.
 SQL_NAMES = {
     "name",
+    # The testing toolkit's test databases, quoted as identifiers (testing/servers.py).
+    "_quoted(name)",
+    "_quoted(template)",
     "table.name",
     "notify_channel(name)",
     "notify_channel(table.name)",

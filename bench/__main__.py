@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench import corelog
+from bench import corelog, tuning
 from bench.context import DEFAULT_OUT, BenchConfig
 from bench.runner import WORKLOADS, quiet_logs, run
 
@@ -51,23 +51,49 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
     parser.add_argument(
         "--budget",
         type=float,
-        default=18 * 60.0,
+        default=19 * 60.0,
         help="seconds the whole invocation may take; drains are capped to fit",
+    )
+    parser.add_argument(
+        "--shard-workflows",
+        choices=["on-demand", "always", "both"],
+        default=None,
+        help="the bridge's mode: partitions drain healthy shards and a shard gets a workflow "
+        "only when it needs one (on-demand, the default), or every shard with rows gets one "
+        "(always); both measures always beside on-demand, on the file server only and with "
+        "each drain capped at --always-share seconds. Default: both for 'all', else on-demand.",
+    )
+    parser.add_argument(
+        "--always-share",
+        type=float,
+        default=BenchConfig.always_share,
+        help="with --shard-workflows both: the seconds one drain with a workflow for every "
+        "shard may take (it reports the rows it reached)",
+    )
+    tuning.add_arguments(parser)
+    parser.add_argument(
+        "--handler-yield",
+        action="store_true",
+        help="every handler call yields to the event loop once, as a handler doing I/O would",
     )
     args = parser.parse_args(argv)
     if args.scale <= 0:
         parser.error("--scale must be positive")
     if args.idle_timeout < 0:
         parser.error("--idle-timeout must not be negative")
-    config = BenchConfig(
+    tuned = tuning.from_arguments(parser, args)
+    shard_workflows = args.shard_workflows or ("both" if args.workload == "all" else "on-demand")
+    config = BenchConfig.from_environment(
         scale=args.scale,
         out=args.out,
         temporal=args.temporal,
-        database_url=os.environ.get("OUTBOX_DATABASE_URL"),
-        temporal_address=os.environ.get("TEMPORAL_ADDRESS"),
         latency_seconds=args.latency_seconds,
         budget=args.budget,
         idle_timeout=args.idle_timeout,
+        shard_workflows=shard_workflows,
+        always_share=args.always_share,
+        handler_yield=args.handler_yield,
+        tuning=tuned,
     )
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     return names, config

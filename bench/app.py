@@ -7,8 +7,11 @@ exactly the same handler code.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+import zlib
+from collections.abc import Collection
 from enum import IntEnum
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
@@ -28,21 +31,66 @@ class Category(IntEnum):
 
 CATEGORIES = [int(c) for c in Category]
 
+# A coalescing group: (shard_scope, shard_identifier, category, object_identifier).
+GroupKey = tuple[int, int, int, int]
+
+
+def fails(group: GroupKey, share: float) -> bool:
+    """Whether ``group`` is one of the ``share`` of groups whose handler fails (decided by a
+    CRC-32 of the group's columns: the same in every process, run and attempt)."""
+    text = ":".join(str(part) for part in group).encode()
+    return zlib.crc32(text) % 10_000 < round(share * 10_000)
+
+
+class FlakyError(Exception):
+    """What a failing group's handler raises, until it has failed often enough."""
+
 
 class HandlerProbe:
     """A no-op ``async def`` handler that counts its calls and, when asked, records the wall time
-    at which it first started for each row id (for commit→handler latency)."""
+    at which it first started for each row id (for commit→handler latency).
 
-    def __init__(self, *, record_starts: bool = False) -> None:
+    With ``failing``, the handler of each of those groups raises :class:`FlakyError` on its first
+    ``failures`` calls and succeeds afterwards, whichever side, attempt or drain calls it. With
+    ``yield_once``, every call yields to the event loop once, as a handler that does I/O would.
+    """
+
+    def __init__(
+        self,
+        *,
+        record_starts: bool = False,
+        failing: Collection[GroupKey] = (),
+        failures: int = 3,
+        yield_once: bool = False,
+    ) -> None:
         self.record_starts = record_starts
         self.calls = 0
+        self.failed = 0  # calls that raised
         self.starts: dict[int, float] = {}
+        self.failing = frozenset(failing)
+        self.failures = failures
+        self.yield_once = yield_once
+        self._attempts: dict[GroupKey, int] = {}
         self._lock = threading.Lock()  # the baseline calls it from several threads
 
     async def handle(self, message: OutboxMessage) -> None:
         started = time.time()
+        if self.yield_once:
+            await asyncio.sleep(0)
         with self._lock:
             self.calls += 1
+            if self.failing:
+                group = (
+                    int(message.shard_scope),
+                    message.shard_identifier,
+                    int(message.category),
+                    message.object_identifier,
+                )
+                if group in self.failing:
+                    attempt = self._attempts[group] = self._attempts.get(group, 0) + 1
+                    if attempt <= self.failures:
+                        self.failed += 1
+                        raise FlakyError(f"group {group} fails on attempt {attempt}")
             if self.record_starts:
                 self.starts.setdefault(message.id, started)
 

@@ -4,17 +4,27 @@
 shards (``mod(shard_identifier + shard_scope, threads)``), so a shard is never handled by two
 threads and its rows are handled in order. Each coalescing group is one transaction: lock the
 shard's head group (the group of its lowest id, every row of it, ``FOR UPDATE``), call the
-handler with the group's newest row, delete the group's rows, commit. A handler that raises
-rolls the transaction back and the shard's head is retried (head-of-line blocking, like the
-bridge). Bench rows are never deferred, so ``scheduled_for`` is not consulted.
+handler with the group's newest row, delete the group's rows, commit. Bench rows are never
+deferred, so ``scheduled_for`` is not consulted.
+
+A handler that raises rolls its transaction back and blocks its shard (head-of-line blocking,
+like the bridge): the thread leaves the shard and goes on with its other shards, and retries
+the shard's head ``retry_interval`` seconds later (the bridge's ``initial_retry_interval``, 1 s
+by default), at the first shard boundary after that, as often as it takes. This is the fair
+counterpart of the bridge, where a failing head is retried at once by its shard's workflow,
+then after 1 s, 2 s, 4 s...: for a handler that fails three times, both wait 3 s in all
+before the call that succeeds, and neither holds back any other shard meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import logging
 import threading
+import time
+from collections import deque
 from typing import Any
 
 import psycopg
@@ -45,6 +55,7 @@ class DirectDrain:
         threads: int,
         until_empty: bool = True,
         poll_interval: float = 0.01,
+        retry_interval: float = 1.0,
     ) -> None:
         self._url = database_url
         self._app = app
@@ -52,6 +63,7 @@ class DirectDrain:
         self._threads = threads
         self._until_empty = until_empty
         self._poll = poll_interval
+        self._retry = retry_interval
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
 
@@ -80,22 +92,48 @@ class DirectDrain:
 
     def _drain_partition(self, partition: int) -> None:
         loop = asyncio.new_event_loop()
+        queue: deque[tuple[int, int]] = deque()  # this pass's shards, in order
+        parked: list[tuple[float, tuple[int, int]]] = []  # (when to retry, shard): blocked
+        blocked: set[tuple[int, int]] = set()
         try:
             with connect(self._url) as conn:
                 while not self._stop.is_set():
-                    shards = self._shards(conn, partition)
-                    if not shards:
-                        if self._until_empty:
+                    if parked and parked[0][0] <= time.monotonic():
+                        _, shard = heapq.heappop(parked)
+                        blocked.discard(shard)
+                    elif queue:
+                        shard = queue.popleft()
+                        if shard in blocked:
+                            continue
+                    else:
+                        queue.extend(s for s in self._shards(conn, partition) if s not in blocked)
+                        if queue:
+                            continue
+                        if parked:  # only blocked shards are left: wait for the first retry
+                            self._stop.wait(max(0.0, parked[0][0] - time.monotonic()))
+                        elif self._until_empty:
                             return
-                        self._stop.wait(self._poll)
+                        else:
+                            self._stop.wait(self._poll)
                         continue
-                    for scope, ident in shards:
-                        while not self._stop.is_set() and self._handle_head(
-                            conn, loop, scope, ident
-                        ):
-                            pass
+                    if not self._drain_shard(conn, loop, shard):
+                        heapq.heappush(parked, (time.monotonic() + self._retry, shard))
+                        blocked.add(shard)
         finally:
             loop.close()
+
+    def _drain_shard(
+        self, conn: psycopg.Connection, loop: asyncio.AbstractEventLoop, shard: tuple[int, int]
+    ) -> bool:
+        """Handle the shard's groups in order until it is empty (True) or its head failed."""
+        scope, ident = shard
+        while not self._stop.is_set():
+            handled = self._handle_head(conn, loop, scope, ident)
+            if handled is None:
+                return False
+            if not handled:
+                return True
+        return True
 
     def _shards(self, conn: psycopg.Connection, partition: int) -> list[tuple[int, int]]:
         rows = conn.execute(
@@ -108,8 +146,9 @@ class DirectDrain:
 
     def _handle_head(
         self, conn: psycopg.Connection, loop: asyncio.AbstractEventLoop, scope: int, ident: int
-    ) -> bool:
-        """Handle the head group of one shard in one transaction; False when it is empty."""
+    ) -> bool | None:
+        """Handle the head group of one shard in one transaction: False when the shard is
+        empty, None when the handler failed."""
         table = self._table
         rows = conn.execute(
             f"SELECT {_COLUMNS} FROM {table} AS o JOIN ("
@@ -126,10 +165,9 @@ class DirectDrain:
         try:
             self._call(loop, self._message(rows[-1], len(rows)))
         except Exception:
-            log.warning("baseline handler failed for shard %s:%s; retrying", scope, ident)
+            log.debug("baseline handler failed for shard %s:%s; retrying later", scope, ident)
             conn.rollback()
-            self._stop.wait(0.1)
-            return True
+            return None
         conn.execute(f"DELETE FROM {table} WHERE id = ANY(%s)", [[r[0] for r in rows]])
         conn.commit()
         return True

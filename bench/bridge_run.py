@@ -2,8 +2,9 @@
 
 Nothing in the core is tuned: settings are :class:`OutboxSettings` defaults except a unique task
 queue, ``idle_timeout`` (the default 0: shard workflows close once empty, so their histories
-can be counted)
-and ``listen`` for the poll-only latency run.
+can be counted), ``shard_workflows`` (``on-demand``, the default, or ``always``) and ``listen``
+for the poll-only latency run. (``--delete-chunk-groups`` and the like change constants of the
+runtime for an A/B run: see :mod:`bench.tuning`.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from bench.temporal_stats import HistoryStats, history_stats, wait_all_closed
 from outbox_bridge import OutboxApp, OutboxSettings
@@ -76,6 +79,36 @@ class BridgeRun:
 
     async def history(self, *, all_closed: bool) -> HistoryStats:
         return await history_stats(self.client, self.settings.task_queue, all_closed=all_closed)
+
+    async def partitions_draining(self, tables: list[str], *, timeout: float) -> float | None:
+        """On demand: wait until the drain activity of every partition of ``tables`` runs in
+        the worker and has heartbeated (it then listens for its shards' news); returns the
+        seconds since ``serve`` was called, or None if that did not happen within
+        ``timeout``. At once (0) with a workflow for every shard: there are no partitions."""
+        if not self.settings.on_demand:
+            return 0.0
+        ids = [
+            f"outbox:{table}:partition:{n}"
+            for table in tables
+            for n in range(self.settings.partitions)
+        ]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all([await self._draining(workflow_id) for workflow_id in ids]):
+                return time.monotonic() - self.started
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _draining(self, workflow_id: str) -> bool:
+        try:
+            described = await self.client.get_workflow_handle(workflow_id).describe()
+        except RPCError:
+            return False  # not started yet
+        return any(
+            activity.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+            and activity.HasField("last_heartbeat_time")
+            for activity in described.raw_description.pending_activities
+        )
 
 
 @contextlib.asynccontextmanager

@@ -10,12 +10,20 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot is imported
 import matplotlib.pyplot as plt
 
-ORDER = ["backlog", "hot-shard", "coalesce", "many-shards"]
+ORDER = ["backlog", "hot-shard", "coalesce", "flaky", "many-shards"]
 COLORS = {"baseline": "#7f7f7f", "file": "#1f77b4", "memory": "#ff7f0e", "external": "#2ca02c"}
 
 
-def _series(results: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
-    """Workload names, and rows/s per series (baseline, then bridge per server mode)."""
+def _mode(results: list[dict[str, Any]]) -> str:
+    modes = sorted({str(r.get("shard_workflows", "on-demand")) for r in results})
+    return ", ".join(modes)
+
+
+def _series(
+    results: list[dict[str, Any]],
+) -> tuple[list[str], dict[str, list[float]], dict[str, list[bool]]]:
+    """Workload names, rows/s per series (baseline, then bridge per server mode), and whether
+    each bridge figure comes from a drain capped by the time budget."""
     results = sorted(
         results, key=lambda r: ORDER.index(r["workload"]) if r["workload"] in ORDER else len(ORDER)
     )
@@ -26,30 +34,43 @@ def _series(results: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[fl
     )
     series: dict[str, list[float]] = {"baseline": []}
     series.update({m: [] for m in modes})
+    capped: dict[str, list[bool]] = {m: [] for m in series}
     for result in results:
         entries = {e["temporal"]: e for e in result["entries"]}
         base = [e["baseline_rows_per_s"] for e in result["entries"]]
         series["baseline"].append(sum(base) / len(base) if base else 0.0)
+        capped["baseline"].append(
+            not all(e.get("baseline_completed", True) for e in entries.values())
+        )
         for mode in modes:
-            series[mode].append(entries[mode]["bridge_rows_per_s"] if mode in entries else 0.0)
-    return names, series
+            entry = entries.get(mode)
+            series[mode].append(entry["bridge_rows_per_s"] if entry else 0.0)
+            capped[mode].append(entry is not None and not entry.get("bridge_completed", True))
+    return names, series, capped
 
 
 def throughput_chart(results: list[dict[str, Any]], path: Path) -> Path:
-    """Grouped bars per workload: baseline rows/s and bridge rows/s per server mode (log y)."""
-    names, series = _series(results)
+    """Grouped bars per workload: baseline rows/s and bridge rows/s per server mode (log y); a
+    figure from a drain capped by the time budget is marked with a star."""
+    names, series, capped = _series(results)
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(names)), 4.8))
     for index, (label, values) in enumerate(series.items()):
         xs = [i + (index - (len(series) - 1) / 2) * width for i in range(len(names))]
         title = "baseline (direct drain)" if label == "baseline" else f"bridge, Temporal {label}"
         bars = ax.bar(xs, values, width, label=title, color=COLORS.get(label))
-        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7, rotation=90, padding=2)
+        labels = [
+            f"{v:,.0f}" + ("*" if cut else "") for v, cut in zip(values, capped[label], strict=True)
+        ]
+        ax.bar_label(bars, labels=labels, fontsize=7, rotation=90, padding=2)
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("rows/s (log scale)")
     scales = sorted({r["scale"] for r in results})
-    ax.set_title(f"outbox-bridge throughput vs direct drain (scale {', '.join(map(str, scales))})")
+    title = f"outbox-bridge ({_mode(results)}) vs direct drain, scale {', '.join(map(str, scales))}"
+    if any(any(cut) for cut in capped.values()):
+        title += "\n* capped by the time budget: the rate until the cap"
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(series))
     ax.margins(y=0.3)
     fig.tight_layout()
@@ -79,8 +100,9 @@ def latency_chart(result: dict[str, Any], path: Path) -> Path:
         over_time.set_xlabel("commit time (s since the writer started)")
         over_time.set_ylabel("commit → handler start (ms, log)")
         over_time.set_title(
-            f"latency over time, Temporal {entry['temporal']}, "
-            f"{entry['rate']:.0f} rows/s over {entry['shards']} shards"
+            f"latency over time ({_mode([result])}), Temporal {entry['temporal']}, "
+            f"{entry['rate']:.0f} rows/s over {entry['shards']} shards",
+            fontsize=10,
         )
         over_time.legend(fontsize=8, markerscale=4)
         by_percentile.set_yscale("log")

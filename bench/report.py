@@ -1,10 +1,18 @@
-"""Results: the printed tables, the JSON files and the PNG charts (matplotlib, Agg backend)."""
+"""Results: the printed tables, the JSON files and the PNG charts (matplotlib, Agg backend).
+
+Each workload's result for the default mode (partitions drain healthy shards, a shard workflow
+only when needed) goes to ``<workload>.json``; with a workflow for every shard
+(``--shard-workflows always``) to ``<workload>-always.json``. The charts likewise:
+``throughput.png`` and ``latency.png``, ``throughput-always.png`` and ``latency-always.png``.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+DEFAULT_MODE = "on-demand"
 
 THROUGHPUT_COLUMNS = [
     ("temporal", "temporal", "{}"),
@@ -13,7 +21,8 @@ THROUGHPUT_COLUMNS = [
     ("baseline_rows_per_s", "baseline rows/s", "{:,.0f}"),
     ("bridge_rows_per_s", "bridge rows/s", "{:,.0f}"),
     ("ratio", "ratio", "{:.3f}"),
-    ("history_events_per_row", "events/row", "{:.3f}"),
+    ("history_events_per_row", "events/row", "{:.4f}"),
+    ("shard_workflows_started", "shard wfs", "{:,}"),
     ("handler_calls", "handler calls", "{:,}"),
     ("seconds", "bridge s", "{:.1f}"),
     ("completed", "completed", "{}"),
@@ -21,15 +30,15 @@ THROUGHPUT_COLUMNS = [
 LATENCY_COLUMNS = [
     ("temporal", "temporal", "{}"),
     ("rows", "rows", "{:,}"),
-    ("p50_ms", "p50 ms", "{:.0f}"),
-    ("p99_ms", "p99 ms", "{:.0f}"),
-    ("warm_p99_ms", "warm p99 ms", "{:.0f}"),
+    ("p50_ms", "p50 ms", "{:.1f}"),
+    ("p99_ms", "p99 ms", "{:.1f}"),
+    ("warm_p99_ms", "warm p99 ms", "{:.1f}"),
     ("poll_only_p50_ms", "poll p50 ms", "{:.0f}"),
     ("poll_only_p99_ms", "poll p99 ms", "{:.0f}"),
     ("baseline_p50_ms", "baseline p50", "{:.0f}"),
     ("baseline_p99_ms", "baseline p99", "{:.0f}"),
-    ("events_per_row", "events/row", "{:.2f}"),
-    ("poll_only_events_per_row", "poll ev/row", "{:.2f}"),
+    ("events_per_row", "events/row", "{:.4f}"),
+    ("shard_workflows_started", "shard wfs", "{:,}"),
     ("backlog_end", "backlog end", "{}"),
     ("poll_only_backlog_end", "poll backlog", "{}"),
 ]
@@ -39,7 +48,24 @@ EXTRA_COLUMNS = {
         ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
     ],
     "coalesce": [("baseline_handler_calls", "baseline calls", "{}")],
+    "flaky": [
+        ("shards_with_failing_group", "shards failing", "{:,}"),
+        ("failing_groups", "groups failing", "{:,}"),
+    ],
 }
+
+
+def mode_of(result: dict[str, Any]) -> str:
+    return str(result.get("shard_workflows", DEFAULT_MODE))
+
+
+def suffix(mode: str) -> str:
+    return "" if mode == DEFAULT_MODE else f"-{mode}"
+
+
+def result_name(result: dict[str, Any]) -> str:
+    """``<workload>`` or ``<workload>-always``: the JSON file's name without its suffix."""
+    return f"{result['workload']}{suffix(mode_of(result))}"
 
 
 def _cell(entry: dict[str, Any], key: str, fmt: str) -> str:
@@ -54,7 +80,10 @@ def format_table(result: dict[str, Any]) -> str:
     header = [title for _, title, _ in columns]
     rows = [[_cell(e, key, fmt) for key, _, fmt in columns] for e in result["entries"]]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [f"{result['workload']}: {result['description']} (scale {result['scale']})"]
+    lines = [
+        f"{result['workload']} (--shard-workflows {mode_of(result)}): {result['description']} "
+        f"(scale {result['scale']})"
+    ]
     for row in [header, ["-" * w for w in widths], *rows]:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
     return "\n".join(lines)
@@ -62,7 +91,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def write_json(out: Path, result: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{result['workload']}.json"
+    path = out / f"{result_name(result)}.json"
     temporary = path.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(result, indent=2, default=str) + "\n")
     temporary.replace(path)
@@ -82,16 +111,20 @@ def load_results(out: Path) -> list[dict[str, Any]]:
 
 
 def draw_charts(out: Path) -> list[Path]:
-    """Redraw ``throughput.png`` from every throughput JSON in ``out``, and ``latency.png``
-    from ``latency.json`` when present."""
+    """Redraw, for each shard workflow mode with results in ``out``, ``throughput.png`` from
+    its throughput results and ``latency.png`` from its latency result (``-always`` names for
+    a workflow for every shard)."""
     from bench import charts
 
     results = load_results(out)
     drawn = []
-    throughput = [r for r in results if r["kind"] == "throughput"]
-    if throughput:
-        drawn.append(charts.throughput_chart(throughput, out / "throughput.png"))
-    latency = [r for r in results if r["kind"] == "latency"]
-    if latency:
-        drawn.append(charts.latency_chart(latency[0], out / "latency.png"))
+    for mode in sorted({mode_of(r) for r in results}):
+        mine = [r for r in results if mode_of(r) == mode]
+        throughput = [r for r in mine if r["kind"] == "throughput"]
+        if throughput:
+            path = out / f"throughput{suffix(mode)}.png"
+            drawn.append(charts.throughput_chart(throughput, path))
+        latency = [r for r in mine if r["kind"] == "latency"]
+        if latency:
+            drawn.append(charts.latency_chart(latency[0], out / f"latency{suffix(mode)}.png"))
     return drawn

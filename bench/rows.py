@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psycopg
 from sqlalchemy.pool import NullPool
 
-from bench.app import CATEGORIES, Scope
+from bench.app import CATEGORIES, GroupKey, Scope, fails
 from outbox_bridge import OutboxApp
 from outbox_bridge.config import libpq_url, sqlalchemy_url
 from outbox_bridge.db.schema import create_outbox_tables
@@ -34,7 +34,14 @@ class RowSet:
 
     @property
     def groups(self) -> int:
-        return len({(r[0], r[1], r[2], r[3]) for r in self.rows})
+        return len(self.group_keys())
+
+    def group_keys(self) -> set[GroupKey]:
+        return {(r[0], r[1], r[2], r[3]) for r in self.rows}
+
+    def failing_groups(self, share: float) -> set[GroupKey]:
+        """The groups whose handler fails (see :func:`bench.app.fails`)."""
+        return {group for group in self.group_keys() if fails(group, share)}
 
 
 def backlog_rows(count: int, shards: int, coalescible: float, seed: int = 1) -> RowSet:

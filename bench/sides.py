@@ -2,13 +2,15 @@
 
 Rows are inserted before the clock starts. The baseline's clock runs from the start of its
 threads until they found their partitions empty; the bridge's from the call of ``serve`` (so
-its start-up and first sweep, which already starts shard workflows, are included) until the
-table is observed empty. ``bridge_rows_per_s_from_ready`` is the rate after ``ready`` alone.
+its start-up is included: connecting, starting the partition workflows, or with a workflow for
+every shard the first sweep, which already starts shard workflows) until the table is observed
+empty. ``bridge_rows_per_s_from_ready`` is the rate after ``ready`` alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from bench.corelog import COUNTER
 from bench.progress import DrainWatch, say, watch_drain
 from bench.rows import RowSet, connect, copy_rows, count_rows, create_table, drop_table, table_name
 from bench.servers import TemporalServer
+from bench.temporal_stats import HistoryStats
 from outbox_bridge import OutboxApp
 
 
@@ -93,18 +96,28 @@ def remaining_rows(ctx: Context, table: str) -> int:
 
 
 async def baseline_side(
-    ctx: Context, label: str, rowset: RowSet, *, threads: int, share: float
+    ctx: Context,
+    label: str,
+    rowset: RowSet,
+    *,
+    threads: int,
+    share: float,
+    probe: HandlerProbe | None = None,
 ) -> SideResult:
-    """Drain ``rowset`` with :class:`DirectDrain` and ``threads`` threads."""
-    probe = HandlerProbe()
+    """Drain ``rowset`` with :class:`DirectDrain` and ``threads`` threads; a failing head is
+    retried after the bridge's ``initial_retry_interval``."""
+    probe = probe if probe is not None else HandlerProbe()
     app = await prepared_table(ctx, label, rowset, probe)
     table = app.table().name
-    drain = DirectDrain(ctx.database_url, app, threads=threads)
+    retry = ctx.settings().initial_retry_interval
+    drain = DirectDrain(ctx.database_url, app, threads=threads, retry_interval=retry)
 
     def timed() -> float:
         drain.run()
         return time.monotonic()
 
+    meter = ctx.cpu_meter(None).start()
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     task = asyncio.create_task(asyncio.to_thread(timed))
     await watch_drain(
@@ -119,24 +132,40 @@ async def baseline_side(
     if not task.done():
         drain.stop()
     seconds = await task - started  # the threads stop at once when capped
+    cpu = meter.stop()
     left = await asyncio.to_thread(remaining_rows, ctx, table)
     await asyncio.to_thread(drop_table, ctx.database_url, table)
-    return SideResult(
-        len(rowset.rows), len(rowset.rows) - left, seconds, probe.calls, {"threads": threads}
-    )
+    extra: dict[str, Any] = {
+        "threads": threads,
+        "retry_interval_s": retry,
+        "failed_calls": probe.failed,
+        "cpu_s": cpu,
+        "load_average": _load(load_before),
+    }
+    return SideResult(len(rowset.rows), len(rowset.rows) - left, seconds, probe.calls, extra)
 
 
 async def bridge_side(
-    ctx: Context, label: str, rowset: RowSet, server: TemporalServer, *, share: float
+    ctx: Context,
+    label: str,
+    rowset: RowSet,
+    server: TemporalServer,
+    *,
+    share: float,
+    shard_workflows: str = "on-demand",
+    probe: HandlerProbe | None = None,
 ) -> SideResult:
-    """Drain ``rowset`` with ``worker.serve`` in-process; then wait (worker still running) for
-    the shard workflows to close after their idle timeout, and count their history events."""
-    probe = HandlerProbe()
+    """Drain ``rowset`` with ``worker.serve`` in-process (``shard_workflows``: ``on-demand`` or
+    ``always``); then wait (worker still running) for the shard workflows to close, and count
+    the history events of every workflow of the run, partitions included."""
+    probe = probe if probe is not None else HandlerProbe()
     app = await prepared_table(ctx, label, rowset, probe)
     table = app.table().name
-    settings = ctx.settings()
+    settings = ctx.settings(shard_workflows=shard_workflows)
     rss = RssSampler()
     warnings_mark = COUNTER.count
+    meter = ctx.cpu_meter(server).start()
+    load_before = os.getloadavg()[0]
     async with rss, running_bridge(settings, app, ctx.database_url, server.address) as run:
         ready_after = run.ready_after
         left_at_ready = await asyncio.to_thread(remaining_rows, ctx, table)
@@ -149,6 +178,8 @@ async def bridge_side(
             deadline=ctx.phase_deadline(share),
             stopped=run.task.done,
         )
+        cpu = meter.stop()
+        load = _load(load_before)
         # A capped run: count what still runs, do not wait.
         close_timeout = ctx.close_timeout(settings) if watch.completed else 0.0
         running, close_wait = await run.close_stats(close_timeout=close_timeout)
@@ -157,21 +188,41 @@ async def bridge_side(
     await asyncio.to_thread(drop_table, ctx.database_url, table)
     rows_done = len(rowset.rows) - watch.remaining
     extra = {
+        "shard_workflows": shard_workflows,
         "ready_s": round(run.ready_after, 3) if run.ready_after is not None else None,
         **_from_ready(watch, run.started, ready_after, left_at_ready),
-        "history_events": history.events,
-        "workflow_executions": history.executions,
-        "history_events_per_row": round(history.events / rows_done, 4) if rows_done else None,
-        "history_complete": history.running == 0,
-        # After a cap nothing is waited for: then only the count at the cap is known.
+        **history_entry(history, rows_done),
+        # Shard workflows only: partitions never close.
         "running_after_idle": running if watch.completed else None,
+        # After a cap nothing is waited for: then only the count at the cap is known.
         "running_at_cap": None if watch.completed else running,
         "close_wait_s": round(close_wait, 2),
+        "failed_calls": probe.failed,
         **_memory(rss, server_rss),
+        # CPU seconds from the worker's start until the table was empty (or the cap).
+        "cpu_s": cpu,
+        # The 1-minute load average before and after: the machine is shared.
+        "load_average": load,
         "settings": settings_summary(settings),
         **COUNTER.since(warnings_mark),
     }
     return SideResult(len(rowset.rows), rows_done, watch.ended - run.started, probe.calls, extra)
+
+
+def history_entry(history: HistoryStats, rows_done: int) -> dict[str, Any]:
+    """What the run cost in Temporal history, partitions and shard workflows apart."""
+    return {
+        "history_events": history.events,
+        "workflow_executions": history.executions,
+        "history_events_per_row": round(history.events / rows_done, 4) if rows_done else None,
+        "history_complete": history.running == 0,
+        "shard_workflows_started": history.shard_workflows,
+        "shard_workflow_runs": history.shard_runs,
+        "shard_events": history.shard_events,
+        "partition_workflows": history.partition_runs,
+        "partitions_running": history.partitions_running,
+        "partition_events": history.partition_events,
+    }
 
 
 def _from_ready(
@@ -186,6 +237,10 @@ def _from_ready(
         "rows_left_at_ready": left_at_ready,
         "bridge_rows_per_s_from_ready": round(rate, 1) if rate is not None else None,
     }
+
+
+def _load(before: float) -> dict[str, float]:
+    return {"before": round(before, 2), "after": round(os.getloadavg()[0], 2)}
 
 
 def _memory(rss: RssSampler, server_rss: float | None) -> dict[str, float | None]:

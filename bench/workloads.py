@@ -1,14 +1,25 @@
 """The throughput workloads: a backlog is inserted, then drained by the baseline and by the
-bridge (on each Temporal server mode), and both are reported side by side.
+bridge (on each Temporal server mode, and for each shard workflow mode asked for), and both are
+reported side by side.
 
 | workload | rows | what it measures |
 |---|---|---|
 | ``backlog`` | 100,000 over 1,000 shards, 5 categories, 20% coalescible | the general drain rate |
 | ``hot-shard`` | 20,000 in one shard, each row its own group | one shard in series (1 thread) |
 | ``coalesce`` | 50,000 in 10 groups of one shard | coalescing: exactly 10 handler calls |
-| ``many-shards`` | 20,000 shards × 3 rows | a workflow per shard: start-up cost, closing, memory |
+| ``many-shards`` | 20,000 shards × 3 rows | many small shards: start-up cost, closing, memory |
+| ``flaky`` | the backlog's rows; 2% of the groups fail 3 times, then succeed | failures |
 
 ``--scale`` multiplies the row and shard counts (not the 10 groups of ``coalesce``).
+
+``flaky``: which groups fail is decided per coalescing group by a CRC-32 of its columns (2% of
+them, :func:`bench.app.fails`), so it is the same on both sides and in every run, and each of
+those groups fails on its first 3 calls, whichever drain, attempt or workflow makes them. The
+baseline retries a failing shard's head after the bridge's ``initial_retry_interval`` (1 s),
+at the first shard boundary after that, and goes on with its other shards meanwhile (see
+:mod:`bench.baseline`): a group that fails 3 times waits 3 s in all on both sides (the bridge
+retries at once, then after 1 s and 2 s). On demand, exactly the shards with a failing group
+should get an ``OutboxShard`` workflow: the entry compares the two counts.
 """
 
 from __future__ import annotations
@@ -17,12 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench.app import HandlerProbe
 from bench.context import Context, scaled
 from bench.progress import say
 from bench.rows import RowSet, backlog_rows, distinct_rows, grouped_rows
 from bench.sides import SideResult, baseline_side, bridge_side
 
 RESERVE = 60.0  # seconds kept for closing workflows, counting events and stopping servers
+FLAKY_SHARE = 0.02  # of the coalescing groups
+FLAKY_FAILURES = 3  # calls that fail before the one that succeeds
 
 
 @dataclass(frozen=True)
@@ -32,11 +46,17 @@ class ThroughputWorkload:
     make_rows: Callable[[float], RowSet]
     threads: int = 4  # baseline threads
     share: float = 120.0  # seconds a drain (per side and server mode) may take before its cap
+    failing_share: float = 0.0  # of the groups, whose handler fails ``failures`` times
+    failures: int = FLAKY_FAILURES
 
 
 def _many_shards(scale: float) -> RowSet:
     shards = scaled(20_000, scale)
     return distinct_rows(3 * shards, shards)
+
+
+def _backlog(scale: float) -> RowSet:
+    return backlog_rows(scaled(100_000, scale), scaled(1_000, scale), 0.2)
 
 
 THROUGHPUT: dict[str, ThroughputWorkload] = {
@@ -45,7 +65,7 @@ THROUGHPUT: dict[str, ThroughputWorkload] = {
         ThroughputWorkload(
             "backlog",
             "100,000 rows over 1,000 shards, 5 categories, 20% coalescible, no-op handlers",
-            lambda s: backlog_rows(scaled(100_000, s), scaled(1_000, s), 0.2),
+            _backlog,
             share=180.0,
         ),
         ThroughputWorkload(
@@ -63,44 +83,114 @@ THROUGHPUT: dict[str, ThroughputWorkload] = {
         ),
         ThroughputWorkload(
             "many-shards",
-            "20,000 shards × 3 rows: a shard workflow each; all must close after idling",
+            "20,000 shards × 3 rows; every shard workflow (if any) must close",
             _many_shards,
             share=600.0,  # in practice: whatever the invocation's budget has left
+        ),
+        ThroughputWorkload(
+            "flaky",
+            "the backlog's rows; 2% of the coalescing groups fail 3 times, then succeed",
+            _backlog,
+            share=180.0,
+            failing_share=FLAKY_SHARE,
         ),
     ]
 }
 
 
-async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> dict[str, Any]:
-    """Measure the baseline once, then the bridge on each server mode, on identical rows."""
+def _probe(ctx: Context, workload: ThroughputWorkload, rowset: RowSet) -> HandlerProbe:
+    failing = rowset.failing_groups(workload.failing_share) if workload.failing_share else ()
+    return HandlerProbe(
+        failing=failing, failures=workload.failures, yield_once=ctx.config.handler_yield
+    )
+
+
+async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dict[str, Any]]:
+    """Measure the baseline once, then the bridge on each server mode for each shard workflow
+    mode, on identical rows; one result per shard workflow mode."""
     rowset = workload.make_rows(ctx.config.scale)
+    failing = rowset.failing_groups(workload.failing_share) if workload.failing_share else set()
+    failing_shards = {group[:2] for group in failing}
     say(
         workload.name,
-        f"{len(rowset.rows):,} rows, {rowset.shards:,} shards, {rowset.groups:,} coalescing groups",
+        f"{len(rowset.rows):,} rows, {rowset.shards:,} shards, {rowset.groups:,} coalescing groups"
+        + (
+            f", {len(failing):,} failing {workload.failures} times in {len(failing_shards):,} "
+            "shards"
+            if failing
+            else ""
+        ),
     )
-    share = min(workload.share, (ctx.left() - RESERVE) / 3)
+    phases = [(s, m) for s in ctx.shard_modes() for m in ctx.modes("both", s)]
+    share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) + 1))
     baseline = await baseline_side(
-        ctx, f"{workload.name}/baseline", rowset, threads=workload.threads, share=share
+        ctx,
+        f"{workload.name}/baseline",
+        rowset,
+        threads=workload.threads,
+        share=share,
+        probe=_probe(ctx, workload, rowset),
     )
     say(workload.name, f"baseline: {baseline.rows_per_s:,.0f} rows/s")
-    entries = []
-    modes = ctx.modes("both")
-    for index, mode in enumerate(modes):
+    entries: dict[str, list[dict[str, Any]]] = {s: [] for s in ctx.shard_modes()}
+    for index, (shard_workflows, mode) in enumerate(phases):
         # Later phases need their part of what is left of the invocation's budget.
-        share = min(workload.share, (ctx.left() - RESERVE) / (len(modes) - index))
+        share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) - index))
+        share = ctx.share(share, shard_workflows)
         async with ctx.temporal(mode) as server:
             bridge = await bridge_side(
-                ctx, f"{workload.name}/bridge-{server.mode}", rowset, server, share=share
+                ctx,
+                f"{workload.name}/bridge-{server.mode}" + _suffix(shard_workflows),
+                rowset,
+                server,
+                share=share,
+                shard_workflows=shard_workflows,
+                probe=_probe(ctx, workload, rowset),
             )
-        say(workload.name, f"bridge ({server.mode}): {bridge.rows_per_s:,.0f} rows/s")
-        entries.append(throughput_entry(server.mode, rowset, baseline, bridge))
+        done = "" if bridge.completed else f" (capped after {bridge.rows_done:,} rows)"
+        say(
+            workload.name,
+            f"bridge ({server.mode}, {shard_workflows}): {bridge.rows_per_s:,.0f} rows/s{done}",
+        )
+        entry = throughput_entry(server.mode, rowset, baseline, bridge)
+        if failing:
+            entry.update(_flaky_entry(workload, failing, failing_shards, entry))
+        entries[shard_workflows].append(entry)
+    return [
+        {
+            "workload": workload.name,
+            "kind": "throughput",
+            "shard_workflows": shard_workflows,
+            "description": workload.summary,
+            "scale": ctx.config.scale,
+            "idle_timeout": ctx.config.idle_timeout,
+            "entries": mode_entries,
+        }
+        for shard_workflows, mode_entries in entries.items()
+    ]
+
+
+def _suffix(shard_workflows: str) -> str:
+    return "" if shard_workflows == "on-demand" else f"-{shard_workflows}"
+
+
+def _flaky_entry(
+    workload: ThroughputWorkload,
+    failing: set[tuple[int, int, int, int]],
+    failing_shards: set[tuple[int, int]],
+    entry: dict[str, Any],
+) -> dict[str, Any]:
+    """Failures: how many groups and shards, and whether exactly the shards with a failing
+    group got a workflow of their own (on demand)."""
+    expected_calls = entry["groups"] + workload.failures * len(failing)
     return {
-        "workload": workload.name,
-        "kind": "throughput",
-        "description": workload.summary,
-        "scale": ctx.config.scale,
-        "idle_timeout": ctx.config.idle_timeout,
-        "entries": entries,
+        "failing_groups": len(failing),
+        "failures_per_group": workload.failures,
+        "shards_with_failing_group": len(failing_shards),
+        "expected_handler_calls": expected_calls,
+        "duplicate_handler_calls": max(0, entry["handler_calls"] - expected_calls)
+        if entry["bridge_completed"]
+        else None,
     }
 
 
@@ -128,6 +218,9 @@ def throughput_entry(
         "baseline_handler_calls": baseline.handler_calls,
         "baseline_completed": baseline.completed,
         "baseline_threads": baseline.extra["threads"],
+        "baseline_retry_interval_s": baseline.extra["retry_interval_s"],
+        "baseline_failed_calls": baseline.extra["failed_calls"],
+        "baseline_cpu_s": baseline.extra["cpu_s"],
         "bridge_completed": bridge.completed,
         **bridge.extra,
     }

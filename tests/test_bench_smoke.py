@@ -111,7 +111,7 @@ def mtime(path: Path) -> int:
     return path.stat().st_mtime_ns if path.exists() else -1
 
 
-@pytest.mark.parametrize("workload", ["backlog", "hot-shard", "coalesce", "many-shards"])
+@pytest.mark.parametrize("workload", ["backlog", "hot-shard", "coalesce", "many-shards", "flaky"])
 async def test_throughput_workload(
     servers: Servers, out: Path, workload: str, drawn: Drawn
 ) -> None:
@@ -119,6 +119,20 @@ async def test_throughput_workload(
     await run([workload], tiny_config(servers, out))
     for entry in load(out, workload):
         expected = 10 if workload == "coalesce" else entry["groups"]
+        if workload == "flaky":
+            # Each failing group is called 3 times more, on both sides.
+            assert entry["failing_groups"] > 0 and entry["failures_per_group"] == 3
+            expected += 3 * entry["failing_groups"]
+            assert entry["expected_handler_calls"] == expected
+            assert (
+                entry["baseline_failed_calls"]
+                == entry["failed_calls"]
+                == expected - entry["groups"]
+            )
+            # On demand, exactly the shards with a failing group got a workflow of their own.
+            assert entry["shard_workflows_started"] == entry["shards_with_failing_group"] > 0
+        else:
+            assert entry["failed_calls"] == 0
         assert entry["baseline_handler_calls"] == expected
         assert entry["rows_done"] == entry["rows"]
         calls, repeats = entry["handler_calls"], entry["duplicate_handler_calls"]

@@ -1,0 +1,99 @@
+"""``python -m bench.summary DIR [DIR ...]``: the figures of several runs side by side.
+
+Each ``DIR`` is the ``--out`` of one ``python -m bench`` invocation. For every workload, shard
+workflow mode and Temporal server mode found, it prints one Markdown row with the median of
+each figure over the runs that measured it, and its range (min–max) when there is more than
+one. Runs measured on a shared machine vary: a single figure says little, a median and its
+spread say more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.report import load_results, mode_of
+
+# (key in an entry, column title, format) per kind of workload.
+THROUGHPUT = [
+    ("baseline_rows_per_s", "baseline rows/s", "{:,.0f}"),
+    ("bridge_rows_per_s", "bridge rows/s", "{:,.0f}"),
+    ("ratio", "ratio", "{:.2f}"),
+    ("history_events_per_row", "events/row", "{:.4f}"),
+    ("shard_workflows_started", "shard workflows", "{:,.0f}"),
+]
+LATENCY = [
+    ("p50_ms", "p50 ms", "{:.1f}"),
+    ("p99_ms", "p99 ms", "{:.1f}"),
+    ("baseline_p99_ms", "baseline p99 ms", "{:.1f}"),
+    ("events_per_row", "events/row", "{:.4f}"),
+    ("shard_workflows_started", "shard workflows", "{:,.0f}"),
+]
+
+
+def spread(values: Sequence[float], fmt: str) -> str:
+    """``median`` or ``median (min–max)``."""
+    if not values:
+        return "-"
+    middle = fmt.format(statistics.median(values))
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return middle if low == high else f"{middle} ({low}–{high})"
+
+
+def _notes(entries: list[dict[str, Any]]) -> str:
+    notes = []
+    capped = sum(not e.get("completed", True) for e in entries)
+    if capped:
+        notes.append(f"{capped} of {len(entries)} capped by the budget")
+    calls = sorted({int(e["handler_calls"]) for e in entries if e.get("handler_calls") is not None})
+    if entries[0].get("workload_kind") != "latency" and len(calls) == 1:
+        notes.append(f"{calls[0]:,} handler calls")
+    failing = {
+        int(e["shards_with_failing_group"]) for e in entries if "shards_with_failing_group" in e
+    }
+    if failing:
+        notes.append(f"shards with a failing group: {', '.join(map(str, sorted(failing)))}")
+    return "; ".join(notes)
+
+
+def table(dirs: Sequence[Path]) -> str:
+    """One Markdown table over the results in ``dirs``."""
+    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    kinds: dict[str, str] = {}
+    for directory in dirs:
+        for result in load_results(directory):
+            kinds[result["workload"]] = result["kind"]
+            for entry in result["entries"]:
+                key = (result["workload"], mode_of(result), entry["temporal"])
+                grouped.setdefault(key, []).append({**entry, "workload_kind": result["kind"]})
+    lines = []
+    for kind, columns in (("throughput", THROUGHPUT), ("latency", LATENCY)):
+        keys = sorted(k for k in grouped if kinds[k[0]] == kind)
+        if not keys:
+            continue
+        titles = ["workload", "mode", "server", "runs", *(t for _, t, _ in columns), "notes"]
+        lines += ["", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+        for workload, mode, server in keys:
+            entries = grouped[(workload, mode, server)]
+            cells = [workload, mode, server, str(len(entries))]
+            for field, _, fmt in columns:
+                values = [float(e[field]) for e in entries if e.get(field) is not None]
+                cells.append(spread(values, fmt))
+            cells.append(_notes(entries))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None, write: Callable[[str], object] = print) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.summary", description=__doc__)
+    parser.add_argument("dirs", nargs="+", type=Path, help="results directories (--out)")
+    args = parser.parse_args(argv)
+    write(table(args.dirs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

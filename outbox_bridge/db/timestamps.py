@@ -6,6 +6,11 @@ A ``timestamptz`` column accepts both, and any producer writing plain SQL may st
 latest and earliest aware datetimes instead: a row due at ``infinity`` defers its shard like a
 row due in year 9999 (until an operator deletes it or skips the shard), and a row due since
 ``-infinity`` is due now.
+
+Every other value goes to psycopg's own loader: its C implementation when psycopg's binary
+package is installed (a compiled loader cannot be subclassed, so it is wrapped), about 25 times
+faster than the pure-Python one, which a drain would otherwise run twice for every group it
+hands to a handler (``date_added`` and ``scheduled_for``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from psycopg.abc import Buffer
+from psycopg import _cmodule
+from psycopg.abc import AdaptContext, Buffer
+from psycopg.adapt import Loader
 from psycopg.types.datetime import TimestamptzLoader
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,15 +29,23 @@ LATEST = datetime.max.replace(tzinfo=UTC)
 EARLIEST = datetime.min.replace(tzinfo=UTC)
 
 
-class InfiniteTimestamptzLoader(TimestamptzLoader):
+# psycopg's text loader of timestamptz: the compiled one when available.
+_FAST_LOADER: type[Loader] = getattr(_cmodule._psycopg, "TimestamptzLoader", TimestamptzLoader)
+
+
+class InfiniteTimestamptzLoader(Loader):
     """psycopg's text loader of ``timestamptz``, with ``±infinity`` as the extreme datetimes."""
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        self._load = _FAST_LOADER(oid, context).load
 
     def load(self, data: Buffer) -> datetime:
         if data == b"infinity":
             return LATEST
         if data == b"-infinity":
             return EARLIEST
-        return super().load(data)
+        return self._load(data)  # type: ignore[no-any-return]
 
 
 def load_infinite_timestamps(engine: AsyncEngine) -> None:

@@ -298,7 +298,7 @@ async def test_a_round_whose_unlock_failed_leaves_no_lock_behind(engine, drains)
     assert recorder.ids() == [row_id]
     assert await lock_holders(engine, lock_key(shard)) == []
     async with drain.locked(app.table(), [shard]) as batch:
-        assert batch.locked == [shard]
+        assert list(batch.locked) == [shard]
         heads = await drain.read_heads(batch, max_groups=10, skip_held=True)
         await drain.run(batch, heads, deadline=math.inf)
     assert recorder.ids() == [row_id, row_id]

@@ -118,7 +118,9 @@ class LockedShards:
     def __init__(self, conn: AsyncConnection, table: Table, locked: list[ShardRef]) -> None:
         self.conn = conn
         self.table = table
-        self.locked = locked
+        # The shards still locked, in the order they were locked (a dict: a round unlocks its
+        # shards one by one, and a list's membership tests made that quadratic).
+        self.locked: dict[ShardRef, None] = dict.fromkeys(locked)
         self.lost = False
         self.suspect = False  # something arrived between statements: take no further group
         self._statements = 0  # odd while a statement is under way
@@ -126,7 +128,7 @@ class LockedShards:
         self._busy = asyncio.Lock()  # one statement at a time on the connection
         self._pending: list[tuple[list[int], ShardOutcome]] = []
         self._pending_groups = 0
-        self._unlocks: list[ShardRef] = []
+        self._unlocks: dict[ShardRef, None] = {}
         self._holds: list[tuple[ShardRef, str]] = []
         self._releases: list[ShardRef] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -219,7 +221,7 @@ class LockedShards:
     def unlock(self, shard: ShardRef) -> None:
         """Release ``shard``'s lock once everything queued for it is written."""
         if shard in self.locked and shard not in self._unlocks:
-            self._unlocks.append(shard)
+            self._unlocks[shard] = None
             self._kick()
 
     def _kick(self) -> None:
@@ -243,7 +245,7 @@ class LockedShards:
             pending, self._pending, self._pending_groups = self._pending, [], 0
             holds, self._holds = self._holds, []
             releases, self._releases = self._releases, []
-            unlocks, self._unlocks = self._unlocks, []
+            unlocks, self._unlocks = self._unlocks, {}
             if self.lost or self._error is not None:
                 continue  # fenced: nothing more is written in this round
             try:
@@ -260,7 +262,7 @@ class LockedShards:
         pending: list[tuple[list[int], ShardOutcome]],
         holds: list[tuple[ShardRef, str]],
         releases: list[ShardRef],
-        unlocks: list[ShardRef],
+        unlocks: dict[ShardRef, None],
         _conn: AsyncConnection | None = None,
     ) -> None:
         if pending:
@@ -272,10 +274,9 @@ class LockedShards:
         for shard in releases:
             await release_shard(self.conn, self.table, shard)
         if unlocks:
-            await unlock_shards(self.conn, unlocks)
+            await unlock_shards(self.conn, list(unlocks))
             for shard in unlocks:
-                if shard in self.locked:
-                    self.locked.remove(shard)
+                self.locked.pop(shard, None)
 
 
 # Queues, under a shard's lock, what a round writes about its outcome (a hold, a release).
@@ -361,7 +362,7 @@ class DrainEngine:
     async def _close(conn: AsyncConnection, batch: LockedShards | None) -> None:
         try:
             if batch is not None and batch.locked and not batch.lost:
-                await unlock_shards(conn, batch.locked)
+                await unlock_shards(conn, list(batch.locked))
                 batch.locked.clear()
         except BaseException:
             # A connection that may still hold a lock must never go back to the pool.
@@ -388,7 +389,7 @@ class DrainEngine:
         return await read_shard_heads(
             batch.execute,
             batch.table,
-            batch.locked,
+            list(batch.locked),  # the shards locked now, in the order they were locked
             max_groups=max_groups,
             skip_held=skip_held,
             skip_paused=skip_paused,
@@ -445,6 +446,7 @@ class DrainEngine:
                 break
             calls.append(self.calls.prepare(shard, group, row))
         observer = await self._observer(batch, shard, calls, head.rows, partition)
+        head.rows = {}  # the calls hold what they need: the round need not keep the rows
         key = lock_key(shard)
         self._running[key] = self._running.get(key, 0) + 1
 

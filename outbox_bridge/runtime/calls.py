@@ -81,6 +81,7 @@ class HandlerCalls:
         # stopped: its shard stays locked until it returns).
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
+        self._regional: dict[str, bool] = {}  # table name -> whether it has a region column
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -99,7 +100,7 @@ class HandlerCalls:
         )
 
     def prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> Call:
-        message = self._message(group, row)
+        message = self._message(group, row, self._has_region(shard.table))
         category = self._app.category_name(group.category)
         try:
             handler = self._resolve(shard, group.category)
@@ -126,17 +127,27 @@ class HandlerCalls:
             raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
         return handler
 
-    def _message(self, group: GroupRows, row: Row[Any]) -> OutboxMessage:
-        scope = self._app.scope(row.shard_scope)
-        category = self._app.category(row.category)
+    def _has_region(self, table: str) -> bool:
+        regional = self._regional.get(table)
+        if regional is None:
+            regional = self._regional[table] = "region" in self._app.table(table).c
+        return regional
+
+    def _message(self, group: GroupRows, row: Row[Any], regional: bool) -> OutboxMessage:
+        # A row of a table without a region column has no region attribute: asking a Row for
+        # a missing attribute raises (and catches) an exception, several times the cost of the
+        # rest of the message, so the table says whether to ask.
+        shard_scope, category_value = row.shard_scope, row.category
+        scope = self._app.scope(shard_scope)
+        category = self._app.category(category_value)
         return OutboxMessage(
             id=row.id,
-            shard_scope=scope if scope is not None else row.shard_scope,
+            shard_scope=scope if scope is not None else shard_scope,
             shard_identifier=row.shard_identifier,
-            category=category if category is not None else row.category,
+            category=category if category is not None else category_value,
             object_identifier=row.object_identifier,
             payload=row.payload,
-            region=getattr(row, "region", None),
+            region=row.region if regional else None,
             date_added=row.date_added,
             scheduled_for=row.scheduled_for,
             coalesced=len(group.ids),
@@ -164,57 +175,71 @@ class HandlerCalls:
         own span from ``observer`` (a child of the activity's).
         """
         index = 0
-        while index < len(calls):
-            call = calls[index]
-            if index and (time.monotonic() > deadline or not may_continue()):
-                return False
-            if call.is_sync:
-                end = index
-                while end < len(calls) and calls[end].is_sync:
-                    end += 1
-                count, error = await self._in_thread(
-                    calls[index:end], handled, observer, deadline, index, attempt, may_continue
-                )
-                index += count
-                if error is not None:
-                    raise self.failure(shard, calls[index], error, attempt)
-                if index < end:
+        clock: _CallClock | None = None  # the handler timeout of the async calls
+        try:
+            while index < len(calls):
+                call = calls[index]
+                if index and (time.monotonic() > deadline or not may_continue()):
                     return False
-                continue
-            try:
-                with observer.call(call.group, call.message, call.category, attempt):
-                    if call.error is not None:
-                        raise call.error
-                    assert call.handler is not None
-                    returned = await self._bounded(call)
-            except asyncio.CancelledError as exc:
-                if _cancelled():
-                    raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
-                # The handler raised CancelledError itself: a failure like any other, or the
-                # local drain would fail the shard's workflow instead of blocking it.
-                raise self.failure(shard, call, exc, attempt) from exc
-            except BaseException as exc:  # a handler's SystemExit must not take the worker down
-                raise self.failure(shard, call, exc, attempt) from exc
-            self._check_returned(call, returned)
-            handled(call)
-            index += 1
-        return True
+                if call.is_sync:
+                    end = index
+                    while end < len(calls) and calls[end].is_sync:
+                        end += 1
+                    count, error = await self._in_thread(
+                        calls[index:end], handled, observer, deadline, index, attempt, may_continue
+                    )
+                    index += count
+                    if error is not None:
+                        raise self.failure(shard, calls[index], error, attempt)
+                    if index < end:
+                        return False
+                    continue
+                if clock is None and self._timeout != math.inf:
+                    clock = _CallClock(self._timeout)
+                try:
+                    with observer.call(call.group, call.message, call.category, attempt):
+                        if call.error is not None:
+                            raise call.error
+                        assert call.handler is not None
+                        returned = await self._bounded(call, clock)
+                except asyncio.CancelledError as exc:
+                    if _cancelled():
+                        raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
+                    # The handler raised CancelledError itself: a failure like any other, or
+                    # the local drain would fail the shard's workflow instead of blocking it.
+                    raise self.failure(shard, call, exc, attempt) from exc
+                except BaseException as exc:  # a handler's SystemExit must not stop the worker
+                    raise self.failure(shard, call, exc, attempt) from exc
+                self._check_returned(call, returned)
+                handled(call)
+                index += 1
+            return True
+        finally:
+            if clock is not None:
+                clock.close()
 
-    async def _bounded(self, call: Call) -> object:
+    async def _bounded(self, call: Call, clock: _CallClock | None) -> object:
         assert call.handler is not None
         running = call.handler(call.message)
-        if self._timeout == math.inf:
+        if clock is None:
             return await running  # type: ignore[misc]
+        # Not wait_for: it would run the handler in a task of its own, and asyncio lets a
+        # SystemExit or KeyboardInterrupt raised in a task stop the whole event loop.
+        clock.start()
         try:
-            # Not wait_for: it would run the handler in a task of its own, and asyncio lets a
-            # SystemExit or KeyboardInterrupt raised in a task stop the whole event loop.
-            async with asyncio.timeout(self._timeout):
-                return await running  # type: ignore[misc]
-        except TimeoutError:
-            raise HandlerTimeoutError(
-                f"the handler did not return within {self._timeout:g} s (handler_timeout); "
-                "it was cancelled and will be retried"
-            ) from None
+            returned = await running  # type: ignore[misc]
+        except asyncio.CancelledError:
+            if clock.stop(cancelled=True):
+                raise HandlerTimeoutError(
+                    f"the handler did not return within {self._timeout:g} s (handler_timeout); "
+                    "it was cancelled and will be retried"
+                ) from None
+            raise
+        except BaseException:
+            clock.stop(cancelled=False)
+            raise
+        clock.stop(cancelled=False)
+        return returned
 
     async def _in_thread(
         self,
@@ -305,6 +330,62 @@ class HandlerCalls:
                 self._app.category_name(call.group.category),
                 type(returned).__name__,
             )
+
+
+class _CallClock:
+    """The handler timeout of one run of async calls: like ``asyncio.timeout`` around each
+    call (the running task is cancelled once a call has run ``timeout`` seconds, and the
+    cancellation becomes the call's timeout), but with one timer for the whole run instead of
+    one per call, a cost a backlog of cheap handlers felt. The timer is set for the deadline
+    of the call that armed it; when it fires while a later call runs, it moves on to that
+    call's deadline."""
+
+    # A timer may fire a hair before its time; this close to the deadline it has passed.
+    TOLERANCE = 0.001
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("handler calls run in a task")
+        self._task = task
+        self._deadline: float | None = None  # of the call running now
+        self._timer: asyncio.TimerHandle | None = None
+        self._expiring = False
+        self._cancelling = 0
+
+    def start(self) -> None:
+        """A call starts: it may run ``timeout`` seconds from now."""
+        self._deadline = self._loop.time() + self._timeout
+        self._cancelling = self._task.cancelling()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return  # no call runs: the next one sets the timer again
+        if self._loop.time() < deadline - self.TOLERANCE:
+            self._timer = self._loop.call_at(deadline, self._fire)
+            return
+        self._expiring = True
+        self._task.cancel()
+
+    def stop(self, *, cancelled: bool) -> bool:
+        """The call ended (``cancelled``: by a CancelledError); whether it ran out of time."""
+        self._deadline = None
+        if not self._expiring:
+            return False
+        self._expiring = False
+        # As asyncio.timeout: a timeout only if no other cancellation was asked for meanwhile.
+        return self._task.uncancel() <= self._cancelling and cancelled
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _cancelled() -> bool:

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import func, select, text
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.service import RPCError
 
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.db.store import lock_key
@@ -339,6 +340,16 @@ async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 4))
     async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: gate.failures >= 1, what="a blocked head")
+
+        async def owned() -> bool:
+            # On demand, the partition hands the failing head over: the shard's workflow may
+            # start a moment after the first failure.
+            try:
+                return bool((await handle.describe()).status == WorkflowExecutionStatus.RUNNING)
+            except RPCError:
+                return False
+
+        await wait_until(owned, what="the blocked shard's workflow")
         await handle.terminate(reason="an operator terminated it by hand")
         gate.open = True
         await wait_until(lambda: table_empty(engine, app), timeout=40, what="the bridge to rebuild")

@@ -47,6 +47,7 @@ from outbox_bridge.workflows.models import (
     HandoverInput,
     HeldFor,
     PartitionDrainInput,
+    PartitionOptions,
     PartitionRound,
     ShardBacklog,
     ShardRef,
@@ -61,6 +62,16 @@ BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
 # (they have rows: a full scan finds them again), and the drain scans every shard as soon as its
 # queue has emptied, instead of at the next rescan interval.
 MAX_QUEUED_SHARDS = 100_000
+MAX_GROUPS_PER_SHARD = 1000  # of one shard in one round, however few shards the round has
+
+
+def groups_per_shard(options: PartitionOptions, shards: int) -> int:
+    """The groups a round may take from each of its ``shards``: ``max_groups``, or more when
+    the round has fewer than ``max_shards`` shards, so that a round reads about as many rows
+    whatever its shards (a hot shard drains in long rounds, not in many short ones), up to
+    ``MAX_GROUPS_PER_SHARD``."""
+    share = options.max_shards * options.max_groups // max(1, shards)
+    return max(options.max_groups, min(MAX_GROUPS_PER_SHARD, share))
 
 
 class PartitionUnavailableError(RuntimeError):
@@ -277,7 +288,7 @@ class PartitionDrain:
             async with self._engine.locked(self._table, shards) as batch:
                 self._hold_skipped(batch, handovers)
                 heads = await self._engine.read_heads(
-                    batch, max_groups=self._options.max_groups, skip_held=True
+                    batch, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
                 )
                 deadline = time.monotonic() + self._options.time_budget_seconds
                 outcomes = await self._engine.run(

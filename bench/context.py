@@ -41,7 +41,7 @@ class BenchConfig:
     # both, always is measured beside on-demand on one server mode (file) with each drain
     # capped at always_share seconds: it starts a workflow for every shard.
     shard_workflows: str = "on-demand"
-    always_share: float = 90.0
+    always_share: float = 45.0
     handler_yield: bool = False  # every handler call yields to the event loop once
     tuning: Tuning = field(default_factory=Tuning)
     # OutboxSettings fields to override (the benchmark itself overrides none but

@@ -45,9 +45,10 @@ def spread(values: Sequence[float], fmt: str) -> str:
 
 def _notes(entries: list[dict[str, Any]]) -> str:
     notes = []
-    capped = sum(not e.get("completed", True) for e in entries)
-    if capped:
-        notes.append(f"{capped} of {len(entries)} capped by the budget")
+    for side in ("bridge", "baseline"):
+        capped = sum(not e.get(f"{side}_completed", True) for e in entries)
+        if capped:
+            notes.append(f"{side} capped by the budget in {capped} of {len(entries)}")
     calls = sorted({int(e["handler_calls"]) for e in entries if e.get("handler_calls") is not None})
     if entries[0].get("workload_kind") != "latency" and len(calls) == 1:
         notes.append(f"{calls[0]:,} handler calls")

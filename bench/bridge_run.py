@@ -37,6 +37,7 @@ def bench_settings(idle_timeout: float, **overrides: Any) -> OutboxSettings:
         task_queue=f"bench-{uuid.uuid4().hex[:10]}",
         idle_timeout=idle_timeout,
         log_level="WARNING",
+        health_port=0,  # no endpoints: two benches (or a bench beside a worker) never collide
         **overrides,
     )
 

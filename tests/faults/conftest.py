@@ -2,8 +2,8 @@
 
 Every scenario has a fast variant, run by default (on demand, and for a few scenarios also with
 ``--shard-workflows always``), and a full one in both modes, marked ``faults``: the full ones
-run only when asked for with ``pytest -m faults`` (or any ``-m`` expression that names the
-marker). The figures of every scenario that ran are printed at the end, with its mode.
+(and the slowest fast ones) run only when asked for with ``pytest -m faults`` (or any ``-m``
+expression that names the marker). The figures of every scenario that ran are printed at the end, with its mode.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Every scenario runs in both ways of processing (``--shard-workflows``): ``on-dem
 default, where partitions drain the healthy shards and a shard gets its own workflow only when
 it needs one, and ``always``, where every shard with rows runs in its own workflow. The full
 size runs in both (``pytest -m faults``); by default the fast variant runs on demand, and in
-``always`` too for a few scenarios (:func:`variants`).
+``always`` too for a few scenarios; the slowest fast variants run only with the full ones
+(:func:`variants`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,20 @@ MODES = (ON_DEMAND, ALWAYS)
 FULL = [pytest.mark.faults, pytest.mark.timeout(1800)]
 
 
-def variants(fast: Any, full: Any, *, fast_modes: Sequence[str] = (ON_DEMAND,)) -> list[Any]:
+def variants(
+    fast: Any,
+    full: Any,
+    *,
+    fast_modes: Sequence[str] = (ON_DEMAND,),
+    fast_by_default: bool = True,
+) -> list[Any]:
     """Parameters ``(size, mode)`` of a scenario: its fast variant in each of ``fast_modes``
-    (run by default: on demand, and also ``always`` for the few scenarios that ask for it, so
-    that the default suite stays short), and its full variant in both modes (``pytest -m
-    faults``)."""
-    params = [pytest.param(fast, mode, id=f"fast-{mode}") for mode in fast_modes]
+    (on demand, and also ``always`` for the few scenarios that ask for it) and its full variant
+    in both modes (``pytest -m faults``). The fast variants run by default, unless
+    ``fast_by_default`` is False (the slowest of them): then with the full ones, so that the
+    default suite stays short."""
+    fast_marks = [] if fast_by_default else [pytest.mark.faults]
+    params = [pytest.param(fast, mode, id=f"fast-{mode}", marks=fast_marks) for mode in fast_modes]
     params += [pytest.param(full, mode, id=f"full-{mode}", marks=FULL) for mode in MODES]
     return params
 

@@ -351,6 +351,7 @@ class Terminations:
     variants(
         Terminations(rows=400, shards=10, owners=2),
         Terminations(rows=6_000, shards=60, owners=8),
+        fast_by_default=False,
     ),
 )
 async def test_a_shard_workflow_terminated_while_it_holds_the_shard_is_restarted(
@@ -447,7 +448,11 @@ KILL_MOMENTS = random.Random(15)
 
 @pytest.mark.parametrize(
     ("size", "mode"),
-    variants(Kills(rows=1_000, kills=1, shards=20), Kills(rows=15_000, kills=10, shards=120)),
+    variants(
+        Kills(rows=1_000, kills=1, shards=20),
+        Kills(rows=15_000, kills=10, shards=120),
+        fast_by_default=False,
+    ),
 )
 async def test_kill_9_while_many_failing_groups_are_handed_over(
     size: Kills, mode, new_scenario, engine, fault_client, record_figures

@@ -110,38 +110,48 @@ async def write_groups(engine: AsyncEngine, app: OutboxApp, shard: int, groups: 
     )
 
 
-async def drain_in_rounds(drain: DrainEngine, app: OutboxApp, shards: list[int]) -> None:
-    """One round per shard, all at once (as a worker's partitions and shard workflows run)."""
+async def drain_in_rounds(drain: DrainEngine, app: OutboxApp, rounds: list[list[int]]) -> None:
+    """One round for each list of shards, all at once (as a worker's partitions and shard
+    workflows run)."""
     table = app.table()
 
-    async def one_round(shard: int) -> None:
-        ref = ShardRef(table.name, int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, shard)
-        async with drain.locked(table, [ref]) as batch:
+    async def one_round(shards: list[int]) -> None:
+        refs = [
+            ShardRef(table.name, int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, shard)
+            for shard in shards
+        ]
+        async with drain.locked(table, refs) as batch:
             heads = await drain.read_heads(batch, max_groups=1_000, skip_held=True)
             await drain.run(batch, heads, deadline=math.inf)
 
-    await asyncio.gather(*(one_round(shard) for shard in shards))
+    await asyncio.gather(*(one_round(shards) for shards in rounds))
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["def", "async"])
-@pytest.mark.parametrize(("rounds", "groups"), [(1, 100), (4, 40)], ids=["1-round", "4-rounds"])
+@pytest.mark.parametrize(
+    ("rounds", "shards", "groups", "threads"),
+    [(1, 1, 100, 2), (4, 1, 40, 5), (1, 40, 5, 2)],
+    ids=["1-round", "4-rounds", "40-shards-2-threads"],
+)
 async def test_the_drains_handle_about_a_chunk_of_groups_ahead_of_their_deletes(
-    engine, sync: bool, rounds: int, groups: int
+    engine, sync: bool, rounds: int, shards: int, groups: int, threads: int
 ) -> None:
+    """``rounds`` rounds of ``shards`` shards each, ``groups`` groups in each shard, ``threads``
+    threads for the plain-def handlers."""
     app, calls = await counting_app(engine, sync=sync)
     table = app.table().name
-    shards = list(range(1, rounds + 1))
-    for shard in shards:
+    plan = [[r * shards + n + 1 for n in range(shards)] for r in range(rounds)]
+    for shard in (shard for round_shards in plan for shard in round_shards):
         await write_groups(engine, app, shard, groups)
-    handlers = HandlerCalls(app, redact_errors=False, threads=rounds + 1)
+    handlers = HandlerCalls(app, redact_errors=False, threads=threads)
     try:
         async with most_ahead(engine, table, calls) as most:
-            await drain_in_rounds(DrainEngine(engine, app, calls=handlers), app, shards)
+            await drain_in_rounds(DrainEngine(engine, app, calls=handlers), app, plan)
     finally:
         handlers.close()
-    assert len(calls) == rounds * groups
+    assert len(calls) == rounds * shards * groups
     assert await rows_left(engine, table) == 0
-    # A chunk, and the calls that other rounds had under way when it was reached.
-    assert 0 < most[0] <= DELETE_CHUNK_GROUPS + rounds - 1, (
+    # A chunk, and the calls that other threads had under way when it was reached.
+    assert 0 < most[0] <= DELETE_CHUNK_GROUPS + threads - 1, (
         f"{most[0]} groups handled ahead of their delete"
     )

@@ -268,7 +268,9 @@ class HandlerCalls:
                     return None
                 if offset + count and (time.monotonic() > deadline or not may_continue()):
                     return None
-                if count and pace is not None and pace.ahead():
+                # Also before the first call: the hop may have waited for a thread while other
+                # drains went ahead.
+                if pace is not None and pace.ahead():
                     paused = True
                     return None
                 assert call.handler is not None

@@ -356,6 +356,47 @@ async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
     assert [c.id for c in recorder.calls] == ids
 
 
+@MODES
+@pytest.mark.xfail(
+    strict=True,
+    reason="the skip is recorded in <table>_owners (held_for 'skipped'), but the workflow the "
+    "sweep starts again has no skip: on demand, its drain holds the shard for 'workflow' "
+    "over the skip and handles the rows; always, its drain leaves the skipped shard alone, "
+    "so the run completes with the rows left, the sweep starts another, and the shard shows "
+    "no skip that an operator could resume",
+)
+async def test_a_skipped_shard_stays_skipped_after_its_workflow_is_terminated(
+    servers, engine, client, mode
+) -> None:
+    """The skip is in the table (the design contract, section 1: nothing depends on Temporal
+    keeping a workflow), so the run the sweep starts after a terminate is skipped too."""
+    recorder, table, app, gate = await gated_app(engine)
+    await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 6, 1), row(Category.MEMBER_UPDATE, 6, 2)]
+    )
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 6))
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
+        await wait_until(lambda: gate.failures >= 1, what="a blocked head")
+        await handle.execute_update(
+            "skip", SkipInput(reason="under investigation", by="ops"), result_type=ShardStatus
+        )
+        terminated = (await handle.describe()).run_id
+        await handle.terminate(reason="an operator terminated it by hand")
+        gate.open = True  # a restarted run that forgot the skip would handle the rows now
+
+        async def restarted() -> bool:
+            return bool((await handle.describe()).run_id != terminated)
+
+        await wait_until(restarted, timeout=30, what="the sweep to start the workflow again")
+        await asyncio.sleep(3)  # two sweeps
+        assert await count_rows(engine, app) == 2
+        assert not [c for c in recorder.calls if c.category == Category.MEMBER_UPDATE]
+        status = await status_of(client, handle.id)
+        assert status.state == "skipped", status
+        await handle.execute_update("resume", ResumeInput(by="ops"), result_type=ShardStatus)
+        await wait_until(lambda: table_empty(engine, app), what="delivery after resume")
+
+
 async def test_plain_sql_rows_are_processed(servers, engine) -> None:
     recorder, table, app = await fresh_app(engine)
     async with running_worker(servers, app):

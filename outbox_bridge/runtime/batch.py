@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import select
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -58,17 +59,45 @@ from outbox_bridge.db.store import (
 )
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed
+from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger("outbox_bridge.runtime.drain")
 
-# Handled groups are deleted once this many are waiting, or this long after the first of them.
+# Handled groups are deleted once this many are waiting, or this long after the first of them;
+# a round takes no further group while this many wait behind a delete under way, nor while the
+# worker's rounds together have this many handled and not deleted yet (what a kill -9 now would
+# run again): then a round deletes what it handled first.
 DELETE_CHUNK_GROUPS = 10
 DELETE_CHUNK_SECONDS = 0.05
 # Payload bytes (as stored) one round reads at most; a round takes at least one group, however
 # large its payload.
 ROUND_MAX_BYTES = 64 * 2**20
+
+
+class Undeleted:
+    """Groups handled and not deleted yet, in every round of one worker; also those that
+    handler threads handled and the event loop has not heard of yet."""
+
+    def __init__(self) -> None:
+        self.groups = 0  # changed on the event loop only
+        self.changed = asyncio.Event()  # set when groups were taken for a delete, or deleted
+        self._unreported = 0
+        self._lock = threading.Lock()
+
+    def ahead(self) -> bool:
+        """Whether the rounds should delete before they take further groups (also asked from
+        handler threads)."""
+        return self.groups + self._unreported >= DELETE_CHUNK_GROUPS
+
+    def unreported(self, groups: int) -> None:
+        """A handler thread handled ``groups`` more (or the event loop heard of them)."""
+        with self._lock:
+            self._unreported += groups
+
+    def done(self, groups: int) -> None:
+        self.groups -= groups
+        self.changed.set()
 
 
 @dataclass
@@ -115,7 +144,13 @@ class LockedShards:
     """Shards locked on one connection for one round, and the round's writes: deleted groups,
     held and released shards, unlocks, all in that order and all on that connection."""
 
-    def __init__(self, conn: AsyncConnection, table: Table, locked: list[ShardRef]) -> None:
+    def __init__(
+        self,
+        conn: AsyncConnection,
+        table: Table,
+        locked: list[ShardRef],
+        undeleted: Undeleted | None = None,
+    ) -> None:
         self.conn = conn
         self.table = table
         # The shards still locked, in the order they were locked (a dict: a round unlocks its
@@ -134,6 +169,7 @@ class LockedShards:
         self._flusher: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._error: BaseException | None = None
+        self.undeleted = undeleted or Undeleted()
 
     async def attach(self) -> None:
         raw = await self.conn.get_raw_connection()
@@ -207,10 +243,26 @@ class LockedShards:
         """Rows of a handled group: deleted with the next chunk."""
         self._pending.append((ids, outcome))
         self._pending_groups += 1
+        self.undeleted.groups += 1
         if self._pending_groups >= DELETE_CHUNK_GROUPS:
             self._kick()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(DELETE_CHUNK_SECONDS, self._kick)
+
+    async def pace(self) -> None:
+        """Wait while a chunk of this round's handled groups waits behind a delete under way,
+        or while the worker's rounds are too far ahead of their deletes (this one deleting what
+        it handled first): what a crash would run again stays within about a chunk however
+        slow the deletes are and however many rounds run."""
+        undeleted = self.undeleted
+        while not self.lost and self._error is None:
+            mine = self._pending_groups
+            if mine >= DELETE_CHUNK_GROUPS or (mine and undeleted.ahead()):
+                self._kick()
+            elif not undeleted.ahead():
+                return
+            undeleted.changed.clear()
+            await undeleted.changed.wait()
 
     def hold(self, shard: ShardRef, held_for: str) -> None:
         self._holds.append((shard, held_for))
@@ -243,12 +295,13 @@ class LockedShards:
                 self._timer.cancel()
                 self._timer = None
             pending, self._pending, self._pending_groups = self._pending, [], 0
+            self.undeleted.changed.set()
             holds, self._holds = self._holds, []
             releases, self._releases = self._releases, []
             unlocks, self._unlocks = self._unlocks, {}
-            if self.lost or self._error is not None:
-                continue  # fenced: nothing more is written in this round
             try:
+                if self.lost or self._error is not None:
+                    continue  # fenced: nothing more is written in this round
                 async with self._busy:
                     await self._statement(
                         functools.partial(self._write, pending, holds, releases, unlocks)
@@ -256,6 +309,10 @@ class LockedShards:
             except (SQLAlchemyError, psycopg.Error, OSError) as exc:
                 self._error = exc
                 self._lose(type(exc).__name__)
+            finally:
+                # Deleted, or never to be deleted by this round (they run again): either
+                # way no longer ahead.
+                self.undeleted.done(len(pending))
 
     async def _write(
         self,
@@ -306,6 +363,7 @@ class DrainEngine:
         self.max_round_bytes = max_round_bytes
         self._redact = redact_errors
         self._running: dict[str, int] = {}
+        self._undeleted = Undeleted()
 
     def calls_in_flight(self) -> int:
         """Handler calls running in this worker's drains now."""
@@ -328,7 +386,10 @@ class DrainEngine:
             candidates = [shard for shard in shards if lock_key(shard) not in busy]
             taken = await self._take(conn, candidates, wait_seconds)
             batch = LockedShards(
-                conn, table, [s for s, t in zip(candidates, taken, strict=True) if t]
+                conn,
+                table,
+                [s for s, t in zip(candidates, taken, strict=True) if t],
+                self._undeleted,
             )
             await batch.attach()
             try:
@@ -463,6 +524,12 @@ class DrainEngine:
                 deadline=deadline,
                 attempt=attempt,
                 may_continue=batch.alive,
+                pace=Pace(
+                    batch.pace,
+                    batch.undeleted.ahead,
+                    batch.undeleted.unreported,
+                    DELETE_CHUNK_GROUPS,
+                ),
             )
             outcome.more = head.more or len(calls) < len(head.groups) or not finished
             if not outcome.more:

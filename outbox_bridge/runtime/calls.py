@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +62,20 @@ class Call:
     @property
     def is_sync(self) -> bool:
         return self.handler is not None and not OutboxApp.is_async_handler(self.handler)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """Keeps the drains from running far ahead of what they deleted: ``wait`` is awaited before
+    every call (it returns once the deletes have caught up), and a thread hop runs at most
+    ``hop`` sync handlers, fewer when ``ahead`` (asked from the thread) says to wait. A thread
+    reports each group it handled to ``unreported`` at once (``-1`` once the event loop was
+    told), so that every drain's ``ahead`` counts it."""
+
+    wait: Callable[[], Awaitable[None]]
+    ahead: Callable[[], bool]
+    unreported: Callable[[int], None]
+    hop: int
 
 
 class HandlerCalls:
@@ -165,33 +179,45 @@ class HandlerCalls:
         deadline: float = math.inf,
         attempt: int = 1,
         may_continue: Callable[[], bool] = lambda: True,
+        pace: Pace | None = None,
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
 
         Raises :class:`HandlerFailed` at the first failure; returns False when the deadline or
         ``may_continue`` (asked before every call but the first: the shard lock is still held)
-        stopped it early. Runs of consecutive sync handlers go to a worker thread in one hop,
-        so a backlog of cheap handlers does not pay a thread switch per row. Each call gets its
-        own span from ``observer`` (a child of the activity's).
+        stopped it early. Runs of consecutive sync handlers go to a worker thread in one hop
+        (at most ``pace.hop`` of them), so a backlog of cheap handlers does not pay a thread
+        switch per row. Each call gets its own span from ``observer`` (a child of the
+        activity's).
         """
         index = 0
         clock: _CallClock | None = None  # the handler timeout of the async calls
+        hop = len(calls) if pace is None else pace.hop
         try:
             while index < len(calls):
                 call = calls[index]
+                if pace is not None:
+                    await pace.wait()
                 if index and (time.monotonic() > deadline or not may_continue()):
                     return False
                 if call.is_sync:
                     end = index
-                    while end < len(calls) and calls[end].is_sync:
+                    while end < len(calls) and end - index < hop and calls[end].is_sync:
                         end += 1
-                    count, error = await self._in_thread(
-                        calls[index:end], handled, observer, deadline, index, attempt, may_continue
+                    count, error, paused = await self._in_thread(
+                        calls[index:end],
+                        handled,
+                        observer,
+                        deadline,
+                        index,
+                        attempt,
+                        may_continue,
+                        pace,
                     )
                     index += count
                     if error is not None:
                         raise self.failure(shard, calls[index], error, attempt)
-                    if index < end:
+                    if index < end and not paused:
                         return False
                     continue
                 if clock is None and self._timeout != math.inf:
@@ -250,19 +276,27 @@ class HandlerCalls:
         offset: int,
         attempt: int,
         may_continue: Callable[[], bool],
-    ) -> tuple[int, BaseException | None]:
+        pace: Pace | None,
+    ) -> tuple[int, BaseException | None, bool]:
         """Call the sync handlers of ``run`` in order in one worker thread; returns how many
-        succeeded and the exception of the one that failed, if any."""
+        succeeded, the exception of the one that failed, if any, and whether it stopped early
+        only because ``pace`` said to wait for the deletes."""
         stop = threading.Event()
         count = 0
+        paused = False
         loop = asyncio.get_running_loop()
 
         def call_all() -> BaseException | None:
-            nonlocal count
+            nonlocal count, paused
             for call in run:
                 if stop.is_set():
                     return None
                 if offset + count and (time.monotonic() > deadline or not may_continue()):
+                    return None
+                # Also before the first call: the hop may have waited for a thread while other
+                # drains went ahead.
+                if pace is not None and pace.ahead():
+                    paused = True
                     return None
                 assert call.handler is not None
                 try:
@@ -273,9 +307,16 @@ class HandlerCalls:
                 self._check_returned(call, returned)
                 # Reported on the event loop's thread: the batch's bookkeeping is not shared
                 # with handler threads.
-                loop.call_soon_threadsafe(handled, call)
+                if pace is not None:
+                    pace.unreported(1)
+                loop.call_soon_threadsafe(report, call)
                 count += 1
             return None
+
+        def report(call: Call) -> None:
+            if pace is not None:
+                pace.unreported(-1)
+            handled(call)
 
         future = loop.run_in_executor(self._executor, contextvars.copy_context().run, call_all)
         try:
@@ -290,7 +331,7 @@ class HandlerCalls:
             await asyncio.sleep(0)  # let the reports scheduled by the thread run
             raise
         await asyncio.sleep(0)  # let the reports scheduled by the thread run first
-        return count, error
+        return count, error, paused
 
     def failure(
         self, shard: ShardRef, call: Call, exc: BaseException, attempt: int

@@ -1,20 +1,24 @@
 """Fixtures of the fault suite, and its summary table.
 
-Every scenario has a fast variant, run by default, and a full one, marked ``faults``: the
-full ones run only when asked for with ``pytest -m faults`` (or any ``-m`` expression that
-names the marker). The figures of every scenario that ran are printed at the end.
+Every scenario has a fast variant, run by default (on demand, and for a few scenarios also with
+``--shard-workflows always``), and a full one in both modes, marked ``faults``: the full ones
+(and the slowest fast ones) run only when asked for with ``pytest -m faults`` (or any ``-m``
+expression that names the marker). The figures of every scenario that ran are printed at the end, with its mode.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from tests.faults.harness import Figures, WorkerProcess, with_password
+from tests.faults.scenario import Scenario
 from tests.harness import Servers
 
 FIGURES = pytest.StashKey[list[Figures]]()
@@ -35,6 +39,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     header = (
         "scenario",
+        "mode",
         "rows",
         "faults injected",
         "rows lost",
@@ -46,6 +51,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     lines = [
         (
             f.scenario,
+            f.mode,
             f"{f.rows:,}",
             f.faults,
             str(f.lost),
@@ -123,3 +129,41 @@ def logs(tmp_path: Path) -> Path:
     path = tmp_path / "logs"
     path.mkdir()
     return path
+
+
+class NewScenario(Protocol):
+    def __call__(
+        self,
+        name: str,
+        mode: str,
+        *,
+        engine: AsyncEngine | None = None,
+        database: tuple[str, str] | None = None,
+    ) -> Scenario: ...
+
+
+@pytest.fixture
+def new_scenario(
+    engine: AsyncEngine,
+    fault_database: tuple[str, str],
+    fault_temporal: EmbeddedTemporal,
+    logs: Path,
+) -> NewScenario:
+    """A scenario of this test named ``name``, its workers in ``mode``: on the session's
+    database, or on ``engine`` and ``database`` (its URL and password: a PostgreSQL of the
+    test's own)."""
+
+    def new(
+        name: str,
+        mode: str,
+        *,
+        engine: AsyncEngine | None = None,
+        database: tuple[str, str] | None = None,
+    ) -> Scenario:
+        url, password = database or fault_database
+        return Scenario(
+            name, engine or session_engine, url, password, fault_temporal.address, logs, mode=mode
+        )
+
+    session_engine = engine
+    return new

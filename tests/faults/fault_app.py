@@ -6,8 +6,9 @@ Its table is ``$FAULT_OUTBOX_TABLE``. Every handler call is recorded in ``fault_
 returns or raises, with what the message told it (the row's id, shard, group, and a digest of
 its payload), the calling process and a per-process sequence number. What a handler
 does is steered by the test through ``fault_control`` (read at most every 0.2 s): a random share
-of calls fails, the shards listed as poison always fail, and the objects listed as hanging hang
-once, past the handler timeout.
+of calls fails, the shards listed as poison always fail, the objects listed as hanging hang
+once, past the handler timeout, and every call in a shard listed as slow takes a while (so that
+a test can act while a drain is in the middle of that shard).
 
 ORGANIZATION categories have plain ``def`` handlers (run in a thread by the worker), the USER
 category an ``async def`` one.
@@ -77,6 +78,8 @@ class Control:
     poison_shards: frozenset[int] = frozenset()
     hang_objects: frozenset[int] = frozenset()
     hang_seconds: float = 0.0
+    slow_shards: frozenset[int] = frozenset()
+    slow_seconds: float = 0.0
     read_at: float = field(default=-1.0)
 
 
@@ -122,17 +125,19 @@ def control(table: str) -> Control:
         if time.monotonic() - _control.read_at < 0.2:
             return _control
         rows = _execute(
-            "SELECT failure_rate, poison_shards, hang_objects, hang_seconds FROM fault_control "
-            "WHERE outbox_table = %s",
+            "SELECT failure_rate, poison_shards, hang_objects, hang_seconds, slow_shards, "
+            "slow_seconds FROM fault_control WHERE outbox_table = %s",
             (table,),
         )
         if rows:
-            rate, poison, hang, seconds = rows[0]
+            rate, poison, hang, seconds, slow, slow_seconds = rows[0]
             _control = Control(
                 float(rate),  # type: ignore[arg-type]
                 frozenset(poison),  # type: ignore[call-overload]
                 frozenset(hang),  # type: ignore[call-overload]
                 float(seconds),  # type: ignore[arg-type]
+                frozenset(slow),  # type: ignore[call-overload]
+                float(slow_seconds),  # type: ignore[arg-type]
                 time.monotonic(),
             )
         else:
@@ -214,13 +219,15 @@ async def record_async(message: OutboxMessage, started: float, outcome: str) -> 
 
 
 def _decide(message: OutboxMessage) -> tuple[float, BaseException | None]:
-    """How long this call hangs, and what it raises."""
+    """How long this call hangs (or takes, in a slow shard), and what it raises."""
     current = control(TABLE)
     hang = 0.0
     if message.object_identifier in current.hang_objects and _take_hang(
         TABLE, message.object_identifier
     ):
         hang = current.hang_seconds
+    elif message.shard_identifier in current.slow_shards:
+        hang = current.slow_seconds
     if message.shard_identifier in current.poison_shards:
         return hang, PoisonError(f"poison shard {message.shard_identifier} ({ERROR_CANARY})")
     if current.failure_rate and random.random() < current.failure_rate:

@@ -311,6 +311,7 @@ class Figures:
     """One line of the fault summary table."""
 
     scenario: str
+    mode: str  # --shard-workflows: on-demand or always
     rows: int
     faults: str
     lost: int

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +93,9 @@ LOG_DDL = [
         hang_seconds double precision NOT NULL DEFAULT 0
     )
     """,
+    "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS slow_shards bigint[] NOT NULL DEFAULT '{}'",
+    "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS slow_seconds double precision NOT NULL "
+    "DEFAULT 0",
     """
     CREATE OR REPLACE FUNCTION fault_log_deletions() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
@@ -106,7 +109,8 @@ LOG_DDL = [
 
 async def prepare_fault_table(engine: AsyncEngine, table: str, **control: Any) -> None:
     """Create the log tables (once), the outbox table ``table`` with its deletion log trigger,
-    and its control row (``failure_rate``, ``poison_shards``, ``hang_objects``, ...)."""
+    and its control row (``failure_rate``, ``poison_shards``, ``hang_objects``,
+    ``slow_shards``, ...)."""
     app = make_app(table)
     async with engine.begin() as conn:
         await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('faults', 0))"))
@@ -346,6 +350,9 @@ class Verdict:
     # to a ceiling that the scenario's faults justify).
     duplicates: int = 0
     repeats: list[str] = field(default_factory=list)
+    # For each process, how many duplicates repeated one of its calls (the latest call that
+    # had covered the repeated rows): after kill -9, what each kill cost.
+    repeats_by_pid: Counter[int] = field(default_factory=Counter)
     # More duplicates than the ceiling, or (when the killed processes are known) a repeat of
     # a call whose process was never killed.
     excess_duplicates: list[str] = field(default_factory=list)
@@ -384,6 +391,7 @@ def check(
     pending_ok: Iterable[int] = (),
     max_duplicates: int = 0,
     killed_pids: Collection[int] | None = None,
+    max_repeats_per_pid: int | None = None,
 ) -> Verdict:
     """Check ``history`` against the invariants of the design contract
     (docs/explanation/contract.md).
@@ -410,6 +418,8 @@ def check(
       unless the scenario injects a fault that can repeat a call). With ``killed_pids``, the
       processes that were killed with ``kill -9``: every such repeat must repeat a call of one
       of them (the only processes that can die between a call and its delete).
+    - With ``max_repeats_per_pid``, at most that many of these repeat calls of any one process
+      (after kill -9: at most that many per kill).
 
     The check relies on ids committing in ascending order (one producer, as in the
     scenarios): then every row below a call's id committed before the call.
@@ -481,6 +491,13 @@ def check(
     for row_id in sorted(rows.keys() - deleted - history.remaining):
         verdict.lost.append(f"row {row_id} vanished without a deletion")
     verdict.overlaps = _overlaps(history.calls, rows)
+    if max_repeats_per_pid is not None:
+        for pid, count in sorted(verdict.repeats_by_pid.items()):
+            if count > max_repeats_per_pid:
+                verdict.excess_duplicates.append(
+                    f"{count} duplicate calls repeated calls of pid {pid}, more than the "
+                    f"{max_repeats_per_pid} allowed per process"
+                )
     if verdict.duplicates > max_duplicates:
         verdict.excess_duplicates.append(
             f"{verdict.duplicates} duplicate calls, more than the {max_duplicates} allowed; "
@@ -498,6 +515,7 @@ def _repeat(
 ) -> None:
     """Describe a call that covered rows that ``earlier`` calls had covered already."""
     repeated = ", ".join(f"call {c.seq} (pid {c.pid})" for c in earlier)
+    verdict.repeats_by_pid[earlier[-1].pid] += 1
     verdict.repeats.append(
         f"call {call.seq} (pid {call.pid}) of row {row.id} in group {row.group} of shard "
         f"{row.shard} repeated {repeated}"

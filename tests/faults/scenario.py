@@ -1,14 +1,28 @@
-"""One fault scenario: its table, its workers, its workload, and the final check."""
+"""One fault scenario: its table, its workers, its workload, and the final check; and the
+variants each scenario runs in.
+
+Every scenario runs in both ways of processing (``--shard-workflows``): ``on-demand``, the
+default, where partitions drain the healthy shards and a shard gets its own workflow only when
+it needs one, and ``always``, where every shard with rows runs in its own workflow. The full
+size runs in both (``pytest -m faults``); by default the fast variant runs on demand, and in
+``always`` too for a few scenarios; the slowest fast variants run only with the full ones
+(:func:`variants`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from outbox_bridge.runtime.shards import WORKFLOW as SHARD_WORKFLOW
 from tests.faults.fault_app import ERROR_CANARY, PAYLOAD_CANARY
 from tests.faults.harness import (
     Clock,
@@ -21,6 +35,29 @@ from tests.faults.harness import (
     worker_env,
 )
 from tests.faults.history import Shard, Verdict, Workload, check, prepare_fault_table, read_history
+from tests.harness import wait_until
+
+ON_DEMAND, ALWAYS = "on-demand", "always"
+MODES = (ON_DEMAND, ALWAYS)
+FULL = [pytest.mark.faults, pytest.mark.timeout(1800)]
+
+
+def variants(
+    fast: Any,
+    full: Any,
+    *,
+    fast_modes: Sequence[str] = (ON_DEMAND,),
+    fast_by_default: bool = True,
+) -> list[Any]:
+    """Parameters ``(size, mode)`` of a scenario: its fast variant in each of ``fast_modes``
+    (on demand, and also ``always`` for the few scenarios that ask for it) and its full variant
+    in both modes (``pytest -m faults``). The fast variants run by default, unless
+    ``fast_by_default`` is False (the slowest of them): then with the full ones, so that the
+    default suite stays short."""
+    fast_marks = [] if fast_by_default else [pytest.mark.faults]
+    params = [pytest.param(fast, mode, id=f"fast-{mode}", marks=fast_marks) for mode in fast_modes]
+    params += [pytest.param(full, mode, id=f"full-{mode}", marks=FULL) for mode in MODES]
+    return params
 
 
 @dataclass
@@ -31,6 +68,7 @@ class Scenario:
     password: str
     temporal_address: str
     logs: Path
+    mode: str = ON_DEMAND  # --shard-workflows of its workers
     table: str = field(default_factory=new_table)
     task_queue: str = field(default_factory=new_task_queue)
     workers: list[WorkerProcess] = field(default_factory=list)
@@ -39,11 +77,18 @@ class Scenario:
     async def prepare(self, **control: object) -> None:
         await prepare_fault_table(self.engine, self.table, **control)
 
-    def worker(self, name: str = "worker", **settings: str) -> WorkerProcess:
-        env = worker_env(
-            self.database_url, self.temporal_address, self.table, self.task_queue, **settings
+    def env(self, **settings: str) -> dict[str, str]:
+        """The settings of this scenario's workers, also for its command-line calls."""
+        return worker_env(
+            self.database_url,
+            self.temporal_address,
+            self.table,
+            self.task_queue,
+            **{"OUTBOX_SHARD_WORKFLOWS": self.mode, **settings},
         )
-        worker = WorkerProcess(env, self.logs, name)
+
+    def worker(self, name: str = "worker", **settings: str) -> WorkerProcess:
+        worker = WorkerProcess(self.env(**settings), self.logs, name)
         self.workers.append(worker)
         return worker
 
@@ -55,6 +100,37 @@ class Scenario:
         await wait_drained(self.engine, self.table, timeout=timeout, left=left)
         return self.clock.since_fault()
 
+    async def held_shards(self) -> int:
+        """Shards that their own workflow holds (rows of ``<table>_owners``)."""
+        async with self.engine.connect() as conn:
+            result = await conn.execute(text(f"SELECT count(*) FROM {self.table}_owners"))
+            return int(result.scalar_one())
+
+    async def running_shard_workflows(self, client: Client) -> list[str]:
+        """Ids of the running OutboxShard workflows of this scenario's task queue."""
+        query = (
+            f"WorkflowType = '{SHARD_WORKFLOW}' AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = '{self.task_queue}'"
+        )
+        return [execution.id async for execution in client.list_workflows(query)]
+
+    async def settled(self, client: Client, timeout: float = 60) -> None:
+        """Nobody is stuck: with the table drained, every shard was given back (no shard is
+        held) and no shard workflow runs any more (each completes once its shard is empty)."""
+
+        async def settled() -> bool:
+            return not await self.held_shards() and not await self.running_shard_workflows(client)
+
+        try:
+            await wait_until(settled, timeout=timeout, interval=0.5, what="shards given back")
+        except AssertionError:
+            held = await self.held_shards()
+            running = await self.running_shard_workflows(client)
+            raise AssertionError(
+                f"stuck after the drain: {held} shard(s) held, shard workflows running: "
+                f"{running[:5]}"
+            ) from None
+
     async def finish(
         self,
         workload: Workload,
@@ -65,18 +141,25 @@ class Scenario:
         record: Callable[[Figures], None],
         max_duplicates: int,
         repeats_only_after_kills: bool = False,
+        max_repeats_per_kill: int | None = None,
         pending_ok: Iterable[int] = (),
         redacted: bool = False,
+        settle: bool = True,
     ) -> Verdict:
-        """Stop the workers, check the history against the invariants of the design contract
-        (docs/explanation/contract.md), check that no payload (and, when ``redacted``, no
-        error message) reached Temporal and that no worker printed the database password,
-        and record the scenario's figures. ``faults`` may name the number of failed handler
-        calls as ``{failed}``.
+        """Check that nobody is stuck (:meth:`settled`, unless ``settle`` is False: rows are
+        left pending on purpose), stop the workers, check the history against the invariants
+        of the design contract (docs/explanation/contract.md), check that no payload (and,
+        when ``redacted``, no error message) reached Temporal and that no worker printed the
+        database password, and record the scenario's figures. ``faults`` may name the number
+        of failed handler calls as ``{failed}``, and the spread of the repeats per killed
+        process as ``{per_kill}``.
 
         ``max_duplicates`` is the most repeated calls that the scenario's faults can explain;
         with ``repeats_only_after_kills``, every repeat must repeat a call of a worker process
-        that was killed (the scenario's only fault that can repeat a call)."""
+        that was killed (the scenario's only fault that can repeat a call), and at most
+        ``max_repeats_per_kill`` may repeat the calls of any one killed process."""
+        if settle:
+            await self.settled(client)
         for worker in self.workers:
             code = await worker.stop()
             assert code == 0, f"{worker.name} exited {code}\n{worker.output()[-5000:]}"
@@ -89,12 +172,17 @@ class Scenario:
             pending_ok=pending_ok,
             max_duplicates=max_duplicates,
             killed_pids=killed if repeats_only_after_kills else None,
+            max_repeats_per_pid=max_repeats_per_kill,
         )
         record(
             Figures(
                 scenario=self.name,
+                mode=self.mode,
                 rows=verdict.rows,
-                faults=faults.format(failed=verdict.failed_calls),
+                faults=faults.format(
+                    failed=verdict.failed_calls,
+                    per_kill=spread([verdict.repeats_by_pid.get(pid, 0) for pid in killed]),
+                ),
                 lost=len(verdict.lost),
                 order_violations=len(verdict.order_violations),
                 overlaps=len(verdict.overlaps),
@@ -114,3 +202,10 @@ class Scenario:
                 # Full details still go to the logs.
                 assert ERROR_CANARY in outputs
         return verdict
+
+
+def spread(counts: list[int]) -> str:
+    """``median m, low–high`` of ``counts``."""
+    if not counts:
+        return "none"
+    return f"median {statistics.median(counts):g}, {min(counts)}–{max(counts)}"

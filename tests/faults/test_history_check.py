@@ -124,6 +124,18 @@ def test_a_repeat_of_a_call_of_a_process_that_was_not_killed_is_a_problem() -> N
     ]
 
 
+def test_repeats_are_counted_against_the_process_whose_calls_they_repeat() -> None:
+    truth = rows((1, A), (2, B), (3, C))
+    history = crash_before_the_delete().history(truth)
+    verdict = check(history, rolled_back=[], max_duplicates=2, max_repeats_per_pid=2)
+    assert verdict.repeats_by_pid == {1: 2}
+    assert verdict.excess_duplicates == []
+    verdict = check(history, rolled_back=[], max_duplicates=2, max_repeats_per_pid=1)
+    assert verdict.excess_duplicates == [
+        "2 duplicate calls repeated calls of pid 1, more than the 1 allowed per process"
+    ]
+
+
 def test_a_row_deleted_before_its_handler_succeeded_is_lost() -> None:
     truth = rows((1, A), (2, A))
     log = Log()

@@ -14,8 +14,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge.config import sqlalchemy_url
 from tests.faults.harness import with_password
-from tests.faults.scenario import Scenario
-from tests.faults.test_crashes import FULL, mixed_shards
+from tests.faults.scenario import variants
+from tests.faults.test_crashes import mixed_shards
 from tests.harness import wait_until
 
 
@@ -28,21 +28,16 @@ class Size:
 
 
 @pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(Size(rows=600, outages=1, shards=20, down_seconds=1), id="fast"),
-        pytest.param(
-            Size(rows=6_000, outages=3, shards=100, down_seconds=5), id="full", marks=FULL
-        ),
-    ],
+    ("size", "mode"),
+    variants(
+        Size(rows=600, outages=1, shards=20, down_seconds=1),
+        Size(rows=6_000, outages=3, shards=100, down_seconds=5),
+    ),
 )
 async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
-    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+    size: Size, mode, new_scenario, fault_temporal, fault_client, record_figures
 ) -> None:
-    url, password = fault_database
-    scenario = Scenario(
-        "Temporal killed, restarted", engine, url, password, fault_temporal.address, logs
-    )
+    scenario = new_scenario("Temporal killed, restarted", mode)
     await scenario.prepare(failure_rate=0.05)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 2)
     worker = scenario.worker()
@@ -77,23 +72,21 @@ async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
 
 
 @pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(Size(rows=600, outages=1, shards=20, down_seconds=2), id="fast"),
-        pytest.param(
-            Size(rows=6_000, outages=3, shards=100, down_seconds=5), id="full", marks=FULL
-        ),
-    ],
+    ("size", "mode"),
+    variants(
+        Size(rows=600, outages=1, shards=20, down_seconds=2),
+        Size(rows=6_000, outages=3, shards=100, down_seconds=5),
+    ),
 )
 async def test_postgresql_stopped_and_restarted_mid_drain(
-    size: Size, own_postgres, fault_temporal, fault_client, logs, record_figures
+    size: Size, mode, new_scenario, own_postgres, fault_client, record_figures
 ) -> None:
     postgres, raw_url = own_postgres
     url, password = with_password(sqlalchemy_url(raw_url).render_as_string(hide_password=False))
     engine = create_async_engine(url, pool_pre_ping=True)
     try:
-        scenario = Scenario(
-            "PostgreSQL stopped, restarted", engine, url, password, fault_temporal.address, logs
+        scenario = new_scenario(
+            "PostgreSQL stopped, restarted", mode, engine=engine, database=(url, password)
         )
         await scenario.prepare(failure_rate=0.05)
         workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 3)
@@ -130,11 +123,9 @@ async def test_postgresql_stopped_and_restarted_mid_drain(
         await engine.dispose()
 
 
-@pytest.mark.parametrize(
-    "restarts", [pytest.param(1, id="fast"), pytest.param(3, id="full", marks=FULL)]
-)
+@pytest.mark.parametrize(("restarts", "mode"), variants(1, 3))
 async def test_the_bridge_listens_again_after_postgresql_restarts(
-    restarts: int, own_postgres, fault_temporal, fault_client, logs, record_figures
+    restarts: int, mode, new_scenario, own_postgres, fault_client, record_figures
 ) -> None:
     """With no scan or sweep for an hour, rows written after a restart reach the bridge only
     through NOTIFY: it must notice the lost connection, reconnect and LISTEN again."""
@@ -142,8 +133,8 @@ async def test_the_bridge_listens_again_after_postgresql_restarts(
     url, password = with_password(sqlalchemy_url(raw_url).render_as_string(hide_password=False))
     engine = create_async_engine(url, pool_pre_ping=True)
     try:
-        scenario = Scenario(
-            "PostgreSQL restarted, LISTEN", engine, url, password, fault_temporal.address, logs
+        scenario = new_scenario(
+            "PostgreSQL restarted, LISTEN", mode, engine=engine, database=(url, password)
         )
         await scenario.prepare()
         workload = scenario.workload(mixed_shards(5), seed=9)

@@ -24,8 +24,8 @@ from tests.faults.harness import (
     wipe_temporal,
 )
 from tests.faults.history import set_control
-from tests.faults.scenario import Scenario
-from tests.faults.test_crashes import FULL, mixed_shards
+from tests.faults.scenario import MODES, variants
+from tests.faults.test_crashes import mixed_shards
 from tests.harness import wait_until
 
 ORG, USER = int(FaultScope.ORGANIZATION), int(FaultScope.USER)
@@ -48,17 +48,13 @@ async def failed_at_least(engine, table: str, shard: int, times: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(Size(rows=200, shards=8, hangs=1), id="fast"),
-        pytest.param(Size(rows=3_000, shards=40, hangs=4), id="full", marks=FULL),
-    ],
+    ("size", "mode"),
+    variants(Size(rows=200, shards=8, hangs=1), Size(rows=3_000, shards=40, hangs=4)),
 )
 async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
-    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+    size: Size, mode, new_scenario, engine, fault_client, record_figures
 ) -> None:
-    url, password = fault_database
-    scenario = Scenario("handler hangs", engine, url, password, fault_temporal.address, logs)
+    scenario = new_scenario("handler hangs", mode)
     # Each hanging object has a row in an organization (a plain-def handler: its thread
     # cannot be interrupted, so the stale attempt runs on) and one in a user shard (an
     # async handler: cancelled when its attempt times out).
@@ -137,19 +133,15 @@ async def reset_to_first_task(address: str, workflow: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(Size(rows=300, shards=10), id="fast"),
-        pytest.param(Size(rows=4_000, shards=60), id="full", marks=FULL),
-    ],
+    ("size", "mode"),
+    variants(Size(rows=300, shards=10), Size(rows=4_000, shards=60), fast_modes=MODES),
 )
 async def test_lost_shard_workflows_are_restored_from_the_table(
-    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+    size: Size, mode, new_scenario, engine, fault_temporal, fault_client, record_figures
 ) -> None:
     """A shard workflow terminated, another reset, then every workflow lost with the dev
     server's database file: the bridge restores processing from the table."""
-    url, password = fault_database
-    scenario = Scenario("workflows lost", engine, url, password, fault_temporal.address, logs)
+    scenario = new_scenario("workflows lost", mode)
     poison = {1: ORG, 2: ORG, 3: USER}  # blocked, so that their workflows live on
     await scenario.prepare(poison_shards=list(poison))
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 5)
@@ -197,17 +189,13 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
 
 
 @pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(Size(rows=0, shards=20), id="fast"),
-        pytest.param(Size(rows=0, shards=1_000), id="full", marks=FULL),
-    ],
+    ("size", "mode"),
+    variants(Size(rows=0, shards=20), Size(rows=0, shards=1_000)),
 )
 async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
-    size: Size, engine, fault_database, fault_temporal, fault_client, logs, record_figures
+    size: Size, mode, new_scenario, engine, fault_temporal, fault_client, record_figures
 ) -> None:
-    url, password = fault_database
-    scenario = Scenario("poison row", engine, url, password, fault_temporal.address, logs)
+    scenario = new_scenario("poison row", mode)
     poison = 1
     await scenario.prepare(poison_shards=[poison])
     others = [(ORG if n % 2 else USER, 10_000 + n) for n in range(size.shards)]
@@ -232,7 +220,7 @@ async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
     env = clean_env(
         OUTBOX_APP="tests.faults.fault_app:app",
         FAULT_OUTBOX_TABLE=scenario.table,
-        OUTBOX_DATABASE_URL=url,
+        OUTBOX_DATABASE_URL=scenario.database_url,
         TEMPORAL_ADDRESS=fault_temporal.address,
     )
     status = await command(env, "status", f"ORGANIZATION:{poison}")
@@ -251,7 +239,7 @@ async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
     assert len(await calls_of_shard(engine, scenario.table, poison)) == failures
     status = await command(env, "status", f"ORGANIZATION:{poison}")
     assert "skipped" in status and "poison row under investigation" in status, status
-    assert password not in status
+    assert scenario.password not in status
 
     await set_control(engine, scenario.table, poison_shards=[])  # the fix is deployed
     await command(env, "resume", f"ORGANIZATION:{poison}")

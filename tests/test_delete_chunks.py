@@ -1,0 +1,157 @@
+"""What the drains have handled but not deleted yet: the groups that a kill -9 at that moment
+makes run again (the design contract, invariant 5: docs/explanation/contract.md).
+
+A round deletes what it handled in chunks (DELETE_CHUNK_GROUPS groups, or after
+DELETE_CHUNK_SECONDS), and no round takes a further group while the worker's rounds together
+have a chunk handled and not deleted: a crash repeats about a chunk of groups however slow the
+deletes are and however many rounds run (docs/explanation/processing.md, "Delete, on the
+fence").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
+from outbox_bridge.runtime.batch import DELETE_CHUNK_GROUPS, DrainEngine
+from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.workflows.models import ShardRef
+from tests.harness import SCOPES, Category, Scope, create_tables, unique_table, write_rows
+
+DELETE_SECONDS = 0.3  # each DELETE statement on the table takes this long
+
+
+async def counting_app(engine: AsyncEngine, *, sync: bool) -> tuple[OutboxApp, list[int]]:
+    """An app on a table of its own whose handler (a plain ``def`` one with ``sync``, run in
+    worker threads) records the id of every call, with statements on the table that take
+    DELETE_SECONDS each (a loaded database)."""
+    table = unique_table()
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(table)])
+    calls: list[int] = []
+    if sync:
+
+        def handle(message: OutboxMessage) -> None:
+            calls.append(message.id)
+
+        app.handler(*Category)(handle)
+    else:
+
+        async def handle_async(message: OutboxMessage) -> None:
+            calls.append(message.id)
+
+        app.handler(*Category)(handle_async)
+    await create_tables(engine, app)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                f"CREATE FUNCTION {table}_slow() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                f"BEGIN PERFORM pg_sleep({DELETE_SECONDS}); RETURN NULL; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                f"CREATE TRIGGER {table}_slow BEFORE DELETE ON {table} "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {table}_slow()"
+            )
+        )
+    return app, calls
+
+
+@contextlib.asynccontextmanager
+async def most_ahead(engine: AsyncEngine, table: str, calls: list[int]) -> AsyncIterator[list[int]]:
+    """Samples, while the block runs, how many groups were handled and not deleted (every row
+    is a group of its own); yields a list that holds the most of them once the block ends."""
+    total = await rows_left(engine, table)
+    most = [0]
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            # Calls counted before the rows: a delete committed in between is not counted as
+            # ahead (the sample never exceeds the truth).
+            handled = len(calls)
+            left = await rows_left(engine, table)
+            most[0] = max(most[0], handled - (total - left))
+            await asyncio.sleep(0.01)
+
+    watching = asyncio.create_task(watch())
+    try:
+        yield most
+    finally:
+        done.set()
+        await watching
+
+
+async def rows_left(engine: AsyncEngine, table: str) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one())
+
+
+async def write_groups(engine: AsyncEngine, app: OutboxApp, shard: int, groups: int) -> None:
+    await write_rows(
+        engine,
+        app,
+        [
+            {
+                "shard_scope": Scope.ORGANIZATION,
+                "shard_identifier": shard,
+                "category": Category.PROJECT_UPDATE,
+                "object_identifier": n,
+            }
+            for n in range(groups)
+        ],
+    )
+
+
+async def drain_in_rounds(drain: DrainEngine, app: OutboxApp, rounds: list[list[int]]) -> None:
+    """One round for each list of shards, all at once (as a worker's partitions and shard
+    workflows run)."""
+    table = app.table()
+
+    async def one_round(shards: list[int]) -> None:
+        refs = [
+            ShardRef(table.name, int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, shard)
+            for shard in shards
+        ]
+        async with drain.locked(table, refs) as batch:
+            heads = await drain.read_heads(batch, max_groups=1_000, skip_held=True)
+            await drain.run(batch, heads, deadline=math.inf)
+
+    await asyncio.gather(*(one_round(shards) for shards in rounds))
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["def", "async"])
+@pytest.mark.parametrize(
+    ("rounds", "shards", "groups", "threads"),
+    [(1, 1, 100, 2), (4, 1, 40, 5), (1, 40, 5, 2)],
+    ids=["1-round", "4-rounds", "40-shards-2-threads"],
+)
+async def test_the_drains_handle_about_a_chunk_of_groups_ahead_of_their_deletes(
+    engine, sync: bool, rounds: int, shards: int, groups: int, threads: int
+) -> None:
+    """``rounds`` rounds of ``shards`` shards each, ``groups`` groups in each shard, ``threads``
+    threads for the plain-def handlers."""
+    app, calls = await counting_app(engine, sync=sync)
+    table = app.table().name
+    plan = [[r * shards + n + 1 for n in range(shards)] for r in range(rounds)]
+    for shard in (shard for round_shards in plan for shard in round_shards):
+        await write_groups(engine, app, shard, groups)
+    handlers = HandlerCalls(app, redact_errors=False, threads=threads)
+    try:
+        async with most_ahead(engine, table, calls) as most:
+            await drain_in_rounds(DrainEngine(engine, app, calls=handlers), app, plan)
+    finally:
+        handlers.close()
+    assert len(calls) == rounds * shards * groups
+    assert await rows_left(engine, table) == 0
+    # A chunk, and the calls that other threads had under way when it was reached.
+    assert 0 < most[0] <= DELETE_CHUNK_GROUPS + threads - 1, (
+        f"{most[0]} groups handled ahead of their delete"
+    )

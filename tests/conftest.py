@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal
 from outbox_bridge.testing import PostgresServer, TemporalServer
 from tests.django_support import point_django_at
 from tests.harness import Servers, connect_client, new_engine, start_servers
@@ -16,6 +19,74 @@ pytest_plugins = ["pytester"]
 # A test that provokes an ERROR record of the library on purpose says so with this marker;
 # any other ERROR record of an ``outbox_bridge`` logger fails the test that was running.
 ERROR_LOGS_MARKER = "logs_errors"
+
+
+# -- tiers ----------------------------------------------------------------------------------------
+#
+# Every test belongs to one tier, a marker of its own (CONTRIBUTING.md says how to run each):
+# ``unit`` needs no server; ``workflow`` runs the workflows on the time-skipping test server
+# (tests/workflows); ``integration`` needs the real PostgreSQL and Temporal dev server;
+# ``histories`` replays the recorded histories; ``faults`` are the full-size fault scenarios
+# (opt-in, see tests/faults/conftest.py). A test's tier is the marker it carries, or else follows
+# from its folder, its file and the fixtures it requests.
+
+TIERS = ("unit", "workflow", "integration", "histories", "faults")
+# Fixtures that start (or need) the real servers.
+SERVER_FIXTURES = frozenset(
+    {
+        "servers",
+        "engine",
+        "client",
+        "sync_engine",
+        "fault_database",
+        "fault_temporal",
+        "fault_client",
+        "own_postgres",
+        "own_temporal",
+    }
+)
+WORKFLOW_FIXTURES = frozenset({"time_skipping", "wf"})
+HISTORY_FILES = frozenset({"test_replay.py"})
+
+
+def tier_of(item: pytest.Item) -> str:
+    for marker in item.iter_markers():
+        if marker.name in TIERS:
+            return marker.name
+    path = Path(item.path)
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if "workflows" in path.parts or fixtures & WORKFLOW_FIXTURES:
+        return "workflow"
+    if path.name in HISTORY_FILES:
+        return "histories"
+    if "faults" in path.parts or fixtures & SERVER_FIXTURES:
+        return "integration"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_server(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit test that starts an embedded server fails: it belongs to another tier."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} is a unit test but starts a server: mark it integration"
+        )
+
+    monkeypatch.setattr(EmbeddedPostgres, "start", refuse)
+    monkeypatch.setattr(EmbeddedTemporal, "start", refuse)
 
 
 class _ErrorRecords(logging.Handler):
@@ -118,3 +189,11 @@ def outbox_postgres(servers: Servers) -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 def outbox_temporal(servers: Servers) -> TemporalServer:
     return TemporalServer(servers.temporal_address)
+
+
+@pytest.fixture(scope="session")
+def sync_engine(servers: Servers) -> Iterator[Engine]:
+    """A synchronous engine on the test database, for sync sessions and connections."""
+    eng = create_engine(servers.database_url)
+    yield eng
+    eng.dispose()

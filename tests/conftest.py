@@ -61,6 +61,10 @@ def tier_of(item: pytest.Item) -> str:
         return "histories"
     if "faults" in path.parts or fixtures & SERVER_FIXTURES:
         return "integration"
+    # A Django test's database is on the test PostgreSQL (pytest-django asks for it when the test
+    # starts); a pytest session of the test's own may start servers in its process.
+    if item.get_closest_marker("django_db") is not None or "pytester" in fixtures:
+        return "integration"
     return "unit"
 
 

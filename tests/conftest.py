@@ -9,7 +9,6 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal
 from outbox_bridge.testing import PostgresServer, TemporalServer
 from tests.django_support import point_django_at
 from tests.harness import Servers, connect_client, new_engine, start_servers
@@ -43,10 +42,16 @@ SERVER_FIXTURES = frozenset(
         "fault_client",
         "own_postgres",
         "own_temporal",
+        # pytest-django's, on the test PostgreSQL
+        "django_db_setup",
+        "db",
+        "transactional_db",
     }
 )
 WORKFLOW_FIXTURES = frozenset({"time_skipping", "wf"})
 HISTORY_FILES = frozenset({"test_replay.py"})
+# Files whose tests all reach a server through a fixture no test names (a module's usefixtures).
+INTEGRATION_FILES = frozenset({"test_django_models.py"})
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -59,7 +64,7 @@ def tier_of(item: pytest.Item) -> str:
         return "workflow"
     if path.name in HISTORY_FILES:
         return "histories"
-    if "faults" in path.parts or fixtures & SERVER_FIXTURES:
+    if "faults" in path.parts or path.name in INTEGRATION_FILES or fixtures & SERVER_FIXTURES:
         return "integration"
     # A Django test's database is on the test PostgreSQL (pytest-django asks for it when the test
     # starts); a pytest session of the test's own may start servers in its process.
@@ -74,23 +79,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
-
-
-@pytest.fixture(autouse=True)
-def unit_tests_start_no_server(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A unit test that starts an embedded server fails: it belongs to another tier."""
-    if request.node.get_closest_marker("unit") is None:
-        return
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError(
-            f"{request.node.nodeid} is a unit test but starts a server: mark it integration"
-        )
-
-    monkeypatch.setattr(EmbeddedPostgres, "start", refuse)
-    monkeypatch.setattr(EmbeddedTemporal, "start", refuse)
 
 
 class _ErrorRecords(logging.Handler):

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
@@ -16,6 +18,67 @@ pytest_plugins = ["pytester"]
 # A test that provokes an ERROR record of the library on purpose says so with this marker;
 # any other ERROR record of an ``outbox_bridge`` logger fails the test that was running.
 ERROR_LOGS_MARKER = "logs_errors"
+
+
+# -- tiers ----------------------------------------------------------------------------------------
+#
+# Every test belongs to one tier, a marker of its own (CONTRIBUTING.md says how to run each):
+# ``unit`` needs no server; ``workflow`` runs the workflows on the time-skipping test server
+# (tests/workflows); ``integration`` needs the real PostgreSQL and Temporal dev server;
+# ``histories`` replays the recorded histories; ``faults`` are the full-size fault scenarios
+# (opt-in, see tests/faults/conftest.py). A test's tier is the marker it carries, or else follows
+# from its folder, its file and the fixtures it requests.
+
+TIERS = ("unit", "workflow", "integration", "histories", "faults")
+# Fixtures that start (or need) the real servers.
+SERVER_FIXTURES = frozenset(
+    {
+        "servers",
+        "engine",
+        "client",
+        "sync_engine",
+        "fault_database",
+        "fault_temporal",
+        "fault_client",
+        "own_postgres",
+        "own_temporal",
+        # pytest-django's, on the test PostgreSQL
+        "django_db_setup",
+        "db",
+        "transactional_db",
+    }
+)
+WORKFLOW_FIXTURES = frozenset({"time_skipping", "wf"})
+HISTORY_FILES = frozenset({"test_replay.py"})
+# Files whose tests all reach a server through a fixture no test names (a module's usefixtures).
+INTEGRATION_FILES = frozenset({"test_django_models.py"})
+
+
+def tier_of(item: pytest.Item) -> str:
+    for marker in item.iter_markers():
+        if marker.name in TIERS:
+            return marker.name
+    path = Path(item.path)
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if "workflows" in path.parts or fixtures & WORKFLOW_FIXTURES:
+        return "workflow"
+    if path.name in HISTORY_FILES:
+        return "histories"
+    if "faults" in path.parts or path.name in INTEGRATION_FILES or fixtures & SERVER_FIXTURES:
+        return "integration"
+    # A Django test's database is on the test PostgreSQL (pytest-django asks for it when the test
+    # starts); a pytest session of the test's own may start servers in its process.
+    if item.get_closest_marker("django_db") is not None or "pytester" in fixtures:
+        return "integration"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
 
 
 class _ErrorRecords(logging.Handler):
@@ -118,3 +181,11 @@ def outbox_postgres(servers: Servers) -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 def outbox_temporal(servers: Servers) -> TemporalServer:
     return TemporalServer(servers.temporal_address)
+
+
+@pytest.fixture(scope="session")
+def sync_engine(servers: Servers) -> Iterator[Engine]:
+    """A synchronous engine on the test database, for sync sessions and connections."""
+    eng = create_engine(servers.database_url)
+    yield eng
+    eng.dispose()

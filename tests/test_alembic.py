@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
-from sqlalchemy import Connection, Engine, MetaData, create_engine, text
+from sqlalchemy import Connection, Engine, MetaData, text
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.config import libpq_url, sqlalchemy_url
 from outbox_bridge.db.migrations import exclude_outbox_tables
 from outbox_bridge.db.schema import notify_channel
-from tests.harness import SCOPES, Category, Scope, Servers, create_tables, unique_table
+from tests.harness import SCOPES, Category, Scope, create_tables, unique_table
 
 ENV_PY = """
 from alembic import context
@@ -66,13 +64,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     drop_outbox(op, app)
 '''
-
-
-@pytest.fixture(scope="module")
-def sync_engine(servers: Servers) -> Iterator[Engine]:
-    eng = create_engine(servers.database_url)
-    yield eng
-    eng.dispose()
 
 
 def alembic_config(directory: Path, app: OutboxApp) -> Config:

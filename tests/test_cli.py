@@ -9,15 +9,10 @@ on its Unix socket) that must never appear in any output.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 import re
 import signal
-import sys
 import typing
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -41,61 +36,21 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
+from tests.support import (
+    clean_env,
+    clear_settings,
+    run_python,
+    with_password,
+    worker_process,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 CANARY = "s3cr3t-canary"
 SAMPLE_APP = "tests.sample_app:app"
 
 
-@dataclass
-class Run:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment of a subprocess: no OUTBOX_*/TEMPORAL_* settings leak in from ours."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_", "SAMPLE_OUTBOX"))
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-async def run(*args: str, env: dict[str, str], timeout: float = 60) -> Run:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        out, err = await proc.communicate()
-        raise AssertionError(f"{args} did not finish in {timeout}s: {out!r} {err!r}") from None
-    assert proc.returncode is not None
-    return Run(proc.returncode, out.decode(), err.decode())
-
-
 def canary_url(servers: Servers) -> tuple[str, str]:
     """The test database URL with a password, and that password (the canary)."""
-    url = make_url(servers.database_url)
-    if url.password:  # an external test database: its own password is the canary
-        return servers.database_url, str(url.password)
-    return url.set(password=CANARY).render_as_string(hide_password=False), CANARY
+    return with_password(servers.database_url, CANARY)
 
 
 def worker_env(servers: Servers, table: str, **extra: str) -> dict[str, str]:
@@ -123,7 +78,7 @@ def one_line(text_: str) -> str:
 
 async def test_worker_help_documents_every_setting(servers) -> None:
     env = worker_env(servers, unique_table(), COLUMNS="80")
-    result = await run("worker.py", "--help", env=env)
+    result = await run_python("worker.py", "--help", env=env)
     assert result.code == 0, result.output
     assert result.stdout.startswith("Usage: worker.py")
     help_text = one_line(result.stdout)
@@ -143,7 +98,7 @@ async def test_worker_help_documents_every_setting(servers) -> None:
 
 async def test_worker_without_an_app_exits_2(servers) -> None:
     env = worker_env(servers, unique_table())
-    result = await run("worker.py", env=env)
+    result = await run_python("worker.py", env=env)
     assert result.code == 2, result.output
     assert result.stderr.startswith("outbox-bridge: error: no app to run")
     assert "OUTBOX_APP" in result.stderr and "--app" in result.stderr
@@ -153,7 +108,7 @@ async def test_worker_without_an_app_exits_2(servers) -> None:
 
 async def test_worker_refuses_a_category_without_handler(servers) -> None:
     env = worker_env(servers, unique_table())
-    result = await run("worker.py", "--app", "tests.sample_app:incomplete_app", env=env)
+    result = await run_python("worker.py", "--app", "tests.sample_app:incomplete_app", env=env)
     assert result.code == 2, result.output
     assert "PROJECT_UPDATE" in result.stderr
     assert "no handler" in result.stderr
@@ -176,7 +131,7 @@ async def test_worker_refuses_a_category_without_handler(servers) -> None:
     ids=["not-an-app", "no-module", "bad-format", "app-and-demo", "bad-setting"],
 )
 async def test_worker_refuses_bad_configuration(servers, args, expected) -> None:
-    result = await run("worker.py", *args, env=worker_env(servers, unique_table()))
+    result = await run_python("worker.py", *args, env=worker_env(servers, unique_table()))
     assert result.code == 2, result.output
     assert result.stderr.startswith("outbox-bridge: error: ")
     assert expected in result.stderr
@@ -187,7 +142,7 @@ async def test_worker_never_prints_the_database_password(servers) -> None:
     # A URL that cannot be parsed: the parse error must not echo it.
     table = unique_table()
     unparsable = f"postgresql://postgres:{CANARY}@localhost:notaport/postgres"
-    result = await run(
+    result = await run_python(
         "worker.py",
         "--app",
         SAMPLE_APP,
@@ -200,7 +155,7 @@ async def test_worker_never_prints_the_database_password(servers) -> None:
     assert CANARY not in result.output
     # A server that is not there: the worker fails, without the password in its report.
     unreachable = f"postgresql://postgres:{CANARY}@127.0.0.1:{free_port()}/postgres"
-    result = await run(
+    result = await run_python(
         "worker.py",
         "--app",
         SAMPLE_APP,
@@ -218,9 +173,7 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
         int: ("300", 300),
         float: ("2.5", 2.5),
     }
-    for key in list(os.environ):
-        if key.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_")):
-            monkeypatch.delenv(key)
+    clear_settings(monkeypatch)
     for name, field in OutboxSettings.model_fields.items():
         raw, expected = samples.get(field.annotation, ("x1", None))
         if typing.get_origin(field.annotation) is typing.Literal:
@@ -330,29 +283,6 @@ def test_settings_a_command_offers_no_flag_for_come_from_the_environment(monkeyp
 # -- worker.py: end to end ------------------------------------------------------------------------
 
 
-class Output:
-    """Collects a subprocess's stdout and stderr while it runs."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.stdout = ""
-        self.stderr = ""
-        assert proc.stdout is not None and proc.stderr is not None
-        self.tasks = [
-            asyncio.create_task(self._read(proc.stdout, "stdout")),
-            asyncio.create_task(self._read(proc.stderr, "stderr")),
-        ]
-
-    async def _read(self, stream: asyncio.StreamReader, name: str) -> None:
-        while chunk := await stream.read(4096):
-            setattr(self, name, getattr(self, name) + chunk.decode(errors="replace"))
-
-    async def close(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*self.tasks), 10)
-
-    def __str__(self) -> str:
-        return f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
-
-
 async def scalar(engine: AsyncEngine, statement: str, **params: object) -> object:
     async with engine.connect() as conn:
         return (await conn.execute(text(statement), params)).scalar_one()
@@ -366,25 +296,7 @@ async def test_worker_end_to_end(servers, engine) -> None:
         )
         await conn.execute(text(CALLS_DDL))
     _, canary = canary_url(servers)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "worker.py",
-        "--app",
-        SAMPLE_APP,
-        cwd=ROOT,
-        env=worker_env(servers, table),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    output = Output(proc)
-    try:
-        await wait_until(
-            lambda: "outbox-bridge is running" in output.stdout or proc.returncode is not None,
-            timeout=60,
-            what="the worker's banner",
-        )
-        assert proc.returncode is None, f"the worker exited early ({proc.returncode})\n{output}"
+    async with worker_process("--app", SAMPLE_APP, env=worker_env(servers, table)) as output:
         # The worker created its table; rows come from a plain SQL producer.
         async with engine.begin() as conn:
             insert = text(
@@ -457,16 +369,9 @@ async def test_worker_end_to_end(servers, engine) -> None:
         # Within shard ORGANIZATION:7, groups run in order of their lowest pending id (§3.2).
         assert handled[project[-1]]["seq"] < handled[organization]["seq"]
 
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(proc.wait(), 30)
-        await output.close()
+        output.proc.send_signal(signal.SIGTERM)
+        code = await output.finish(30)
         assert code == 0, str(output)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        with contextlib.suppress(Exception):
-            await output.close()
     assert "outbox-bridge is running" in output.stdout
     assert "***" in output.stdout  # the banner shows the database with its password masked
     assert canary not in output.stdout, str(output)
@@ -483,40 +388,21 @@ async def test_demo_shows_one_line_per_intended_failure_and_a_summary(servers, e
     """The demo's flaky handler fails without a traceback, and a summary line follows every
     few seconds (stdout is a pipe here: --demo turns the summary on)."""
     env = worker_env(servers, unique_table(), OUTBOX_HEALTH_PORT="0")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "worker.py",
-        "--demo",
-        cwd=ROOT,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    output = Output(proc)
     try:
-        await wait_until(
-            lambda: (
-                (
-                    len(SUMMARY_ROW.findall(output.stdout)) >= 2
-                    and "ReplicaUnavailable" in output.stderr
-                )
-                or proc.returncode is not None
+        async with worker_process(
+            "--demo",
+            env=env,
+            ready=lambda output: (
+                len(SUMMARY_ROW.findall(output.stdout)) >= 2
+                and "ReplicaUnavailable" in output.stderr
             ),
             timeout=90,
             what="two summary lines and an intended failure",
-        )
-        assert proc.returncode is None, f"the demo exited early ({proc.returncode})\n{output}"
-        proc.send_signal(signal.SIGINT)
-        code = await asyncio.wait_for(proc.wait(), 30)
-        await output.close()
-        assert code == 0, str(output)
+        ) as output:
+            output.proc.send_signal(signal.SIGINT)
+            code = await output.finish(30)
+            assert code == 0, str(output)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        with contextlib.suppress(Exception):
-            await output.close()
         async with engine.begin() as conn:  # the demo app's table, shared by no other test
             await conn.execute(text("DELETE FROM outbox"))
     assert "Traceback" not in output.stdout + output.stderr, str(output)
@@ -532,11 +418,11 @@ async def test_demo_shows_one_line_per_intended_failure_and_a_summary(servers, e
 
 
 async def test_module_help() -> None:
-    result = await run("-m", "outbox_bridge", "--help", env=clean_env())
+    result = await run_python("-m", "outbox_bridge", "--help", env=clean_env())
     assert result.code == 0, result.output
     assert result.stdout.startswith("Usage: outbox-bridge")
     assert "init-db" in result.stdout
-    result = await run("-m", "outbox_bridge", "init-db", "--help", env=clean_env())
+    result = await run_python("-m", "outbox_bridge", "init-db", "--help", env=clean_env())
     assert result.code == 0, result.output
     help_text = one_line(result.stdout)
     assert "--database-url" in help_text and "[env: OUTBOX_DATABASE_URL]" in help_text
@@ -548,7 +434,7 @@ async def test_init_db_creates_the_tables_idempotently(servers, engine) -> None:
     url, canary = canary_url(servers)
     env = clean_env(SAMPLE_OUTBOX_TABLE=table)
     args = ["-m", "outbox_bridge", "init-db", "--database-url", url, "--app", SAMPLE_APP]
-    first = await run(*args, env=env)
+    first = await run_python(*args, env=env)
     assert first.code == 0, first.output
     assert f"tables ready: {table}" in first.stdout
     assert canary not in first.output
@@ -566,7 +452,7 @@ async def test_init_db_creates_the_tables_idempotently(servers, engine) -> None:
                 "VALUES (1, 1, 1, 1)"
             )
         )
-    second = await run(*args, env=env)
+    second = await run_python(*args, env=env)
     assert second.code == 0, second.output
     assert f"tables ready: {table}" in second.stdout
     assert canary not in second.output
@@ -577,7 +463,7 @@ async def test_init_db_reads_the_environment(servers, engine) -> None:
     table = unique_table()
     url, canary = canary_url(servers)
     env = clean_env(SAMPLE_OUTBOX_TABLE=table, OUTBOX_DATABASE_URL=url, OUTBOX_APP=SAMPLE_APP)
-    result = await run("-m", "outbox_bridge", "init-db", env=env)
+    result = await run_python("-m", "outbox_bridge", "init-db", env=env)
     assert result.code == 0, result.output
     assert canary not in result.output
     assert await scalar(engine, "SELECT to_regclass(:t)::text", t=table) == table
@@ -588,7 +474,7 @@ async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engi
     url = make_url(servers.database_url)
     password = str(url.password) if url.password else CANARY
     in_query = url.set(password=None).update_query_dict({"password": password})
-    result = await run(
+    result = await run_python(
         "-m",
         "outbox_bridge",
         "init-db",
@@ -619,7 +505,7 @@ async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engi
     ids=["not-an-app", "not-postgres", "unreachable", "app-and-demo"],
 )
 async def test_init_db_refusals(args, expected) -> None:
-    result = await run("-m", "outbox_bridge", "init-db", *args, env=clean_env())
+    result = await run_python("-m", "outbox_bridge", "init-db", *args, env=clean_env())
     assert result.code == 2, result.output
     assert result.stderr.startswith("outbox-bridge: error: ")
     assert expected in result.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import re
 import shlex
 import shutil
@@ -35,6 +34,7 @@ from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.config import OutboxSettings, env_name, env_names
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
 from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
+from tests.support import clear_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -253,9 +253,7 @@ def k8s_env() -> dict[str, str]:
 
 def settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> OutboxSettings:
     """Settings as the worker would read them from exactly ``env``."""
-    for key in list(os.environ):
-        if key.upper().startswith(("OUTBOX_", "TEMPORAL_")):
-            monkeypatch.delenv(key)
+    clear_settings(monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return OutboxSettings()

@@ -26,7 +26,8 @@ from outbox_bridge.runtime.embedded import free_port
 from tests.django_app.outbox import app
 from tests.django_support import database_settings, end_workflows, next_identifier, rows
 from tests.harness import Servers
-from tests.test_cli import CANARY, clean_env
+from tests.support import clean_env
+from tests.test_cli import CANARY
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from examples.projects import api as example_api
 from examples.projects import outbox as example
 from tests.django_support import database_settings
 from tests.harness import Servers, fast_settings, running_worker, table_empty
-from tests.test_cli import clean_env
+from tests.support import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from temporalio.api.enums.v1 import EventType
@@ -88,8 +87,9 @@ async def write_async(app: OutboxApp, session: AsyncSession, shard: int, **extra
     )
 
 
-async def test_flush_waits_until_the_rows_are_handled_sync_session(servers, engine) -> None:
-    sync_engine = create_engine(servers.database_url)
+async def test_flush_waits_until_the_rows_are_handled_sync_session(
+    servers, engine, sync_engine
+) -> None:
     async with flushing(servers, engine) as (recorder, app, _):
 
         def produce() -> tuple[list[int], object]:
@@ -107,7 +107,6 @@ async def test_flush_waits_until_the_rows_are_handled_sync_session(servers, engi
             "ORGANIZATION:1": "handled",
             "ORGANIZATION:2": "handled",
         }
-    sync_engine.dispose()
 
 
 async def test_flush_with_an_async_session_and_nested_contexts(servers, engine) -> None:

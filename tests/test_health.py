@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import socket
-import sys
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from enum import IntEnum
 from pathlib import Path
@@ -40,8 +40,8 @@ from tests.harness import (
     unique_table,
     wait_until,
 )
+from tests.support import WorkerProcess, clean_env, with_password, worker_process
 
-ROOT = Path(__file__).resolve().parents[1]
 CANARY = "h3alth-canary"
 
 
@@ -249,40 +249,34 @@ async def test_the_temporal_worker_is_built_with_the_configured_shutdown_grace(
 
 
 @dataclasses.dataclass
-class WorkerProcess:
-    proc: asyncio.subprocess.Process
-    output: list[bytes]
-    readers: list[asyncio.Task[None]]
+class HoldWorker:
+    """A ``python worker.py`` running the hold app, and where it serves and drains."""
+
+    process: WorkerProcess
     port: int
     table: str
-    hold_dir: Path
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process:
+        return self.process.proc
 
     def text(self) -> str:
-        return b"".join(self.output).decode(errors="replace")
+        return self.process.text()
 
     async def finish(self, timeout: float) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), timeout)
-        await asyncio.wait_for(asyncio.gather(*self.readers), 10)
-        return code
+        return await self.process.finish(timeout)
 
 
 @contextlib.asynccontextmanager
-async def worker_process(
+async def hold_worker(
     servers: Servers, tmp_path: Path, *, table: str | None = None, **settings: str
-):
-    url = make_url(servers.database_url)
-    if not url.password:  # the embedded PostgreSQL trusts any password on its socket
-        url = url.set(password=CANARY)
+) -> AsyncIterator[HoldWorker]:
+    url, password = with_password(servers.database_url, CANARY)
     port = free_port()
     table = table or unique_table()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "HOLD_"))
-    }
-    env.update(
-        PYTHONUNBUFFERED="1",
-        OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False),
+    env = clean_env(
+        "HOLD_",
+        OUTBOX_DATABASE_URL=url,
         TEMPORAL_ADDRESS=servers.temporal_address,
         OUTBOX_TASK_QUEUE=f"tq-health-{table}",
         OUTBOX_APP="tests.test_health:hold_app",
@@ -294,36 +288,10 @@ async def worker_process(
         HOLD_DIR=str(tmp_path),
         **settings,
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "worker.py",
-        cwd=ROOT,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    output: list[bytes] = []
-
-    async def read() -> None:
-        assert proc.stdout is not None
-        while chunk := await proc.stdout.read(4096):
-            output.append(chunk)
-
-    running = WorkerProcess(proc, output, [asyncio.create_task(read())], port, table, tmp_path)
-    try:
-        await wait_until(
-            lambda: b"outbox-bridge is running" in b"".join(output) or proc.returncode is not None,
-            timeout=60,
-            what="the worker's banner",
-        )
-        assert proc.returncode is None, running.text()
+    async with worker_process(env=env) as process:
+        running = HoldWorker(process, port, table)
         yield running
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert str(url.password) not in running.text()
+    assert password not in running.text()
     assert "Traceback" not in running.text(), running.text()
 
 
@@ -344,7 +312,7 @@ async def rows_left(engine, table: str) -> int:
 
 
 async def test_sigterm_lets_the_call_in_flight_finish(servers, engine, tmp_path) -> None:
-    async with worker_process(servers, tmp_path, OUTBOX_SHUTDOWN_GRACE="120") as worker:
+    async with hold_worker(servers, tmp_path, OUTBOX_SHUTDOWN_GRACE="120") as worker:
         await wait_until(lambda: status_is(worker.port, READINESS_PATH, 200), what="/readyz 200")
         row = await write_hold_row(engine, worker.table)
         await wait_until(lambda: (tmp_path / f"started-{row}").exists(), what="the handler")
@@ -366,7 +334,7 @@ async def test_sigterm_lets_the_call_in_flight_finish(servers, engine, tmp_path)
 async def test_sigterm_abandons_a_stuck_call_after_the_grace(servers, engine, tmp_path) -> None:
     """The handler does not return: the worker cancels it after the grace and exits cleanly.
     Its row is kept, and the next worker on the task queue handles it."""
-    async with worker_process(servers, tmp_path, OUTBOX_SHUTDOWN_GRACE="1") as worker:
+    async with hold_worker(servers, tmp_path, OUTBOX_SHUTDOWN_GRACE="1") as worker:
         row = await write_hold_row(engine, worker.table)
         await wait_until(lambda: (tmp_path / f"started-{row}").exists(), what="the handler")
         worker.proc.send_signal(signal.SIGTERM)
@@ -379,7 +347,7 @@ async def test_sigterm_abandons_a_stuck_call_after_the_grace(servers, engine, tm
     )
 
     (tmp_path / "release").touch()
-    async with worker_process(servers, tmp_path, table=worker.table) as successor:
+    async with hold_worker(servers, tmp_path, table=worker.table) as successor:
 
         async def handled() -> bool:
             return await rows_left(engine, worker.table) == 0

@@ -12,12 +12,8 @@ backlog gauges keep working, or the write is refused with a clear error.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -48,8 +44,8 @@ from tests.harness import (
     wait_until,
 )
 from tests.otel import metric_reader, points
+from tests.support import clean_env, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 ORG = 1  # Scope.ORGANIZATION
 PROJECT_UPDATE = 2
 TOP_IDS = [9_223_372_036_854_775_000, 9_223_372_036_854_775_001, 9_223_372_036_854_775_807]
@@ -58,27 +54,15 @@ WIDE = "\U0001f30d" * 20
 
 
 async def cli(servers: Servers, table: str, *args: str, regional: bool) -> tuple[int, str, str]:
-    env = {
-        **os.environ,
-        "TEMPORAL_ADDRESS": servers.temporal_address,
-        "OUTBOX_DATABASE_URL": servers.database_url,
-        "OUTBOX_APP": "tests.sample_app:" + ("regional_app" if regional else "app"),
-        "SAMPLE_OUTBOX_TABLE": table,
-        "COLUMNS": "250",
-    }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "outbox_bridge",
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    env = clean_env(
+        TEMPORAL_ADDRESS=servers.temporal_address,
+        OUTBOX_DATABASE_URL=servers.database_url,
+        OUTBOX_APP="tests.sample_app:" + ("regional_app" if regional else "app"),
+        SAMPLE_OUTBOX_TABLE=table,
+        COLUMNS="250",
     )
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    result = await run_python("-m", "outbox_bridge", *args, env=env)
+    return result.code, result.stdout, result.stderr
 
 
 async def listed_shards(

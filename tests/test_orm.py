@@ -8,7 +8,6 @@ Minted object identifiers are unique and their rows never coalesce.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -16,11 +15,9 @@ from typing import Any
 import pytest
 from sqlalchemy import (
     BigInteger,
-    Engine,
     ForeignKey,
     Integer,
     String,
-    create_engine,
     delete,
     func,
     insert,
@@ -47,7 +44,6 @@ from tests.harness import (
     Category,
     Recorder,
     Scope,
-    Servers,
     create_tables,
     fast_settings,
     make_app,
@@ -55,13 +51,6 @@ from tests.harness import (
     table_empty,
     unique_table,
 )
-
-
-@pytest.fixture(scope="module")
-def sync_engine(servers: Servers) -> Iterator[Engine]:
-    eng = create_engine(servers.database_url)
-    yield eng
-    eng.dispose()
 
 
 @dataclass

@@ -32,6 +32,7 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
+from tests.support import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRA_HINT = "pip install 'outbox-bridge[embedded]'"
@@ -117,17 +118,16 @@ class Installed:
     def run(self, *command: str, **env: str) -> subprocess.CompletedProcess[str]:
         """Run ``command`` from the application's folder with the fresh virtualenv first on
         PATH and none of this environment's outbox-bridge settings."""
-        clean = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.upper().startswith(("OUTBOX_", "TEMPORAL_", "OTEL_"))
-            and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
-        }
-        clean.update(PATH=f"{self.bin}{os.pathsep}/usr/bin{os.pathsep}/bin", **env)
         return subprocess.run(
             command,
             cwd=self.app_dir,
-            env=clean,
+            env=clean_env(
+                "VIRTUAL_ENV",
+                "PYTHONPATH",
+                "PYTHONHOME",
+                PATH=f"{self.bin}{os.pathsep}/usr/bin{os.pathsep}/bin",
+                **env,
+            ),
             capture_output=True,
             text=True,
             timeout=120,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -33,7 +32,7 @@ from outbox_bridge import (
 from outbox_bridge.config import libpq_url, sqlalchemy_url
 from outbox_bridge.db.schema import notify_channel
 from outbox_bridge.producer import BIGINT_MAX, BIGINT_MIN
-from tests.harness import SCOPES, Category, Scope, Servers, create_tables, unique_table
+from tests.harness import SCOPES, Category, Scope, create_tables, unique_table
 
 CORE: dict[str, Any] = dict(
     category=Category.PROJECT_UPDATE, shard_identifier=7, object_identifier=5
@@ -54,13 +53,6 @@ def new_app(*, regional: bool = False) -> OutboxApp:
         categories=[Category],
         tables=[OutboxTable(unique_table(), regional=regional)],
     )
-
-
-@pytest.fixture(scope="module")
-def sync_engine(servers: Servers) -> Iterator[Engine]:
-    eng = create_engine(servers.database_url)
-    yield eng
-    eng.dispose()
 
 
 @pytest.fixture

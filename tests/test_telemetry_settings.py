@@ -7,7 +7,6 @@ metrics off whatever the rest says.
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -18,6 +17,7 @@ from outbox_bridge.cli.flags import build_settings
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.observability.sdk import Telemetry, setup_telemetry
 from outbox_bridge.runtime.embedded import free_port
+from tests.support import clear_settings
 
 # setting -> (outbox-bridge's variable, OpenTelemetry's, a value, another value)
 PAIRS = {
@@ -30,9 +30,7 @@ PAIRS = {
 
 @pytest.fixture(autouse=True)
 def no_telemetry_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.upper().startswith(("OUTBOX_", "OTEL_")):
-            monkeypatch.delenv(key)
+    clear_settings(monkeypatch)
 
 
 def _value(setting: str, overrides: dict[str, object] | None = None) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -72,13 +72,6 @@ class Calls:
             (f"{int(m.shard_scope)}:{m.shard_identifier}", m.object_identifier, m.id, m.coalesced)
             for m in self.messages
         ]
-
-
-@pytest.fixture(scope="module")
-def sync_engine(servers) -> Iterator[Engine]:
-    engine = create_engine(servers.database_url)
-    yield engine
-    engine.dispose()
 
 
 async def sync_app(engine: AsyncEngine, *, regional: bool = False) -> tuple[Calls, OutboxApp]:

@@ -1,0 +1,158 @@
+"""What the test files share to run the project's own programs: a subprocess environment free of
+this one's settings, a database URL with a password to look for in outputs, and ``python
+worker.py`` run as a subprocess until its banner (or another sign) shows."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.harness import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the worker prints once the bridge runs.
+BANNER = "outbox-bridge is running"
+# Environment variables that configure the project (or the sample and test apps): a subprocess
+# gets none of ours, only those a test gives it.
+SETTINGS_PREFIXES = ("OUTBOX_", "TEMPORAL_", "OTEL_", "SAMPLE_OUTBOX")
+
+
+def clean_env(*drop: str, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess: ours without the settings (and without the variables
+    whose names start with one of ``drop``), unbuffered, plus ``extra``."""
+    prefixes = SETTINGS_PREFIXES + drop
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(prefixes)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def clear_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remove the settings from this process's environment for the test's duration, so that
+    what a test sets is all the settings read."""
+    for key in list(os.environ):
+        if key.upper().startswith(SETTINGS_PREFIXES):
+            monkeypatch.delenv(key)
+
+
+def with_password(database_url: str, canary: str) -> tuple[str, str]:
+    """``database_url`` with the password ``canary`` (the embedded PostgreSQL trusts any password
+    on its Unix socket), and that password; an external database keeps its own, which is then
+    the one to look for."""
+    url = make_url(database_url)
+    if url.password:
+        return database_url, str(url.password)
+    return url.set(password=canary).render_as_string(hide_password=False), canary
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+async def run_python(*args: str, env: dict[str, str], timeout: float = 60) -> Run:
+    """``python ARGS`` from the repository's root, to its end."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"{args} did not finish in {timeout}s: {out!r} {err!r}") from None
+    assert proc.returncode is not None
+    return Run(proc.returncode, out.decode(), err.decode())
+
+
+class WorkerProcess:
+    """A ``python worker.py`` subprocess, and what it has printed so far."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stdout = ""
+        self.stderr = ""
+        assert proc.stdout is not None and proc.stderr is not None
+        self._readers = [
+            asyncio.create_task(self._read(proc.stdout, "stdout")),
+            asyncio.create_task(self._read(proc.stderr, "stderr")),
+        ]
+
+    async def _read(self, stream: asyncio.StreamReader, name: str) -> None:
+        while chunk := await stream.read(4096):
+            setattr(self, name, getattr(self, name) + chunk.decode(errors="replace"))
+
+    def text(self) -> str:
+        return self.stdout + self.stderr
+
+    async def finish(self, timeout: float) -> int:
+        """Wait for the process to exit (after a signal the test sent) and read the rest of its
+        output; its exit code."""
+        code = await asyncio.wait_for(self.proc.wait(), timeout)
+        await self.close()
+        return code
+
+    async def close(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self._readers), 10)
+
+    def __str__(self) -> str:
+        return f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+
+def shows_banner(worker: WorkerProcess) -> bool:
+    return BANNER in worker.stdout
+
+
+@contextlib.asynccontextmanager
+async def worker_process(
+    *args: str,
+    env: dict[str, str],
+    ready: Callable[[WorkerProcess], bool] = shows_banner,
+    timeout: float = 60,
+    what: str = "the worker's banner",
+) -> AsyncIterator[WorkerProcess]:
+    """Run ``python worker.py ARGS`` until the block ends, from the moment ``ready`` holds (by
+    default: it printed its banner). Killed if the block leaves it running."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "worker.py",
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    worker = WorkerProcess(proc)
+    try:
+        await wait_until(
+            lambda: ready(worker) or proc.returncode is not None, timeout=timeout, what=what
+        )
+        assert proc.returncode is None, f"the worker exited early ({proc.returncode})\n{worker}"
+        yield worker
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        with contextlib.suppress(Exception):
+            await worker.close()

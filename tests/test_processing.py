@@ -357,14 +357,6 @@ async def test_a_terminated_shard_workflow_is_rebuilt_by_the_bridge(
 
 
 @MODES
-@pytest.mark.xfail(
-    strict=True,
-    reason="the skip is recorded in <table>_owners (held_for 'skipped'), but the workflow the "
-    "sweep starts again has no skip: on demand, its drain holds the shard for 'workflow' "
-    "over the skip and handles the rows; always, its drain leaves the skipped shard alone, "
-    "so the run completes with the rows left, the sweep starts another, and the shard shows "
-    "no skip that an operator could resume",
-)
 async def test_a_skipped_shard_stays_skipped_after_its_workflow_is_terminated(
     servers, engine, client, mode
 ) -> None:
@@ -393,6 +385,7 @@ async def test_a_skipped_shard_stays_skipped_after_its_workflow_is_terminated(
         assert not [c for c in recorder.calls if c.category == Category.MEMBER_UPDATE]
         status = await status_of(client, handle.id)
         assert status.state == "skipped", status
+        assert status.skip is not None and "resume" in status.skip.reason, status
         await handle.execute_update("resume", ResumeInput(by="ops"), result_type=ShardStatus)
         await wait_until(lambda: table_empty(engine, app), what="delivery after resume")
 

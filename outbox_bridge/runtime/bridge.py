@@ -95,6 +95,7 @@ class Bridge:
         options: BridgeOptions,
         starter: ShardStarter,
         supervisor: PartitionSupervisor | None = None,
+        held: PartitionSupervisor | None = None,
         hub: ShardHub | None = None,
     ) -> None:
         self._app = app
@@ -104,6 +105,9 @@ class Bridge:
         self._options = options
         self._starter = starter
         self._supervisor = supervisor  # set: on demand, partitions drain healthy shards
+        # Every shard its own workflow (always): still, a skipped shard whose workflow ended
+        # starts again skipped (the skip is kept in the owner table).
+        self._held = held
         self._known: dict[ShardKey, int] = {}
         self._last_min: dict[ShardKey, int] = {}
         self._watermark: dict[str, int] = {}
@@ -330,6 +334,8 @@ class Bridge:
         if self._supervisor is not None:
             await self._supervisor.ensure_partitions()
             await self._supervisor.check_held()
+        elif self._held is not None:
+            await self._held.check_held(skipped_only=True)
         for table in self._tables():
             if self._supervisor is not None and metrics is None:
                 continue  # the partitions find the rows; only the metrics need the aggregate

@@ -160,13 +160,15 @@ class ShardStarter:
         self.options = options
         self.skip_shards = skip_shards
 
-    def _arguments(self, shard: ShardRef, max_id: int, traffic: bool) -> dict[str, Any]:
+    def _arguments(
+        self, shard: ShardRef, max_id: int, traffic: bool, skip: SkipInfo | None = None
+    ) -> dict[str, Any]:
         return start_arguments(
             shard,
             self.options,
             self.task_queue,
             max_id=max_id,
-            skip=static_skip(shard, self.skip_shards),
+            skip=skip or static_skip(shard, self.skip_shards),
             traffic=traffic,
         )
 
@@ -185,12 +187,18 @@ class ShardStarter:
         return True
 
     async def notify(
-        self, shard: ShardRef, max_id: int, *, late: bool = False, traffic: bool = False
+        self,
+        shard: ShardRef,
+        max_id: int,
+        *,
+        late: bool = False,
+        traffic: bool = False,
+        skip: SkipInfo | None = None,
     ) -> bool:
         """Tell the shard's workflow of rows up to ``max_id``, starting it if it is not
-        running. False if Temporal did not take it."""
+        running (skipped, if ``skip`` is given). False if Temporal did not take it."""
         return await self._signal_with_start(
-            shard, max_id, traffic, "notify", NotifyInput(max_id=max_id, late=late)
+            shard, max_id, traffic, "notify", NotifyInput(max_id=max_id, late=late), skip
         )
 
     async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
@@ -208,12 +216,18 @@ class ShardStarter:
         return True
 
     async def _signal_with_start(
-        self, shard: ShardRef, max_id: int, traffic: bool, signal: str, argument: object
+        self,
+        shard: ShardRef,
+        max_id: int,
+        traffic: bool,
+        signal: str,
+        argument: object,
+        skip: SkipInfo | None = None,
     ) -> bool:
         try:
             await self.client.start_workflow(
                 WORKFLOW,
-                **self._arguments(shard, max_id, traffic),
+                **self._arguments(shard, max_id, traffic, skip),
                 start_signal=signal,
                 start_signal_args=[argument],
             )

@@ -38,12 +38,14 @@ from outbox_bridge.runtime.shards import (
 )
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
+    HeldFor,
     PartitionInput,
     PartitionOptions,
     PartitionRef,
     ShardRef,
     ShardState,
     ShardStatus,
+    SkipInfo,
 )
 
 log = logging.getLogger("outbox_bridge.runtime.supervisor")
@@ -124,9 +126,11 @@ class PartitionSupervisor:
 
     # -- held shards ------------------------------------------------------------------------------
 
-    async def check_held(self) -> None:
-        """Start the workflow of every held shard that has rows and no running workflow, and
-        wake a deferred one whose head is due now."""
+    async def check_held(self, *, skipped_only: bool = False) -> None:
+        """Start the workflow of every held shard that has rows and no running workflow (a
+        skipped one skipped again), and wake a deferred one whose head is due now. With
+        ``skipped_only`` (every shard with rows has its own workflow: the bridge's sweep
+        starts the rest), only the skipped shards."""
         running = await self._running_shard_states()
         if running is None:
             return
@@ -138,6 +142,8 @@ class PartitionSupervisor:
                 log.warning("cannot read the held shards of %s: %s", table, exc)
                 continue
             for shard in held:
+                if skipped_only and shard.held_for != HeldFor.SKIPPED:
+                    continue
                 if shard.head is not None and self._wanted(shard):
                     await self._check(self._ref(table, shard), shard, running)
 
@@ -156,7 +162,16 @@ class PartitionSupervisor:
                 iso_utc(shard.since),
             )
             self.restarted += 1
-            await self._starter.notify(ref, 0, late=True)
+            skip = None
+            if shard.held_for == HeldFor.SKIPPED:
+                # The table keeps the skip, not who took it or why: that was the workflow's.
+                skip = SkipInfo(
+                    reason="skipped before its workflow ended (the skip is kept in the "
+                    "owner table); resume the shard to drain it",
+                    by="outbox-bridge",
+                    at=iso_utc(shard.since),
+                )
+            await self._starter.notify(ref, 0, late=True, skip=skip)
         elif state == ShardState.DEFERRED and shard.head is not None and shard.head.due:
             log.info("shard %s waits for a deferred row, but its head is due: waking it", ref.key)
             await self._starter.notify(ref, 0, late=True)

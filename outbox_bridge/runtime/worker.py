@@ -195,18 +195,16 @@ async def serve(
             options=settings.shard_options(),
             skip_shards=skip_shards,
         )
-        supervisor = None
-        if settings.on_demand:
-            supervisor = PartitionSupervisor(
-                app=app,
-                engine=engine,
-                client=client,
-                starter=starter,
-                task_queue=settings.task_queue,
-                partitions=settings.partitions,
-                options=settings.partition_options(skip_shards),
-                regions=settings.regions,
-            )
+        supervisor = PartitionSupervisor(
+            app=app,
+            engine=engine,
+            client=client,
+            starter=starter,
+            task_queue=settings.task_queue,
+            partitions=settings.partitions,
+            options=settings.partition_options(skip_shards),
+            regions=settings.regions,
+        )
         bridge = Bridge(
             app=app,
             engine=engine,
@@ -222,7 +220,8 @@ async def serve(
                 linger=settings.linger,
             ),
             starter=starter,
-            supervisor=supervisor,
+            supervisor=supervisor if settings.on_demand else None,
+            held=supervisor,
             hub=hub,
         )
         flush_worker = build_flush_worker(client, settings, drains)

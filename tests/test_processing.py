@@ -887,3 +887,42 @@ async def test_a_region_filter_leaves_the_other_regions_alone_through_a_sweep(
     for shard in (1, 2):
         with pytest.raises(RPCError, match="not found"):
             await client.get_workflow_handle(f"outbox:{table}:eu:ORGANIZATION:{shard}").describe()
+
+
+async def test_notified_rows_reach_fresh_and_just_drained_shards(servers, engine) -> None:
+    """On demand, with the partitions' scans and the sweep an hour apart, only the in-process
+    notification can bring a row to its partition: a row in a fresh shard, in a shard that was
+    just drained (its round may still be writing), and rows of many shards written while
+    rounds run are all handled, each shard in order and once."""
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    settings = fast_settings(poll_interval=3600.0, sweep_interval=3600.0)
+
+    def handled(*ids: int) -> bool:
+        return set(ids) <= set(recorder.ids())
+
+    async with running_worker(servers, app, settings):
+        [first] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+        await wait_until(partial(handled, first), what="a row in a fresh shard")
+        again = first
+        for obj in range(2, 7):  # each written as soon as the one before it was handled
+            [again] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, obj)])
+            await wait_until(partial(handled, again), what="a row in a just-drained shard")
+        burst = [
+            new_id
+            for obj in range(3)
+            for shard in range(10, 40)
+            for new_id in await write_rows(
+                engine, app, [row(Category.PROJECT_UPDATE, shard, 100 + obj)]
+            )
+        ]
+        await wait_until(partial(handled, *burst), what="rows of many shards")
+        await wait_until(lambda: table_empty(engine, app), what="every row deleted")
+    by_shard: defaultdict[str, list[int]] = defaultdict(list)
+    for call in recorder.calls:
+        by_shard[call.shard].append(call.id)
+    assert again in recorder.ids()
+    assert all(ids == sorted(ids) for ids in by_shard.values())
+    assert len(recorder.ids()) == len(set(recorder.ids()))

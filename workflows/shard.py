@@ -81,6 +81,14 @@ FLUSH_QUEUE_PATCH = "flush-check-queue"
 RETRY_SCHEDULE_PATCH = "blocked-retry-schedule"
 # A blocked shard whose head an operator changed tries it again at once (signal ``recheck``).
 RECHECK_HEAD_PATCH = "recheck-blocked-head"
+# Every patch above is decided once, in the run's first activation. A patch asked for later
+# (after a local drain returned, say) is replayed right only if its marker lies in the very
+# workflow task that asks, and a local activity's result can reach the workflow one task later
+# than its replay delivers it (a query answered with the task that recorded the marker makes
+# the server start a new task for the result); the run then fails every task it replays. A
+# run with this marker has every behaviour above; a new behaviour goes behind a new patch
+# asked for here too, implying this one.
+PATCHES_AT_START_PATCH = "patches-at-start"
 BACKOFF_COEFFICIENT = 2.0
 
 
@@ -115,6 +123,8 @@ class OutboxShard:
         self._blocked_at: datetime | None = None  # when this run's category activity began
         self._retry_from = self._options.initial_retry_seconds
         self._recheck = False  # the head in the table changed while this run was blocked
+        # Decided in the first activation, so that no later task's timing decides a patch.
+        self._patched_at_start = workflow.patched(PATCHES_AT_START_PATCH)
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -123,7 +133,7 @@ class OutboxShard:
         self._publish()
         if self._s.head is not None or self._s.skip is not None or self._deferred_until:
             # Carried over a continue-as-new (or started skipped): this run waits like the last.
-            self._waiting_can_continue = workflow.patched(CONTINUE_WHILE_WAITING_PATCH)
+            self._waiting_can_continue = self._patched(CONTINUE_WHILE_WAITING_PATCH)
         while True:
             if self._may_continue_as_new():
                 workflow.continue_as_new(
@@ -179,9 +189,14 @@ class OutboxShard:
         """While waiting: whether to stop waiting and continue as new."""
         return self._waiting_can_continue and self._may_continue_as_new()
 
+    def _patched(self, patch: str) -> bool:
+        """Whether the run has the behaviour behind ``patch``: at once if the run decided its
+        patches at its start, else asked where the behaviour begins (as older runs did)."""
+        return self._patched_at_start or workflow.patched(patch)
+
     def _enable_continue_while_waiting(self) -> None:
         if not self._waiting_can_continue:
-            self._waiting_can_continue = workflow.patched(CONTINUE_WHILE_WAITING_PATCH)
+            self._waiting_can_continue = self._patched(CONTINUE_WHILE_WAITING_PATCH)
 
     async def _stay_skipped(self) -> None:
         self._enable_continue_while_waiting()
@@ -204,7 +219,7 @@ class OutboxShard:
             self._dirty = True
 
     def _holds_skips(self) -> bool:
-        return workflow.patched(HOLD_WHEN_SKIPPED_PATCH)
+        return self._patched(HOLD_WHEN_SKIPPED_PATCH)
 
     async def _hold(self, held_for: HeldFor, *, release: bool = False) -> None:
         """Record in the table that this workflow holds the shard (or, with ``release``, no
@@ -311,7 +326,7 @@ class OutboxShard:
             self._s.traffic
             and not owns  # on demand, the partitions take steady traffic
             and self._options.linger_seconds > 0
-            and workflow.patched(LINGER_ACTIVITY_PATCH)
+            and self._patched(LINGER_ACTIVITY_PATCH)
         ):
             lingered = await self._linger()
             if lingered is not None or self._s.skip is not None:
@@ -347,7 +362,7 @@ class OutboxShard:
             # the server retries without adding history and the UI shows as pending. (A local
             # activity's last failure reaches the workflow as the ApplicationError itself;
             # before this was caught, it failed the run and the bridge had to start another.)
-            if not workflow.patched(LOCAL_DRAIN_FALLBACK_PATCH):
+            if not self._patched(LOCAL_DRAIN_FALLBACK_PATCH):
                 raise
             remote = workflow.start_activity(
                 "drain_shard",
@@ -449,7 +464,7 @@ class OutboxShard:
         must continue as new first (carrying the same schedule), and returns at once when
         the head changed (``recheck``)."""
         s = self._s
-        if s.next_attempt_at is None or not workflow.patched(RETRY_SCHEDULE_PATCH):
+        if s.next_attempt_at is None or not self._patched(RETRY_SCHEDULE_PATCH):
             return True
         remaining = (datetime.fromisoformat(s.next_attempt_at) - workflow.now()).total_seconds()
         if remaining > 0:
@@ -553,7 +568,7 @@ class OutboxShard:
     def recheck(self, input: RecheckInput) -> None:
         """The bridge saw that the head in the table is no longer the group this shard is
         blocked on: try the head again now (the activity finds out what it is)."""
-        if self._state == ShardState.BLOCKED and workflow.patched(RECHECK_HEAD_PATCH):
+        if self._state == ShardState.BLOCKED and self._patched(RECHECK_HEAD_PATCH):
             self._recheck = True
 
     @workflow.signal
@@ -589,7 +604,7 @@ class OutboxShard:
         request = FlushCheckInput(self._shard, up_to, input.timeout_seconds)
         bound = timedelta(seconds=input.timeout_seconds + 10)
         check: ActivityHandle[FlushCheck]
-        if workflow.patched(FLUSH_QUEUE_PATCH):
+        if self._patched(FLUSH_QUEUE_PATCH):
             check = workflow.start_activity(
                 "flush_check",
                 request,
@@ -756,7 +771,7 @@ class OutboxShard:
             else None,
         ]
         changed = [update for update in updates if update is not None]
-        if changed and workflow.patched(STATE_ATTRIBUTES_PATCH):
+        if changed and self._patched(STATE_ATTRIBUTES_PATCH):
             workflow.upsert_search_attributes(changed)
 
     def _publish(self) -> None:

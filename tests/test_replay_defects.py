@@ -11,15 +11,16 @@ patch) in the first task already, so the marker finds no matching command, and t
 workflow is stuck.
 
 The cause: task 8 completed with the drain's marker and asked the server for a new task
-(event 11 was started by that completion) instead of going on with the result. The SDK's core
-does so when it answers a query in the same completion while a local activity's result is not
-yet given to the workflow (the bridge's supervisor queries shard workflows, and the queries
-made while the first task was lost come with the next one). A replay has no query: it gives
-the result in the task that recorded its marker, one task earlier than the run had it. Commands
+(event 11 was started by that completion) before the workflow had the result. The SDK's core
+forces a new task so when it answers a query in the completion while a local activity's result
+is not yet given to the workflow (the bridge's supervisor queries shard workflows), or when a
+local activity outlives 80% of the task timeout (not the case here: the task took 1.2 s); the
+history does not record which. A replay gives the result in the task that recorded its
+marker, one task earlier than the run had it. Commands
 still match in order across that boundary, but ``workflow.patched`` during replay is true only
 if the marker lies in the very task that asks, so the first patch asked for after a local
 activity's result is refused. The workflow now decides its patches in a run's first activation
-(``patches-at-start``), which no query moves. The recorded history itself was written by code
+(``patches-at-start``), which no such task boundary moves. The recorded history itself was written by code
 that asked later, and no workflow code can tell, when the replay gives the drain's result,
 that the run had it one task later: it stays a defect (strict xfail); the same race under the
 current code is shown to replay by the history derived from it.

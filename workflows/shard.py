@@ -84,10 +84,10 @@ RECHECK_HEAD_PATCH = "recheck-blocked-head"
 # Every patch above is decided once, in the run's first activation. A patch asked for later
 # (after a local drain returned, say) is replayed right only if its marker lies in the very
 # workflow task that asks, and a local activity's result can reach the workflow one task later
-# than its replay delivers it (a query answered with the task that recorded the marker makes
-# the server start a new task for the result); the run then fails every task it replays. A
-# run with this marker has every behaviour above; a new behaviour goes behind a new patch
-# asked for here too, implying this one.
+# than its replay delivers it (the SDK's core completes a task with the marker and asks for
+# a new one before handing the result over, e.g. when it answers a query in that completion);
+# the run then fails every task it replays. A run with this marker has every behaviour
+# above; a new behaviour goes behind a new patch asked for here too, implying this one.
 PATCHES_AT_START_PATCH = "patches-at-start"
 BACKOFF_COEFFICIENT = 2.0
 

@@ -4,6 +4,7 @@ entry point and an ini option, and in examples/testing run as a project of its o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -17,6 +18,8 @@ from sqlalchemy import func, select
 
 from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.testing.plugin import DATABASE_URL_ENV, TEMPORAL_ADDRESS_ENV
+from outbox_bridge.testing.worker import OutboxWorker, worker_settings
+from outbox_bridge.workflows.models import PartitionInput, PartitionRef
 from tests.harness import Category, Recorder, make_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,3 +303,31 @@ def test_the_testing_example_runs_as_a_users_project(tmp_path: Path, servers) ->
     ):
         assert test in result.stdout, result.stdout
     assert "6 passed" in result.stdout, result.stdout
+
+
+async def test_a_worker_ends_partitions_left_on_another_task_queue(
+    outbox_app, outbox_database, outbox_temporal, _outbox_loop, client
+) -> None:
+    """Partition ids name the table, not the task queue: partitions that an earlier worker left
+    running on a queue nobody polls would be found and kept by the next test's worker, and its
+    rows never drained. The toolkit's worker ends them before it starts."""
+    settings = worker_settings()
+    for n in range(settings.partitions):
+        ref = PartitionRef(next(iter(outbox_app.tables)), n, settings.partitions, None)
+        await client.start_workflow(
+            "OutboxPartition",
+            PartitionInput(ref, settings.partition_options(frozenset())),
+            id=ref.workflow_id,
+            task_queue="nobody-polls-this",
+        )
+    worker = OutboxWorker(outbox_app, outbox_database, outbox_temporal.address, _outbox_loop)
+    worker.start()
+    try:
+        with outbox_database.engine.begin() as conn:
+            row = outbox_app.write(
+                conn, category=Category.USER_UPDATE, shard_identifier=6, object_identifier=6
+            )
+        await asyncio.to_thread(worker.wait_handled, row, timeout=30)
+    finally:
+        await asyncio.to_thread(worker.stop)
+    assert RECORDER.ids() == [row]

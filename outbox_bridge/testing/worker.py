@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import SecretStr
 from sqlalchemy import ColumnElement, Table, and_, func, select
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge.config import OutboxSettings
@@ -92,6 +92,7 @@ class OutboxWorker:
         address = self.settings.temporal_address
         assert address is not None
         self.client = await connect(self.settings, address)
+        await self._end_partitions_of_other_queues()
         self._stop = asyncio.Event()
         ready = asyncio.Event()
         self._task = asyncio.create_task(
@@ -130,16 +131,37 @@ class OutboxWorker:
         finally:
             await self._terminate_workflows()
 
-    async def _terminate_workflows(self) -> None:
-        client = self.client
-        if client is None:
-            return
+    def _partition_ids(self) -> list[str]:
         regions = tuple(sorted(self.settings.regions)) if self.settings.regions else None
-        known = [
+        return [
             PartitionRef(table, n, self.settings.partitions, regions).workflow_id
             for table in self.app.tables
             for n in range(self.settings.partitions)
         ]
+
+    async def _end_partitions_of_other_queues(self) -> None:
+        """Partition workflow ids name the table, not the task queue: a worker that stopped
+        without ending its partitions (a test's ``worker.py`` run, a crash) leaves them on a
+        queue nobody polls, where this worker would find and keep them. On a test server they
+        are ended first."""
+        assert self.client is not None
+        for workflow_id in self._partition_ids():
+            handle = self.client.get_workflow_handle(workflow_id)
+            try:
+                description = await handle.describe()
+                if (
+                    description.status == WorkflowExecutionStatus.RUNNING
+                    and description.task_queue != self.task_queue
+                ):
+                    await handle.terminate("left running by an earlier worker of the tests")
+            except RPCError:
+                pass  # never started, or ended meanwhile
+
+    async def _terminate_workflows(self) -> None:
+        client = self.client
+        if client is None:
+            return
+        known = self._partition_ids()
         query = f"ExecutionStatus = 'Running' AND TaskQueue = '{self.task_queue}'"
         quiet = 0
         deadline = time.monotonic() + 15

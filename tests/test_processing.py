@@ -369,6 +369,14 @@ async def test_a_skipped_shard_stays_skipped_after_its_workflow_is_terminated(
     handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 6))
     async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
         await wait_until(lambda: gate.failures >= 1, what="a blocked head")
+
+        async def blocked() -> bool:  # on demand, once the partition has handed it over
+            try:
+                return (await status_of(client, handle.id)).state == "blocked"
+            except RPCError:
+                return False
+
+        await wait_until(blocked, what="the shard's own workflow, blocked")
         await handle.execute_update(
             "skip", SkipInput(reason="under investigation", by="ops"), result_type=ShardStatus
         )

@@ -57,7 +57,7 @@ from outbox_bridge.observability.backlog import observe_backlog, observe_shard_s
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer, context_of
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, ShardKey
+from outbox_bridge.runtime.hub import ShardHub, ShardKey, ref_of
 from outbox_bridge.runtime.notifications import Notification, parse_notification
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
@@ -488,13 +488,7 @@ class Bridge:
         return found
 
     def shard_ref(self, key: ShardKey) -> ShardRef:
-        return ShardRef(
-            table=key.table,
-            scope=key.scope,
-            scope_name=self._app.scope_name(key.scope),
-            shard_identifier=key.shard_identifier,
-            region=key.region,
-        )
+        return ref_of(key, self._app)
 
     async def _signal(
         self,

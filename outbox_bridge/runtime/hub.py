@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from outbox_bridge.workflows.models import ShardRef
+
+if TYPE_CHECKING:
+    from outbox_bridge.registry import OutboxApp
 
 
 class ShardKey(NamedTuple):
@@ -33,6 +36,17 @@ class ShardKey(NamedTuple):
 
 def key_of(shard: ShardRef) -> ShardKey:
     return ShardKey(shard.table, shard.region, shard.scope, shard.shard_identifier)
+
+
+def ref_of(key: ShardKey, app: OutboxApp) -> ShardRef:
+    """The shard of ``key``, with its scope's name from ``app`` (the inverse of :func:`key_of`)."""
+    return ShardRef(
+        table=key.table,
+        scope=key.scope,
+        scope_name=app.scope_name(key.scope),
+        shard_identifier=key.shard_identifier,
+        region=key.region,
+    )
 
 
 def partition_of(key: ShardKey, partitions: int) -> int:

@@ -41,6 +41,7 @@ from outbox_bridge.runtime.hub import (
     ShardKey,
     key_of,
     partition_of,
+    ref_of,
 )
 from outbox_bridge.runtime.shards import ShardStarter
 from outbox_bridge.workflows.models import (
@@ -211,17 +212,8 @@ class PartitionDrain:
                 continue
             del self._queue[key]
             self._in_flight.add(key)
-            shards.append(self._shard(key))
+            shards.append(ref_of(key, self._app))
         return shards
-
-    def _shard(self, key: ShardKey) -> ShardRef:
-        return ShardRef(
-            table=key.table,
-            scope=key.scope,
-            scope_name=self._app.scope_name(key.scope),
-            shard_identifier=key.shard_identifier,
-            region=key.region,
-        )
 
     # -- finding shards with rows --------------------------------------------------------------
 
@@ -272,8 +264,10 @@ class PartitionDrain:
         ages = await read_row_ages(conn, self._table, [r.min_id for r in {*deepest, *oldest}])
 
         def shown(r: ShardRange) -> ShardBacklog:
-            key = self._shard(ShardKey(self._table.name, r.region, r.scope, r.shard_identifier))
-            return ShardBacklog(key.key, r.rows, round(ages.get(r.min_id, 0.0), 1))
+            key = ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)
+            return ShardBacklog(
+                ref_of(key, self._app).key, r.rows, round(ages.get(r.min_id, 0.0), 1)
+            )
 
         self._stats.deepest = [shown(r) for r in deepest]
         self._stats.oldest = [shown(r) for r in oldest]

@@ -705,6 +705,38 @@ async def test_shards_in_the_static_skip_list_start_skipped(servers, engine, cli
     assert recorder.ids() == [other, listed]
 
 
+@MODES
+async def test_a_listed_shard_restarted_by_the_sweep_is_still_skipped_by_configuration(
+    servers, engine, client, mode
+) -> None:
+    """The sweep restarts a held, skipped shard that has no workflow (here terminated by hand;
+    also a partition's handover not started yet): a shard the skip_shards setting lists says
+    so, rather than an anonymous skip kept in the owner table."""
+    recorder, table, app = await fresh_app(engine)
+    [listed] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 1)])
+    handle = client.get_workflow_handle(workflow_id(table, Scope.ORGANIZATION, 3))
+    settings = fast_settings(skip_shards=["ORGANIZATION:3"], shard_workflows=mode)
+    async with running_worker(servers, app, settings):
+
+        async def skipped() -> bool:
+            try:
+                return (await status_of(client, handle.id)).state == "skipped"
+            except RPCError:
+                return False
+
+        await wait_until(skipped, what="the listed shard skipped")
+        terminated = (await handle.describe()).run_id
+        await handle.terminate(reason="an operator terminated it by hand")
+
+        async def restarted() -> bool:
+            return bool((await handle.describe()).run_id != terminated) and await skipped()
+
+        await wait_until(restarted, timeout=30, what="the sweep to start the workflow again")
+        status = await status_of(client, handle.id)
+        assert status.skip is not None and status.skip.by == "configuration", status
+        assert listed not in recorder.ids()
+
+
 def test_a_static_skip_naming_no_shard_is_refused() -> None:
     from outbox_bridge import ConfigurationError, RegistryError
     from outbox_bridge.runtime.shards import static_skips

@@ -35,6 +35,7 @@ from outbox_bridge.runtime.shards import (
     WORKFLOW,
     ShardStarter,
     blocked_on_another_head,
+    static_skip,
 )
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
@@ -164,8 +165,10 @@ class PartitionSupervisor:
             self.restarted += 1
             skip = None
             if shard.held_for == HeldFor.SKIPPED:
-                # The table keeps the skip, not who took it or why: that was the workflow's.
-                skip = SkipInfo(
+                # The table keeps the skip, not who took it or why: that was the workflow's,
+                # unless the skip_shards setting lists the shard (a partition may hold a listed
+                # shard and this sweep see it before the partition's handover starts it).
+                skip = static_skip(ref, self._starter.skip_shards) or SkipInfo(
                     reason="skipped before its workflow ended (the skip is kept in the "
                     "owner table); resume the shard to drain it",
                     by="outbox-bridge",

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import asyncio
 import logging
+import warnings
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,13 @@ from temporalio.client import Client
 
 from outbox_bridge.testing import PostgresServer, TemporalServer
 from tests.django_support import point_django_at
-from tests.harness import Servers, connect_client, new_engine, start_servers
+from tests.harness import (
+    Servers,
+    ServerRestartWarning,
+    connect_client,
+    new_engine,
+    start_servers,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -138,15 +147,47 @@ def no_telemetry_left_installed(request: pytest.FixtureRequest) -> Iterator[None
         )
 
 
+# The servers this process started for the session (one set per xdist worker).
+SESSION_SERVERS: list[Servers] = []
+LOG_TAIL_LINES = 30
+
+
 @pytest.fixture(scope="session")
 async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Servers]:
     started = await start_servers(tmp_path_factory.mktemp("servers"))
+    SESSION_SERVERS.append(started)
     try:
         yield started
     finally:
+        SESSION_SERVERS.remove(started)
         started.temporal.stop()
         if started.postgres is not None:
             started.postgres.stop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """If the session's Temporal dev server has exited, say so with the end of its log (in the
+    warnings summary: the test that was running when it died has failed on its own) and start
+    it again on the same address, so that one dead server does not fail every later test."""
+    for started in SESSION_SERVERS:
+        temporal = started.temporal
+        code = temporal.exit_code()
+        if code is None:
+            continue
+        log_file = temporal.data_dir / "temporal.log"
+        lines = log_file.read_text(errors="replace").splitlines() if log_file.exists() else []
+        tail = "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty)"
+        with ThreadPoolExecutor(1) as pool:  # outside the session's event loop
+            pool.submit(asyncio.run, temporal.start(timeout=60)).result()
+        warnings.warn(
+            ServerRestartWarning(
+                f"the session's Temporal dev server at {started.temporal_address} had exited "
+                f"with code {code} before {item.nodeid}; it was started again. The end of its "
+                f"log ({log_file}):\n{tail}"
+            ),
+            stacklevel=1,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,11 @@ SCOPES: Mapping[IntEnum, Iterable[IntEnum]] = {
 }
 
 
+class ServerRestartWarning(UserWarning):
+    """A session server had died and was started again (tests/conftest.py); shown in the
+    warnings summary, not turned into an error: the test it died under fails on its own."""
+
+
 @dataclass
 class Servers:
     database_url: str

@@ -244,6 +244,10 @@ class EmbeddedTemporal:
             process.wait()
         self.pid_file.unlink(missing_ok=True)
 
+    def exit_code(self) -> int | None:
+        """The server's exit code if it was started and has exited since, else None."""
+        return None if self._process is None else self._process.poll()
+
     def kill(self) -> None:
         """Kill the server as a crash would (tests)."""
         if self._process is not None:

@@ -15,8 +15,8 @@ from temporalio.client import Client
 from outbox_bridge.testing import PostgresServer, TemporalServer
 from tests.django_support import point_django_at
 from tests.harness import (
-    Servers,
     ServerRestartWarning,
+    Servers,
     connect_client,
     new_engine,
     start_servers,

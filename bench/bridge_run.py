@@ -3,7 +3,7 @@
 Nothing in the core is tuned: settings are :class:`OutboxSettings` defaults except a unique task
 queue, ``idle_timeout`` (the default 0: shard workflows close once empty, so their histories
 can be counted), ``shard_workflows`` (``on-demand``, the default, or ``always``) and ``listen``
-for the poll-only latency run. (``--delete-chunk-groups`` and the like change constants of the
+for the poll-only latency run. (``--max-undeleted-groups`` and the like change constants of the
 runtime for an A/B run: see :mod:`bench.tuning`.)
 """
 

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -182,7 +183,8 @@ class GcTimer:
 
 
 def _sampler(pid: int, output: Path, fmt: str, rate: int) -> subprocess.Popen[bytes]:
-    spy = shutil.which("py-spy")
+    # This environment's scripts first: py-spy installed in a venv that is not activated.
+    spy = shutil.which("py-spy", path=sysconfig.get_path("scripts")) or shutil.which("py-spy")
     if spy is None:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     command = [spy, "record", "--pid", str(pid), "--format", fmt, "--output", str(output)]
@@ -258,9 +260,8 @@ def _header(
     cpu = extra.get("cpu_s") or {}
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in cpu.items() if v is not None)
     tuned = "".join(f" --partition-option {o}" for o in args.partition_option)
-    for flag in ("delete_chunk_groups", "delete_chunk_seconds"):
-        if getattr(args, flag) is not None:
-            tuned += f" --{flag.replace('_', '-')} {getattr(args, flag)}"
+    if args.max_undeleted_groups is not None:
+        tuned += f" --max-undeleted-groups {args.max_undeleted_groups}"
     return (
         f"python -m bench.profile {args.workload} --scale {args.scale} --temporal "
         f"{args.temporal} --shard-workflows {args.shard_workflows}{tuned}\n"

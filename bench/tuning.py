@@ -2,9 +2,9 @@
 
 The worker runs in the benchmark's process, so a run can set, for itself alone:
 
-- ``delete_chunk_groups`` / ``delete_chunk_seconds``: how many handled groups (or how long
-  after the first of them) a drain round waits before deleting them
-  (:data:`outbox_bridge.runtime.batch.DELETE_CHUNK_GROUPS` and ``DELETE_CHUNK_SECONDS``);
+- ``max_undeleted_groups``: how many groups the worker's drain rounds may have handled and not
+  deleted before they take no further group
+  (:data:`outbox_bridge.runtime.batch.MAX_UNDELETED_GROUPS`, what a kill -9 repeats);
 - ``partition_options``: fields of the :class:`~outbox_bridge.workflows.models.PartitionOptions`
   the bridge hands its partitions (``max_shards``, ``max_groups``, ``max_rounds``, ...).
 
@@ -29,21 +29,19 @@ PARTITION_FIELDS = {f.name: f.type for f in dataclasses.fields(PartitionOptions)
 
 @dataclass(frozen=True)
 class Tuning:
-    delete_chunk_groups: int | None = None
-    delete_chunk_seconds: float | None = None
+    max_undeleted_groups: int | None = None
     partition_options: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """What this run changed, and the values in force (for the results)."""
         return {
-            "delete_chunk_groups": self.delete_chunk_groups or batch.DELETE_CHUNK_GROUPS,
-            "delete_chunk_seconds": self.delete_chunk_seconds or batch.DELETE_CHUNK_SECONDS,
+            "max_undeleted_groups": self.max_undeleted_groups or batch.MAX_UNDELETED_GROUPS,
             "partition_options_changed": dict(self.partition_options),
         }
 
     @property
     def changed(self) -> bool:
-        return bool(self.delete_chunk_groups or self.delete_chunk_seconds or self.partition_options)
+        return bool(self.max_undeleted_groups or self.partition_options)
 
 
 def parse_partition_option(text: str) -> tuple[str, Any]:
@@ -63,16 +61,10 @@ def parse_partition_option(text: str) -> tuple[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command-line options of an A/B run."""
     parser.add_argument(
-        "--delete-chunk-groups",
+        "--max-undeleted-groups",
         type=int,
         default=None,
-        help="A/B runs: delete handled rows once this many groups are waiting (default 10)",
-    )
-    parser.add_argument(
-        "--delete-chunk-seconds",
-        type=float,
-        default=None,
-        help="A/B runs: or this long after the first of them (default 0.05)",
+        help="A/B runs: groups the drains may have handled and not deleted (default 10)",
     )
     parser.add_argument(
         "--partition-option",
@@ -89,22 +81,18 @@ def from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         options = dict(parse_partition_option(o) for o in args.partition_option)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.delete_chunk_groups is not None and args.delete_chunk_groups < 1:
-        parser.error("--delete-chunk-groups must be at least 1")
-    if args.delete_chunk_seconds is not None and args.delete_chunk_seconds <= 0:
-        parser.error("--delete-chunk-seconds must be positive")
-    return Tuning(args.delete_chunk_groups, args.delete_chunk_seconds, options)
+    if args.max_undeleted_groups is not None and args.max_undeleted_groups < 1:
+        parser.error("--max-undeleted-groups must be at least 1")
+    return Tuning(args.max_undeleted_groups, options)
 
 
 @contextlib.contextmanager
 def applied(tuning: Tuning) -> Iterator[None]:
     """Set the constants of ``tuning`` for the duration of the block."""
-    saved = (batch.DELETE_CHUNK_GROUPS, batch.DELETE_CHUNK_SECONDS)
+    saved = batch.MAX_UNDELETED_GROUPS
     original = OutboxSettings.partition_options
-    if tuning.delete_chunk_groups is not None:
-        batch.DELETE_CHUNK_GROUPS = tuning.delete_chunk_groups
-    if tuning.delete_chunk_seconds is not None:
-        batch.DELETE_CHUNK_SECONDS = tuning.delete_chunk_seconds
+    if tuning.max_undeleted_groups is not None:
+        batch.MAX_UNDELETED_GROUPS = tuning.max_undeleted_groups
     if tuning.partition_options:
 
         def partition_options(self: OutboxSettings, *args: Any, **kwargs: Any) -> PartitionOptions:
@@ -114,5 +102,5 @@ def applied(tuning: Tuning) -> Iterator[None]:
     try:
         yield
     finally:
-        batch.DELETE_CHUNK_GROUPS, batch.DELETE_CHUNK_SECONDS = saved
+        batch.MAX_UNDELETED_GROUPS = saved
         OutboxSettings.partition_options = original  # type: ignore[method-assign]

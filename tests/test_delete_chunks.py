@@ -1,11 +1,11 @@
 """What the drains have handled but not deleted yet: the groups that a kill -9 at that moment
 makes run again (the design contract, invariant 5: docs/explanation/contract.md).
 
-A round deletes what it handled in chunks (DELETE_CHUNK_GROUPS groups, or after
-DELETE_CHUNK_SECONDS), and no round takes a further group while the worker's rounds together
-have a chunk handled and not deleted: a crash repeats about a chunk of groups however slow the
-deletes are and however many rounds run (docs/explanation/processing.md, "Delete, on the
-fence").
+A round deletes what it handled as soon as its connection is free (what is handled meanwhile
+goes with the next delete), and no round takes a further group while the worker's rounds
+together have MAX_UNDELETED_GROUPS handled and not deleted: a crash repeats about that many
+groups however slow the deletes are and however many rounds run (docs/explanation/processing.md,
+"Delete, on the fence").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.runtime.batch import DELETE_CHUNK_GROUPS, DrainEngine
+from outbox_bridge.runtime.batch import MAX_UNDELETED_GROUPS, DrainEngine
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import SCOPES, Category, Scope, create_tables, unique_table, write_rows
@@ -133,7 +133,7 @@ async def drain_in_rounds(drain: DrainEngine, app: OutboxApp, rounds: list[list[
     [(1, 1, 100, 2), (4, 1, 40, 5), (1, 40, 5, 2)],
     ids=["1-round", "4-rounds", "40-shards-2-threads"],
 )
-async def test_the_drains_handle_about_a_chunk_of_groups_ahead_of_their_deletes(
+async def test_the_drains_handle_at_most_a_few_groups_ahead_of_their_deletes(
     engine, sync: bool, rounds: int, shards: int, groups: int, threads: int
 ) -> None:
     """``rounds`` rounds of ``shards`` shards each, ``groups`` groups in each shard, ``threads``
@@ -151,7 +151,7 @@ async def test_the_drains_handle_about_a_chunk_of_groups_ahead_of_their_deletes(
         handlers.close()
     assert len(calls) == rounds * shards * groups
     assert await rows_left(engine, table) == 0
-    # A chunk, and the calls that other threads had under way when it was reached.
-    assert 0 < most[0] <= DELETE_CHUNK_GROUPS + threads - 1, (
+    # The bound, and the calls that other threads had under way when it was reached.
+    assert 0 < most[0] <= MAX_UNDELETED_GROUPS + threads - 1, (
         f"{most[0]} groups handled ahead of their delete"
     )

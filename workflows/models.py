@@ -359,7 +359,11 @@ class PartitionOptions:
 
     round_seconds: float = 60.0  # one drain activity runs this long, then reports
     max_shards: int = 200  # shards locked and read together in one round
-    max_groups: int = 100  # groups of one shard per round
+    # Groups of one shard per round (more when the round has fewer shards): a round reads no
+    # more than the worker handles in its time budget, since every round waits for room under
+    # the worker's bound on groups handled and not deleted, and a round's unhandled reads are
+    # thrown away.
+    max_groups: int = 10
     time_budget_seconds: float = 2.0  # a round takes no new group after this
     max_rounds: int = 4  # rounds in flight at once (a slow shard holds only its own round)
     poll_interval_seconds: float = 1.0  # scan for rows above the newest id seen

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
@@ -29,7 +30,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of
@@ -112,16 +114,15 @@ async def try_lock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> 
     return [bool(taken) for taken in result.scalars()]
 
 
+_UNLOCK_SHARDS = text(
+    "SELECT pg_advisory_unlock(hashtextextended(k, 0)) FROM unnest(CAST(:keys AS text[])) AS u(k)"
+)
+
+
 async def unlock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> None:
     """Release the advisory locks of ``shards`` held by this connection."""
     if shards:
-        await conn.execute(
-            text(
-                "SELECT pg_advisory_unlock(hashtextextended(k, 0)) "
-                "FROM unnest(CAST(:keys AS text[])) AS u(k)"
-            ),
-            {"keys": [lock_key(shard) for shard in shards]},
-        )
+        await conn.execute(_UNLOCK_SHARDS, {"keys": [lock_key(shard) for shard in shards]})
 
 
 async def lock_shard_waiting(conn: AsyncConnection, shard: ShardRef, seconds: float) -> bool:
@@ -600,13 +601,82 @@ async def read_payload_sizes(
 
 async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> list[int]:
     """:func:`delete_rows`, returning the ids that were deleted (a drain counts them per
-    shard)."""
+    shard), in a transaction of its own (``conn`` in autocommit) committed asynchronously.
+
+    The delete is visible to every session once it returns, and a crash of the worker cannot
+    undo it; only a crash of PostgreSQL itself within the WAL writer's delay (a fraction of a
+    second) can, and then the rows run again, as the at-least-once contract allows. Ownership
+    changes are never written this way: they commit synchronously (which also makes durable
+    every delete before them on the connection). It saves the WAL flush of every delete, about
+    40% of its time on these machines.
+    """
     if not ids:
         return []
-    result = await conn.execute(
-        delete(table).where(table.c.id == _any_id(ids)).returning(table.c.id)
-    )
+    result = await conn.execute(_delete_handled_statement(table, ids))
     return list(result.scalars())
+
+
+def _delete_handled_statement(table: Table, ids: Sequence[int]) -> Any:
+    asynchronous = select(func.set_config("synchronous_commit", "off", True)).scalar_subquery()
+    return (
+        delete(table)
+        .where(table.c.id == _any_id(ids), asynchronous.is_not(None))
+        .returning(table.c.id)
+    )
+
+
+class DriverWrites:
+    """:func:`delete_handled` and :func:`unlock_shards` of one table, compiled once and run
+    straight on the psycopg connection under a SQLAlchemy one (in autocommit, one statement at
+    a time): a drain round runs them every few groups, and SQLAlchemy's share of each
+    (compiling, a greenlet, building result rows) was most of their cost."""
+
+    def __init__(self, table: Table, dialect: Dialect) -> None:
+        delete_ = _delete_handled_statement(table, []).compile(dialect=dialect)
+        self._delete = str(delete_)
+        self._delete_params = dict(delete_.params)
+        unlock = _UNLOCK_SHARDS.compile(dialect=dialect)
+        self._unlock = str(unlock)
+
+    async def delete_handled(
+        self, driver: psycopg.AsyncConnection[Any], ids: Sequence[int]
+    ) -> list[int]:
+        if not ids:
+            return []
+        params = {**self._delete_params, "ids": list(ids)}
+        async with driver.cursor() as cursor:
+            try:
+                await cursor.execute(self._delete, params)
+                return [row[0] for row in await cursor.fetchall()]
+            except psycopg.Error as exc:
+                raise _as_sqlalchemy(self._delete, exc) from exc
+
+    async def unlock_shards(
+        self, driver: psycopg.AsyncConnection[Any], shards: Sequence[ShardRef]
+    ) -> None:
+        if shards:
+            async with driver.cursor() as cursor:
+                try:
+                    await cursor.execute(self._unlock, {"keys": [lock_key(s) for s in shards]})
+                except psycopg.Error as exc:
+                    raise _as_sqlalchemy(self._unlock, exc) from exc
+
+
+def _as_sqlalchemy(statement: str, exc: psycopg.Error) -> StatementError:
+    """``exc`` as SQLAlchemy raises it for the same statement (callers catch those)."""
+    return DBAPIError.instance(statement, None, exc, psycopg.Error)
+
+
+_DRIVER_WRITES: dict[tuple[Table, str], DriverWrites] = {}
+
+
+def driver_writes(table: Table, dialect: Dialect) -> DriverWrites:
+    """The :class:`DriverWrites` of ``table`` (made once per table and dialect)."""
+    key = (table, dialect.name)
+    writes = _DRIVER_WRITES.get(key)
+    if writes is None:
+        writes = _DRIVER_WRITES[key] = DriverWrites(table, dialect)
+    return writes
 
 
 # -- shard ownership ------------------------------------------------------------------------------

@@ -9,9 +9,12 @@ anything another execution may now be handling; its handled rows stay and run ag
 once). The round also notices the lost connection before each handler call and takes no further
 groups.
 
-Handled rows are deleted in small chunks while the round runs, so a crash repeats only the few
-groups handled since the last chunk; a shard's lock is released once its last chunk is deleted,
-so a slow shard never holds the others back.
+Handled rows are deleted while the round runs: a round deletes whatever it has handled as soon
+as its connection is free (while one delete runs, the next groups are handled and wait for the
+next delete), and no round takes a further group while the worker's rounds together have
+MAX_UNDELETED_GROUPS handled and not deleted. A crash repeats only those few groups (and the
+calls under way); a shard's lock is released once its last group is deleted, so a slow shard
+never holds the others back.
 
 A round reads the payloads of its groups' newest rows at once, so it is bounded by their bytes
 as well as by the number of groups: the sizes are read first, and each shard keeps a prefix of
@@ -22,6 +25,7 @@ any); the others wait for the next round.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -45,6 +49,7 @@ from outbox_bridge.db.store import (
     ShardWindow,
     WindowRow,
     delete_handled,
+    driver_writes,
     hold_shard,
     lock_key,
     lock_shard_waiting,
@@ -64,40 +69,63 @@ from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger("outbox_bridge.runtime.drain")
 
-# Handled groups are deleted once this many are waiting, or this long after the first of them;
-# a round takes no further group while this many wait behind a delete under way, nor while the
-# worker's rounds together have this many handled and not deleted yet (what a kill -9 now would
-# run again): then a round deletes what it handled first.
-DELETE_CHUNK_GROUPS = 10
-DELETE_CHUNK_SECONDS = 0.05
+# No round takes a further group while the worker's rounds together have this many handled and
+# not deleted yet (what a kill -9 now would run again).
+MAX_UNDELETED_GROUPS = 10
 # Payload bytes (as stored) one round reads at most; a round takes at least one group, however
 # large its payload.
 ROUND_MAX_BYTES = 64 * 2**20
 
 
 class Undeleted:
-    """Groups handled and not deleted yet, in every round of one worker; also those that
-    handler threads handled and the event loop has not heard of yet."""
+    """Groups handled and not deleted yet, in every round of one worker (also those that
+    handler threads handled and the event loop has not heard of yet), and the calls waiting
+    for room under :data:`MAX_UNDELETED_GROUPS`, first come first served: a delete that makes
+    room wakes as many waiters as there is room, not every shard of every round."""
 
     def __init__(self) -> None:
         self.groups = 0  # changed on the event loop only
-        self.changed = asyncio.Event()  # set when groups were taken for a delete, or deleted
         self._unreported = 0
         self._lock = threading.Lock()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def ahead(self) -> bool:
-        """Whether the rounds should delete before they take further groups (also asked from
-        handler threads)."""
-        return self.groups + self._unreported >= DELETE_CHUNK_GROUPS
+        """Whether the rounds should let deletes catch up before they take further groups
+        (also asked from handler threads)."""
+        return self.groups + self._unreported >= MAX_UNDELETED_GROUPS
 
     def unreported(self, groups: int) -> None:
         """A handler thread handled ``groups`` more (or the event loop heard of them)."""
         with self._lock:
             self._unreported += groups
 
+    def added(self) -> None:
+        self.groups += 1
+
     def done(self, groups: int) -> None:
+        """``groups`` were deleted, or will never be deleted by their round (they run again)."""
         self.groups -= groups
-        self.changed.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        room = MAX_UNDELETED_GROUPS - self.groups - self._unreported
+        while room > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                room -= 1
+
+    async def room(self) -> None:
+        """Return once the rounds may take a further group."""
+        while self.ahead():
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the room goes to the next waiter
+                raise
 
 
 @dataclass
@@ -162,12 +190,10 @@ class LockedShards:
         self._socket: psycopg.AsyncConnection[Any] | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the connection
         self._pending: list[tuple[list[int], ShardOutcome]] = []
-        self._pending_groups = 0
         self._unlocks: dict[ShardRef, None] = {}
         self._holds: list[tuple[ShardRef, str]] = []
         self._releases: list[ShardRef] = []
         self._flusher: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._error: BaseException | None = None
         self.undeleted = undeleted or Undeleted()
 
@@ -240,29 +266,18 @@ class LockedShards:
     # -- queued writes -----------------------------------------------------------------------
 
     def deleted(self, ids: list[int], outcome: ShardOutcome) -> None:
-        """Rows of a handled group: deleted with the next chunk."""
+        """Rows of a handled group: deleted at once if the connection is free, else with
+        whatever else was handled meanwhile, as soon as the delete under way returns."""
         self._pending.append((ids, outcome))
-        self._pending_groups += 1
-        self.undeleted.groups += 1
-        if self._pending_groups >= DELETE_CHUNK_GROUPS:
-            self._kick()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(DELETE_CHUNK_SECONDS, self._kick)
+        self.undeleted.added()
+        self._kick()
 
     async def pace(self) -> None:
-        """Wait while a chunk of this round's handled groups waits behind a delete under way,
-        or while the worker's rounds are too far ahead of their deletes (this one deleting what
-        it handled first): what a crash would run again stays within about a chunk however
-        slow the deletes are and however many rounds run."""
-        undeleted = self.undeleted
-        while not self.lost and self._error is None:
-            mine = self._pending_groups
-            if mine >= DELETE_CHUNK_GROUPS or (mine and undeleted.ahead()):
-                self._kick()
-            elif not undeleted.ahead():
-                return
-            undeleted.changed.clear()
-            await undeleted.changed.wait()
+        """Wait while the worker's rounds are too far ahead of their deletes: what a crash
+        would run again stays within MAX_UNDELETED_GROUPS however slow the deletes are and
+        however many rounds run."""
+        if not self.lost and self._error is None:
+            await self.undeleted.room()
 
     def hold(self, shard: ShardRef, held_for: str) -> None:
         self._holds.append((shard, held_for))
@@ -291,11 +306,7 @@ class LockedShards:
 
     async def _flush_loop(self) -> None:
         while self._pending or self._unlocks or self._holds or self._releases:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            pending, self._pending, self._pending_groups = self._pending, [], 0
-            self.undeleted.changed.set()
+            pending, self._pending = self._pending, []
             holds, self._holds = self._holds, []
             releases, self._releases = self._releases, []
             unlocks, self._unlocks = self._unlocks, {}
@@ -322,16 +333,25 @@ class LockedShards:
         unlocks: dict[ShardRef, None],
         _conn: AsyncConnection | None = None,
     ) -> None:
+        driver = self._socket
+        fast = None if driver is None else driver_writes(self.table, self.conn.dialect)
         if pending:
             owner = {row_id: outcome for ids, outcome in pending for row_id in ids}
-            for row_id in await delete_handled(self.conn, self.table, list(owner)):
+            if fast is not None and driver is not None:
+                deleted = await fast.delete_handled(driver, list(owner))
+            else:
+                deleted = await delete_handled(self.conn, self.table, list(owner))
+            for row_id in deleted:
                 owner[row_id].rows_handled += 1
         for shard, held_for in holds:
             await hold_shard(self.conn, self.table, shard, held_for)
         for shard in releases:
             await release_shard(self.conn, self.table, shard)
         if unlocks:
-            await unlock_shards(self.conn, list(unlocks))
+            if fast is not None and driver is not None:
+                await fast.unlock_shards(driver, list(unlocks))
+            else:
+                await unlock_shards(self.conn, list(unlocks))
             for shard in unlocks:
                 self.locked.pop(shard, None)
 
@@ -528,7 +548,7 @@ class DrainEngine:
                     batch.pace,
                     batch.undeleted.ahead,
                     batch.undeleted.unreported,
-                    DELETE_CHUNK_GROUPS,
+                    MAX_UNDELETED_GROUPS,
                 ),
             )
             outcome.more = head.more or len(calls) < len(head.groups) or not finished

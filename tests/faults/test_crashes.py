@@ -173,9 +173,8 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
 ) -> None:
     """What one ``kill -9`` costs at full speed: a backlog of distinct groups drained as fast as
     the handlers go, nothing failing, the worker killed mid-drain again and again. A kill
-    repeats the groups handled since the last delete of each drain that was running (deletes
-    go in chunks of DELETE_CHUNK_GROUPS groups or DELETE_CHUNK_SECONDS, see
-    outbox_bridge/runtime/batch.py) and the calls under way."""
+    repeats the groups handled and not deleted yet (at most MAX_UNDELETED_GROUPS across the
+    worker's drains, see outbox_bridge/runtime/batch.py) and the calls under way."""
     scenario = new_scenario("kill -9 mid-drain of a backlog", mode)
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.
@@ -213,7 +212,7 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
 
 
 # Repeated calls allowed per kill -9 (see the test above): the groups handled and not deleted
-# (at most DELETE_CHUNK_GROUPS), and the calls under way, which had recorded their success but
+# (at most MAX_UNDELETED_GROUPS), and the calls under way, which had recorded their success but
 # not returned to the worker: up to one per handler thread (16) and per async shard being
 # drained. Measured on 2 shared cores, per kill: on demand a median of 8-17 with outliers up to
 # 109, always a median of 8 and at most 26.

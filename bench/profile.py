@@ -127,7 +127,10 @@ class StatementCounter:
 
     def summary(self) -> str:
         total = sum(self.kinds.values())
-        lines = [f"SQL statements through SQLAlchemy: {total:,}"]
+        lines = [
+            f"SQL statements through SQLAlchemy: {total:,} (the drains' deletes and unlocks go "
+            "straight to psycopg and are not counted)"
+        ]
         lines += [f"  {count:8,}  {kind}" for kind, count in self.kinds.most_common(12)]
         return "\n".join(lines) + "\n"
 

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine
@@ -14,6 +16,7 @@ from temporalio.client import Client
 
 from outbox_bridge.testing import PostgresServer, TemporalServer
 from tests.django_support import point_django_at
+from tests.faults.harness import FIGURES, Figures, summary_lines
 from tests.harness import (
     ServerRestartWarning,
     Servers,
@@ -188,6 +191,30 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             ),
             stacklevel=1,
         )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist test process: hand the fault scenarios' figures to the main one."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        figures = session.config.stash.get(FIGURES, [])
+        workeroutput["fault_figures"] = [dataclasses.asdict(f) for f in figures]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist's hook, in the main process: a test process ended with its figures."""
+    figures = getattr(node, "workeroutput", {}).get("fault_figures", [])
+    node.config.stash.setdefault(FIGURES, []).extend(Figures(**f) for f in figures)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault summary table: a line per fault scenario that ran (tests/faults)."""
+    figures = terminalreporter.config.stash.get(FIGURES, [])
+    if figures:
+        terminalreporter.section("fault scenarios")
+        for line in summary_lines(figures):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 Every scenario has a fast variant, run by default (on demand, and for a few scenarios also with
 ``--shard-workflows always``), and a full one in both modes, marked ``faults``: the full ones
 (and the slowest fast ones) run only when asked for with ``pytest -m faults`` (or any ``-m``
-expression that names the marker). The figures of every scenario that ran are printed at the end, with its mode.
+expression that names the marker). The figures of every scenario that ran are printed at the end, with its mode
+(tests/conftest.py: also from the test processes of pytest-xdist).
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
-from tests.faults.harness import Figures, WorkerProcess, with_password
+from tests.faults.harness import FIGURES, Figures, WorkerProcess, with_password
 from tests.faults.scenario import Scenario
 from tests.harness import Servers
-
-FIGURES = pytest.StashKey[list[Figures]]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,43 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if full:
         config.hook.pytest_deselected(items=full)
         items[:] = [item for item in items if not item.get_closest_marker("faults")]
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    figures = terminalreporter.config.stash.get(FIGURES, [])
-    if not figures:
-        return
-    header = (
-        "scenario",
-        "mode",
-        "rows",
-        "faults injected",
-        "rows lost",
-        "order violations",
-        "overlaps",
-        "duplicate calls",
-        "recovery",
-    )
-    lines = [
-        (
-            f.scenario,
-            f.mode,
-            f"{f.rows:,}",
-            f.faults,
-            str(f.lost),
-            str(f.order_violations),
-            str(f.overlaps),
-            f"{f.duplicates:,}",
-            f"{f.recovery_seconds:.1f} s",
-        )
-        for f in figures
-    ]
-    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    terminalreporter.section("fault scenarios")
-    for row in [header, tuple("-" * w for w in widths), *lines]:
-        terminalreporter.write_line(
-            " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
-        )
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -319,6 +320,44 @@ class Figures:
     overlaps: int
     duplicates: int
     recovery_seconds: float
+
+
+# The figures of the scenarios that ran in this process (see tests/conftest.py).
+FIGURES = pytest.StashKey[list[Figures]]()
+
+
+def summary_lines(figures: list[Figures]) -> list[str]:
+    """The fault summary table, a line per scenario."""
+    header = (
+        "scenario",
+        "mode",
+        "rows",
+        "faults injected",
+        "rows lost",
+        "order violations",
+        "overlaps",
+        "duplicate calls",
+        "recovery",
+    )
+    lines = [
+        (
+            f.scenario,
+            f.mode,
+            f"{f.rows:,}",
+            f.faults,
+            str(f.lost),
+            str(f.order_violations),
+            str(f.overlaps),
+            f"{f.duplicates:,}",
+            f"{f.recovery_seconds:.1f} s",
+        )
+        for f in figures
+    ]
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    return [
+        " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
+        for row in [header, tuple("-" * w for w in widths), *lines]
+    ]
 
 
 class Clock:

@@ -226,10 +226,11 @@ async def serve(
         )
         flush_worker = build_flush_worker(client, settings, drains)
         health.attach(client=client, worker=worker, bridge=bridge)
+        bridge_task = asyncio.create_task(bridge.run(stop), name="bridge")
         tasks = [
             asyncio.create_task(worker.run(), name="worker"),
             asyncio.create_task(flush_worker.run(), name="flush worker"),
-            asyncio.create_task(bridge.run(stop), name="bridge"),
+            bridge_task,
         ]
         if settings.demo:
             tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
@@ -242,6 +243,10 @@ async def serve(
         announcer.cancel()
         stop.set()
         hub.close()
+        # The bridge only finds rows and starts or signals workflows: it stops now, not after
+        # the sweep under way, whose status queries would time out one after another (seconds
+        # each) once this worker stops answering them.
+        bridge_task.cancel()
         await asyncio.gather(grace.stop(worker), flush_worker.shutdown())
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):

@@ -232,6 +232,18 @@ async def test_runs_in_the_callers_transaction_and_rolls_back_with_it(engine, sy
     assert count(sync_engine, app) == 1  # the committed row is back, the other never was
 
 
+async def test_the_callers_transaction_keeps_its_settings(engine, sync_engine) -> None:
+    """The worker's rounds commit their deletes asynchronously, each in a transaction of its
+    own; a drain in the caller's transaction must not make the caller's commit asynchronous."""
+    _calls, app = await sync_app(engine)
+    write(sync_engine, app, [row(Category.USER_UPDATE, 1, 1)])
+    with sync_engine.connect() as conn:
+        before = conn.execute(text("SHOW synchronous_commit")).scalar_one()
+        assert drain_outbox(app, conn).rows_deleted == 1
+        assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == before
+        conn.rollback()
+
+
 async def test_a_session_is_flushed_and_its_transaction_used(engine, sync_engine) -> None:
     _calls, app = await sync_app(engine)
     with Session(sync_engine) as session:

@@ -601,38 +601,38 @@ async def read_payload_sizes(
 
 async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> list[int]:
     """:func:`delete_rows`, returning the ids that were deleted (a drain counts them per
-    shard), in a transaction of its own (``conn`` in autocommit) committed asynchronously.
-
-    The delete is visible to every session once it returns, and a crash of the worker cannot
-    undo it; only a crash of PostgreSQL itself within the WAL writer's delay (a fraction of a
-    second) can, and then the rows run again, as the at-least-once contract allows. Ownership
-    changes are never written this way: they commit synchronously (which also makes durable
-    every delete before them on the connection). It saves the WAL flush of every delete, about
-    40% of its time on these machines.
-    """
+    shard). Committed with the caller's transaction, as the caller's transaction commits."""
     if not ids:
         return []
-    result = await conn.execute(_delete_handled_statement(table, ids))
+    result = await conn.execute(
+        delete(table).where(table.c.id == _any_id(ids)).returning(table.c.id)
+    )
     return list(result.scalars())
 
 
-def _delete_handled_statement(table: Table, ids: Sequence[int]) -> Any:
-    asynchronous = select(func.set_config("synchronous_commit", "off", True)).scalar_subquery()
-    return (
-        delete(table)
-        .where(table.c.id == _any_id(ids), asynchronous.is_not(None))
-        .returning(table.c.id)
-    )
-
-
 class DriverWrites:
-    """:func:`delete_handled` and :func:`unlock_shards` of one table, compiled once and run
-    straight on the psycopg connection under a SQLAlchemy one (in autocommit, one statement at
-    a time): a drain round runs them every few groups, and SQLAlchemy's share of each
-    (compiling, a greenlet, building result rows) was most of their cost."""
+    """A drain round's deletes and unlocks on one table (as :func:`delete_handled` and
+    :func:`unlock_shards`), compiled once and run straight on the psycopg connection under a
+    SQLAlchemy one: a round runs them every few groups, and SQLAlchemy's share of each
+    (compiling, a greenlet, building result rows) was most of their cost.
+
+    The round's connection is in autocommit, so each delete is a transaction of its own, and
+    it is committed asynchronously: it is visible to every session once it returns, and a
+    crash of the worker cannot undo it; only a crash of PostgreSQL itself within the WAL
+    writer's delay (a fraction of a second) can, and then the rows run again, as the
+    at-least-once contract allows. Ownership changes are never written this way: they commit
+    synchronously (which also makes durable every delete before them on the connection). It
+    saves the WAL flush of every delete, about 40% of its time on these machines.
+    """
 
     def __init__(self, table: Table, dialect: Dialect) -> None:
-        delete_ = _delete_handled_statement(table, []).compile(dialect=dialect)
+        asynchronous = select(func.set_config("synchronous_commit", "off", True)).scalar_subquery()
+        statement = (
+            delete(table)
+            .where(table.c.id == _any_id([]), asynchronous.is_not(None))
+            .returning(table.c.id)
+        )
+        delete_ = statement.compile(dialect=dialect)
         self._delete = str(delete_)
         self._delete_params = dict(delete_.params)
         unlock = _UNLOCK_SHARDS.compile(dialect=dialect)

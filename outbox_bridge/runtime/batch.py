@@ -333,27 +333,30 @@ class LockedShards:
         unlocks: dict[ShardRef, None],
         _conn: AsyncConnection | None = None,
     ) -> None:
-        driver = self._socket
-        fast = None if driver is None else driver_writes(self.table, self.conn.dialect)
         if pending:
             owner = {row_id: outcome for ids, outcome in pending for row_id in ids}
-            if fast is not None and driver is not None:
-                deleted = await fast.delete_handled(driver, list(owner))
-            else:
-                deleted = await delete_handled(self.conn, self.table, list(owner))
-            for row_id in deleted:
+            for row_id in await self._delete(list(owner)):
                 owner[row_id].rows_handled += 1
         for shard, held_for in holds:
             await hold_shard(self.conn, self.table, shard, held_for)
         for shard in releases:
             await release_shard(self.conn, self.table, shard)
         if unlocks:
-            if fast is not None and driver is not None:
-                await fast.unlock_shards(driver, list(unlocks))
-            else:
-                await unlock_shards(self.conn, list(unlocks))
+            await self._unlock(list(unlocks))
             for shard in unlocks:
                 self.locked.pop(shard, None)
+
+    async def _delete(self, ids: list[int]) -> list[int]:
+        if self._socket is None:  # not attached to a psycopg connection (tests build these)
+            return await delete_handled(self.conn, self.table, ids)
+        writes = driver_writes(self.table, self.conn.dialect)
+        return await writes.delete_handled(self._socket, ids)
+
+    async def _unlock(self, shards: list[ShardRef]) -> None:
+        if self._socket is None:
+            await unlock_shards(self.conn, shards)
+        else:
+            await driver_writes(self.table, self.conn.dialect).unlock_shards(self._socket, shards)
 
 
 # Queues, under a shard's lock, what a round writes about its outcome (a hold, a release).

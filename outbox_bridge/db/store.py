@@ -38,7 +38,7 @@ from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of
 from outbox_bridge.workflows.models import ShardRef
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GroupRows:
     """A coalescing group as read at the head of a shard: every visible id, ascending."""
 
@@ -402,7 +402,7 @@ async def read_shard_depths(
 # -- many shards at once ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WindowRow:
     """A row near the head of a shard, as the index holds it (no payload)."""
 

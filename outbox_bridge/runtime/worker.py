@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -172,6 +173,7 @@ async def serve(
     drains = build_drains(engine, app, settings)
     hub = drains.hub
     health = HealthServer(settings, database_url=database_url, stop=stop)
+    stack = contextlib.ExitStack()
     try:
         await health.start()
         await prepare_database(engine, app.metadata)
@@ -226,6 +228,7 @@ async def serve(
         )
         flush_worker = build_flush_worker(client, settings, drains)
         health.attach(client=client, worker=worker, bridge=bridge)
+        stack.enter_context(startup_objects_frozen())
         bridge_task = asyncio.create_task(bridge.run(stop), name="bridge")
         tasks = [
             asyncio.create_task(worker.run(), name="worker"),
@@ -252,9 +255,31 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     finally:
+        stack.close()
         await health.close()
         drains.close()
         await engine.dispose()
+
+
+@contextlib.contextmanager
+def startup_objects_frozen() -> Iterator[None]:
+    """Leave the objects that exist once the worker is up (modules, classes, the SDK's and
+    SQLAlchemy's caches) out of the garbage collector's scans while the worker runs.
+
+    They live as long as the worker, and a drain allocates fast (rows, messages, calls): each
+    full collection scanned them all again, about a ninth of the worker's CPU time in a
+    backlog. Objects created later are collected as usual. A process that froze objects of its
+    own before is left as it is (thawing at the end would thaw those too).
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def _announce(bridge_ready: asyncio.Event, ready: asyncio.Event | None) -> None:

@@ -104,7 +104,8 @@ class Context:
     def settings(self, **overrides: Any) -> OutboxSettings:
         """Settings of one bridge run: defaults, a unique task queue, the idle timeout."""
         return bench_settings(
-            self.config.idle_timeout, **{**self.config.settings_overrides, **overrides}
+            self.config.idle_timeout,
+            **{**self.config.settings_overrides, **self.config.tuning.settings(), **overrides},
         )
 
     def cpu_meter(self, server: TemporalServer | None) -> CpuMeter:

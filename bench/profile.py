@@ -213,6 +213,7 @@ async def profile(args: argparse.Namespace) -> None:
         temporal=args.temporal,
         budget=args.budget,
         settings_overrides={"shard_workflows": args.shard_workflows},
+        tuning=args.tuning,
     )
     workload = THROUGHPUT[args.workload]
     args.load_before = os.getloadavg()

@@ -3,8 +3,8 @@
 The worker runs in the benchmark's process, so a run can set, for itself alone:
 
 - ``max_undeleted_groups``: how many groups the worker's drain rounds may have handled and not
-  deleted before they take no further group
-  (:data:`outbox_bridge.runtime.batch.MAX_UNDELETED_GROUPS`, what a kill -9 repeats);
+  deleted before they take no further group (the worker's setting of that name, default
+  :data:`outbox_bridge.runtime.batch.MAX_UNDELETED_GROUPS`, what a kill -9 repeats);
 - ``partition_options``: fields of the :class:`~outbox_bridge.workflows.models.PartitionOptions`
   the bridge hands its partitions (``max_shards``, ``max_groups``, ``max_rounds``, ...).
 
@@ -38,6 +38,12 @@ class Tuning:
             "max_undeleted_groups": self.max_undeleted_groups or batch.MAX_UNDELETED_GROUPS,
             "partition_options_changed": dict(self.partition_options),
         }
+
+    def settings(self) -> dict[str, Any]:
+        """The worker settings this run changes."""
+        if self.max_undeleted_groups is None:
+            return {}
+        return {"max_undeleted_groups": self.max_undeleted_groups}
 
     @property
     def changed(self) -> bool:
@@ -88,11 +94,9 @@ def from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 @contextlib.contextmanager
 def applied(tuning: Tuning) -> Iterator[None]:
-    """Set the constants of ``tuning`` for the duration of the block."""
-    saved = batch.MAX_UNDELETED_GROUPS
+    """Set the partition options of ``tuning`` for the duration of the block (its settings go
+    with the worker's, see :meth:`Tuning.settings`)."""
     original = OutboxSettings.partition_options
-    if tuning.max_undeleted_groups is not None:
-        batch.MAX_UNDELETED_GROUPS = tuning.max_undeleted_groups
     if tuning.partition_options:
 
         def partition_options(self: OutboxSettings, *args: Any, **kwargs: Any) -> PartitionOptions:
@@ -102,5 +106,4 @@ def applied(tuning: Tuning) -> Iterator[None]:
     try:
         yield
     finally:
-        batch.MAX_UNDELETED_GROUPS = saved
         OutboxSettings.partition_options = original  # type: ignore[method-assign]

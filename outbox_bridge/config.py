@@ -221,6 +221,15 @@ class OutboxSettings(BaseSettings):
         False, description="Keep only exception class names in Temporal failures."
     )
     handler_threads: int = Field(16, ge=1, description="Threads for plain-def handlers.")
+    max_undeleted_groups: int = Field(
+        10,
+        ge=1,
+        description=(
+            "Groups the worker may have handled and not yet deleted before it starts no further "
+            "handler call: what a kill -9 of the worker runs again, besides the calls under way. "
+            "Higher drains a backlog faster and repeats more after a crash."
+        ),
+    )
     max_concurrent_activities: int = Field(
         20, ge=1, description="Activities (and drains) one worker runs at once."
     )

@@ -19,9 +19,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
+from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.runtime.batch import MAX_UNDELETED_GROUPS, DrainEngine
 from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.runtime.worker import build_drains
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import SCOPES, Category, Scope, create_tables, unique_table, write_rows
 
@@ -155,3 +156,22 @@ async def test_the_drains_handle_at_most_a_few_groups_ahead_of_their_deletes(
     assert 0 < most[0] <= MAX_UNDELETED_GROUPS + threads - 1, (
         f"{most[0]} groups handled ahead of their delete"
     )
+
+
+async def test_the_bound_is_the_workers_setting(engine) -> None:
+    """``max_undeleted_groups`` sets the bound: an async handler in one shard (one call under
+    way at a time) runs at most that many groups ahead of the deletes."""
+    app, calls = await counting_app(engine, sync=False)
+    table = app.table().name
+    await write_groups(engine, app, 1, 20)
+    settings = OutboxSettings(max_undeleted_groups=3)
+    drains = build_drains(engine, app, settings)
+    assert drains.engine.max_undeleted_groups == 3
+    try:
+        async with most_ahead(engine, table, calls) as most:
+            await drain_in_rounds(drains.engine, app, [[1]])
+    finally:
+        drains.close()
+    assert len(calls) == 20
+    assert await rows_left(engine, table) == 0
+    assert 0 < most[0] <= 3, f"{most[0]} groups handled ahead of their delete"

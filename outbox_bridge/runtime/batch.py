@@ -12,9 +12,9 @@ groups.
 Handled rows are deleted while the round runs: a round deletes whatever it has handled as soon
 as its connection is free (while one delete runs, the next groups are handled and wait for the
 next delete), and no round takes a further group while the worker's rounds together have
-MAX_UNDELETED_GROUPS handled and not deleted. A crash repeats only those few groups (and the
-calls under way); a shard's lock is released once its last group is deleted, so a slow shard
-never holds the others back.
+MAX_UNDELETED_GROUPS handled and not deleted (the worker's ``max_undeleted_groups`` setting). A
+crash repeats only those few groups (and the calls under way); a shard's lock is released once
+its last group is deleted, so a slow shard never holds the others back.
 
 A round reads the payloads of its groups' newest rows at once, so it is bounded by their bytes
 as well as by the number of groups: the sizes are read first, and each shard keeps a prefix of
@@ -70,7 +70,8 @@ from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 log = logging.getLogger("outbox_bridge.runtime.drain")
 
 # No round takes a further group while the worker's rounds together have this many handled and
-# not deleted yet (what a kill -9 now would run again).
+# not deleted yet (what a kill -9 now would run again): the default of the worker's
+# max_undeleted_groups setting.
 MAX_UNDELETED_GROUPS = 10
 # Payload bytes (as stored) one round reads at most; a round takes at least one group, however
 # large its payload.
@@ -80,10 +81,14 @@ ROUND_MAX_BYTES = 64 * 2**20
 class Undeleted:
     """Groups handled and not deleted yet, in every round of one worker (also those that
     handler threads handled and the event loop has not heard of yet), and the calls waiting
-    for room under :data:`MAX_UNDELETED_GROUPS`, first come first served: a delete that makes
-    room wakes as many waiters as there is room, not every shard of every round."""
+    for room under ``limit`` (:data:`MAX_UNDELETED_GROUPS` unless the worker's settings say
+    otherwise), first come first served: a delete that makes room wakes as many waiters as
+    there is room, not every shard of every round."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_UNDELETED_GROUPS) -> None:
+        if limit < 1:
+            raise ValueError(f"the limit of undeleted groups must be at least 1, not {limit}")
+        self.limit = limit
         self.groups = 0  # changed on the event loop only
         self._unreported = 0
         self._lock = threading.Lock()
@@ -92,7 +97,7 @@ class Undeleted:
     def ahead(self) -> bool:
         """Whether the rounds should let deletes catch up before they take further groups
         (also asked from handler threads)."""
-        return self.groups + self._unreported >= MAX_UNDELETED_GROUPS
+        return self.groups + self._unreported >= self.limit
 
     def unreported(self, groups: int) -> None:
         """A handler thread handled ``groups`` more (or the event loop heard of them)."""
@@ -108,7 +113,7 @@ class Undeleted:
         self._wake()
 
     def _wake(self) -> None:
-        room = MAX_UNDELETED_GROUPS - self.groups - self._unreported
+        room = self.limit - self.groups - self._unreported
         while room > 0 and self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -274,8 +279,8 @@ class LockedShards:
 
     async def pace(self) -> None:
         """Wait while the worker's rounds are too far ahead of their deletes: what a crash
-        would run again stays within MAX_UNDELETED_GROUPS however slow the deletes are and
-        however many rounds run."""
+        would run again stays within the limit of undeleted groups however slow the deletes
+        are and however many rounds run."""
         if not self.lost and self._error is None:
             await self.undeleted.room()
 
@@ -379,6 +384,7 @@ class DrainEngine:
         calls: HandlerCalls,
         redact_errors: bool = False,
         max_round_bytes: int = ROUND_MAX_BYTES,
+        max_undeleted_groups: int = MAX_UNDELETED_GROUPS,
     ) -> None:
         self.engine = engine
         self.app = app
@@ -386,7 +392,12 @@ class DrainEngine:
         self.max_round_bytes = max_round_bytes
         self._redact = redact_errors
         self._running: dict[str, int] = {}
-        self._undeleted = Undeleted()
+        self._undeleted = Undeleted(max_undeleted_groups)
+
+    @property
+    def max_undeleted_groups(self) -> int:
+        """Groups the drains may have handled and not deleted before they take no further one."""
+        return self._undeleted.limit
 
     def calls_in_flight(self) -> int:
         """Handler calls running in this worker's drains now."""
@@ -551,7 +562,7 @@ class DrainEngine:
                     batch.pace,
                     batch.undeleted.ahead,
                     batch.undeleted.unreported,
-                    MAX_UNDELETED_GROUPS,
+                    batch.undeleted.limit,
                 ),
             )
             outcome.more = head.more or len(calls) < len(head.groups) or not finished

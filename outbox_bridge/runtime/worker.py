@@ -82,7 +82,13 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         threads=settings.handler_threads,
         timeout=settings.handler_timeout,
     )
-    drain_engine = DrainEngine(engine, app, calls=calls, redact_errors=settings.redact_errors)
+    drain_engine = DrainEngine(
+        engine,
+        app,
+        calls=calls,
+        redact_errors=settings.redact_errors,
+        max_undeleted_groups=settings.max_undeleted_groups,
+    )
     hub = ShardHub()
     shards = ShardDrainer(drain_engine, hub=hub, max_lingering=settings.linger_max_shards)
     return Drains(drain_engine, shards, hub)

@@ -41,7 +41,7 @@ from bench.runner import quiet_logs
 from bench.servers import database
 from bench.sides import bridge_side
 from bench.tuning import applied
-from bench.workloads import THROUGHPUT
+from bench.workloads import THROUGHPUT, workload_probe
 
 # The library a frame belongs to, by the path py-spy shows for it (first match wins).
 LIBRARIES = [
@@ -246,6 +246,7 @@ async def profile(args: argparse.Namespace) -> None:
                             rowset,
                             server,
                             share=args.seconds,
+                            probe=workload_probe(ctx, workload, rowset),
                         )
                 finally:
                     for sampler in samplers:

@@ -98,7 +98,8 @@ THROUGHPUT: dict[str, ThroughputWorkload] = {
 }
 
 
-def _probe(ctx: Context, workload: ThroughputWorkload, rowset: RowSet) -> HandlerProbe:
+def workload_probe(ctx: Context, workload: ThroughputWorkload, rowset: RowSet) -> HandlerProbe:
+    """The handler of ``workload``'s rows (failing where the workload says so)."""
     failing = rowset.failing_groups(workload.failing_share) if workload.failing_share else ()
     return HandlerProbe(
         failing=failing, failures=workload.failures, yield_once=ctx.config.handler_yield
@@ -129,7 +130,7 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
         rowset,
         threads=workload.threads,
         share=share,
-        probe=_probe(ctx, workload, rowset),
+        probe=workload_probe(ctx, workload, rowset),
     )
     say(workload.name, f"baseline: {baseline.rows_per_s:,.0f} rows/s")
     entries: dict[str, list[dict[str, Any]]] = {s: [] for s in ctx.shard_modes()}
@@ -145,7 +146,7 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
                 server,
                 share=share,
                 shard_workflows=shard_workflows,
-                probe=_probe(ctx, workload, rowset),
+                probe=workload_probe(ctx, workload, rowset),
             )
         done = "" if bridge.completed else f" (capped after {bridge.rows_done:,} rows)"
         say(

@@ -13,6 +13,7 @@ only the few held shards that visibility does not list.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -52,6 +53,8 @@ from outbox_bridge.workflows.models import (
 log = logging.getLogger("outbox_bridge.runtime.supervisor")
 
 PARTITION_WORKFLOW = "OutboxPartition"
+# Held shards a sweep checks at once (visibility, describe, start, status query).
+CHECK_CONCURRENCY = 16
 
 
 class PartitionSupervisor:
@@ -135,6 +138,7 @@ class PartitionSupervisor:
         running = await self._running_shard_states()
         if running is None:
             return
+        checks: list[tuple[ShardRef, HeldShard]] = []
         for table in self._app.tables:
             try:
                 async with self._engine.connect() as conn:
@@ -142,16 +146,35 @@ class PartitionSupervisor:
             except SQLAlchemyError as exc:
                 log.warning("cannot read the held shards of %s: %s", table, exc)
                 continue
-            for shard in held:
-                if skipped_only and shard.held_for != HeldFor.SKIPPED:
-                    continue
-                if shard.head is not None and self._wanted(shard):
-                    await self._check(self._ref(table, shard), shard, running)
+            checks += [
+                (self._ref(table, shard), shard)
+                for shard in held
+                if (not skipped_only or shard.held_for == HeldFor.SKIPPED)
+                and shard.head is not None
+                and self._wanted(shard)
+            ]
+        # At once, a few at a time: a status query may wait out its timeout (a workflow whose
+        # task stays open while it drains answers no query), and one after another those held
+        # up the restart of every shard after them. Shards with no running workflow first: they
+        # are the ones nobody drains.
+        checks.sort(key=lambda check: check[0].workflow_id in running)
+        room = asyncio.Semaphore(CHECK_CONCURRENCY)
+        await asyncio.gather(*(self._check(ref, shard, running, room) for ref, shard in checks))
 
     def _wanted(self, shard: HeldShard) -> bool:
         return shard.region is None or self._regions is None or shard.region in self._regions
 
-    async def _check(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
+    async def _check(
+        self,
+        ref: ShardRef,
+        shard: HeldShard,
+        running: dict[str, str],
+        room: asyncio.Semaphore,
+    ) -> None:
+        async with room:
+            await self._check_one(ref, shard, running)
+
+    async def _check_one(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
         state = running.get(ref.workflow_id)
         if state is None:
             if await self._is_running(ref):

@@ -149,7 +149,9 @@ async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
         await asyncio.sleep(1.0)
 
     recorder.behaviour[Category.PROJECT_UPDATE] = slow
-    settings = fast_settings(idle_timeout=0, linger=0)
+    # Every shard with rows gets its run from the bridge (on demand, a partition would drain
+    # the row and no run would exist for the flush to race).
+    settings = fast_settings(idle_timeout=0, linger=0, shard_workflows="always")
     outcomes: list[str] = []
     dropped_by_a_run = 0
     async with running_worker(servers, app, settings):

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox_bridge import OutboxSettings
-from outbox_bridge.runtime import batch
 from outbox_bridge.workflows.models import PartitionOptions
 
 PARTITION_FIELDS = {f.name: f.type for f in dataclasses.fields(PartitionOptions)}
@@ -33,9 +32,10 @@ class Tuning:
     partition_options: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
-        """What this run changed, and the values in force (for the results)."""
+        """What this run changed (for the results; the settings in force, this one's included,
+        are in each entry's ``settings``)."""
         return {
-            "max_undeleted_groups": self.max_undeleted_groups or batch.MAX_UNDELETED_GROUPS,
+            "settings_changed": self.settings(),
             "partition_options_changed": dict(self.partition_options),
         }
 

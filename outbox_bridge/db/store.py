@@ -604,10 +604,12 @@ async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]
     shard). Committed with the caller's transaction, as the caller's transaction commits."""
     if not ids:
         return []
-    result = await conn.execute(
-        delete(table).where(table.c.id == _any_id(ids)).returning(table.c.id)
-    )
+    result = await conn.execute(_delete_statement(table, ids))
     return list(result.scalars())
+
+
+def _delete_statement(table: Table, ids: Sequence[int]) -> Any:
+    return delete(table).where(table.c.id == _any_id(ids)).returning(table.c.id)
 
 
 class DriverWrites:
@@ -627,11 +629,7 @@ class DriverWrites:
 
     def __init__(self, table: Table, dialect: Dialect) -> None:
         asynchronous = select(func.set_config("synchronous_commit", "off", True)).scalar_subquery()
-        statement = (
-            delete(table)
-            .where(table.c.id == _any_id([]), asynchronous.is_not(None))
-            .returning(table.c.id)
-        )
+        statement = _delete_statement(table, []).where(asynchronous.is_not(None))
         delete_ = statement.compile(dialect=dialect)
         self._delete = str(delete_)
         self._delete_params = dict(delete_.params)

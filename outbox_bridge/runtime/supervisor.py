@@ -159,22 +159,17 @@ class PartitionSupervisor:
         # are the ones nobody drains.
         checks.sort(key=lambda check: check[0].workflow_id in running)
         room = asyncio.Semaphore(CHECK_CONCURRENCY)
-        await asyncio.gather(*(self._check(ref, shard, running, room) for ref, shard in checks))
+
+        async def check(ref: ShardRef, shard: HeldShard) -> None:
+            async with room:
+                await self._check(ref, shard, running)
+
+        await asyncio.gather(*(check(ref, shard) for ref, shard in checks))
 
     def _wanted(self, shard: HeldShard) -> bool:
         return shard.region is None or self._regions is None or shard.region in self._regions
 
-    async def _check(
-        self,
-        ref: ShardRef,
-        shard: HeldShard,
-        running: dict[str, str],
-        room: asyncio.Semaphore,
-    ) -> None:
-        async with room:
-            await self._check_one(ref, shard, running)
-
-    async def _check_one(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
+    async def _check(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
         state = running.get(ref.workflow_id)
         if state is None:
             if await self._is_running(ref):

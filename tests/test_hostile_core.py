@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
@@ -27,6 +28,7 @@ from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.db.store import lock_key
+from outbox_bridge.runtime.batch import LockedShards
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.workflows.models import ShardInput, ShardStatus, SkipInput
 from tests.harness import (
@@ -503,6 +505,34 @@ class HangingHandler:
 
     def objects(self) -> list[int]:
         return [obj for obj, _, _ in self.calls]
+
+
+async def test_a_statement_under_way_does_not_hide_a_closed_connection(engine) -> None:
+    """The server closed a round's connection while it was idle; then the round starts a
+    statement (a delete of what it handled). A handler thread asking whether the round may take
+    a further group while that statement runs is told no: the round looked at the idle socket
+    before the statement made it unreadable for others."""
+    _, table, app = await fresh_app(engine)
+    conn = await engine.connect()
+    try:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        batch = LockedShards(conn, app.table(table), [])
+        await batch.attach()
+        pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        await sql(engine, "SELECT pg_terminate_backend(:pid)", pid=pid)
+        await asyncio.sleep(0.5)  # the server's goodbye reaches the socket
+        asked: list[bool] = []
+
+        async def statement(c: Any) -> None:
+            asked.append(await asyncio.to_thread(batch.alive))  # as a handler thread asks
+            await c.execute(text("SELECT 1"))
+
+        with pytest.raises(DBAPIError):
+            await batch.execute(statement)
+        assert asked == [False]
+    finally:
+        await conn.invalidate()
+        await conn.close()
 
 
 @pytest.mark.parametrize("mode", ["on-demand", "always"])

@@ -262,6 +262,10 @@ class LockedShards:
             return await self._statement(work)
 
     async def _statement(self, work: Any) -> Any:
+        # Look at the idle socket before the statement hides it: a server that closed the
+        # connection has said so there, and a handler thread asking alive() while the statement
+        # runs would take the connection for alive and start a further group on it.
+        self.alive()
         self._statements += 1
         try:
             return await work(self.conn)

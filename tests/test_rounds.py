@@ -402,3 +402,65 @@ def _tiny_app() -> Any:
     from tests.harness import Recorder, make_app
 
     return make_app("t_tiny", Recorder())
+
+
+class RecordedHandovers:
+    """A starter for a partition drain that records each handover instead of starting a
+    workflow."""
+
+    def __init__(self) -> None:
+        self.handovers: list[tuple[ShardRef, Any]] = []
+
+    async def hand_over(self, shard: ShardRef, handover: Any) -> bool:
+        self.handovers.append((shard, handover))
+        return True
+
+
+async def test_a_listed_shard_its_workflow_holds_is_not_skipped_again(engine) -> None:
+    """The skip_shards setting hands a listed shard nobody holds to its workflow, skipped. A
+    listed shard that its workflow holds (an operator resumed it and the workflow drains it) is
+    left to that workflow: neither skipped again nor drained by the partition."""
+    from outbox_bridge.db.store import hold_shard, read_held_shards
+    from outbox_bridge.workflows.models import HeldFor
+
+    recorder, table_name, app = await fresh_app(engine)
+    resumed, listed, healthy = (ShardRef(table_name, 1, "ORGANIZATION", n) for n in (1, 2, 3))
+    await write_rows(
+        engine,
+        app,
+        [
+            {"category": Category.PROJECT_UPDATE, "shard_identifier": n, "object_identifier": 1}
+            for n in (1, 2, 3)
+        ],
+    )
+    async with engine.begin() as conn:
+        await hold_shard(conn, app.table(), resumed, HeldFor.WORKFLOW)
+    calls = HandlerCalls(app, redact_errors=False, threads=2)
+    starter = RecordedHandovers()
+    hub = ShardHub()
+    options = PartitionOptions(
+        round_seconds=120.0,
+        poll_interval_seconds=0.1,
+        skip_shards=(resumed.workflow_id, listed.workflow_id),
+    )
+    drain = PartitionDrain(
+        DrainEngine(engine, app, calls=calls),
+        starter,  # type: ignore[arg-type]
+        hub,
+        PartitionDrainInput(PartitionRef(table_name, 0, 1), options),
+    )
+    running = asyncio.create_task(drain.run())
+    try:
+        await wait_until(lambda: bool(recorder.calls and starter.handovers), what="a round")
+        await asyncio.sleep(0.5)  # further rounds and scans change nothing
+    finally:
+        hub.close()
+        await running
+        calls.close()
+    assert [(shard, h.held_for, h.skip.by) for shard, h in starter.handovers] == [
+        (listed, HeldFor.SKIPPED, "configuration")
+    ]
+    assert [c.shard for c in recorder.calls] == [f"{healthy.scope}:{healthy.shard_identifier}"]
+    async with engine.connect() as conn:
+        held = {s.shard_identifier: s.held_for for s in await read_held_shards(conn, app.table())}
+    assert held == {1: HeldFor.WORKFLOW, 2: HeldFor.SKIPPED}

@@ -704,6 +704,25 @@ async def hold_shard(conn: AsyncConnection, table: Table, shard: ShardRef, held_
     )
 
 
+async def hold_free_shards(
+    conn: AsyncConnection, table: Table, shards: Sequence[ShardRef], held_for: str
+) -> list[ShardRef]:
+    """Hold those of ``shards`` that no workflow holds yet, in one statement, and return them;
+    a shard already held keeps its holder and its reason. Call it under the shards' locks."""
+    if not shards:
+        return []
+    owners = owners_of(table)
+    columns = _owner_columns("region" in table.c)
+    insert = (
+        pg_insert(owners)
+        .values([{**_owner_values(table, shard), "held_for": held_for} for shard in shards])
+        .on_conflict_do_nothing(index_elements=list(owners.primary_key.columns))
+        .returning(*(owners.c[c] for c in columns))
+    )
+    held = {tuple(row) for row in await conn.execute(insert)}
+    return [s for s in shards if tuple(_owner_values(table, s)[c] for c in columns) in held]
+
+
 async def release_shard(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """Give ``shard`` back to its partition (under the shard's lock). False if it was not
     held."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -32,7 +33,7 @@ from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.store import ShardRange, read_row_ages, read_shard_ranges
+from outbox_bridge.db.store import ShardRange, hold_free_shards, read_row_ages, read_shard_ranges
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.batch import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.hub import (
@@ -43,7 +44,7 @@ from outbox_bridge.runtime.hub import (
     partition_of,
     ref_of,
 )
-from outbox_bridge.runtime.shards import ShardStarter
+from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.workflows.models import (
     HandoverInput,
     HeldFor,
@@ -52,7 +53,6 @@ from outbox_bridge.workflows.models import (
     PartitionRound,
     ShardBacklog,
     ShardRef,
-    SkipInfo,
 )
 
 log = logging.getLogger("outbox_bridge.runtime.partition")
@@ -280,7 +280,7 @@ class PartitionDrain:
         lost = False
         try:
             async with self._engine.locked(self._table, shards) as batch:
-                self._hold_skipped(batch, handovers)
+                await self._hold_skipped(batch, handovers)
                 heads = await self._engine.read_heads(
                     batch, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
                 )
@@ -310,17 +310,24 @@ class PartitionDrain:
                 *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
             )
 
-    def _hold_skipped(
+    async def _hold_skipped(
         self, batch: LockedShards, handovers: list[tuple[ShardRef, HandoverInput]]
     ) -> None:
-        """Shards on the skip list go to their workflow, skipped, before anything runs."""
-        if not self._skip:
+        """Shards on the skip list that nobody holds go to their workflow, skipped, before
+        anything runs. A listed shard its workflow holds is left to it: an operator may have
+        resumed it, and skipping it again would undo the resume."""
+        listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
+        if not listed:
             return
-        for shard in list(batch.locked):
-            if shard.workflow_id in self._skip:
-                batch.hold(shard, HeldFor.SKIPPED)
-                skip = SkipInfo(reason="listed in the skip_shards setting", by="configuration")
-                handovers.append((shard, HandoverInput(held_for=HeldFor.SKIPPED, skip=skip)))
+        held = await batch.execute(
+            functools.partial(
+                hold_free_shards, table=batch.table, shards=listed, held_for=HeldFor.SKIPPED
+            )
+        )
+        handovers += [
+            (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, self._skip)))
+            for s in held
+        ]
 
     def _settle(
         self,

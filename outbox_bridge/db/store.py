@@ -677,6 +677,45 @@ def driver_writes(table: Table, dialect: Dialect) -> DriverWrites:
     return writes
 
 
+# -- planner statistics ---------------------------------------------------------------------------
+
+# A table with at least this many rows and no planner statistics gets analyzed: below it, the
+# plans that statistics would change cost little either way.
+STATISTICS_MIN_ROWS = 1_000
+
+
+async def lacks_statistics(
+    conn: AsyncConnection, table: Table, *, min_rows: int = STATISTICS_MIN_ROWS
+) -> bool:
+    """Whether ``table`` holds at least ``min_rows`` rows and PostgreSQL has no statistics on
+    its shard columns (never analyzed, or analyzed while empty).
+
+    Without them the planner guesses a shard holds a row or two, and the shard index and the
+    group index cost the same to it: a lookup of one coalescing group may then range-scan the
+    whole rest of a deep shard, once per group of every round (a 20,000-row shard drained at
+    about 420 rows/s instead of 11,000 on this project's measurements)."""
+    result = await conn.execute(
+        text(
+            f"""
+            SELECT NOT EXISTS (
+                SELECT 1 FROM pg_stats s
+                JOIN pg_namespace n ON n.nspname = s.schemaname
+                JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = s.tablename
+                WHERE c.oid = to_regclass(:table) AND s.attname = 'shard_identifier'
+            ) AND (SELECT count(*) FROM (SELECT 1 FROM {table.name} LIMIT :rows) r) >= :rows
+            """
+        ),
+        {"table": table.name, "rows": min_rows},
+    )
+    return bool(result.scalar())
+
+
+async def analyze(conn: AsyncConnection, table: Table) -> None:
+    """Gather ``table``'s planner statistics (needs the table's owner, or the MAINTAIN
+    privilege from PostgreSQL 17)."""
+    await conn.execute(text(f"ANALYZE {table.name}"))
+
+
 # -- shard ownership ------------------------------------------------------------------------------
 
 

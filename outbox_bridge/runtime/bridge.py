@@ -47,8 +47,11 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
 from outbox_bridge.db.store import (
+    STATISTICS_MIN_ROWS,
     FirstRow,
     ShardRange,
+    analyze,
+    lacks_statistics,
     read_first_row,
     read_shard_ranges,
     read_trace_contexts,
@@ -117,6 +120,7 @@ class Bridge:
         self._semaphore = asyncio.Semaphore(options.signal_concurrency)
         self._hub = hub
         self._last_contact: dict[ShardKey, float] = {}
+        self._cannot_analyze: set[str] = set()  # tables this role may not analyze (said once)
         self.signals_sent = 0
         self.starts = 0
         self.handed_to_drains = 0
@@ -331,6 +335,8 @@ class Bridge:
     async def _sweep_tables(self) -> None:
         self._scan_requested.clear()
         metrics = active_metrics()
+        for table in self._tables():
+            await self._ensure_statistics(table)
         if self._supervisor is not None:
             await self._supervisor.ensure_partitions()
             await self._supervisor.check_held()
@@ -349,6 +355,32 @@ class Bridge:
                 await self._check_progress(table, ranges)
         if metrics is not None:
             await observe_shard_states(metrics, self, self._client, self._options.task_queue)
+
+    async def _ensure_statistics(self, table: Table) -> None:
+        """Analyze a table that has rows and no planner statistics (a fresh table, or one last
+        analyzed while empty): the drains' plans depend on them. Autovacuum would do it too,
+        but only after a minute or more of a backlog drained many times slower."""
+        if table.name in self._cannot_analyze:
+            return
+        async with self._engine.connect() as conn:
+            if not await lacks_statistics(conn, table):
+                return
+            try:
+                await analyze(conn, table)
+                await conn.commit()
+            except SQLAlchemyError as exc:
+                self._cannot_analyze.add(table.name)
+                log.warning(
+                    "%s holds %s or more rows and has no planner statistics, and this role "
+                    "cannot analyze it (%s): deep shards drain slowly until autovacuum does; "
+                    "run ANALYZE %s",
+                    table.name,
+                    f"{STATISTICS_MIN_ROWS:,}",
+                    type(getattr(exc, "orig", exc)).__name__,
+                    table.name,
+                )
+                return
+        log.info("analyzed %s: it had rows and no planner statistics", table.name)
 
     async def _check_progress(self, table: Table, ranges: list[ShardRange]) -> None:
         """Always mode: check the workflows of shards whose head did not move since the last

@@ -175,3 +175,33 @@ async def test_the_bound_is_the_workers_setting(engine) -> None:
     assert len(calls) == 20
     assert await rows_left(engine, table) == 0
     assert 0 < most[0] <= 3, f"{most[0]} groups handled ahead of their delete"
+
+
+async def test_a_round_unlocks_each_shard_once(engine) -> None:
+    """A shard unlocked at the end of its groups is not unlocked again when the round ends
+    while that unlock is under way (PostgreSQL warned "you don't own a lock of type
+    ExclusiveLock" once per round in the server log)."""
+    app, calls = await counting_app(engine, sync=False)
+    table = app.table()
+    for shard in (1, 2):
+        await write_groups(engine, app, shard, 5)
+    refs = [
+        ShardRef(table.name, int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, shard)
+        for shard in (1, 2)
+    ]
+    handlers = HandlerCalls(app, redact_errors=False, threads=2)
+    drain = DrainEngine(engine, app, calls=handlers)
+    notices: list[str] = []
+    try:
+        async with drain.locked(table, refs) as batch:
+            raw = await batch.conn.get_raw_connection()
+            raw.driver_connection.add_notice_handler(
+                lambda notice: notices.append(notice.message_primary or "")
+            )
+            heads = await drain.read_heads(batch, max_groups=1_000, skip_held=True)
+            await drain.run(batch, heads, deadline=math.inf)
+    finally:
+        handlers.close()
+    assert len(calls) == 10
+    assert await rows_left(engine, table.name) == 0
+    assert notices == []

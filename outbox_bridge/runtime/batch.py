@@ -196,6 +196,9 @@ class LockedShards:
         self._busy = asyncio.Lock()  # one statement at a time on the connection
         self._pending: list[tuple[list[int], ShardOutcome]] = []
         self._unlocks: dict[ShardRef, None] = {}
+        # Unlocks under way: still locked until their statement returns, not to queue again
+        # (a second unlock made PostgreSQL warn "you don't own a lock" once per round).
+        self._unlocking: set[ShardRef] = set()
         self._holds: list[tuple[ShardRef, str]] = []
         self._releases: list[ShardRef] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -296,7 +299,7 @@ class LockedShards:
 
     def unlock(self, shard: ShardRef) -> None:
         """Release ``shard``'s lock once everything queued for it is written."""
-        if shard in self.locked and shard not in self._unlocks:
+        if shard in self.locked and shard not in self._unlocks and shard not in self._unlocking:
             self._unlocks[shard] = None
             self._kick()
 
@@ -319,6 +322,7 @@ class LockedShards:
             holds, self._holds = self._holds, []
             releases, self._releases = self._releases, []
             unlocks, self._unlocks = self._unlocks, {}
+            self._unlocking.update(unlocks)
             try:
                 if self.lost or self._error is not None:
                     continue  # fenced: nothing more is written in this round
@@ -333,6 +337,7 @@ class LockedShards:
                 # Deleted, or never to be deleted by this round (they run again): either
                 # way no longer ahead.
                 self.undeleted.done(len(pending))
+                self._unlocking.difference_update(unlocks)
 
     async def _write(
         self,

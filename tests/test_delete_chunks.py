@@ -194,10 +194,9 @@ async def test_a_round_unlocks_each_shard_once(engine) -> None:
     notices: list[str] = []
     try:
         async with drain.locked(table, refs) as batch:
-            raw = await batch.conn.get_raw_connection()
-            raw.driver_connection.add_notice_handler(
-                lambda notice: notices.append(notice.message_primary or "")
-            )
+            raw = (await batch.conn.get_raw_connection()).driver_connection
+            assert raw is not None
+            raw.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
             heads = await drain.read_heads(batch, max_groups=1_000, skip_held=True)
             await drain.run(batch, heads, deadline=math.inf)
     finally:

@@ -316,6 +316,8 @@ class PartitionDrain:
         """Shards on the skip list that nobody holds go to their workflow, skipped, before
         anything runs. A listed shard its workflow holds is left to it: an operator may have
         resumed it, and skipping it again would undo the resume."""
+        if not self._skip:
+            return
         listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
         if not listed:
             return

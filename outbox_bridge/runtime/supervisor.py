@@ -25,7 +25,7 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowQueryRejectedError,
 )
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.store import HeldShard, read_held_shards
@@ -105,19 +105,27 @@ class PartitionSupervisor:
 
     async def _start(self, ref: PartitionRef) -> bool:
         try:
-            handle = await self._client.start_workflow(
+            await self._client.start_workflow(
                 PARTITION_WORKFLOW,
                 PartitionInput(ref, self._options),
                 id=ref.workflow_id,
                 task_queue=self._task_queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 # The workflow's first task comes back with the answer when this process's
-                # worker has room for it (about a tenth of a second sooner at start-up); a
-                # running partition is simply used.
+                # worker has room for it: about a tenth of a second sooner at start-up.
                 request_eager_start=True,
             )
-            if not self._configured:
-                await handle.signal("reconfigure", self._options)
+        except WorkflowAlreadyStartedError:
+            if self._configured:
+                return True
+            # Running since an earlier worker: it gets this worker's options. (A partition
+            # started here has them already; a signal would cost it a workflow task.)
+            try:
+                await self._client.get_workflow_handle(ref.workflow_id).signal(
+                    "reconfigure", self._options
+                )
+            except RPCError as exc:
+                log.warning("cannot reconfigure partition %s: %s", ref.workflow_id, exc.message)
+                return False
         except RPCError as exc:
             log.warning("cannot start partition %s: %s", ref.workflow_id, exc.message)
             return False

@@ -303,6 +303,8 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
 class NoHandovers:
     """A starter for a partition drain whose shards never need their own workflow."""
 
+    skip_shards: frozenset[str] = frozenset()
+
     async def hand_over(self, shard: ShardRef, handover: object) -> bool:
         raise AssertionError(f"unexpected handover of {shard.key}")
 
@@ -407,6 +409,8 @@ def _tiny_app() -> Any:
 class RecordedHandovers:
     """A starter for a partition drain that records each handover instead of starting a
     workflow."""
+
+    skip_shards: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.handovers: list[tuple[ShardRef, Any]] = []

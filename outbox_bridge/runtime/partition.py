@@ -107,7 +107,10 @@ class PartitionDrain:
         self._watermark = 0
         self._stats = PartitionRound()
         self._drained: set[ShardKey] = set()
-        self._skip = frozenset(request.options.skip_shards)
+        # The skip list the partition was started with, and this worker's: a worker restarted
+        # with a new list applies it at once, also in a drain retried from an older worker
+        # before the partition has the new options.
+        self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
 
     # -- the run -----------------------------------------------------------------------------

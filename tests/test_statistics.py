@@ -5,6 +5,8 @@ of the shard (measured: 20,000 rows of one shard drained at about 420 rows/s ins
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,16 +26,22 @@ async def has_statistics(engine: AsyncEngine, table: str) -> bool:
         return bool(result.scalar())
 
 
-async def test_a_table_with_rows_and_no_statistics_is_analyzed(servers, engine) -> None:
+async def table_without_statistics(engine: AsyncEngine, rows: int) -> tuple[Any, str, Any]:
+    """A fresh app whose table holds ``rows`` rows and that only the worker may analyze
+    (autovacuum is off for it)."""
     recorder, table, app = await fresh_app(engine)
-    # Only the worker may analyze it here.
     await sql(engine, f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
     await sql(
         engine,
         f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
-        f"SELECT 1, 3, 2, g FROM generate_series(1, {ROWS}) g",
+        f"SELECT 1, 3, 2, g FROM generate_series(1, {rows}) g",
     )
     assert not await has_statistics(engine, table)
+    return recorder, table, app
+
+
+async def test_a_table_with_rows_and_no_statistics_is_analyzed(servers, engine) -> None:
+    recorder, table, app = await table_without_statistics(engine, ROWS)
     async with running_worker(servers, app):
         await wait_until(lambda: has_statistics(engine, table), what="the table analyzed")
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="the rows")
@@ -41,13 +49,7 @@ async def test_a_table_with_rows_and_no_statistics_is_analyzed(servers, engine) 
 
 
 async def test_a_small_table_without_statistics_is_left_to_autovacuum(servers, engine) -> None:
-    recorder, table, app = await fresh_app(engine)
-    await sql(engine, f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
-    await sql(
-        engine,
-        f"INSERT INTO {table} (shard_scope, shard_identifier, category, object_identifier) "
-        "SELECT 1, 3, 2, g FROM generate_series(1, 10) g",
-    )
+    recorder, table, app = await table_without_statistics(engine, 10)
     async with running_worker(servers, app):
         await wait_until(lambda: table_empty(engine, app), what="the rows")
     assert len(recorder.calls) == 10

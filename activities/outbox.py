@@ -22,7 +22,7 @@ from temporalio.exceptions import ApplicationError
 
 from outbox_bridge.observability.logs import log_context
 from outbox_bridge.runtime.calls import HandlerFailed
-from outbox_bridge.runtime.drain import ShardDrainer
+from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,

@@ -4,7 +4,7 @@ The worker runs in the benchmark's process, so a run can set, for itself alone:
 
 - ``max_undeleted_groups``: how many groups the worker's drain rounds may have handled and not
   deleted before they take no further group (the worker's setting of that name, default
-  :data:`outbox_bridge.runtime.batch.MAX_UNDELETED_GROUPS`, what a kill -9 repeats);
+  :data:`outbox_bridge.runtime.rounds.MAX_UNDELETED_GROUPS`, what a kill -9 repeats);
 - ``partition_options``: fields of the :class:`~outbox_bridge.workflows.models.PartitionOptions`
   the bridge hands its partitions (``max_shards``, ``max_groups``, ``max_rounds``, ...).
 

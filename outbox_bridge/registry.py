@@ -21,7 +21,7 @@ from sqlalchemy import MetaData, Table
 
 from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, RegistryError
-from outbox_bridge.observability.writes import observed_write
+from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import PreparedRow, RowSpec, bigint, build_insert
 from outbox_bridge.sessions import record_write
 from outbox_bridge.workflows.models import ShardRef

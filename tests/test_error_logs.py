@@ -30,7 +30,7 @@ def test_an_error_on_purpose():
 
 
 def test_a_warning_of_the_library():
-    logging.getLogger("outbox_bridge.runtime.drain").warning("handler failed")
+    logging.getLogger("outbox_bridge.runtime.shard_drain").warning("handler failed")
 
 
 def test_an_error_of_another_logger():

@@ -28,7 +28,7 @@ from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.db.store import lock_key
-from outbox_bridge.runtime.batch import LockedShards
+from outbox_bridge.runtime.rounds import LockedShards
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.workflows.models import ShardInput, ShardStatus, SkipInput
 from tests.harness import (

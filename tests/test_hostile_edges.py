@@ -28,9 +28,9 @@ from temporalio.client import Client
 from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.db import store
 from outbox_bridge.db.store import lock_key
-from outbox_bridge.runtime import batch as batch_module
-from outbox_bridge.runtime.batch import DrainEngine, LockedShards
+from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import MAX_ERROR_MESSAGE, HandlerCalls
+from outbox_bridge.runtime.rounds import DrainEngine, LockedShards
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
@@ -150,7 +150,7 @@ async def test_a_deferred_row_committed_while_a_round_reads_the_head_never_runs_
             )
         return await real_tails(conn, table_, tails)
 
-    monkeypatch.setattr(batch_module, "read_group_tails", tails_after_a_commit)
+    monkeypatch.setattr(rounds_module, "read_group_tails", tails_after_a_commit)
     drain = drains(app)
     async with drain.locked(app.table(), [shard_of(table, 8)]) as batch:
         heads = await drain.read_heads(batch, max_groups=1, skip_held=True)

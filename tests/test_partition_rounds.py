@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox_bridge.runtime.partition import MAX_GROUPS_PER_SHARD, groups_per_shard
+from outbox_bridge.runtime.partition_drain import MAX_GROUPS_PER_SHARD, groups_per_shard
 from outbox_bridge.workflows.models import PartitionOptions
 
 

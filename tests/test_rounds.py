@@ -20,12 +20,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow
 from outbox_bridge.db.store import read_rows as store_read_rows
-from outbox_bridge.runtime import batch as batch_module
 from outbox_bridge.runtime import hub as hub_module
-from outbox_bridge.runtime.batch import DrainEngine, ShardHead, _keep_within, head_of
+from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, ShardKey, partition_of
-from outbox_bridge.runtime.partition import PartitionDrain
+from outbox_bridge.runtime.partition_drain import PartitionDrain
+from outbox_bridge.runtime.rounds import DrainEngine, ShardHead, _keep_within, head_of
 from outbox_bridge.workflows.models import (
     PartitionDrainInput,
     PartitionOptions,
@@ -269,7 +269,7 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
         reads.append((len(found), sum(len(str(row.payload)) for row in found.values())))
         return found
 
-    monkeypatch.setattr(batch_module, "read_rows", read_rows)
+    monkeypatch.setattr(rounds_module, "read_rows", read_rows)
     calls = HandlerCalls(app, redact_errors=False, threads=2)
     drains = DrainEngine(engine, app, calls=calls, max_round_bytes=BUDGET)
     shards = [ShardRef(table.name, 1, "ORGANIZATION", n) for n in range(1, 6)]

@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import func, select
 
 from outbox_bridge import OutboxApp, OutboxMessage
+from outbox_bridge.testing.inprocess_worker import OutboxWorker, worker_settings
 from outbox_bridge.testing.plugin import DATABASE_URL_ENV, TEMPORAL_ADDRESS_ENV
-from outbox_bridge.testing.worker import OutboxWorker, worker_settings
 from outbox_bridge.workflows.models import PartitionInput, PartitionRef
 from tests.harness import Category, Recorder, make_app
 

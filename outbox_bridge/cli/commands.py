@@ -40,7 +40,7 @@ from outbox_bridge.flush import Flusher
 from outbox_bridge.observability.logs import configure_logging, quiet_sdk_loggers
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
-from outbox_bridge.runtime.replay import HistoryReplayer
+from outbox_bridge.runtime.replayer import HistoryReplayer
 from outbox_bridge.runtime.shards import WORKFLOW, parse_shard, shard_status, start_arguments
 from outbox_bridge.runtime.temporal import connect, task_queue_polled, temporal_address
 from outbox_bridge.runtime.worker import run as run_worker

@@ -1,5 +1,5 @@
 """Observing the worker at work: the span, metrics and log context of each handler call (the
-producer's side is :mod:`outbox_bridge.observability.writes`).
+producer's side is :mod:`outbox_bridge.observability.producer_spans`).
 
 With tracing and metrics off (the default), a handler call costs one context-variable set and
 reset here (the log context), and a batch nothing more; with them on, a batch adds a constant

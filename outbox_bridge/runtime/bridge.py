@@ -3,10 +3,10 @@
 Every worker's bridge listens for its tables' notifications (one per INSERT statement, carrying
 each shard's highest new id) and hands the news to the drains of its own process.
 
-On demand (the default), those are the partitions' drains (:mod:`~outbox_bridge.runtime.partition`),
-which also find rows by their own scans. The *active* bridge keeps each table's partition
-workflows running and, on every sweep, starts the workflow of a held shard that has none
-(:mod:`~outbox_bridge.runtime.supervisor`).
+On demand (the default), those are the partitions' drains
+(:mod:`~outbox_bridge.runtime.partition_drain`), which also find rows by their own scans.
+The *active* bridge keeps each table's partition workflows running and, on every sweep,
+starts the workflow of a held shard that has none (:mod:`~outbox_bridge.runtime.supervisor`).
 
 With ``--shard-workflows always``, every shard with rows has its own workflow, and the active
 bridge signals it: it scans for new ids on a short timer and sweeps the whole table on a

@@ -29,7 +29,7 @@ from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
-log = logging.getLogger("outbox_bridge.runtime.drain")
+log = logging.getLogger(__name__)
 
 # What a handler's exception may put into Temporal history: its class, and this much of its
 # message (a handler can raise with a whole response body in the message).

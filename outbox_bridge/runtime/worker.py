@@ -37,13 +37,13 @@ from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime, tracing_interceptor
 from outbox_bridge.observability.summary import LEGEND, SUMMARY_INTERVAL, WorkerSummary
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.batch import DrainEngine
 from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
 from outbox_bridge.runtime.calls import HandlerCalls
-from outbox_bridge.runtime.drain import ShardDrainer
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.hub import ShardHub
-from outbox_bridge.runtime.partition import PartitionDrain
+from outbox_bridge.runtime.partition_drain import PartitionDrain
+from outbox_bridge.runtime.rounds import DrainEngine
+from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor

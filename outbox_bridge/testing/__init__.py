@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         drain_outbox_async,
         outbox_runner,
     )
+    from outbox_bridge.testing.inprocess_worker import OutboxWorker, worker_settings
     from outbox_bridge.testing.replay import assert_replays
     from outbox_bridge.testing.report import (
         DrainFailure,
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
         ShardReport,
     )
     from outbox_bridge.testing.servers import OutboxDatabase, PostgresServer, TemporalServer
-    from outbox_bridge.testing.worker import OutboxWorker, worker_settings
 
 _EXPORTS = {
     "DrainFailure": "outbox_bridge.testing.report",
@@ -39,10 +39,10 @@ _EXPORTS = {
     "outbox_runner": "outbox_bridge.testing.drain",
     "assert_replays": "outbox_bridge.testing.replay",
     "OutboxDatabase": "outbox_bridge.testing.servers",
-    "OutboxWorker": "outbox_bridge.testing.worker",
+    "OutboxWorker": "outbox_bridge.testing.inprocess_worker",
     "PostgresServer": "outbox_bridge.testing.servers",
     "TemporalServer": "outbox_bridge.testing.servers",
-    "worker_settings": "outbox_bridge.testing.worker",
+    "worker_settings": "outbox_bridge.testing.inprocess_worker",
 }
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Handling an app's outbox rows in-process, without Temporal: for tests of handlers.
 
 The drain reads each shard's head like a worker's drain does (:func:`read_shard_heads`, with the
-coalescing and deferral barrier of :func:`~outbox_bridge.runtime.batch.head_of`), resolves each
+coalescing and deferral barrier of :func:`~outbox_bridge.runtime.rounds.head_of`), resolves each
 group's handler and builds its message like the worker (:class:`HandlerCalls`), calls the
 handler, and deletes exactly the rows of the group it handled. It takes no shard lock and
 starts no workflow: it is meant for a database no worker drains at the same time.
@@ -28,8 +28,8 @@ from outbox_bridge.db.store import (
 )
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.batch import read_shard_heads
 from outbox_bridge.runtime.calls import Call, HandlerCalls
+from outbox_bridge.runtime.rounds import read_shard_heads
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.testing.report import DrainFailure, DrainReport, HandlerFailedError, ShardReport
 from outbox_bridge.workflows.models import ShardRef

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from outbox_bridge.config import OutboxSettings
     from outbox_bridge.registry import OutboxApp
+    from outbox_bridge.testing.inprocess_worker import OutboxWorker
     from outbox_bridge.testing.servers import (
         DatabaseTemplate,
         EventLoopThread,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
         PostgresServer,
         TemporalServer,
     )
-    from outbox_bridge.testing.worker import OutboxWorker
 
 DATABASE_URL_ENV = "OUTBOX_TEST_DATABASE_URL"
 TEMPORAL_ADDRESS_ENV = "OUTBOX_TEST_TEMPORAL_ADDRESS"
@@ -76,9 +76,9 @@ def _servers() -> ModuleType:
 
 def _worker() -> ModuleType:
     # Imported when a fixture is used, as _servers.
-    from outbox_bridge.testing import worker
+    from outbox_bridge.testing import inprocess_worker
 
-    return worker
+    return inprocess_worker
 
 
 def _setting(config: pytest.Config, env: str, ini: str) -> str | None:

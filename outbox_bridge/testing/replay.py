@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from temporalio.client import WorkflowHistory
 
-from outbox_bridge.runtime.replay import HistoryReplayer, ReplayFailure
+from outbox_bridge.runtime.replayer import HistoryReplayer, ReplayFailure
 
 T = TypeVar("T")
 

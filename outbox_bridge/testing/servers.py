@@ -1,6 +1,6 @@
 """Real servers for an application's integration tests: a PostgreSQL server with a database per
 test cloned from a template, and a Temporal dev server (the app's worker is in
-:mod:`outbox_bridge.testing.worker`).
+:mod:`outbox_bridge.testing.inprocess_worker`).
 
 The pytest plugin (:mod:`outbox_bridge.testing.plugin`) builds its fixtures from these; they
 work without pytest too. Everything asynchronous runs in an :class:`EventLoopThread`, so that

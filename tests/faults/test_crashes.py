@@ -174,7 +174,7 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
     """What one ``kill -9`` costs at full speed: a backlog of distinct groups drained as fast as
     the handlers go, nothing failing, the worker killed mid-drain again and again. A kill
     repeats the groups handled and not deleted yet (at most MAX_UNDELETED_GROUPS across the
-    worker's drains, see outbox_bridge/runtime/batch.py) and the calls under way."""
+    worker's drains, see outbox_bridge/runtime/rounds.py) and the calls under way."""
     scenario = new_scenario("kill -9 mid-drain of a backlog", mode)
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.

@@ -23,7 +23,7 @@ from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from outbox_bridge.contrib.django.conf import OutboxConfigurationError
 from outbox_bridge.contrib.django.contexts import record_write
 from outbox_bridge.errors import OutboxError
-from outbox_bridge.observability.writes import observed_write
+from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import RowSpec
 from outbox_bridge.registry import OutboxApp
 

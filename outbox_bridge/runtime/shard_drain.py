@@ -4,7 +4,7 @@ wait, holding the shard).
 
 Every call holds the shard's advisory lock on a connection of its own for its whole duration,
 so two executions of one shard never overlap, and never holds a transaction or a row lock while
-a handler runs. The rounds themselves are :class:`~outbox_bridge.runtime.batch.DrainEngine`'s,
+a handler runs. The rounds themselves are :class:`~outbox_bridge.runtime.rounds.DrainEngine`'s,
 shared with the partitions that drain healthy shards many at a time.
 """
 
@@ -22,9 +22,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from outbox_bridge.db.store import read_pending_up_to
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardLockedError
-from outbox_bridge.runtime.batch import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.calls import HandlerFailed
 from outbox_bridge.runtime.hub import ShardHub, key_of
+from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,
@@ -37,7 +37,7 @@ from outbox_bridge.workflows.models import (
     ShardRef,
 )
 
-log = logging.getLogger("outbox_bridge.runtime.drain")
+log = logging.getLogger(__name__)
 
 # A waiting flush reads the table after 10 ms, then less and less often, at least every 250 ms.
 FLUSH_POLL_FIRST = 0.01

@@ -35,7 +35,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.store import ShardRange, hold_free_shards, read_row_ages, read_shard_ranges
 from outbox_bridge.db.timestamps import iso_utc
-from outbox_bridge.runtime.batch import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.hub import (
     PartitionInbox,
     ShardHub,
@@ -44,6 +43,7 @@ from outbox_bridge.runtime.hub import (
     partition_of,
     ref_of,
 )
+from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.workflows.models import (
     HandoverInput,
@@ -55,7 +55,7 @@ from outbox_bridge.workflows.models import (
     ShardRef,
 )
 
-log = logging.getLogger("outbox_bridge.runtime.partition")
+log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
 BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details

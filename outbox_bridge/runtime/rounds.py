@@ -67,7 +67,7 @@ from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
-log = logging.getLogger("outbox_bridge.runtime.drain")
+log = logging.getLogger(__name__)
 
 # No round takes a further group while the worker's rounds together have this many handled and
 # not deleted yet (what a kill -9 now would run again): the default of the worker's

@@ -158,9 +158,11 @@ class Bridge:
 
     async def _run_connected(self, stop: asyncio.Event) -> None:
         # Every worker listens (its drains want the news); only the leader signals and sweeps.
-        listen_conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
-        lock_conn = await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
-        async with listen_conn, lock_conn:
+        # Each entered as soon as it is open: a stop while the second connects closes the first.
+        async with (
+            await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True) as listen_conn,
+            await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True) as lock_conn,
+        ):
             listener = None
             if self._options.listen:
                 for table in self._tables():

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from outbox_bridge.identifiers import next_object_identifier, next_object_identifier_async
     from outbox_bridge.orm import OutboxModel, write_outbox_rows, write_outbox_rows_async
     from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage, OutboxTable
+    from outbox_bridge.runtime.outbox_plugin import OutboxPlugin
     from outbox_bridge.workflows.models import FlushResult
 
 # Where each public name lives.
@@ -69,6 +70,7 @@ _EXPORTS = {
     "OutboxApp": "outbox_bridge.registry",
     "OutboxMessage": "outbox_bridge.registry",
     "OutboxTable": "outbox_bridge.registry",
+    "OutboxPlugin": "outbox_bridge.runtime.outbox_plugin",
     "FlushResult": "outbox_bridge.workflows.models",
 }
 
@@ -88,6 +90,7 @@ __all__ = [
     "OutboxMessage",
     "OutboxModel",
     "OutboxModelError",
+    "OutboxPlugin",
     "OutboxSettings",
     "OutboxTable",
     "RegistryError",

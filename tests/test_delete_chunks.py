@@ -20,9 +20,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
+from outbox_bridge.runtime.assembly import build_drains
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.rounds import MAX_UNDELETED_GROUPS, DrainEngine
-from outbox_bridge.runtime.worker import build_drains
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import SCOPES, Category, Scope, create_tables, unique_table, write_rows
 

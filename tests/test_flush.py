@@ -28,7 +28,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.runtime.worker import build_drains, build_flush_worker, build_worker
+from outbox_bridge.runtime.assembly import build_drains, build_flush_worker, build_worker
 from outbox_bridge.workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
 from outbox_bridge.workflows.shard import OutboxShard
 from tests.harness import (

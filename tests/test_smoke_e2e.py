@@ -60,7 +60,7 @@ async def test_the_workers_report_their_workflow_code_as_build_id(servers, engin
     workflow code, given to the SDK (which otherwise digests every module the process has
     loaded, about a fifth of a second of each start)."""
     from outbox_bridge import __version__
-    from outbox_bridge.runtime.worker import build_id
+    from outbox_bridge.runtime.assembly import build_id
 
     _, table, app = await fresh_app(engine)
     async with running_worker(servers, app):

@@ -2,7 +2,7 @@
 ``replay`` command and :func:`outbox_bridge.testing.assert_replays`.
 
 A history is replayed as the worker runs its workflows (unsandboxed, see
-:func:`outbox_bridge.runtime.worker.build_worker`), then under Temporal's sandbox too, which
+:func:`outbox_bridge.runtime.assembly.build_worker`), then under Temporal's sandbox too, which
 proves that the code makes no call the sandbox refuses as nondeterministic. A history that
 fails is replayed again cut short, to find the first event the code disagrees with.
 """

@@ -1,0 +1,354 @@
+"""The outbox's parts assembled on a Temporal client, and their lifetime: :func:`run_outbox`.
+
+The parts are the drains (one drain engine, its handler calls, one hub for the bridge's news),
+the outbox's two Temporal workers (its task queue, and the flush queue beside it) and the
+bridge. :class:`~outbox_bridge.runtime.outbox_plugin.OutboxPlugin` runs them beside a worker of
+the application's; ``outbox-bridge worker`` runs them with nothing beside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from temporalio.client import Client
+from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
+
+import outbox_bridge
+from outbox_bridge.activities import OutboxActivities
+from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
+from outbox_bridge.db.schema import prepare_database
+from outbox_bridge.db.timestamps import load_infinite_timestamps
+from outbox_bridge.observability.sdk import tracing_interceptor
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
+from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.runtime.hub import ShardHub
+from outbox_bridge.runtime.partition_drain import PartitionDrain
+from outbox_bridge.runtime.rounds import DrainEngine
+from outbox_bridge.runtime.shard_drain import ShardDrainer
+from outbox_bridge.runtime.shards import ShardStarter, static_skips
+from outbox_bridge.runtime.shutdown import ShutdownGrace
+from outbox_bridge.runtime.supervisor import PartitionSupervisor
+from outbox_bridge.runtime.temporal import ensure_search_attributes
+from outbox_bridge.workflows import models as workflow_models
+from outbox_bridge.workflows import partition as partition_workflow
+from outbox_bridge.workflows import shard as shard_workflow
+from outbox_bridge.workflows.models import PartitionDrainInput, PartitionRound, flush_queue
+from outbox_bridge.workflows.partition import OutboxPartition
+from outbox_bridge.workflows.shard import OutboxShard
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
+    engine = create_async_engine(
+        sqlalchemy_url(url),
+        pool_size=settings.database_pool_size,
+        max_overflow=5,
+        pool_pre_ping=True,
+    )
+    load_infinite_timestamps(engine)  # a plain-SQL scheduled_for = 'infinity' must not fail drains
+    return engine
+
+
+@dataclass
+class Drains:
+    """The drains of one worker: its shard workflows' and its partitions', sharing one drain
+    engine (and its knowledge of running handler calls) and one hub for the bridge's news."""
+
+    engine: DrainEngine
+    shards: ShardDrainer
+    hub: ShardHub
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) -> Drains:
+    calls = HandlerCalls(
+        app,
+        redact_errors=settings.redact_errors,
+        threads=settings.handler_threads,
+        timeout=settings.handler_timeout,
+    )
+    drain_engine = DrainEngine(
+        engine,
+        app,
+        calls=calls,
+        redact_errors=settings.redact_errors,
+        max_undeleted_groups=settings.max_undeleted_groups,
+    )
+    hub = ShardHub()
+    shards = ShardDrainer(drain_engine, hub=hub, max_lingering=settings.linger_max_shards)
+    return Drains(drain_engine, shards, hub)
+
+
+@functools.cache
+def build_id() -> str:
+    """The build id the workers report to Temporal: the package version and a digest of the
+    workflow code (the only code the workers' workflow tasks run).
+
+    Without one, the SDK computes a digest of every module loaded in the process, over a
+    thousand in a worker: about a fifth of a second of each worker's start, before its first
+    row could run.
+    """
+    digest = hashlib.sha256()
+    for module in (workflow_models, partition_workflow, shard_workflow):
+        try:
+            digest.update(inspect.getsource(module).encode())
+        except (OSError, TypeError):  # no source shipped: the version alone tells
+            digest.update(module.__name__.encode())
+    return f"outbox-bridge-{outbox_bridge.__version__}-{digest.hexdigest()[:12]}"
+
+
+def build_worker(
+    client: Client,
+    settings: OutboxSettings,
+    drains: Drains,
+    *,
+    skip_shards: frozenset[str] = frozenset(),
+    interceptors: Sequence[Interceptor] = (),
+) -> Worker:
+    starter = ShardStarter(
+        client,
+        task_queue=settings.task_queue,
+        options=settings.shard_options(),
+        skip_shards=skip_shards,
+    )
+
+    async def drain_partition(
+        request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
+    ) -> PartitionRound:
+        drain = PartitionDrain(drains.engine, starter, drains.hub, request, heartbeat=heartbeat)
+        return await drain.run()
+
+    tables = len(drains.engine.app.tables)
+    return Worker(
+        client,
+        task_queue=settings.task_queue,
+        interceptors=interceptors,
+        workflows=[OutboxShard, OutboxPartition],
+        build_id=build_id(),
+        activities=OutboxActivities(drains.shards, drain_partition).all(),
+        # The workflows are this library's code, never the user's, and the replay tests run
+        # them under the sandbox too. Unsandboxed, a new shard run costs no module re-import
+        # (a third of the worker's CPU on a backlog of new shards).
+        workflow_runner=UnsandboxedWorkflowRunner(),
+        # Lingering drains (a partition's, a shard's) mostly wait: room for them beside the
+        # busy ones.
+        max_concurrent_activities=settings.max_concurrent_activities
+        + settings.linger_max_shards
+        + settings.partitions * tables,
+        max_concurrent_local_activities=settings.max_concurrent_activities,
+        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
+    )
+
+
+def build_flush_worker(
+    client: Client,
+    settings: OutboxSettings,
+    drains: Drains,
+    *,
+    interceptors: Sequence[Interceptor] = (),
+) -> Worker:
+    """The worker of the flush task queue: the activities that wait for a flush's rows, in
+    slots of their own (a thousand waiting flushes never keep a drain from starting)."""
+    activities = OutboxActivities(drains.shards, _no_partitions)
+    return Worker(
+        client,
+        task_queue=flush_queue(settings.task_queue),
+        interceptors=interceptors,
+        activities=activities.flush(),
+        build_id=build_id(),
+        max_concurrent_activities=settings.max_concurrent_flushes,
+        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
+    )
+
+
+async def _no_partitions(
+    request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
+) -> PartitionRound:
+    raise RuntimeError("the flush task queue drains no partition")
+
+
+def outbox_client(client: Client) -> Client:
+    """A client for the outbox's own calls and workers, on ``client``'s connection and
+    namespace, with Temporal's default data converter and the outbox's interceptors only.
+
+    The outbox's workflows carry ids and counts, which producers' flushes and the command line
+    read with the default converter: an application's own converter, codec, interceptors or
+    client plugins stay on the application's workflows.
+    """
+    return Client(
+        client.service_client,
+        namespace=client.namespace,
+        interceptors=[tracing_interceptor()],
+    )
+
+
+def build_bridge(
+    app: OutboxApp,
+    settings: OutboxSettings,
+    engine: AsyncEngine,
+    client: Client,
+    hub: ShardHub,
+    *,
+    skip_shards: frozenset[str],
+) -> Bridge:
+    database_url = settings.database_url
+    assert database_url is not None
+    starter = ShardStarter(
+        client,
+        task_queue=settings.task_queue,
+        options=settings.shard_options(),
+        skip_shards=skip_shards,
+    )
+    supervisor = PartitionSupervisor(
+        app=app,
+        engine=engine,
+        client=client,
+        starter=starter,
+        task_queue=settings.task_queue,
+        partitions=settings.partitions,
+        options=settings.partition_options(skip_shards),
+        regions=settings.regions,
+    )
+    return Bridge(
+        app=app,
+        engine=engine,
+        client=client,
+        listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
+        options=BridgeOptions(
+            task_queue=settings.task_queue,
+            poll_interval=settings.poll_interval,
+            sweep_interval=settings.sweep_interval,
+            listen=settings.listen,
+            regions=settings.regions,
+            idle_timeout=settings.idle_timeout,
+            linger=settings.linger,
+        ),
+        starter=starter,
+        supervisor=supervisor if settings.on_demand else None,
+        held=supervisor,
+        hub=hub,
+    )
+
+
+class RunningOutbox:
+    """The outbox's workers and bridge, running (see :func:`run_outbox`)."""
+
+    def __init__(
+        self,
+        app: OutboxApp,
+        settings: OutboxSettings,
+        *,
+        engine: AsyncEngine,
+        drains: Drains,
+        client: Client,
+    ) -> None:
+        self.engine = engine
+        self.client = client
+        self._drains = drains
+        self._grace = ShutdownGrace(
+            settings.shutdown_grace, calls_in_flight=drains.engine.calls_in_flight
+        )
+        skip_shards = static_skips(app, settings.skip_shards)
+        self.worker = build_worker(
+            client, settings, drains, skip_shards=skip_shards, interceptors=[self._grace]
+        )
+        self._flush_worker = build_flush_worker(client, settings, drains)
+        self.bridge = build_bridge(
+            app, settings, engine, client, drains.hub, skip_shards=skip_shards
+        )
+        self._stop = asyncio.Event()
+        self._bridge_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._bridge_task = asyncio.create_task(self.bridge.run(self._stop), name="outbox bridge")
+        self._tasks = [
+            asyncio.create_task(self.worker.run(), name="outbox worker"),
+            asyncio.create_task(self._flush_worker.run(), name="outbox flush worker"),
+            self._bridge_task,
+        ]
+
+    @property
+    def ready(self) -> asyncio.Event:
+        """Set once the bridge has found the tables and its first sweep ran."""
+        return self.bridge.ready
+
+    async def ended(self) -> None:
+        """Return when a part of the outbox (a worker, the bridge) has stopped on its own: a
+        worker's fatal error. :meth:`failure` says why."""
+        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+
+    def failure(self) -> BaseException | None:
+        """Why a part of the outbox stopped before it was asked to, if one did."""
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                return task.exception()
+        if not self._stop.is_set():
+            for task in self._tasks:
+                if task.done():
+                    return RuntimeError(f"the {task.get_name()} stopped")
+        return None
+
+    async def stop(self) -> BaseException | None:
+        """Stop the bridge at once and the workers within the shutdown grace; returns
+        :meth:`failure` as it was before stopping."""
+        failure = self.failure()
+        self._stop.set()
+        self._drains.hub.close()
+        # The bridge only finds rows and starts or signals workflows: it stops now, not after
+        # the sweep under way, whose status queries would time out one after another (seconds
+        # each) once this worker stops answering them.
+        if self._bridge_task is not None:
+            self._bridge_task.cancel()
+        await asyncio.gather(self._grace.stop(self.worker), self._flush_worker.shutdown())
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        return failure
+
+
+@contextlib.asynccontextmanager
+async def run_outbox(
+    app: OutboxApp, settings: OutboxSettings, client: Client
+) -> AsyncIterator[RunningOutbox]:
+    """Create the missing tables and search attributes, then run the outbox's workers and
+    bridge on ``client``'s connection (through :func:`outbox_client`) until the block ends.
+
+    Leaving the block stops them (the shutdown grace for handler calls in flight) and closes
+    every database connection; then it raises what stopped a part of the outbox early, if
+    something did and the block itself raised nothing.
+    """
+    database_url = settings.database_url
+    assert database_url is not None, "the settings name no database"
+    engine = build_engine(database_url.get_secret_value(), settings)
+    drains = build_drains(engine, app, settings)
+    try:
+        await prepare_database(engine, app.metadata)
+        own = outbox_client(client)
+        await ensure_search_attributes(own)
+        outbox = RunningOutbox(app, settings, engine=engine, drains=drains, client=own)
+        outbox.start()
+        try:
+            yield outbox
+        except BaseException:
+            failure = await outbox.stop()
+            if failure is not None:
+                log.error("the outbox had stopped before: %s", failure, exc_info=failure)
+            raise
+        failure = await outbox.stop()
+        if failure is not None:
+            raise failure
+    finally:
+        drains.close()
+        await engine.dispose()

@@ -48,6 +48,9 @@ from outbox_bridge.workflows.shard import OutboxShard
 
 log = logging.getLogger(__name__)
 
+# Seconds a worker whose run was cancelled from outside gets to end before it is cancelled again.
+LET_GO_SECONDS = 5.0
+
 
 def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
     engine = create_async_engine(
@@ -313,9 +316,33 @@ class RunningOutbox:
         # each) once this worker stops answering them.
         if self._bridge_task is not None:
             self._bridge_task.cancel()
-        await asyncio.gather(self._grace.stop(self.worker), self._flush_worker.shutdown())
+        try:
+            if any(task.cancelling() or task.cancelled() for task in self._worker_tasks()):
+                await self._let_go_of_workers()
+            else:
+                await asyncio.gather(self._grace.stop(self.worker), self._flush_worker.shutdown())
+        except asyncio.CancelledError:
+            await self._let_go_of_workers()
+            raise
         await asyncio.gather(*self._tasks, return_exceptions=True)
         return failure
+
+    def _worker_tasks(self) -> list[asyncio.Task[None]]:
+        return [task for task in self._tasks if task is not self._bridge_task]
+
+    async def _let_go_of_workers(self) -> None:
+        """The workers' runs were cancelled from outside: asyncio.run cancels every task when
+        the program's main coroutine ends or fails, the SDK's own tasks too, and the SDK's
+        shutdown can then wait forever for what those no longer report. Each worker gets a few
+        seconds, then a second cancel, which ends that wait."""
+        _done, pending = await asyncio.wait(self._worker_tasks(), timeout=LET_GO_SECONDS)
+        for task in pending:
+            log.warning(
+                "the %s had not stopped %g s after its cancel", task.get_name(), LET_GO_SECONDS
+            )
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=LET_GO_SECONDS)
 
 
 @contextlib.asynccontextmanager

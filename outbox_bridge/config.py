@@ -150,29 +150,22 @@ class OutboxSettings(BaseSettings):
     )
 
     # -- how shards are processed ----------------------------------------------------------------
-    shard_workflows: Literal["on-demand", "always"] = Field(
+    shard_workflows: Literal["on-demand"] = Field(
         "on-demand",
-        description="When a shard gets its own OutboxShard workflow. on-demand: only when it "
+        description="When a shard gets its own OutboxShard workflow: on-demand, only when it "
         "needs attention (a handler failed, it is skipped, its head is deferred, or a flush "
         "waits on it), while a few partition workflows per table drain the healthy shards at "
-        "no history cost per row. always: every shard with rows, drained in its own workflow "
-        "(its whole history in Temporal, at about 6 history events per burst of rows).",
+        "no history cost per row. The mode `always` of 0.x (a workflow for every shard with "
+        "rows) was retired in 1.0: see the upgrade guide.",
         json_schema_extra=_in(SettingGroup.SHARDS),
     )
     partitions: int = Field(
         4,
         ge=1,
         le=1000,
-        description="Partition workflows per table (on-demand): each drains the healthy "
+        description="Partition workflows per table: each drains the healthy "
         "shards that hash to it in one lingering activity, many shards at a time; more "
         "partitions spread the work over more workers.",
-    )
-    idle_timeout: float = Field(
-        0.0,
-        ge=0,
-        description="Seconds a shard workflow waits for new rows before completing. 0 (the "
-        "default) completes it as soon as its shard is empty: fewest history events; a shard "
-        "with steady traffic is kept open by a lingering drain instead (see linger).",
     )
     handler_timeout: float = Field(
         300.0, gt=0, description="Seconds one handler call may take before it is retried."
@@ -192,23 +185,11 @@ class OutboxSettings(BaseSettings):
     drain_time_budget: float = Field(
         2.0, gt=0, description="Seconds after which a drain call stops taking new groups."
     )
-    linger: float = Field(
-        10.0,
-        ge=0,
-        description="Seconds a shard with steady traffic keeps a drain waiting for its next "
-        "row (handled at once, with no workflow task per row); 0 disables lingering.",
-    )
-    linger_max: float = Field(
-        120.0, gt=0, description="Seconds one lingering drain may last in all."
-    )
-    linger_max_shards: int = Field(
-        500, ge=0, description="Drains that may linger at once in one worker."
-    )
     max_history_events: int = Field(
         10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
     )
     poll_interval: float = Field(
-        1.0, gt=0, description="Seconds between the bridge's scans for new rows."
+        1.0, gt=0, description="Seconds between a partition's scans for new rows."
     )
     sweep_interval: float = Field(
         30.0,
@@ -306,6 +287,18 @@ class OutboxSettings(BaseSettings):
         "to finish before it cancels them; their rows are kept and retried.",
     )
 
+    @field_validator("shard_workflows", mode="before")
+    @classmethod
+    def _retired_mode(cls, value: Any) -> Any:
+        if value == "always":
+            raise ValueError(
+                "--shard-workflows always was retired in outbox-bridge 1.0: every shard is "
+                "drained by its table's partitions and gets a workflow of its own when it needs "
+                "attention. Remove the setting (OUTBOX_SHARD_WORKFLOWS); before upgrading, run "
+                "`outbox-bridge upgrade-check` (docs: how-to/upgrade)"
+            )
+        return value
+
     @field_validator("regions", "skip_shards", mode="before")
     @classmethod
     def _split_regions(cls, value: Any) -> Any:
@@ -323,7 +316,6 @@ class OutboxSettings(BaseSettings):
 
     def shard_options(self) -> ShardOptions:
         return ShardOptions(
-            idle_timeout_seconds=self.idle_timeout,
             handler_timeout_seconds=self.handler_timeout,
             heartbeat_timeout_seconds=self.heartbeat_timeout,
             initial_retry_seconds=self.initial_retry_interval,
@@ -331,15 +323,7 @@ class OutboxSettings(BaseSettings):
             drain_max_groups=self.drain_max_groups,
             drain_time_budget_seconds=self.drain_time_budget,
             max_history_events=self.max_history_events,
-            linger_seconds=self.linger,
-            linger_max_seconds=self.linger_max,
-            owns_shard=self.on_demand,
         )
-
-    @property
-    def on_demand(self) -> bool:
-        """Partitions drain healthy shards; a shard gets its own workflow only when needed."""
-        return self.shard_workflows == "on-demand"
 
     def partition_options(self, skip_shards: Iterable[str] = ()) -> PartitionOptions:
         return PartitionOptions(

@@ -8,23 +8,24 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from outbox_bridge.db.store import FirstRow
 from outbox_bridge.errors import ConfigurationError, ShardNameError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import (
+    MEMO_CODE_KEY,
     SCOPE_ATTRIBUTE,
     SHARD_ATTRIBUTE,
     STATE_ATTRIBUTE,
+    WORKFLOW_CODE,
     HandlerFailure,
     HandoverInput,
     NotifyInput,
     RecheckInput,
-    ShardCarry,
     ShardInput,
     ShardOptions,
+    ShardRecord,
     ShardRef,
     ShardState,
     ShardStatus,
@@ -35,7 +36,7 @@ WORKFLOW = "OutboxShard"
 # How long the bridge waits for a shard workflow's answer to ``status``.
 STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
-log = logging.getLogger("outbox_bridge.runtime.shards")
+log = logging.getLogger(__name__)
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
@@ -111,6 +112,12 @@ def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool
     return first is None or not first.heads(head.category, head.object_identifier)
 
 
+def workflow_code_memo() -> dict[str, Any]:
+    """The memo every outbox workflow starts with: which generation of the workflow code
+    started it (``outbox-bridge upgrade-check`` finds runs that this code cannot replay)."""
+    return {MEMO_CODE_KEY: WORKFLOW_CODE}
+
+
 def start_arguments(
     shard: ShardRef,
     options: ShardOptions,
@@ -118,18 +125,20 @@ def start_arguments(
     *,
     max_id: int,
     skip: SkipInfo | None = None,
-    traffic: bool = False,
+    pending: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments that start ``shard``'s workflow, for ``Client.start_workflow`` and
-    ``WithStartWorkflowOperation`` alike: its input, id, task queue and search attributes."""
+    ``WithStartWorkflowOperation`` alike: its input, id, task queue, memo and search
+    attributes. ``pending``: the run drains first (not when a handover tells it what to do)."""
     return {
         "arg": ShardInput(
             shard=shard,
             options=options,
-            carry=ShardCarry(max_known_id=max_id, skip=skip, traffic=traffic),
+            record=ShardRecord(max_known_id=max_id, skip=skip, pending=pending),
         ),
         "id": shard.workflow_id,
         "task_queue": task_queue,
+        "memo": workflow_code_memo(),
         "search_attributes": TypedSearchAttributes(
             [
                 SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
@@ -161,7 +170,7 @@ class ShardStarter:
         self.skip_shards = skip_shards
 
     def _arguments(
-        self, shard: ShardRef, max_id: int, traffic: bool, skip: SkipInfo | None = None
+        self, shard: ShardRef, max_id: int, *, skip: SkipInfo | None = None, pending: bool = True
     ) -> dict[str, Any]:
         return start_arguments(
             shard,
@@ -169,41 +178,29 @@ class ShardStarter:
             self.task_queue,
             max_id=max_id,
             skip=skip or static_skip(shard, self.skip_shards),
-            traffic=traffic,
+            pending=pending,
         )
 
-    async def start(self, shard: ShardRef, max_id: int, *, traffic: bool = False) -> bool:
-        """Start the shard's workflow, eagerly: its first task (which drains) runs in this
-        worker without a round trip through matching. False if it is already running."""
-        try:
-            await self.client.start_workflow(
-                WORKFLOW, **self._arguments(shard, max_id, traffic), request_eager_start=True
-            )
-        except WorkflowAlreadyStartedError:
-            return False
-        except RPCError as exc:
-            log.warning("start failed for shard %s: %s", shard.key, exc.message)
-            return False
-        return True
-
     async def notify(
-        self,
-        shard: ShardRef,
-        max_id: int,
-        *,
-        late: bool = False,
-        traffic: bool = False,
-        skip: SkipInfo | None = None,
+        self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None
     ) -> bool:
         """Tell the shard's workflow of rows up to ``max_id``, starting it if it is not
         running (skipped, if ``skip`` is given). False if Temporal did not take it."""
         return await self._signal_with_start(
-            shard, max_id, traffic, "notify", NotifyInput(max_id=max_id, late=late), skip
+            shard,
+            "notify",
+            NotifyInput(max_id=max_id, late=late),
+            self._arguments(shard, max_id, skip=skip),
         )
 
     async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
         """Give the shard to its workflow (the caller holds it for the workflow already)."""
-        return await self._signal_with_start(shard, handover.max_id, False, "handover", handover)
+        return await self._signal_with_start(
+            shard,
+            "handover",
+            handover,
+            self._arguments(shard, handover.max_id, pending=False),
+        )
 
     async def recheck(self, shard: ShardRef, reason: str) -> bool:
         """Tell a blocked shard's running workflow that its head changed in the table."""
@@ -216,20 +213,11 @@ class ShardStarter:
         return True
 
     async def _signal_with_start(
-        self,
-        shard: ShardRef,
-        max_id: int,
-        traffic: bool,
-        signal: str,
-        argument: object,
-        skip: SkipInfo | None = None,
+        self, shard: ShardRef, signal: str, argument: object, arguments: dict[str, Any]
     ) -> bool:
         try:
             await self.client.start_workflow(
-                WORKFLOW,
-                **self._arguments(shard, max_id, traffic, skip),
-                start_signal=signal,
-                start_signal_args=[argument],
+                WORKFLOW, **arguments, start_signal=signal, start_signal_args=[argument]
             )
         except RPCError as exc:
             log.warning("%s of shard %s failed: %s", signal, shard.key, exc.message)

@@ -96,9 +96,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         redact_errors=settings.redact_errors,
         max_undeleted_groups=settings.max_undeleted_groups,
     )
-    hub = ShardHub()
-    shards = ShardDrainer(drain_engine, hub=hub, max_lingering=settings.linger_max_shards)
-    return Drains(drain_engine, shards, hub)
+    return Drains(drain_engine, ShardDrainer(drain_engine), ShardHub())
 
 
 @functools.cache
@@ -152,11 +150,8 @@ def build_worker(
         # them under the sandbox too. Unsandboxed, a new shard run costs no module re-import
         # (a third of the worker's CPU on a backlog of new shards).
         workflow_runner=UnsandboxedWorkflowRunner(),
-        # Lingering drains (a partition's, a shard's) mostly wait: room for them beside the
-        # busy ones.
-        max_concurrent_activities=settings.max_concurrent_activities
-        + settings.linger_max_shards
-        + settings.partitions * tables,
+        # The partitions' lingering drains mostly wait: room for them beside the busy ones.
+        max_concurrent_activities=settings.max_concurrent_activities + settings.partitions * tables,
         max_concurrent_local_activities=settings.max_concurrent_activities,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
@@ -243,20 +238,14 @@ async def serve(
         bridge = Bridge(
             app=app,
             engine=engine,
-            client=client,
             listen_url=libpq_url(sqlalchemy_url(database_url)),
             options=BridgeOptions(
                 task_queue=settings.task_queue,
-                poll_interval=settings.poll_interval,
                 sweep_interval=settings.sweep_interval,
                 listen=settings.listen,
                 regions=settings.regions,
-                idle_timeout=settings.idle_timeout,
-                linger=settings.linger,
             ),
-            starter=starter,
-            supervisor=supervisor if settings.on_demand else None,
-            held=supervisor,
+            supervisor=supervisor,
             hub=hub,
         )
         flush_worker = build_flush_worker(client, settings, drains)

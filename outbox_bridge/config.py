@@ -150,7 +150,7 @@ class OutboxSettings(BaseSettings):
     )
 
     # -- how shards are processed ----------------------------------------------------------------
-    shard_workflows: Literal["on-demand"] = Field(
+    shard_workflows: str = Field(
         "on-demand",
         description="When a shard gets its own OutboxShard workflow: on-demand, only when it "
         "needs attention (a handler failed, it is skipped, its head is deferred, or a flush "
@@ -297,6 +297,8 @@ class OutboxSettings(BaseSettings):
                 "attention. Remove the setting (OUTBOX_SHARD_WORKFLOWS); before upgrading, run "
                 "`outbox-bridge upgrade-check` (docs: how-to/upgrade)"
             )
+        if value != "on-demand":
+            raise ValueError(f"the only mode is on-demand, not {value!r}")
         return value
 
     @field_validator("regions", "skip_shards", mode="before")

@@ -13,9 +13,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.db.store import hold_shard, release_shard
 from outbox_bridge.runtime.shard_drain import ShardDrainer
-from outbox_bridge.runtime.shards import shard_status
+from outbox_bridge.runtime.shards import WORKFLOW, shard_status
 from outbox_bridge.runtime.worker import build_drains
-from outbox_bridge.workflows.models import DrainInput, HeldFor, HoldInput, ShardRef, ShardState
+from outbox_bridge.workflows.models import (
+    DrainInput,
+    HeldFor,
+    HoldInput,
+    PartitionInput,
+    PartitionRef,
+    ShardInput,
+    ShardRef,
+    ShardState,
+)
 from tests.harness import (
     Category,
     Recorder,
@@ -188,3 +197,40 @@ async def test_a_skip_recorded_with_no_workflow_comes_back_skipped(servers, engi
     assert recorder.calls == []
     assert await count_rows(engine, app) == 1
     assert await holder(engine, table) == HeldFor.SKIPPED
+
+
+# -- workflows left on another task queue ---------------------------------------------------------
+
+
+async def test_partitions_and_shards_left_on_a_task_queue_nobody_polls_are_taken_over(
+    servers, engine, client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker on a renamed task queue, against a server that kept the table's workflows from
+    the earlier setup: it takes them over (with a warning) instead of handling nothing."""
+    recorder, table, app = await fresh_app(engine)
+    settings = fast_settings()
+    gone = f"renamed-{table}"
+    for ref in (PartitionRef(table, n, settings.partitions) for n in range(settings.partitions)):
+        await client.start_workflow(
+            "OutboxPartition", PartitionInput(ref), id=ref.workflow_id, task_queue=gone
+        )
+    await sql(
+        engine,
+        f"INSERT INTO {table}_owners (shard_scope, shard_identifier, held_for) "
+        f"VALUES (1, {SHARD_ID}, 'failed')",
+    )
+    await client.start_workflow(
+        WORKFLOW, ShardInput(shard_of(table)), id=shard_of(table).workflow_id, task_queue=gone
+    )
+    await one_row(engine, app)  # held: its workflow drains it
+    await write_rows(  # healthy: a partition drains it
+        engine,
+        app,
+        [{"category": Category.PROJECT_UPDATE, "shard_identifier": 52, "object_identifier": 2}],
+    )
+    with caplog.at_level("WARNING", logger="outbox_bridge"):
+        async with running_worker(servers, app, settings):
+            await wait_until(lambda: table_empty(engine, app), what="both shards drained")
+    assert sorted(c.object_identifier for c in recorder.calls) == [1, 2]
+    taken = [r.getMessage() for r in caplog.records if "which no worker polls" in r.getMessage()]
+    assert any("partition" in m for m in taken) and any("shard workflow" in m for m in taken)

@@ -111,6 +111,22 @@ class OutboxSettings(BaseSettings):
         description="CA bundle for the server (PEM).",
         json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
+    temporal_profile: str | None = Field(
+        None,
+        validation_alias=_temporal("profile"),
+        description="Profile of Temporal's environment configuration (temporal.toml) that "
+        "gives the Temporal address, namespace, API key and TLS not set otherwise. Unset: the "
+        "file's 'default' profile, if it has one.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
+    )
+    temporal_config_file: Path | None = Field(
+        None,
+        validation_alias=_temporal("config_file"),
+        description="Temporal's environment configuration file. Unset: "
+        "~/.config/temporalio/temporal.toml (the platform's configuration folder), if it "
+        "exists.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
+    )
     task_queue: str = Field(
         "outbox",
         description="Temporal task queue of the shard workflows.",

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Coroutine, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar
@@ -117,6 +117,19 @@ class FlushReport:
 
     def __len__(self) -> int:
         return len(self.results)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON values (``json.dumps`` and Django's ``JsonResponse`` take it):
+        ``handled``, ``results`` (each result's fields; ``outcome`` as its string) and
+        ``not_committed``. A blocked shard's ``error`` holds its handler's exception message:
+        leave it out of what a browser sees if that message may hold private data."""
+        return {
+            "handled": self.handled,
+            "results": [
+                {**asdict(result), "outcome": str(result.outcome)} for result in self.results
+            ],
+            "not_committed": list(self.not_committed),
+        }
 
 
 class Flusher:

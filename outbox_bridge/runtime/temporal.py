@@ -1,4 +1,10 @@
-"""Connecting to Temporal, and the custom search attributes of shard workflows."""
+"""Connecting to Temporal, and the custom search attributes of shard workflows.
+
+The client's settings are outbox-bridge's (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``,
+``TEMPORAL_API_KEY``, ``TEMPORAL_TLS*``, or their flags and Django keys); what they do not set
+comes from Temporal's environment configuration, the profile ``TEMPORAL_PROFILE`` (else
+``default``) of ``temporal.toml``, as the ``temporal`` CLI and the SDKs read it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from temporalio.api.enums.v1 import IndexedValueType, TaskQueueKind, TaskQueueType
 from temporalio.api.operatorservice.v1 import (
@@ -16,6 +23,7 @@ from temporalio.api.operatorservice.v1 import (
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, Interceptor
+from temporalio.envconfig import ClientConfigProfile
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
@@ -51,6 +59,10 @@ def dev_server_search_attribute_args() -> list[str]:
     return args
 
 
+# The TLS settings: any of them given turns the profile's TLS off.
+TLS_SETTINGS = ("temporal_tls", "temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca")
+
+
 def _tls(settings: OutboxSettings) -> TLSConfig | bool:
     if not (settings.temporal_tls or settings.temporal_tls_cert or settings.temporal_tls_ca):
         return False
@@ -72,9 +84,56 @@ def _tls(settings: OutboxSettings) -> TLSConfig | bool:
         ) from None
 
 
+def temporal_profile(settings: OutboxSettings) -> ClientConfigProfile:
+    """The profile of Temporal's environment configuration that the settings name
+    (``temporal_profile``, else ``default``) in ``temporal_config_file`` (else Temporal's
+    default file); empty when there is no file. Its environment variables are outbox-bridge's
+    settings, read already, so only the file is read here.
+
+    The ``default`` profile is not used once an address is given: it says where Temporal is
+    when nothing else does (a test's own dev server never gets a personal profile's key).
+    """
+    if settings.temporal_profile is None and settings.temporal_address is not None:
+        return ClientConfigProfile()
+    source = settings.temporal_config_file
+    if source is not None and not source.is_file():
+        raise ConfigurationError(f"Temporal's configuration file {source} does not exist")
+    try:
+        return ClientConfigProfile.load(
+            settings.temporal_profile, config_source=source, disable_env=True
+        )
+    except RuntimeError as exc:  # the SDK's ConfigError: unreadable file, unknown profile
+        raise ConfigurationError(f"Temporal's environment configuration: {exc}") from None
+
+
 def temporal_address(settings: OutboxSettings) -> str:
-    """The configured Temporal frontend, or the embedded dev server's port on this host."""
-    return settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    """The configured Temporal frontend (the settings', else the profile's), or the embedded
+    dev server's port on this host."""
+    address = settings.temporal_address or temporal_profile(settings).address
+    return address or f"127.0.0.1:{settings.temporal_port}"
+
+
+def embedded_temporal(settings: OutboxSettings) -> bool:
+    """Neither the settings nor Temporal's environment configuration give an address: the
+    worker starts a dev server."""
+    return settings.temporal_address is None and not temporal_profile(settings).address
+
+
+def client_options(settings: OutboxSettings) -> dict[str, Any]:
+    """``Client.connect``'s namespace, API key, TLS and gRPC metadata: each setting that was
+    given (a flag, a variable, a Django key), else the profile's, else the default."""
+    options: dict[str, Any] = dict(temporal_profile(settings).to_client_connect_config())
+    options.pop("target_host", None)
+    given = settings.model_fields_set
+    if "temporal_namespace" in given or "namespace" not in options:
+        options["namespace"] = settings.temporal_namespace
+    if settings.temporal_api_key is not None:
+        options["api_key"] = settings.temporal_api_key.get_secret_value()
+    if given.intersection(TLS_SETTINGS) or settings.temporal_api_key is not None:
+        options["tls"] = _tls(settings) or "api_key" in options
+    else:
+        options.setdefault("tls", False)
+    return options
 
 
 async def connect(
@@ -84,20 +143,14 @@ async def connect(
     interceptors: Sequence[Interceptor] = (),
     runtime: Runtime | None = None,
 ) -> Client:
-    api_key = settings.temporal_api_key.get_secret_value() if settings.temporal_api_key else None
+    options = client_options(settings)
     try:
         return await Client.connect(
-            address,
-            namespace=settings.temporal_namespace,
-            tls=_tls(settings) or bool(api_key),
-            api_key=api_key,
-            interceptors=list(interceptors),
-            runtime=runtime,
+            address, interceptors=list(interceptors), runtime=runtime, **options
         )
     except RuntimeError as exc:
         raise ConfigurationError(
-            f"cannot connect to Temporal at {address} (namespace "
-            f"{settings.temporal_namespace!r}): {exc}"
+            f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): {exc}"
         ) from None
 
 

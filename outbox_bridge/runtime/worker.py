@@ -47,7 +47,12 @@ from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
-from outbox_bridge.runtime.temporal import connect, ensure_search_attributes
+from outbox_bridge.runtime.temporal import (
+    connect,
+    embedded_temporal,
+    ensure_search_attributes,
+    temporal_address,
+)
 from outbox_bridge.workflows import models as workflow_models
 from outbox_bridge.workflows import partition as partition_workflow
 from outbox_bridge.workflows import shard as shard_workflow
@@ -350,9 +355,8 @@ def print_banner(
 async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
-    check_embedded(
-        postgres=settings.database_url is None, temporal=settings.temporal_address is None
-    )
+    embedded = embedded_temporal(settings)  # no address, neither set nor in a Temporal profile
+    check_embedded(postgres=settings.database_url is None, temporal=embedded)
     telemetry = setup_telemetry(settings)
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
@@ -363,8 +367,8 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
             postgres = EmbeddedPostgres(settings.data_dir / "postgres")
             database_url = await asyncio.to_thread(postgres.start)
         ui = None
-        if settings.temporal_address is not None:
-            address = settings.temporal_address
+        if not embedded:
+            address = temporal_address(settings)
         else:
             temporal = EmbeddedTemporal(
                 settings.data_dir / "temporal",

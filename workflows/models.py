@@ -14,7 +14,9 @@ from temporalio.common import SearchAttributeKey
 # Custom search attributes of shard workflows (registered by the worker; see
 # docs/reference/workflows.md).
 SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
-SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
+# Not "OutboxShard": the Temporal UI reads a search attribute named like a workflow type as
+# that type, and a query that combines them finds nothing.
+SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShardKey")
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")
 BLOCKED_CATEGORY_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxBlockedCategory")
 BLOCKED_SINCE_ATTRIBUTE = SearchAttributeKey.for_datetime("OutboxBlockedSince")

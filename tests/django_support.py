@@ -80,13 +80,11 @@ def django_worker(
 ) -> Iterator[OutboxWorker]:
     """The testing toolkit's worker of ``app`` on the test database of ``using``, in a thread
     of its own, so that sync tests run Django views (and their flushes) while it handles the
-    rows; ``app`` flushes to it meanwhile. Its partitions never idle out (the tests' rows come
-    in bursts far apart); its workflows are terminated when it stops."""
+    rows; ``app`` flushes to it meanwhile. Its workflows are terminated when it stops."""
     loop = EventLoopThread(name="django-test-worker")
     database = OutboxDatabase(postgres, str(connections[using].settings_dict["NAME"]))
-    tuned = worker_settings(idle_timeout=0)
     try:
-        with OutboxWorker(app, database, temporal_address, loop, tuned) as worker:
+        with OutboxWorker(app, database, temporal_address, loop, worker_settings()) as worker:
             app.configure_flush(worker.settings)
             try:
                 yield worker
@@ -97,10 +95,10 @@ def django_worker(
 
 
 def end_workflows(servers: Servers, app: OutboxApp, options: OutboxSettings) -> None:
-    """Terminate the workflows that a stopped worker (of these options) left running: with an
-    idle timeout of 0 its partitions wait for rows for ever, and workflow ids name the table,
-    not the task queue, so the next worker of these tables (on a task queue of its own) would
-    find them running where nobody polls, and its rows would wait."""
+    """Terminate the workflows that a stopped worker (of these options) left running: its
+    partitions wait for rows for ever, and workflow ids name the table, not the task queue, so
+    the next worker of these tables (on a task queue of its own) would find them running where
+    nobody polls, and its rows would wait."""
     failures: list[BaseException] = []
 
     # On a loop and a thread of their own: asyncio.run in the test's thread would unset

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -19,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode, Tracer
 from sqlalchemy import select, text
 
-from outbox_bridge import OutboxMessage
+from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.observability.sdk import build_tracer_provider
 from outbox_bridge.runtime.hub import ShardKey, partition_of
 from tests.harness import (
@@ -74,6 +75,20 @@ def of_table(spans: InMemorySpanExporter, table: str, name: str) -> list[Readabl
 
 def by_id(spans: InMemorySpanExporter) -> dict[int, ReadableSpan]:
     return {s.context.span_id: s for s in spans.get_finished_spans() if s.context is not None}
+
+
+async def failing_once(engine: Any) -> tuple[str, OutboxApp]:
+    """An app on a fresh table whose PROJECT_UPDATE handler fails its first call."""
+    recorder, table, app = await fresh_app(engine)
+    failed: list[int] = []
+
+    async def fail_once(message: OutboxMessage) -> None:
+        if not failed:
+            failed.append(message.id)
+            raise RuntimeError("the downstream service said no")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
+    return table, app
 
 
 def partition_index(table: str, scope: int, shard: int, partitions: int = 4) -> int:
@@ -169,15 +184,7 @@ async def test_a_handover_and_the_shard_workflow_s_activities_are_traced(
     """A failing handler makes its shard get its workflow: the partition's handover starts it,
     and the workflow's activities (the head's retry, the drain of the rows behind it) run in
     the handover's trace."""
-    recorder, table, app = await fresh_app(engine)
-    failed: list[int] = []
-
-    async def fail_once(message: OutboxMessage) -> None:
-        if not failed:
-            failed.append(message.id)
-            raise RuntimeError("the downstream service said no")
-
-    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
+    table, app = await failing_once(engine)
     await write_rows(
         engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.ORGANIZATION_UPDATE, 1, 2)]
     )
@@ -267,15 +274,7 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans)
 async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     servers, engine, spans, redact: bool
 ) -> None:
-    recorder, table, app = await fresh_app(engine)
-    failed: list[int] = []
-
-    async def fail_once(message: OutboxMessage) -> None:
-        if not failed:
-            failed.append(message.id)
-            raise RuntimeError("the downstream service said no")
-
-    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
+    table, app = await failing_once(engine)
     settings = fast_settings(redact_errors=redact)
     async with running_worker(servers, app, settings):
         with tracer().start_as_current_span("request"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import pytest
@@ -156,6 +157,10 @@ async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
             await asyncio.sleep(1.0)
 
     recorder.behaviour[Category.PROJECT_UPDATE] = fails_once_then_slow
+
+    def handled(row_id: int) -> bool:
+        return row_id in recorder.ids()
+
     settings = fast_settings()
     outcomes: list[str] = []
     dropped_by_a_run = 0
@@ -175,7 +180,7 @@ async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
                     )
                     await session.commit()
                     # The shard's run has retried the head: it drains the slow row now.
-                    await wait_until(lambda head=head: head in recorder.ids(), what="the retry")
+                    await wait_until(partial(handled, head), what="the head's retry")
                     await asyncio.sleep(0.2 * n)
             outcomes.append(outbox.report.results[0].outcome)
             runs = [

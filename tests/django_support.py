@@ -70,10 +70,10 @@ def point_django_at(servers: Servers) -> None:
 
 
 def end_workflows(servers: Servers, app: OutboxApp, options: OutboxSettings) -> None:
-    """Terminate the workflows that a stopped worker (of these options) left running: with an
-    idle timeout of 0 its partitions wait for rows for ever, and workflow ids name the table,
-    not the task queue, so the next worker of these tables (on a task queue of its own) would
-    find them running where nobody polls, and its rows would wait."""
+    """Terminate the workflows that a stopped worker (of these options) left running: its
+    partitions wait for rows for ever, and workflow ids name the table, not the task queue, so
+    the next worker of these tables (on a task queue of its own) would find them running where
+    nobody polls, and its rows would wait."""
     failures: list[BaseException] = []
 
     # On a loop and a thread of their own: asyncio.run in the test's thread would unset

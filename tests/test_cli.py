@@ -62,7 +62,6 @@ def worker_env(servers: Servers, table: str, **extra: str) -> dict[str, str]:
         SAMPLE_OUTBOX_TABLE=table,
         OUTBOX_POLL_INTERVAL="0.2",
         OUTBOX_SWEEP_INTERVAL="1",
-        OUTBOX_IDLE_TIMEOUT="1",
         OUTBOX_INITIAL_RETRY_INTERVAL="0.2",
         OUTBOX_MAX_RETRY_INTERVAL="1",
         **extra,
@@ -126,7 +125,7 @@ async def test_worker_refuses_a_category_without_handler(servers) -> None:
         (["--app", "no_such_module_for_outbox:app"], "cannot import 'no_such_module_for_outbox'"),
         (["--app", "tests.sample_app"], "module:attribute"),
         (["--app", SAMPLE_APP, "--demo"], "do not also give --app"),
-        (["--app", SAMPLE_APP, "--idle-timeout", "-1"], "idle_timeout"),
+        (["--app", SAMPLE_APP, "--partitions", "0"], "partitions"),
     ],
     ids=["not-an-app", "no-module", "bad-format", "app-and-demo", "bad-setting"],
 )
@@ -135,6 +134,38 @@ async def test_worker_refuses_bad_configuration(servers, args, expected) -> None
     assert result.code == 2, result.output
     assert result.stderr.startswith("outbox-bridge: error: ")
     assert expected in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        pytest.param([], {"OUTBOX_SHARD_WORKFLOWS": "always"}, id="environment"),
+        pytest.param(
+            ["--shard-workflows", "always"],
+            {},
+            id="flag",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the flag's choice list refuses 'always' before the settings' own "
+                "message: \"Invalid value for '--shard-workflows': 'always' is not 'on-demand'\"",
+            ),
+        ),
+    ],
+)
+async def test_the_retired_always_mode_is_refused_naming_the_upgrade(
+    servers, flags: list[str], env: dict[str, str]
+) -> None:
+    """A worker still configured with the mode 0.x had (a workflow for every shard) stops at
+    once, and says what to do instead."""
+    result = await run_python(
+        "worker.py", "--app", SAMPLE_APP, *flags, env={**worker_env(servers, unique_table()), **env}
+    )
+    assert result.code == 2, result.output
+    assert result.stderr.startswith("outbox-bridge: error: "), result.stderr
+    message = one_line(result.stderr)
+    assert "--shard-workflows always was retired" in message, message
+    assert "outbox-bridge upgrade-check" in message and "how-to/upgrade" in message, message
     assert "Traceback" not in result.output
 
 
@@ -195,16 +226,16 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
         assert value == (raw if expected is None else expected), name
     monkeypatch.setenv("TEMPORAL_TLS_CERT", "/c.pem")
     monkeypatch.setenv("TEMPORAL_TLS_KEY", "/k.pem")
-    monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "7")
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "7")
     monkeypatch.setenv("OUTBOX_LISTEN", "false")
-    settings = build_settings({"idle_timeout": 9.0, "listen": None, "task_queue": None})
+    settings = build_settings({"partitions": 9, "listen": None, "task_queue": None})
     assert settings.temporal_tls_cert == Path("/c.pem")
     assert settings.temporal_tls_key == Path("/k.pem")
-    assert settings.idle_timeout == 9.0  # the flag wins
+    assert settings.partitions == 9  # the flag wins
     assert settings.listen is False  # no flag: the environment
     assert settings.task_queue == "outbox"  # neither: the default
-    monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "-1")
-    with pytest.raises(ConfigurationError, match="idle_timeout"):
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "0")
+    with pytest.raises(ConfigurationError, match="partitions"):
         build_settings({})
 
 
@@ -257,7 +288,13 @@ def test_status_help_lists_connection_settings_only() -> None:
     help_text = one_line(result.output)
     for flag, env in [("--temporal-address", "TEMPORAL_ADDRESS"), ("--app", "OUTBOX_APP")]:
         assert flag in help_text and f"[env: {env}]" in help_text
-    for flag in ("--linger", "--health-port", "--shutdown-grace", "--database-url", "--log-level"):
+    for flag in (
+        "--partitions",
+        "--health-port",
+        "--shutdown-grace",
+        "--database-url",
+        "--log-level",
+    ):
         assert f"{flag} " not in help_text, flag
 
 
@@ -269,15 +306,15 @@ def test_settings_a_command_offers_no_flag_for_come_from_the_environment(monkeyp
     def command(**overrides: object) -> None:
         seen.append(build_settings(overrides))
 
-    monkeypatch.setenv("OUTBOX_LINGER", "3")
+    monkeypatch.setenv("OUTBOX_SHUTDOWN_GRACE", "3")
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://from-env/db")
     result = CliRunner().invoke(command, ["--database-url", "postgresql://from-flag/db"])
     assert result.exit_code == 0, result.output
     [settings] = seen
-    assert settings.linger == 3
+    assert settings.shutdown_grace == 3
     assert settings.database_url is not None
     assert settings.database_url.get_secret_value() == "postgresql://from-flag/db"
-    assert CliRunner().invoke(command, ["--linger", "4"]).exit_code == 2  # not offered
+    assert CliRunner().invoke(command, ["--shutdown-grace", "4"]).exit_code == 2  # not offered
 
 
 # -- worker.py: end to end ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def test_projects_example_waits_for_its_rows(servers, engine) -> None:
-    async with running_worker(servers, example.app, fast_settings(idle_timeout=0)) as settings:
+    async with running_worker(servers, example.app, fast_settings()) as settings:
         service = example_api.create_api(
             settings.model_copy(
                 update={

@@ -98,7 +98,7 @@ def unavailable(report: FlushReport, shard: str) -> str:
 
 
 def settings_for(address: str, **overrides: object) -> OutboxSettings:
-    return fast_settings(idle_timeout=0, temporal_address=address, **overrides)
+    return fast_settings(temporal_address=address, **overrides)
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
@@ -157,11 +157,10 @@ async def test_flush_to_a_task_queue_nobody_polls_starts_nothing(
     servers: Servers, engine: AsyncEngine, client
 ) -> None:
     """A producer configured with another task queue than the worker's: the flush does not
-    start the shard's workflow on its own task queue (nobody would ever run it; the worker's
-    bridge would only signal it there); it answers ``unavailable`` naming the task queue, and
-    the worker's bridge handles the rows."""
+    start the shard's workflow on its own task queue (nobody would ever run it there); it
+    answers ``unavailable`` naming the task queue, and the worker's partitions handle the rows."""
     recorder, app = await fresh(engine)
-    worker_settings = fast_settings(idle_timeout=0)
+    worker_settings = fast_settings()
     producer_queue = f"tq-producer-{uuid.uuid4().hex[:8]}"
     async with running_worker(servers, app, worker_settings):
         app.configure_flush(

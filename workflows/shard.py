@@ -85,6 +85,9 @@ class OutboxShard:
         # changed head the bridge reported while blocked.
         self._blocked_at: datetime | None = None
         self._recheck = False
+        # News of rows so far in this run: a drain compares it before and after its call (a
+        # drain is never interrupted by continue-as-new, so the count need not be carried).
+        self._news = 0
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
@@ -121,12 +124,13 @@ class OutboxShard:
 
     async def _drain(self) -> None:
         r = self._r
-        r.pending = False  # news that comes while the drain runs sets it again
         r.deferred_until = r.deferred_seconds = None
+        news = self._news
         result = await self._drain_call()
         if result is None:
-            r.pending = True  # skipped meanwhile: drained again once resumed
-            return
+            return  # skipped meanwhile: drained again once resumed
+        # Still draining if rows may remain, or news came while the drain ran.
+        r.pending = result.more or self._news != news
         self._count(result.rows_handled, result.groups_handled)
         r.highest_seen_id = max(r.highest_seen_id, result.highest_seen_id)
         if result.failed is not None:
@@ -135,9 +139,8 @@ class OutboxShard:
             r.last_error = result.failure
             r.blocked_since = workflow.now().isoformat()
             r.retry_interval_seconds = r.next_attempt_at = None
-        elif result.more:
-            r.pending = True
-        elif result.deferred_until is not None:
+            r.pending = False
+        elif not r.pending and result.deferred_until is not None:
             r.deferred_until = result.deferred_until
             r.deferred_seconds = result.deferred_seconds
 
@@ -390,7 +393,10 @@ class OutboxShard:
             r.skip = SkipInfo(input.skip.reason, input.skip.by, workflow.now().isoformat())
             r.skip_held = True  # the partition recorded it
         if r.head is not None or r.pending:
-            return  # this run knows the shard already, or drains it next and finds out
+            # This run knows the shard already, or drains it (again, if a drain is under way)
+            # and finds out.
+            self._news += 1
+            return
         if input.held_for == HeldFor.FAILED and input.head is not None:
             r.head = input.head
             r.attempts = 1  # the partition's call
@@ -414,6 +420,7 @@ class OutboxShard:
         r.max_known_id = max(r.max_known_id, max_id)
         if late or max_id > r.highest_seen_id:
             r.pending = True
+            self._news += 1
 
     @workflow.signal
     def skip(self, input: SkipInput) -> None:

@@ -38,6 +38,10 @@ from outbox_bridge.workflows.models import (
 
 log = logging.getLogger(__name__)
 
+# How long a shard workflow's drain or category activity waits for the shard's lock: a partition
+# round may hold a held shard's lock for a moment (it locks before it reads, and reads nothing
+# of a held shard), and failing at once would count that as a failed attempt of the handler.
+LOCK_WAIT_SECONDS = 5.0
 # A waiting flush reads the table after 10 ms, then less and less often, at least every 250 ms.
 FLUSH_POLL_FIRST = 0.01
 FLUSH_POLL_MAX = 0.25
@@ -60,7 +64,7 @@ class ShardDrainer:
 
     @contextlib.asynccontextmanager
     async def _locked(
-        self, shard: ShardRef, wait_seconds: float = 0.0
+        self, shard: ShardRef, wait_seconds: float = LOCK_WAIT_SECONDS
     ) -> AsyncIterator[LockedShards]:
         table = self._app.table(shard.table)
         async with self._engine.locked(table, [shard], wait_seconds=wait_seconds) as batch:

@@ -9,7 +9,7 @@ explicitly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -351,6 +351,20 @@ class OutboxSettings(BaseSettings):
             heartbeat_timeout_seconds=self.heartbeat_timeout,
             skip_shards=tuple(sorted(skip_shards)),
         )
+
+
+# Settings of 0.x that 1.0 retired with the mode `always`: set, they are ignored, and said so.
+RETIRED_VARIABLES = (
+    "OUTBOX_LINGER",
+    "OUTBOX_LINGER_MAX",
+    "OUTBOX_LINGER_MAX_SHARDS",
+    "OUTBOX_IDLE_TIMEOUT",
+)
+
+
+def retired_variables(environ: Mapping[str, str]) -> list[str]:
+    """The retired settings (:data:`RETIRED_VARIABLES`) that ``environ`` still sets."""
+    return [name for name in RETIRED_VARIABLES if name in environ]
 
 
 def env_names(name: str, field: FieldInfo) -> list[str]:

@@ -195,20 +195,25 @@ async def ensure_search_attributes(client: Client) -> None:
 UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
 # The longest one describe_task_queue may take.
 PROBE_TIMEOUT = 2.0
+# How long an answer without pollers is asked again: a worker that is starting polls within
+# moments, and a caller waiting on a queue nobody polls hears so at once.
+NO_POLLER_PATIENCE = 1.0
 
 
-async def task_queue_polled(client: Client, task_queue: str, deadline: float) -> bool | None:
-    """Whether a worker polls ``task_queue`` for workflow tasks, asked again until the
-    ``deadline`` (``time.monotonic()``) while none does: a worker that is starting polls within
-    moments. None when the server will not tell; raises ``RPCError`` or ``TimeoutError`` when
-    it does not answer."""
+async def task_queue_polled(
+    client: Client, task_queue: str, deadline: float, *, patience: float = NO_POLLER_PATIENCE
+) -> bool | None:
+    """Whether a worker polls ``task_queue`` for workflow tasks. An answer without pollers is
+    asked again for ``patience`` seconds, then is final; a server that does not answer is asked
+    again until the ``deadline`` (``time.monotonic()``). None when the server will not tell;
+    raises ``RPCError`` or ``TimeoutError`` when it does not answer."""
     request = DescribeTaskQueueRequest(
         namespace=client.namespace,
         task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
         task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
     )
     pause = 0.05
-    answered = False
+    unpolled_since: float | None = None
     while True:
         # Each call gets PROBE_TIMEOUT even past the deadline: a busy server that answers late
         # still tells whether anyone polls.
@@ -225,20 +230,20 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
                 log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc.message)
                 return None
             if exc.status != RPCStatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
-                if answered:
+                if unpolled_since is not None:
                     return False
                 raise
         except TimeoutError:
             if time.monotonic() >= deadline:
-                if answered:
+                if unpolled_since is not None:
                     return False
                 raise
         else:
             if response.pollers:
                 return True
-            answered = True
-        left = deadline - time.monotonic()
-        if left <= 0:
+            unpolled_since = unpolled_since if unpolled_since is not None else time.monotonic()
+        now = time.monotonic()
+        if now >= deadline or (unpolled_since is not None and now - unpolled_since >= patience):
             return False
-        await asyncio.sleep(min(pause, left))
+        await asyncio.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 0.5)

@@ -131,8 +131,10 @@ class HandlerCalls:
             )
         owner = self._app.scope_of(category)
         if owner is None or int(owner) != shard.scope:
+            # Not `if owner`: a scope whose value is 0 is falsy.
+            owner_name = owner.name if owner is not None else "?"
             raise CategoryScopeError(
-                f"category {known.name} belongs to scope {owner.name if owner else '?'}, but the "
+                f"category {known.name} belongs to scope {owner_name}, but the "
                 f"row is in scope {shard.scope_name}; fix or delete the row, or skip shard "
                 f"{shard.key}"
             )

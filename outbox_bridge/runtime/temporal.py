@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -143,15 +144,52 @@ async def connect(
     interceptors: Sequence[Interceptor] = (),
     runtime: Runtime | None = None,
 ) -> Client:
+    """A client of the configured namespace at ``address``; :class:`ConfigurationError` in one
+    line, with what to check, when it cannot connect."""
     options = client_options(settings)
     try:
         return await Client.connect(
             address, interceptors=list(interceptors), runtime=runtime, **options
         )
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         raise ConfigurationError(
-            f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): {exc}"
+            f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): "
+            f"{connect_failure(str(exc))}; {_connect_advice(settings)}"
         ) from None
+
+
+# What the SDK's connection errors say, in its Rust debug format (tonic::transport::Error(...)).
+_QUOTED_REASONS = (re.compile(r'message: "([^"]+)"'), re.compile(r'error: "([^"]+)"'))
+_TLS_FAILURE = re.compile(r"InvalidMessage|InvalidCertificate|AlertReceived|[Tt]ls|[Cc]ertificate")
+
+
+def connect_failure(text: str) -> str:
+    """Why a connection failed, in a few words, from the SDK's error text."""
+    for pattern in _QUOTED_REASONS:
+        found = pattern.search(text)
+        if found:
+            reason = found.group(1)
+            return reason[:1].lower() + reason[1:]
+    if _TLS_FAILURE.search(text):
+        return "the TLS handshake failed"
+    return (
+        text.removeprefix("Failed client connect: ").split("tonic::transport::Error")[0].strip(" :")
+        or "the connection failed"
+    )
+
+
+def _connect_advice(settings: OutboxSettings) -> str:
+    if embedded_temporal(settings):
+        return (
+            "no Temporal address is set (TEMPORAL_ADDRESS, or a profile of temporal.toml), so "
+            "the embedded dev server's port was tried: start `outbox-bridge worker` (which "
+            "starts it) or set TEMPORAL_ADDRESS (--temporal-address) to your Temporal frontend"
+        )
+    return (
+        "check that Temporal runs there and TEMPORAL_ADDRESS (--temporal-address, or the "
+        "profile's address) is its frontend host:port; TEMPORAL_TLS, TEMPORAL_TLS_CA or "
+        "TEMPORAL_API_KEY if it needs them"
+    )
 
 
 async def ensure_search_attributes(client: Client) -> None:

@@ -163,6 +163,12 @@ class OutboxSettings(BaseSettings):
             "--demo` runs), instead of --app.",
         ),
     )
+    demo_outage: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds the demo's project replica of organization 7 is down after the "
+        "start: shard ORGANIZATION:7 blocks meanwhile, to be skipped and resumed. 0: no outage.",
+    )
     data_dir: Path = Field(
         Path(".outbox-bridge"),
         description="Where embedded PostgreSQL and Temporal keep their data (reused on restart).",
@@ -274,6 +280,12 @@ class OutboxSettings(BaseSettings):
         description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*).",
     )
     log_level: str = Field("INFO", description="Log level.")
+    log_failures: bool = Field(
+        False,
+        description="Log each handler failure in a line of its own also while the console "
+        "summary runs (a terminal, or --demo), which otherwise counts them in a line of its "
+        "own. Without the summary every failure is logged.",
+    )
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Log lines as text, or as JSON objects (one per line) with the shard, "

@@ -74,6 +74,7 @@ def worker(**overrides: Any) -> None:
         handler = configure_logging(settings.log_level, settings.log_format)
         if settings.demo:
             handler.addFilter(demo.IntendedFailures())
+            settings = demo.demo_settings(settings)
         quiet_sdk_loggers()
         app = worker_app(settings.demo, settings.app)
         asyncio.run(run_worker(settings, app))

@@ -14,6 +14,7 @@ import getpass
 import json
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,8 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         Console().print(_status_table(report))
 
 
-def _iso(moment: Any) -> str | None:
-    return moment.isoformat() if moment is not None else None
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat(timespec="seconds") if moment is not None else None
 
 
 def _status_table(report: ShardReport) -> Table:
@@ -109,16 +110,16 @@ def _status_table(report: ShardReport) -> Table:
     if report.running:
         workflow = f"running since {_iso(report.started)}"
     else:
-        workflow = f"closed at {_iso(report.closed)}: its partition drains the shard again"
+        workflow = f"closed at {_iso(report.closed)}; the partition drains the shard"
     rows: list[tuple[str, str]] = [
         ("state", status.state),
         ("workflow", workflow),
         (
-            "handled by this workflow",
-            f"{status.rows_handled} rows in {status.groups_handled} groups (not counting "
-            "rows its partition or a lingering drain handled)",
+            "handled by the workflow",
+            f"{status.rows_handled} rows in {status.groups_handled} groups (rows its "
+            "partition drained are not counted)",
         ),
-        ("highest id known / drained here", f"{status.max_known_id} / {status.highest_seen_id}"),
+        ("highest id known / seen", f"{status.max_known_id} / {status.highest_seen_id}"),
     ]
     if status.head is not None:
         head = status.head

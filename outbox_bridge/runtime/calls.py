@@ -24,7 +24,7 @@ from sqlalchemy import Row
 
 from outbox_bridge.db.store import GroupRows
 from outbox_bridge.errors import CategoryScopeError, OutboxError, UnknownCategoryError
-from outbox_bridge.observability.logs import log_context
+from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
@@ -353,6 +353,7 @@ class HandlerCalls:
                 type(exc).__qualname__,
                 exc,
                 exc_info=exc if attempt % 10 == 1 else None,
+                extra={FAILED_CALL: FailedCall(shard.key, call.category, type(exc).__qualname__)},
             )
         return HandlerFailed(HandlerFailure(type(exc).__qualname__, self._history_text(exc)), group)
 

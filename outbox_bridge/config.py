@@ -89,8 +89,8 @@ class OutboxSettings(BaseSettings):
         "database file under --data-dir.",
         json_schema_extra=_in(
             SettingGroup.TEMPORAL,
-            tools="Temporal frontend host:port. Unset: the worker's embedded dev server, on "
-            "127.0.0.1 and OUTBOX_TEMPORAL_PORT (7233).",
+            tools="Temporal frontend host:port. Unset: the Temporal profile's address, else the "
+            "worker's embedded dev server, on 127.0.0.1 and OUTBOX_TEMPORAL_PORT (7233).",
         ),
     )
     temporal_namespace: str = Field(

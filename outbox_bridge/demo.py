@@ -195,7 +195,7 @@ async def write_traffic(
     written = 0
     while not stop.is_set():
         async with engine.begin() as conn:
-            await _write_one(conn, rng, written)
+            await app.write_async(conn, **_next_row(rng, written))
         written += 1
         try:
             await asyncio.wait_for(stop.wait(), timeout=1 / rows_per_second)
@@ -203,44 +203,24 @@ async def write_traffic(
             pass
 
 
-async def _write_one(conn: Any, rng: random.Random, written: int) -> None:
+def _next_row(rng: random.Random, written: int) -> dict[str, Any]:
+    """The arguments of ``app.write_async`` for the demo's next row."""
     org = OUTAGE_ORGANIZATION if written == 0 else rng.randint(1, 25)
     choice = 0.0 if written == 0 else rng.random()
-    if choice < 0.4:
-        # Coalescible: the same project updated again and again.
-        await app.write_async(
-            conn,
-            category=Category.PROJECT_UPDATE,
-            shard_identifier=org,
-            object_identifier=org * 100 + rng.randint(1, 3),
-            payload={"name": f"project-{rng.randint(1, 9)}"},
-        )
-    elif choice < 0.6:
-        await app.write_async(
-            conn,
-            category=Category.ORGANIZATION_UPDATE,
-            shard_identifier=org,
-            object_identifier=org,
-            payload={"slug": f"org-{org}"},
-        )
-    elif choice < 0.75:
+    if choice < 0.4:  # coalescible: the same project updated again and again
+        project = org * 100 + rng.randint(1, 3)
+        name = {"name": f"project-{rng.randint(1, 9)}"}
+        return _row(Category.PROJECT_UPDATE, org, project, payload=name)
+    if choice < 0.6:
+        return _row(Category.ORGANIZATION_UPDATE, org, org, payload={"slug": f"org-{org}"})
+    if choice < 0.75:
         user = rng.randint(1, 50)
-        await app.write_async(
-            conn, category=Category.USER_UPDATE, shard_identifier=user, object_identifier=user
-        )
-    elif choice < 0.97:
-        await app.write_async(
-            conn,
-            category=Category.AUDIT_LOG_EVENT,
-            shard_identifier=org,
-            object_identifier=written,
-            payload={"event": "member.invite"},
-        )
-    else:
-        await app.write_async(
-            conn,
-            category=Category.PROVISION_ORGANIZATION,
-            shard_identifier=org,
-            object_identifier=org,
-            scheduled_for=timedelta(seconds=rng.randint(5, 30)),
-        )
+        return _row(Category.USER_UPDATE, user, user)
+    if choice < 0.97:
+        return _row(Category.AUDIT_LOG_EVENT, org, written, payload={"event": "member.invite"})
+    later = timedelta(seconds=rng.randint(5, 30))
+    return _row(Category.PROVISION_ORGANIZATION, org, org, scheduled_for=later)
+
+
+def _row(category: Category, shard: int, obj: int, **more: Any) -> dict[str, Any]:
+    return {"category": category, "shard_identifier": shard, "object_identifier": obj, **more}

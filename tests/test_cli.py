@@ -209,6 +209,8 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
             raw, expected = "eu, us", ["eu", "us"]
         elif name == "skip_shards":
             raw, expected = "ORGANIZATION:42, USER:7", ["ORGANIZATION:42", "USER:7"]
+        elif name == "shard_workflows":
+            raw, expected = "on-demand", "on-demand"  # its only value; `always` is retired
         elif name in ("temporal_tls_cert", "temporal_tls_key"):
             continue  # they go together; checked below
         with monkeypatch.context() as patch:
@@ -247,6 +249,7 @@ COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "flush": SHARD_COMMAND | {SettingGroup.DATABASE, SettingGroup.SHARDS},
     "shards": SHARD_COMMAND | {SettingGroup.DATABASE},
     "replay": set(),
+    "upgrade-check": {SettingGroup.TEMPORAL},
 }
 
 

@@ -24,17 +24,20 @@ from outbox_bridge.workflows.models import PartitionOptions, ShardOptions
 
 
 class SettingGroup(StrEnum):
-    """Which commands offer a setting as a flag (every setting is an environment variable)."""
+    """Which commands offer a setting as a flag (every setting is an environment variable, which
+    every command reads)."""
 
     DATABASE = "database"  # where the outbox tables are: init-db, flush, shards, the worker
-    TEMPORAL = "temporal"  # how to reach Temporal: every command that talks to shard workflows
+    TEMPORAL = "temporal"  # which Temporal: every command that talks to shard workflows
     APP = "app"  # which OutboxApp: every command that names shards or tables
-    SHARDS = "shards"  # how shard workflows start: the worker, and flush (which may start one)
-    WORKER = "worker"  # the rest: the worker alone (untagged fields)
+    SHARDS = "shards"  # where shard workflows run: the worker, skip and flush (which start one)
+    WORKER = "worker"  # the rest, TLS and API key included: the worker alone (untagged fields)
 
 
-def _in(group: SettingGroup) -> dict[str, Any]:
-    return {"group": group.value}
+def _in(group: SettingGroup, *, tools: str | None = None) -> dict[str, Any]:
+    """A field's group, and what its flag means to the other commands than the worker when that
+    differs from its description (``tools``)."""
+    return {"group": group.value} | ({"tools": tools} if tools else {})
 
 
 def setting_group(field: FieldInfo) -> SettingGroup:
@@ -42,6 +45,13 @@ def setting_group(field: FieldInfo) -> SettingGroup:
     extra = field.json_schema_extra
     group = extra.get("group") if isinstance(extra, dict) else None
     return SettingGroup(group) if isinstance(group, str) else SettingGroup.WORKER
+
+
+def tools_description(field: FieldInfo) -> str:
+    """What a setting means to the commands other than the worker."""
+    extra = field.json_schema_extra
+    tools = extra.get("tools") if isinstance(extra, dict) else None
+    return tools if isinstance(tools, str) else field.description or ""
 
 
 def _temporal(name: str) -> AliasChoices:
@@ -66,14 +76,22 @@ class OutboxSettings(BaseSettings):
         None,
         description="PostgreSQL URL (postgresql://user:password@host/db). Unset: start an "
         "embedded PostgreSQL with its data under --data-dir.",
-        json_schema_extra=_in(SettingGroup.DATABASE),
+        json_schema_extra=_in(
+            SettingGroup.DATABASE,
+            tools="PostgreSQL URL of the outbox tables (postgresql://user:password@host/db). "
+            "Unset: the worker's embedded PostgreSQL under --data-dir.",
+        ),
     )
     temporal_address: str | None = Field(
         None,
         validation_alias=_temporal("address"),
         description="Temporal frontend host:port. Unset: start a Temporal dev server with its "
         "database file under --data-dir.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
+        json_schema_extra=_in(
+            SettingGroup.TEMPORAL,
+            tools="Temporal frontend host:port. Unset: the Temporal profile's address, else the "
+            "worker's embedded dev server, on 127.0.0.1 and OUTBOX_TEMPORAL_PORT (7233).",
+        ),
     )
     temporal_namespace: str = Field(
         "default",
@@ -85,31 +103,26 @@ class OutboxSettings(BaseSettings):
         None,
         validation_alias=_temporal("api_key"),
         description="API key (Temporal Cloud).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls: bool = Field(
         False,
         validation_alias=_temporal("tls"),
         description="Connect to Temporal with TLS.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_cert: Path | None = Field(
         None,
         validation_alias=_temporal("tls_cert"),
         description="mTLS client certificate (PEM).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_key: Path | None = Field(
         None,
         validation_alias=_temporal("tls_key"),
         description="mTLS client key (PEM).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_ca: Path | None = Field(
         None,
         validation_alias=_temporal("tls_ca"),
         description="CA bundle for the server (PEM).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_profile: str | None = Field(
         None,
@@ -125,7 +138,6 @@ class OutboxSettings(BaseSettings):
         description="Temporal's environment configuration file. Unset: "
         "~/.config/temporalio/temporal.toml (the platform's configuration folder), if it "
         "exists.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     task_queue: str = Field(
         "outbox",
@@ -135,22 +147,40 @@ class OutboxSettings(BaseSettings):
     app: str | None = Field(
         None,
         description="The OutboxApp to run, as module:attribute (e.g. myapp.outbox:app).",
-        json_schema_extra=_in(SettingGroup.APP),
+        json_schema_extra=_in(
+            SettingGroup.APP,
+            tools="The worker's OutboxApp, as module:attribute (e.g. myapp.outbox:app), for its "
+            "scope names and tables. Unset: scope names are learned from the shard workflows.",
+        ),
     )
     demo: bool = Field(
         False,
-        description="Run the demo domain and write steady demo traffic (for a first look).",
-        json_schema_extra=_in(SettingGroup.APP),
+        description="Run the demo app (outbox_bridge.demo) and write demo traffic: a first look "
+        "at shards that drain, block, get skipped and resumed (see the quick start).",
+        json_schema_extra=_in(
+            SettingGroup.APP,
+            tools="Use the demo app's scope names and table (what `outbox-bridge worker "
+            "--demo` runs), instead of --app.",
+        ),
+    )
+    demo_outage: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds the demo's project replica of organization 7 is down after the "
+        "start: shard ORGANIZATION:7 blocks meanwhile, to be skipped and resumed. 0: no outage.",
     )
     data_dir: Path = Field(
         Path(".outbox-bridge"),
         description="Where embedded PostgreSQL and Temporal keep their data (reused on restart).",
-        json_schema_extra=_in(SettingGroup.DATABASE),
+        json_schema_extra=_in(
+            SettingGroup.DATABASE,
+            tools="The worker's --data-dir: its embedded PostgreSQL is used when "
+            "OUTBOX_DATABASE_URL is unset.",
+        ),
     )
     temporal_port: int = Field(
         7233,
         description="Port of the embedded Temporal dev server.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_ui_port: int = Field(8233, description="Port of the embedded Temporal UI.")
     regions: Annotated[list[str] | None, NoDecode] = Field(
@@ -162,7 +192,6 @@ class OutboxSettings(BaseSettings):
         None,
         description="Shards that start skipped, comma-separated SCOPE:ID (REGION:SCOPE:ID for "
         "a regional table), e.g. ORGANIZATION:42,USER:7: a kill switch for poison shards.",
-        json_schema_extra=_in(SettingGroup.SHARDS),
     )
 
     # -- how shards are processed ----------------------------------------------------------------
@@ -173,7 +202,6 @@ class OutboxSettings(BaseSettings):
         "waits on it), while a few partition workflows per table drain the healthy shards at "
         "no history cost per row. The mode `always` of 0.x (a workflow for every shard with "
         "rows) was retired in 1.0: see the upgrade guide.",
-        json_schema_extra=_in(SettingGroup.SHARDS),
     )
     partitions: int = Field(
         4,
@@ -252,6 +280,12 @@ class OutboxSettings(BaseSettings):
         description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*).",
     )
     log_level: str = Field("INFO", description="Log level.")
+    log_failures: bool = Field(
+        False,
+        description="Log each handler failure in a line of its own also while the console "
+        "summary runs (a terminal, or --demo), which otherwise counts them in a line of its "
+        "own. Without the summary every failure is logged.",
+    )
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Log lines as text, or as JSON objects (one per line) with the shard, "

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 
 from outbox_bridge.db.store import FirstRow
-from outbox_bridge.errors import ConfigurationError, ShardNameError
+from outbox_bridge.errors import ConfigurationError, RegistryError, ShardNameError
+from outbox_bridge.producer import BIGINT_MAX, BIGINT_MIN
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import (
     MEMO_CODE_KEY,
@@ -33,6 +35,8 @@ from outbox_bridge.workflows.models import (
 )
 
 WORKFLOW = "OutboxShard"
+# The shard_scope column is an integer.
+SCOPE_MIN, SCOPE_MAX = -(2**31), 2**31 - 1
 # How long the bridge waits for a shard workflow's answer to ``status``.
 STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
@@ -40,26 +44,65 @@ log = logging.getLogger(__name__)
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
-    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`.
+    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`, named
+    as the worker names it.
 
-    Read from the right: scope names and ids hold no ``:``, a region may (``eu:west:USER:7``
-    is region ``eu:west``)."""
+    SCOPE is a scope's name (any case) or number; a number the app does not register (a row a
+    plain-SQL producer wrote) names the shard by that number, as the worker does."""
     spec = app.table_spec(table)
-    expected = 3 if spec.regional else 2
-    parts = name.rsplit(":", expected - 1)
-    if len(parts) != expected or not all(parts):
-        form = "REGION:SCOPE:ID" if spec.regional else "SCOPE:ID"
-        raise ShardNameError(f"shard {name!r} is not {form} (table {spec.name})")
-    region = parts[0] if spec.regional else None
-    scope_text, ident_text = parts[-2:]
-    scope = app.scope_by_name(scope_text)
+    region, scope_text, ident = split_shard_name(name, regional=spec.regional, table=spec.name)
     try:
-        ident = int(ident_text)
-    except ValueError:
-        raise ShardNameError(
-            f"shard identifier {ident_text!r} of {name!r} is not an integer"
-        ) from None
+        scope = app.scope_by_name(scope_text)
+    except RegistryError:
+        number = scope_number(scope_text)
+        if number is None:
+            raise RegistryError(
+                f"unknown scope {scope_text!r} in shard {name!r}; {known_scopes(app)}. A "
+                "scope the app does not register is named by its number, as the worker names "
+                f"it (e.g. 9:{ident})"
+            ) from None
+        return ShardRef(spec.name, number, app.scope_name(number), ident, region)
     return ShardRef(spec.name, int(scope), scope.name, ident, region)
+
+
+def known_scopes(app: OutboxApp) -> str:
+    """The app's scopes, for a message: ``known scopes: ORGANIZATION, USER (numbers 1, 2)``."""
+    if not app.scopes:
+        return "the app registers no scopes"
+    names = ", ".join(scope.name for scope in app.scopes)
+    return f"known scopes: {names} (numbers {', '.join(str(int(s)) for s in app.scopes)})"
+
+
+def split_shard_name(name: str, *, regional: bool, table: str) -> tuple[str | None, str, int]:
+    """The region (None outside a regional table), the scope's text and the identifier of a
+    shard's name. Read from the right: scope names and ids hold no ``:``, a region may
+    (``eu:west:USER:7`` is region ``eu:west``)."""
+    expected = 3 if regional else 2
+    parts = name.rsplit(":", expected - 1)
+    if len(parts) != expected or not all(part.strip() for part in parts):
+        form = "REGION:SCOPE:ID" if regional else "SCOPE:ID"
+        raise ShardNameError(
+            f"shard {name!r} is not {form} (table {table}); e.g. ORGANIZATION:42, or 9:6003 "
+            "for a scope known by its number"
+        )
+    ident = _integer(parts[-1])
+    if ident is None or not BIGINT_MIN <= ident <= BIGINT_MAX:
+        raise ShardNameError(
+            f"shard identifier {parts[-1]!r} of {name!r} is not an integer that fits a bigint"
+        )
+    return (parts[0] if regional else None), parts[-2].strip(), ident
+
+
+def scope_number(text: str) -> int | None:
+    """``text`` as a scope number (an integer that fits the ``shard_scope`` column), else None."""
+    number = _integer(text)
+    return number if number is not None and SCOPE_MIN <= number <= SCOPE_MAX else None
+
+
+def _integer(text: str) -> int | None:
+    stripped = text.strip()
+    digits = stripped[1:] if stripped[:1] in ("+", "-") else stripped
+    return int(stripped) if digits.isascii() and digits.isdigit() else None
 
 
 def static_skips(app: OutboxApp, names: list[str] | None) -> frozenset[str]:
@@ -83,10 +126,25 @@ def static_skip(shard: ShardRef, skipped_ids: frozenset[str]) -> SkipInfo | None
     return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
 
 
+@dataclass
+class ShardReport:
+    """A shard workflow's ``status`` answer, and whether its workflow still runs."""
+
+    status: ShardStatus
+    running: bool
+    started: datetime | None = None
+    closed: datetime | None = None
+
+
 async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
     """The workflow's ``status`` query, completed with what only the server knows: the attempt
     count and last failure of a category activity that is being retried (neither adds history,
     so the workflow itself sees only the first failure)."""
+    return (await shard_report(client, shard)).status
+
+
+async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
+    """:func:`shard_status`, with when the workflow started and whether it still runs."""
     handle = client.get_workflow_handle(shard.workflow_id)
     status: ShardStatus = await handle.query("status", result_type=ShardStatus)
     description = await handle.describe()
@@ -99,7 +157,8 @@ async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
             failure = pending.last_failure
             error_type = failure.application_failure_info.type or "Error"
             status.last_error = HandlerFailure(error_type, failure.message)
-    return status
+    running = description.status == WorkflowExecutionStatus.RUNNING
+    return ShardReport(status, running, description.start_time, description.close_time)
 
 
 def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -143,15 +144,52 @@ async def connect(
     interceptors: Sequence[Interceptor] = (),
     runtime: Runtime | None = None,
 ) -> Client:
+    """A client of the configured namespace at ``address``; :class:`ConfigurationError` in one
+    line, with what to check, when it cannot connect."""
     options = client_options(settings)
     try:
         return await Client.connect(
             address, interceptors=list(interceptors), runtime=runtime, **options
         )
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         raise ConfigurationError(
-            f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): {exc}"
+            f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): "
+            f"{connect_failure(str(exc))}; {_connect_advice(settings)}"
         ) from None
+
+
+# What the SDK's connection errors say, in its Rust debug format (tonic::transport::Error(...)).
+_QUOTED_REASONS = (re.compile(r'message: "([^"]+)"'), re.compile(r'error: "([^"]+)"'))
+_TLS_FAILURE = re.compile(r"InvalidMessage|InvalidCertificate|AlertReceived|[Tt]ls|[Cc]ertificate")
+
+
+def connect_failure(text: str) -> str:
+    """Why a connection failed, in a few words, from the SDK's error text."""
+    for pattern in _QUOTED_REASONS:
+        found = pattern.search(text)
+        if found:
+            reason = found.group(1)
+            return reason[:1].lower() + reason[1:]
+    if _TLS_FAILURE.search(text):
+        return "the TLS handshake failed"
+    return (
+        text.removeprefix("Failed client connect: ").split("tonic::transport::Error")[0].strip(" :")
+        or "the connection failed"
+    )
+
+
+def _connect_advice(settings: OutboxSettings) -> str:
+    if embedded_temporal(settings):
+        return (
+            "no Temporal address is set (TEMPORAL_ADDRESS, or a profile of temporal.toml), so "
+            "the embedded dev server's port was tried: start `outbox-bridge worker` (which "
+            "starts it) or set TEMPORAL_ADDRESS (--temporal-address) to your Temporal frontend"
+        )
+    return (
+        "check that Temporal runs there and TEMPORAL_ADDRESS (--temporal-address, or the "
+        "profile's address) is its frontend host:port; TEMPORAL_TLS, TEMPORAL_TLS_CA or "
+        "TEMPORAL_API_KEY if it needs them"
+    )
 
 
 async def ensure_search_attributes(client: Client) -> None:
@@ -195,20 +233,25 @@ async def ensure_search_attributes(client: Client) -> None:
 UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
 # The longest one describe_task_queue may take.
 PROBE_TIMEOUT = 2.0
+# How long an answer without pollers is asked again: a worker that is starting polls within
+# moments, and a caller waiting on a queue nobody polls hears so at once.
+NO_POLLER_PATIENCE = 1.0
 
 
-async def task_queue_polled(client: Client, task_queue: str, deadline: float) -> bool | None:
-    """Whether a worker polls ``task_queue`` for workflow tasks, asked again until the
-    ``deadline`` (``time.monotonic()``) while none does: a worker that is starting polls within
-    moments. None when the server will not tell; raises ``RPCError`` or ``TimeoutError`` when
-    it does not answer."""
+async def task_queue_polled(
+    client: Client, task_queue: str, deadline: float, *, patience: float = NO_POLLER_PATIENCE
+) -> bool | None:
+    """Whether a worker polls ``task_queue`` for workflow tasks. An answer without pollers is
+    asked again for ``patience`` seconds, then is final; a server that does not answer is asked
+    again until the ``deadline`` (``time.monotonic()``). None when the server will not tell;
+    raises ``RPCError`` or ``TimeoutError`` when it does not answer."""
     request = DescribeTaskQueueRequest(
         namespace=client.namespace,
         task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
         task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
     )
     pause = 0.05
-    answered = False
+    unpolled_since: float | None = None
     while True:
         # Each call gets PROBE_TIMEOUT even past the deadline: a busy server that answers late
         # still tells whether anyone polls.
@@ -225,20 +268,20 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
                 log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc.message)
                 return None
             if exc.status != RPCStatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
-                if answered:
+                if unpolled_since is not None:
                     return False
                 raise
         except TimeoutError:
             if time.monotonic() >= deadline:
-                if answered:
+                if unpolled_since is not None:
                     return False
                 raise
         else:
             if response.pollers:
                 return True
-            answered = True
-        left = deadline - time.monotonic()
-        if left <= 0:
+            unpolled_since = unpolled_since if unpolled_since is not None else time.monotonic()
+        now = time.monotonic()
+        if now >= deadline or (unpolled_since is not None and now - unpolled_since >= patience):
             return False
-        await asyncio.sleep(min(pause, left))
+        await asyncio.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 0.5)

@@ -263,9 +263,12 @@ async def serve(
             bridge_task,
         ]
         if settings.demo:
-            tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
+            traffic = demo.write_traffic(engine, stop, outage_seconds=settings.demo_outage)
+            tasks.append(asyncio.create_task(traffic, name="demo"))
         if summary:
-            view = WorkerSummary(app, engine, client, settings.task_queue)
+            view = WorkerSummary(
+                app, engine, client, settings.task_queue, log_failures=settings.log_failures
+            )
             tasks.append(asyncio.create_task(view.run(stop), name="summary"))
         announcer = asyncio.create_task(_announce(bridge.ready, ready))
         stopper = asyncio.create_task(stop.wait())
@@ -343,9 +346,17 @@ def print_banner(
         )
         lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
     if settings.demo:
-        lines.append("  Demo traffic: about 20 rows/s over 25 organizations and 50 users; one")
-        lines.append("  PROJECT_UPDATE in ten fails once (one log line each), so some shards block")
-        lines.append("  and recover on retry.")
+        for line in demo.banner(settings, ui):
+            lines.append(
+                textwrap.fill(
+                    line,
+                    80,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                    break_long_words=False,  # a link stays whole
+                    break_on_hyphens=False,
+                )
+            )
     if summary:
         legend = f"Every {SUMMARY_INTERVAL:g} s a line follows: {LEGEND}."
         lines.append(textwrap.fill(legend, 80, initial_indent="  ", subsequent_indent="  "))

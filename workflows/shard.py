@@ -608,9 +608,9 @@ class OutboxShard:
         category activity or a timer), which the UI shows on the workflow's first view."""
         r = self._r
         if r.skip is not None:
+            # Short: the UI cuts a long label off (the head shows on its cancelled activity).
             skip = r.skip
-            line = f"skipped by {skip.by or 'an operator'} at {_when(skip.at)}: {skip.reason}"
-            return line if r.head is None else f"{line} (head {r.head.summary})"
+            return f"skipped by {skip.by or 'an operator'} at {_when(skip.at)}: {skip.reason}"
         if r.head is not None:
             return f"blocked on {r.head.summary} since {_when(r.blocked_since)}"
         if r.deferred_until is not None:

@@ -366,6 +366,12 @@ async def test_a_skipped_shard_waits_on_a_timer_that_says_who_skipped_it_and_why
     assert await summaries(wf.client, history, EventType.EVENT_TYPE_TIMER_STARTED) == [
         f"skipped by ops at {shown(skipped.skip.at)}: replica down"
     ]
+    # A week later the shard is still skipped, waiting on the next such timer: nothing else ran.
+    await wf.skip_time(8 * 24 * 3600)
+    await settled(handle)
+    assert (await status(handle)).state == ShardState.SKIPPED
+    assert timers(await events(handle)) == [7 * 24 * 3600] * 2
+    assert wf.doubles.drains.calls == [] and wf.doubles.holds.calls == []
 
 
 async def test_a_handed_over_failure_is_retried_without_repeating_the_partitions_call(wf) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 from temporalio import workflow
@@ -62,6 +62,8 @@ V = TypeVar("V", str, datetime)
 
 # Tries of the local drain before it falls back to a normal (visible, server-retried) one.
 LOCAL_DRAIN_ATTEMPTS = 3
+# How long one timer of a skipped shard lasts; when it fires, the shard waits on the next.
+SKIPPED_TIMER = timedelta(days=7)
 BACKOFF_COEFFICIENT = 2.0
 
 
@@ -204,7 +206,7 @@ class OutboxShard:
             heartbeat_timeout=timedelta(seconds=self._options.heartbeat_timeout_seconds),
             retry_policy=self._retry_policy(initial=retry_from),
             cancellation_type=ActivityCancellationType.TRY_CANCEL,
-            summary=head.summary,
+            summary=self._headline(),
         )
         try:
             result = await self._until_done(handle, recheck=True)
@@ -231,10 +233,12 @@ class OutboxShard:
             return
         remaining = (datetime.fromisoformat(r.next_attempt_at) - workflow.now()).total_seconds()
         if remaining > 0:
+            next_attempt = f"{self._headline()}; next attempt at {_when(r.next_attempt_at)}"
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: r.skip is not None or self._recheck or self._continue_due(),
                     timeout=timedelta(seconds=remaining),
+                    timeout_summary=next_attempt,
                 )
             if r.skip is not None:
                 return
@@ -272,7 +276,13 @@ class OutboxShard:
             await self._hold(HeldFor.SKIPPED)
             r.skip_held = True
             self._show()
-        await workflow.wait_condition(lambda: r.skip is None or self._continue_due())
+        # The timer is there for its summary, the first thing the UI shows of a skipped shard.
+        with contextlib.suppress(TimeoutError):
+            await workflow.wait_condition(
+                lambda: r.skip is None or self._continue_due(),
+                timeout=SKIPPED_TIMER,
+                timeout_summary=self._headline(),
+            )
 
     async def _take_back_skipped(self) -> None:
         """Resumed: the table says skipped no more; the workflow keeps the shard until it is
@@ -295,6 +305,7 @@ class OutboxShard:
                 await workflow.wait_condition(
                     lambda: r.state != ShardState.DEFERRED or self._continue_due(),
                     timeout=timedelta(seconds=remaining),
+                    timeout_summary=self._headline(),
                 )
                 return  # news, a skip, a handover, or a continue-as-new (which carries it)
         r.deferred_until = None
@@ -592,6 +603,20 @@ class OutboxShard:
         if changed:
             workflow.upsert_search_attributes(changed)
 
+    def _headline(self) -> str:
+        """The state and its reason in one line: the summary of what the run waits on (the
+        category activity or a timer), which the UI shows on the workflow's first view."""
+        r = self._r
+        if r.skip is not None:
+            # Short: the UI cuts a long label off (the head shows on its cancelled activity).
+            skip = r.skip
+            return f"skipped by {skip.by or 'an operator'} at {_when(skip.at)}: {skip.reason}"
+        if r.head is not None:
+            return f"blocked on {r.head.summary} since {_when(r.blocked_since)}"
+        if r.deferred_until is not None:
+            return f"deferred until {_when(r.deferred_until)}"
+        return r.state.value
+
     def _describe(self) -> None:
         # Current details are not carried over continue-as-new; every run sets them again.
         r = self._r
@@ -613,6 +638,16 @@ class OutboxShard:
             skip = r.skip
             lines.append(f"**Skipped** by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
         workflow.set_current_details("\n\n".join(lines))
+
+
+def _when(iso: str | None) -> str:
+    """An ISO timestamp as the UI's reader wants it: to the second, in UTC."""
+    if iso is None:
+        return "?"
+    moment = datetime.fromisoformat(iso)
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _set_or_unset(key: SearchAttributeKey[V], value: V | None) -> SearchAttributeUpdate[V]:

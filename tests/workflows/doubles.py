@@ -259,6 +259,14 @@ def of_type(history: list[HistoryEvent], kind: EventType.ValueType) -> list[Hist
     return [event for event in history if event.event_type == kind]
 
 
+async def summaries(
+    client: Client, history: list[HistoryEvent], kind: EventType.ValueType
+) -> list[str]:
+    """The summaries the run gave its events of ``kind`` (what the UI labels them with)."""
+    found = [e.user_metadata.summary for e in of_type(history, kind) if e.HasField("user_metadata")]
+    return [str(s) for s in await client.data_converter.decode(found, [str] * len(found))]
+
+
 def timers(history: list[HistoryEvent]) -> list[float]:
     """The durations of the timers the run started, in seconds."""
     return [

@@ -3,6 +3,7 @@ timers, idle waits and retry backoff pass in skipped time."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -42,6 +43,7 @@ from tests.workflows.doubles import (
     intervals,
     of_type,
     options,
+    summaries,
     timers,
 )
 
@@ -132,7 +134,12 @@ async def test_a_deferred_head_waits_on_a_timer_by_the_database_clock(wf) -> Non
     deferred = await reaches(handle, ShardState.DEFERRED)
     assert deferred.deferred_until == "2030-01-01T00:00:00+00:00"
     assert await summary(wf, handle) == ShardSummary(wf.shard.key, 1, 1)
-    assert timers(await events(handle)) == [3600]  # the seconds the database counted
+    history = await events(handle)
+    assert timers(history) == [3600]  # the seconds the database counted
+    # What the UI labels the timer with on the workflow's first view.
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_TIMER_STARTED) == [
+        "deferred until 2030-01-01 00:00:00 UTC"
+    ]
     assert len(wf.doubles.drains.calls) == 2
 
 
@@ -199,6 +206,21 @@ async def blocked_shard(
     wf.doubles.categories.default = failing()
     handle = await start(wf, options(**overrides))
     return handle, await reaches(handle, ShardState.BLOCKED)
+
+
+def shown(iso: str | None) -> str:
+    """A timestamp as a summary shows it."""
+    assert iso is not None
+    return datetime.fromisoformat(iso).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+async def test_a_blocked_heads_activity_says_what_it_is_blocked_on_since_when(wf) -> None:
+    handle, blocked = await blocked_shard(wf)
+    history = await events(handle)
+    # The label of the pending category activity on the workflow's first view in the UI.
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED) == [
+        f"blocked on {PROJECT_UPDATE.summary} since {shown(blocked.blocked_since)}"
+    ]
 
 
 async def carried_input(wf: Bench, handle: WorkflowHandle[Any, Any]) -> ShardInput:
@@ -325,6 +347,31 @@ async def test_a_handed_over_skip_keeps_the_shard_skipped(wf) -> None:
     # The partition recorded the skip: the workflow only takes the shard back, then drains.
     assert wf.doubles.order == ["hold_shard", "drain_shard"]
     assert wf.doubles.holds.calls[0].input.held_for == HeldFor.WORKFLOW
+
+
+async def test_a_skipped_shard_waits_on_a_timer_that_says_who_skipped_it_and_why(wf) -> None:
+    skip = SkipInfo(reason="replica down", by="ops")
+    handle = await hand_over(
+        wf, options(), HandoverInput(max_id=13, held_for=HeldFor.SKIPPED, skip=skip)
+    )
+    skipped = await reaches(handle, ShardState.SKIPPED)
+    assert skipped.skip is not None
+
+    async def waiting() -> bool:
+        return bool(of_type(await events(handle), EventType.EVENT_TYPE_TIMER_STARTED))
+
+    await wait_until(waiting, timeout=10, interval=0.01, what="the skipped shard's timer")
+    history = await events(handle)
+    # What the UI shows first: who, when and why, on the timer the shard waits on.
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_TIMER_STARTED) == [
+        f"skipped by ops at {shown(skipped.skip.at)}: replica down"
+    ]
+    # A week later the shard is still skipped, waiting on the next such timer: nothing else ran.
+    await wf.skip_time(8 * 24 * 3600)
+    await settled(handle)
+    assert (await status(handle)).state == ShardState.SKIPPED
+    assert timers(await events(handle)) == [7 * 24 * 3600] * 2
+    assert wf.doubles.drains.calls == [] and wf.doubles.holds.calls == []
 
 
 async def test_a_handed_over_failure_is_retried_without_repeating_the_partitions_call(wf) -> None:

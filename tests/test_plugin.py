@@ -51,7 +51,7 @@ from tests.support import ROOT, clean_env, clear_settings, with_password
 from tests.user_workflows import PLACE_ORDER, OrderPlaced, OrderWorkflow
 
 # Short timers, by the settings' own names, as a team would pass them.
-FAST: dict[str, Any] = {"poll_interval": 0.2, "sweep_interval": 1.5, "idle_timeout": 2.0}
+FAST: dict[str, Any] = {"poll_interval": 0.2, "sweep_interval": 1.5}
 
 
 class Orders:
@@ -306,7 +306,7 @@ def test_settings_are_the_worker_s_by_name_with_its_defaults() -> None:
     assert plugin.settings.partitions == 2
     assert plugin.settings.shutdown_grace == 3
     assert plugin.settings.task_queue == defaults.task_queue == "outbox"
-    assert plugin.settings.linger == defaults.linger
+    assert plugin.settings.sweep_interval == defaults.sweep_interval
     assert plugin.name() == "outbox_bridge.OutboxPlugin"
 
 

@@ -90,9 +90,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         redact_errors=settings.redact_errors,
         max_undeleted_groups=settings.max_undeleted_groups,
     )
-    hub = ShardHub()
-    shards = ShardDrainer(drain_engine, hub=hub, max_lingering=settings.linger_max_shards)
-    return Drains(drain_engine, shards, hub)
+    return Drains(drain_engine, ShardDrainer(drain_engine), ShardHub())
 
 
 @functools.cache
@@ -146,11 +144,8 @@ def build_worker(
         # them under the sandbox too. Unsandboxed, a new shard run costs no module re-import
         # (a third of the worker's CPU on a backlog of new shards).
         workflow_runner=UnsandboxedWorkflowRunner(),
-        # Lingering drains (a partition's, a shard's) mostly wait: room for them beside the
-        # busy ones.
-        max_concurrent_activities=settings.max_concurrent_activities
-        + settings.linger_max_shards
-        + settings.partitions * tables,
+        # The partitions' lingering drains mostly wait: room for them beside the busy ones.
+        max_concurrent_activities=settings.max_concurrent_activities + settings.partitions * tables,
         max_concurrent_local_activities=settings.max_concurrent_activities,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
@@ -228,20 +223,14 @@ def build_bridge(
     return Bridge(
         app=app,
         engine=engine,
-        client=client,
         listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
         options=BridgeOptions(
             task_queue=settings.task_queue,
-            poll_interval=settings.poll_interval,
             sweep_interval=settings.sweep_interval,
             listen=settings.listen,
             regions=settings.regions,
-            idle_timeout=settings.idle_timeout,
-            linger=settings.linger,
         ),
-        starter=starter,
-        supervisor=supervisor if settings.on_demand else None,
-        held=supervisor,
+        supervisor=supervisor,
         hub=hub,
     )
 
@@ -297,12 +286,13 @@ class RunningOutbox:
     def failure(self) -> BaseException | None:
         """Why a part of the outbox stopped before it was asked to, if one did."""
         for task in self._tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                return task.exception()
-        if not self._stop.is_set():
-            for task in self._tasks:
-                if task.done():
-                    return RuntimeError(f"the {task.get_name()} stopped")
+            if not task.done() or task.cancelled():  # cancelled: stopped, not failed
+                continue
+            error = task.exception()
+            if error is not None:
+                return error
+            if not self._stop.is_set():
+                return RuntimeError(f"the {task.get_name()} stopped")
         return None
 
     async def stop(self) -> BaseException | None:
@@ -316,26 +306,24 @@ class RunningOutbox:
         # each) once this worker stops answering them.
         if self._bridge_task is not None:
             self._bridge_task.cancel()
+        workers = [task for task in self._tasks if task is not self._bridge_task]
         try:
-            if any(task.cancelling() or task.cancelled() for task in self._worker_tasks()):
-                await self._let_go_of_workers()
+            if any(task.cancelling() or task.cancelled() for task in workers):
+                await self._let_go()
             else:
                 await asyncio.gather(self._grace.stop(self.worker), self._flush_worker.shutdown())
+                await asyncio.gather(*self._tasks, return_exceptions=True)
         except asyncio.CancelledError:
-            await self._let_go_of_workers()
+            await self._let_go()
             raise
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         return failure
 
-    def _worker_tasks(self) -> list[asyncio.Task[None]]:
-        return [task for task in self._tasks if task is not self._bridge_task]
-
-    async def _let_go_of_workers(self) -> None:
+    async def _let_go(self) -> None:
         """The workers' runs were cancelled from outside: asyncio.run cancels every task when
         the program's main coroutine ends or fails, the SDK's own tasks too, and the SDK's
-        shutdown can then wait forever for what those no longer report. Each worker gets a few
+        shutdown can then wait forever for what those no longer report. Each part gets a few
         seconds, then a second cancel, which ends that wait."""
-        _done, pending = await asyncio.wait(self._worker_tasks(), timeout=LET_GO_SECONDS)
+        _done, pending = await asyncio.wait(self._tasks, timeout=LET_GO_SECONDS)
         for task in pending:
             log.warning(
                 "the %s had not stopped %g s after its cancel", task.get_name(), LET_GO_SECONDS
@@ -343,6 +331,9 @@ class RunningOutbox:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=LET_GO_SECONDS)
+        for task in self._tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: asyncio would report it again at exit
 
 
 @contextlib.asynccontextmanager

@@ -31,7 +31,7 @@ from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.assembly import RunningOutbox
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.outbox_plugin import OutboxPlugin
-from outbox_bridge.runtime.temporal import connect
+from outbox_bridge.runtime.temporal import connect, embedded_temporal, temporal_address
 
 log = logging.getLogger("outbox_bridge.worker")
 
@@ -80,9 +80,16 @@ async def _run_until_stopped(
     summary lines when asked for."""
     tasks = []
     if settings.demo:
-        tasks.append(asyncio.create_task(demo.write_traffic(outbox.engine, stop), name="demo"))
+        traffic = demo.write_traffic(outbox.engine, stop, outage_seconds=settings.demo_outage)
+        tasks.append(asyncio.create_task(traffic, name="demo"))
     if summary:
-        view = WorkerSummary(app, outbox.engine, outbox.client, settings.task_queue)
+        view = WorkerSummary(
+            app,
+            outbox.engine,
+            outbox.client,
+            settings.task_queue,
+            log_failures=settings.log_failures,
+        )
         tasks.append(asyncio.create_task(view.run(stop), name="summary"))
     announcer = asyncio.create_task(_announce(outbox.ready, ready))
     stopper = asyncio.create_task(stop.wait())
@@ -150,9 +157,17 @@ def print_banner(
         )
         lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
     if settings.demo:
-        lines.append("  Demo traffic: about 20 rows/s over 25 organizations and 50 users; one")
-        lines.append("  PROJECT_UPDATE in ten fails once (one log line each), so some shards block")
-        lines.append("  and recover on retry.")
+        for line in demo.banner(settings, ui):
+            lines.append(
+                textwrap.fill(
+                    line,
+                    80,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                    break_long_words=False,  # a link stays whole
+                    break_on_hyphens=False,
+                )
+            )
     if summary:
         legend = f"Every {SUMMARY_INTERVAL:g} s a line follows: {LEGEND}."
         lines.append(textwrap.fill(legend, 80, initial_indent="  ", subsequent_indent="  "))
@@ -162,9 +177,8 @@ def print_banner(
 async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
-    check_embedded(
-        postgres=settings.database_url is None, temporal=settings.temporal_address is None
-    )
+    embedded = embedded_temporal(settings)  # no address, neither set nor in a Temporal profile
+    check_embedded(postgres=settings.database_url is None, temporal=embedded)
     telemetry = setup_telemetry(settings)
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
@@ -175,8 +189,8 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
             postgres = EmbeddedPostgres(settings.data_dir / "postgres")
             database_url = await asyncio.to_thread(postgres.start)
         ui = None
-        if settings.temporal_address is not None:
-            address = settings.temporal_address
+        if not embedded:
+            address = temporal_address(settings)
         else:
             temporal = EmbeddedTemporal(
                 settings.data_dir / "temporal",

@@ -10,6 +10,7 @@ handler that outlives its attempt while the retry runs in the other worker).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage
@@ -189,3 +191,73 @@ async def test_two_drain_engines_never_run_one_shard_at_the_same_time(
     handled = sorted(span.row for span in calls.spans)
     assert handled == sorted(ids), "a row was handled twice, or not at all"
     assert {span.engine for span in calls.spans} == {"first", "second"}
+
+
+ORGANIZATION_SHARD, USER_SHARD = 1, 7
+
+
+async def cancelled_during_calls(
+    engine: AsyncEngine, workers: tuple[Worker, Worker, Calls], shard_ids: list[int], cancels: int
+) -> None:
+    """A round of the first engine over ``shard_ids`` (each with two rows, two groups), its
+    first call in each held, is cancelled ``cancels`` times: as long as the plain-def call of
+    the organization shard runs, the round must keep that shard locked (the second engine
+    cannot take it) and must not end. Then the calls return: what they handled is deleted,
+    for good, and the groups behind them wait for the next round."""
+    first, second, calls = workers
+    await create_tables(engine, first.app)
+    rows = []
+    for shard in shard_ids:
+        category = Category.USER_UPDATE if shard == USER_SHARD else Category.PROJECT_UPDATE
+        rows += [
+            {"category": category, "shard_identifier": shard, "object_identifier": obj}
+            for obj in (1, 2)
+        ]
+    ids = await write_rows(engine, first.app, rows)
+    table = first.app.table().name
+    shards = [
+        ShardRef(table, int(Scope.USER), "USER", s)
+        if s == USER_SHARD
+        else ShardRef(table, int(Scope.ORGANIZATION), "ORGANIZATION", s)
+        for s in shard_ids
+    ]
+    first.hold = set(shard_ids)
+    stopping = asyncio.create_task(first.round(shards))
+    await wait_until(lambda: first.held == set(shard_ids), what="a call in each shard")
+    for _ in range(cancels):
+        stopping.cancel()
+        for _ in range(50):  # let the cancellation reach the calls: no I/O, only hops
+            await asyncio.sleep(0)
+    organization = [s for s in shards if s.shard_identifier == ORGANIZATION_SHARD]
+    try:
+        assert not stopping.done(), "the round ended while a plain-def call was still running"
+        assert await second.round(organization) == 0, "the shard was unlocked during its call"
+    finally:
+        first.release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopping
+    # The organization shard's first group was handled and is deleted; the async call was
+    # cancelled: its rows stay, as does every group behind a call.
+    handled = [span.row for span in calls.spans]
+    assert handled == [ids[shard_ids.index(ORGANIZATION_SHARD) * 2]]
+    async with engine.connect() as conn:
+        left = await conn.execute(text(f"SELECT id FROM {table} ORDER BY id"))
+        assert list(left.scalars()) == sorted(set(ids) - set(handled))
+
+
+async def test_a_round_cancelled_once_waits_for_its_plain_def_call_beside_an_async_one(
+    engine, workers
+) -> None:
+    """Cancelled once (a skip, a shutdown, a lost workflow), a round whose async call ends at
+    once must still wait for the plain-def call of another of its shards, whose thread cannot
+    be stopped: it must not unlock that shard, or hand its connection back to the pool, while
+    the call runs (another round would overlap it, and the call's delete would run on a
+    connection that is no longer the round's, and be lost)."""
+    await cancelled_during_calls(engine, workers, [ORGANIZATION_SHARD, USER_SHARD], cancels=1)
+
+
+async def test_a_round_cancelled_twice_waits_for_its_plain_def_call(engine, workers) -> None:
+    """An activity can be cancelled again while it stops (the SDK cancels its task on every
+    cancel request and every failed heartbeat: a lost workflow, a wiped server): the round
+    still waits for its plain-def call."""
+    await cancelled_during_calls(engine, workers, [ORGANIZATION_SHARD], cancels=2)

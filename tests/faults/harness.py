@@ -97,6 +97,7 @@ class WorkerProcess:
         self.starts = 0
         self.kills = 0
         self.pids: list[int] = []  # of every start, in order
+        self.started_at: list[float] = []  # time.monotonic() before each start, in order
         self.killed_pids: list[int] = []
         self.output_checked = False
         self._ready_offset = 0
@@ -104,6 +105,7 @@ class WorkerProcess:
     def start(self) -> None:
         assert self.process is None or self.process.poll() is not None
         self._ready_offset = self.stdout_path.stat().st_size if self.stdout_path.exists() else 0
+        self.started_at.append(time.monotonic())
         with open(self.stdout_path, "ab") as out, open(self.stderr_path, "ab") as err:
             self.process = subprocess.Popen(
                 [sys.executable, "worker.py"],

@@ -166,6 +166,13 @@ class Scenario:
             worker.check_output()
         history = await read_history(self.engine, self.table)
         killed = [pid for worker in self.workers for pid in worker.killed_pids]
+        # Each process sees every row committed before it started: it handles each of their
+        # groups with its newest row.
+        visible = {
+            pid: workload.committed_before(moment)
+            for worker in self.workers
+            for pid, moment in zip(worker.pids, worker.started_at, strict=True)
+        }
         verdict = check(
             history,
             workload.rolled_back,
@@ -173,6 +180,7 @@ class Scenario:
             max_duplicates=max_duplicates,
             killed_pids=killed if repeats_only_after_kills else None,
             max_repeats_per_pid=max_repeats_per_kill,
+            visible_to=visible,
         )
         record(
             Figures(

@@ -22,8 +22,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from outbox_bridge import OutboxSettings
 from outbox_bridge.runtime.shards import WORKFLOW as SHARD_WORKFLOW
-from tests.faults.fault_app import ERROR_CANARY, PAYLOAD_CANARY
+from tests.faults.fault_app import ERROR_CANARY, PAYLOAD_CANARY, FaultScope
 from tests.faults.harness import (
     Clock,
     Figures,
@@ -210,6 +211,18 @@ class Scenario:
                 # Full details still go to the logs.
                 assert ERROR_CANARY in outputs
         return verdict
+
+
+def repeats_per_kill(shards: Iterable[Shard]) -> int:
+    """The most successful calls one ``kill -9`` of a worker can repeat, as the guarantees page
+    bounds it ("Repeats per kill"): the groups its drains had handled and not deleted yet
+    (``max_undeleted_groups``), and the calls under way, one per handler thread for the
+    plain-def handlers and one per shard for the async ones (the fault app's USER shards)."""
+    settings = OutboxSettings.model_fields
+    undeleted = settings["max_undeleted_groups"].default
+    threads = settings["handler_threads"].default
+    async_shards = sum(1 for scope, _ in shards if scope == FaultScope.USER)
+    return int(undeleted) + int(threads) + async_shards
 
 
 def spread(counts: list[int]) -> str:

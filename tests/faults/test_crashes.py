@@ -15,7 +15,7 @@ from sqlalchemy import text
 from tests.faults.fault_app import FaultScope
 from tests.faults.harness import outbox_count
 from tests.faults.history import Shard
-from tests.faults.scenario import ALWAYS, ON_DEMAND, variants
+from tests.faults.scenario import repeats_per_kill, variants
 from tests.harness import wait_until
 
 
@@ -46,7 +46,8 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
 ) -> None:
     scenario = new_scenario("kill -9 worker", mode)
     await scenario.prepare(failure_rate=0.1)
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows)
     worker = scenario.worker(OUTBOX_REDACT_ERRORS="true")
     moments = random.Random(size.kills)
     per_cycle = size.rows // (size.kills + 1)
@@ -71,12 +72,12 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        # A kill repeats what the batches running at that moment had handled and not yet
-        # deleted: at most one batch per shard, cut short by the first failing call (one in
-        # ten). Allowed: one repeated group per shard and kill on average; and each repeat
-        # must repeat a call of a killed process (the surviving one deletes what it handles).
-        max_duplicates=size.kills * size.shards,
+        # A kill repeats what the worker had handled and not deleted yet, and the calls under
+        # way; each repeat must repeat a call of a killed process (a running one deletes what
+        # it handles).
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
+        max_repeats_per_kill=repeats_per_kill(shards),
         redacted=True,
     )
     assert verdict.failed_calls > 0
@@ -91,7 +92,8 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
 ) -> None:
     scenario = new_scenario("two workers, one killed", mode)
     await scenario.prepare(failure_rate=0.05)
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 1)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows + 1)
     steady, victim = scenario.worker("steady"), scenario.worker("victim")
     # The victim starts first, so its bridge is the active one until its first kill: shards it
     # starts run their first task in it (eager start), and after the kill in the other worker.
@@ -116,10 +118,11 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        # As in the kill -9 scenario: a kill repeats the batches that the victim was running
-        # (one per shard at most); the steady worker's calls are never repeated.
-        max_duplicates=size.kills * size.shards,
+        # As in the kill -9 scenario: a kill repeats what the victim had handled and not
+        # deleted, and its calls under way; the steady worker's calls are never repeated.
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
+        max_repeats_per_kill=repeats_per_kill(shards),
     )
     # Both workers handled rows, the steady one too (the victim's restarts alone would give
     # several processes), and some shard was handled by both: the per-shard lock kept them
@@ -135,14 +138,14 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
             )
         ).all()
     assert len(steady.pids) == 1, "the steady worker was restarted"
-    shards: dict[str, set[Shard]] = {steady.name: set(), victim.name: set()}
+    handled_by: dict[str, set[Shard]] = {steady.name: set(), victim.name: set()}
     owner = {pid: worker.name for worker in (steady, victim) for pid in worker.pids}
     for pid, scope, shard in handled:
         assert pid in owner, f"a call of process {pid}, which is neither worker"
-        shards[owner[pid]].add((scope, shard))
-    assert shards[steady.name], "the steady worker handled no row"
-    assert shards[victim.name], "the killed worker handled no row"
-    assert shards[steady.name] & shards[victim.name], "no shard was handled by both workers"
+        handled_by[owner[pid]].add((scope, shard))
+    assert handled_by[steady.name], "the steady worker handled no row"
+    assert handled_by[victim.name], "the killed worker handled no row"
+    assert handled_by[steady.name] & handled_by[victim.name], "no shard was handled by both workers"
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
     scenario = new_scenario("kill -9 mid-drain of a backlog", mode)
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 6, objects=10_000)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows + 6, objects=10_000)
     worker = scenario.worker()
     moments = random.Random(size.kills + 6)
     for _ in range(size.kills):
@@ -205,18 +209,10 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        max_duplicates=size.kills * BACKLOG_REPEATS_PER_KILL[mode],
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
-        max_repeats_per_kill=BACKLOG_REPEATS_PER_KILL[mode],
+        max_repeats_per_kill=repeats_per_kill(shards),
     )
-
-
-# Repeated calls allowed per kill -9 (see the test above): the groups handled and not deleted
-# (at most MAX_UNDELETED_GROUPS), and the calls under way, which had recorded their success but
-# not returned to the worker: up to one per handler thread (16) and per async shard being
-# drained. Measured on 2 shared cores, per kill: on demand a median of 8-17 with outliers up to
-# 109, always a median of 8 and at most 26.
-BACKLOG_REPEATS_PER_KILL = {ON_DEMAND: 120, ALWAYS: 40}
 
 
 async def calls_over(engine, table: str, pid: int, count: int) -> bool:

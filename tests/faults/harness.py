@@ -147,6 +147,12 @@ class WorkerProcess:
         self.kills += 1
         self.killed_pids.append(self.process.pid)
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting: the worker stops polling at once and exits once what it
+        runs has returned (:meth:`stop` collects its exit code)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+
     async def stop(self, timeout: float = 60) -> int:
         """SIGTERM and wait; returns the exit code."""
         if self.process is None:

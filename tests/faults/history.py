@@ -98,6 +98,8 @@ LOG_DDL = [
     "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS slow_shards bigint[] NOT NULL DEFAULT '{}'",
     "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS slow_seconds double precision NOT NULL "
     "DEFAULT 0",
+    # The processes whose calls took a hang, in order.
+    "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS hung_pids bigint[] NOT NULL DEFAULT '{}'",
     """
     CREATE OR REPLACE FUNCTION fault_log_deletions() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
@@ -141,6 +143,16 @@ async def set_control(engine: AsyncEngine, table: str, **values: Any) -> None:
             text(f"UPDATE fault_control SET {assignments} WHERE outbox_table = :t"),
             {**values, "t": table},
         )
+
+
+async def hung_in(engine: AsyncEngine, table: str) -> list[int]:
+    """The processes whose calls took a hang so far, in order (each hanging object hangs
+    once)."""
+    async with engine.connect() as conn:
+        found = await conn.execute(
+            text("SELECT hung_pids FROM fault_control WHERE outbox_table = :t"), {"t": table}
+        )
+        return list(found.scalar_one())
 
 
 # -- the workload ---------------------------------------------------------------------------

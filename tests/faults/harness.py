@@ -147,6 +147,17 @@ class WorkerProcess:
         self.kills += 1
         self.killed_pids.append(self.process.pid)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process stops where it is (a paused VM, a long stall), its connections
+        open and its locks held; it misses its heartbeats."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: a frozen process runs on from where it stopped."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def terminate(self) -> None:
         """SIGTERM without waiting: the worker stops polling at once and exits once what it
         runs has returned (:meth:`stop` collects its exit code)."""

@@ -1,6 +1,6 @@
 """Worker crashes: kill -9 at random moments, and two workers on one task queue with one of
-them killed again and again (the design contract, invariants 1, 2 and 5:
-docs/explanation/contract.md)."""
+them frozen past its heartbeat timeout, then killed again and again (the design contract,
+invariants 1, 2 and 5: docs/explanation/contract.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from functools import partial
 
 import pytest
 from sqlalchemy import text
+from temporalio.client import Client
 
-from tests.faults.fault_app import FaultScope
-from tests.faults.harness import outbox_count
-from tests.faults.history import Shard
-from tests.faults.scenario import repeats_per_kill, variants
+from outbox_bridge import OutboxSettings
+from tests.faults.fault_app import FaultCategory, FaultScope
+from tests.faults.harness import WorkerProcess, outbox_count
+from tests.faults.history import Shard, Workload, hung_in
+from tests.faults.scenario import Scenario, repeats_per_kill, variants
 from tests.harness import wait_until
 
 
@@ -83,6 +85,53 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
     assert verdict.failed_calls > 0
 
 
+# The object of a row whose call hangs, and for how long.
+HANGING_OBJECT, HANG_SECONDS = 900, 6.0
+
+
+async def frozen_in_a_call(
+    scenario: Scenario,
+    workload: Workload,
+    client: Client,
+    workers: tuple[WorkerProcess, WorkerProcess],
+) -> None:
+    """Write a row whose call hangs (the scenario hangs HANGING_OBJECT's first call), freeze
+    the worker whose call it is until the partitions' drains have been retried in the other
+    worker (past the heartbeat timeout), then let it run on: the other worker's rounds meet a
+    shard whose stale call still runs, its lock held by a process that missed its heartbeats."""
+    engine, table = scenario.engine, scenario.table
+    await workload.write_exact(
+        [(int(FaultScope.ORGANIZATION), 1000, int(FaultCategory.PROJECT_UPDATE), HANGING_OBJECT)]
+    )
+
+    async def hanging() -> bool:
+        return bool(await hung_in(engine, table))
+
+    await wait_until(hanging, timeout=60, what="a call hanging")
+    [pid] = await hung_in(engine, table)
+    [frozen] = [worker for worker in workers if worker.pid == pid]
+    [other] = [worker for worker in workers if worker is not frozen]
+    frozen.freeze()
+    await wait_until(
+        partial(drains_taken_over, client, table, other),
+        timeout=120,
+        interval=0.2,
+        what="the frozen worker's drains retried in the other",
+    )
+    frozen.thaw()
+
+
+async def drains_taken_over(client: Client, table: str, worker: WorkerProcess) -> bool:
+    """Whether every partition's drain of ``table`` runs in ``worker`` now."""
+    partitions = OutboxSettings.model_fields["partitions"].default
+    for partition in range(partitions):
+        handle = client.get_workflow_handle(f"outbox:{table}:partition:{partition}")
+        pending = (await handle.describe()).raw_description.pending_activities
+        if not pending or not pending[0].last_worker_identity.startswith(f"{worker.pid}@"):
+            return False
+    return True
+
+
 @pytest.mark.parametrize(
     ("size", "mode"),
     variants(Size(rows=500, kills=1, shards=20), Size(rows=5_000, kills=10, shards=60)),
@@ -91,7 +140,9 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     size: Size, mode, new_scenario, engine, fault_client, record_figures
 ) -> None:
     scenario = new_scenario("two workers, one killed", mode)
-    await scenario.prepare(failure_rate=0.05)
+    await scenario.prepare(
+        failure_rate=0.05, hang_objects=[HANGING_OBJECT], hang_seconds=HANG_SECONDS
+    )
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows + 1)
     steady, victim = scenario.worker("steady"), scenario.worker("victim")
@@ -103,9 +154,12 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     await steady.ready()
     moments = random.Random(size.kills)
     per_cycle = size.rows // (size.kills + 1)
-    for _ in range(size.kills):
+    for kill in range(size.kills):
         await workload.write(per_cycle)
         await asyncio.sleep(moments.uniform(0.5, 3.0))
+        if kill == 0:
+            await frozen_in_a_call(scenario, workload, fault_client, (victim, steady))
+            await asyncio.sleep(moments.uniform(0.5, 3.0))
         victim.kill()
         scenario.clock.fault()
         victim.start()
@@ -114,7 +168,8 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     recovery = await scenario.drained(timeout=600)
     await scenario.finish(
         workload,
-        faults=f"{victim.kills} kill -9 of one of 2 workers; repeats per kill: {{per_kill}}",
+        faults=f"1 worker frozen in a call past the heartbeat timeout, {victim.kills} kill -9 of "
+        "one of 2 workers; repeats per kill: {per_kill}",
         recovery=recovery,
         client=fault_client,
         record=record_figures,

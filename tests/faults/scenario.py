@@ -35,7 +35,15 @@ from tests.faults.harness import (
     wait_drained,
     worker_env,
 )
-from tests.faults.history import Shard, Verdict, Workload, check, prepare_fault_table, read_history
+from tests.faults.history import (
+    Shard,
+    Verdict,
+    Workload,
+    check,
+    hung_in,
+    prepare_fault_table,
+    read_history,
+)
 from tests.harness import wait_until
 
 ON_DEMAND, ALWAYS = "on-demand", "always"
@@ -100,6 +108,19 @@ class Scenario:
         """Wait until the table is drained; returns the seconds since the last fault."""
         await wait_drained(self.engine, self.table, timeout=timeout, left=left)
         return self.clock.since_fault()
+
+    async def hung_worker(self) -> tuple[WorkerProcess, WorkerProcess]:
+        """Once a call of this scenario hangs (see ``hang_objects``): the worker whose call it
+        is, and the other of its two workers."""
+
+        async def hanging() -> bool:
+            return bool(await hung_in(self.engine, self.table))
+
+        await wait_until(hanging, timeout=60, what="a call hanging")
+        [pid] = await hung_in(self.engine, self.table)
+        [hung] = [worker for worker in self.workers if worker.pid == pid]
+        [other] = [worker for worker in self.workers if worker is not hung]
+        return hung, other
 
     async def held_shards(self) -> int:
         """Shards that their own workflow holds (rows of ``<table>_owners``)."""

@@ -16,7 +16,7 @@ from temporalio.client import Client
 from outbox_bridge import OutboxSettings
 from tests.faults.fault_app import FaultCategory, FaultScope
 from tests.faults.harness import WorkerProcess, outbox_count
-from tests.faults.history import Shard, Workload, hung_in
+from tests.faults.history import Shard, Workload
 from tests.faults.scenario import Scenario, repeats_per_kill, variants
 from tests.harness import wait_until
 
@@ -89,31 +89,18 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
 HANGING_OBJECT, HANG_SECONDS = 900, 6.0
 
 
-async def frozen_in_a_call(
-    scenario: Scenario,
-    workload: Workload,
-    client: Client,
-    workers: tuple[WorkerProcess, WorkerProcess],
-) -> None:
+async def frozen_in_a_call(scenario: Scenario, workload: Workload, client: Client) -> None:
     """Write a row whose call hangs (the scenario hangs HANGING_OBJECT's first call), freeze
     the worker whose call it is until the partitions' drains have been retried in the other
     worker (past the heartbeat timeout), then let it run on: the other worker's rounds meet a
     shard whose stale call still runs, its lock held by a process that missed its heartbeats."""
-    engine, table = scenario.engine, scenario.table
     await workload.write_exact(
         [(int(FaultScope.ORGANIZATION), 1000, int(FaultCategory.PROJECT_UPDATE), HANGING_OBJECT)]
     )
-
-    async def hanging() -> bool:
-        return bool(await hung_in(engine, table))
-
-    await wait_until(hanging, timeout=60, what="a call hanging")
-    [pid] = await hung_in(engine, table)
-    [frozen] = [worker for worker in workers if worker.pid == pid]
-    [other] = [worker for worker in workers if worker is not frozen]
+    frozen, other = await scenario.hung_worker()
     frozen.freeze()
     await wait_until(
-        partial(drains_taken_over, client, table, other),
+        partial(drains_taken_over, client, scenario.table, other),
         timeout=120,
         interval=0.2,
         what="the frozen worker's drains retried in the other",
@@ -158,7 +145,7 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
         await workload.write(per_cycle)
         await asyncio.sleep(moments.uniform(0.5, 3.0))
         if kill == 0:
-            await frozen_in_a_call(scenario, workload, fault_client, (victim, steady))
+            await frozen_in_a_call(scenario, workload, fault_client)
             await asyncio.sleep(moments.uniform(0.5, 3.0))
         victim.kill()
         scenario.clock.fault()

@@ -23,7 +23,7 @@ from tests.faults.harness import (
     temporal_command,
     wipe_temporal,
 )
-from tests.faults.history import hung_in, set_control
+from tests.faults.history import set_control
 from tests.faults.scenario import MODES, variants
 from tests.faults.test_crashes import mixed_shards
 from tests.harness import wait_until
@@ -141,14 +141,7 @@ async def test_a_plain_def_call_that_outlives_its_attempt_never_overlaps_its_ret
         what=f"shard {blocked} blocked",
     )
     await set_control(engine, scenario.table, hang_objects=[HANGING_OBJECT])
-
-    async def hanging() -> bool:
-        return bool(await hung_in(engine, scenario.table))
-
-    await wait_until(hanging, timeout=60, what="an attempt's call hanging")
-    [pid] = await hung_in(engine, scenario.table)
-    [stale] = [worker for worker in workers if worker.pid == pid]
-    [other] = [worker for worker in workers if worker is not stale]
+    stale, other = await scenario.hung_worker()
     stale.terminate()  # it polls no further task, and exits once the hung call has returned
     scenario.clock.fault()
     await workload.write(size.rows - workload.committed)

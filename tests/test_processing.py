@@ -167,9 +167,10 @@ async def test_per_shard_order_follows_lowest_pending_id_of_each_group(
 
 async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, engine) -> None:
     recorder, _, app = await fresh_app(engine)
-    user_handled = asyncio.Event()
+    organization_waiting, user_handled = asyncio.Event(), asyncio.Event()
 
     async def organization_waits_for_user(message: OutboxMessage) -> None:
+        organization_waiting.set()
         await asyncio.wait_for(user_handled.wait(), timeout=60)
 
     async def user(message: OutboxMessage) -> None:
@@ -179,6 +180,9 @@ async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, eng
     recorder.behaviour[Category.USER_UPDATE] = user
     async with running_worker(servers, app):
         await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1)])
+        # The user row only once the organization's call waits for it (written at once, its
+        # round could start first, and nothing would wait).
+        await asyncio.wait_for(organization_waiting.wait(), timeout=30)
         await write_rows(engine, app, [row(Category.USER_UPDATE, 7, 7)])
         await wait_until(lambda: table_empty(engine, app), what="both shards handled")
     organization, user_call = sorted(recorder.calls, key=lambda c: c.category)

@@ -17,7 +17,7 @@ from outbox_bridge import OutboxSettings
 from tests.faults.fault_app import FaultCategory, FaultScope
 from tests.faults.harness import WorkerProcess, outbox_count
 from tests.faults.history import Shard, Workload
-from tests.faults.scenario import ON_DEMAND, Scenario, repeats_per_kill, variants
+from tests.faults.scenario import Scenario, repeats_per_kill, variants
 from tests.harness import wait_until
 
 
@@ -37,16 +37,16 @@ def mixed_shards(count: int) -> list[Shard]:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Size(rows=1_000, kills=2, shards=30),
         Size(rows=20_000, kills=20, shards=150),
     ),
 )
 async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
-    size: Size, mode, new_scenario, fault_client, record_figures
+    size: Size, new_scenario, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("kill -9 worker", mode)
+    scenario = new_scenario("kill -9 worker")
     await scenario.prepare(failure_rate=0.1)
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows)
@@ -120,13 +120,13 @@ async def drains_taken_over(client: Client, table: str, worker: WorkerProcess) -
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(Size(rows=500, kills=1, shards=20), Size(rows=5_000, kills=10, shards=60)),
 )
 async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
-    size: Size, mode, new_scenario, engine, fault_client, record_figures
+    size: Size, new_scenario, engine, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("two workers, one killed", mode)
+    scenario = new_scenario("two workers, one killed")
     await scenario.prepare(
         failure_rate=0.05, hang_objects=[HANGING_OBJECT], hang_seconds=HANG_SECONDS
     )
@@ -144,7 +144,7 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     for kill in range(size.kills):
         await workload.write(per_cycle)
         await asyncio.sleep(moments.uniform(0.5, 3.0))
-        if kill == 0 and mode == ON_DEMAND:  # (always: no partition drain to take over)
+        if kill == 0:
             await frozen_in_a_call(scenario, workload, fault_client)
             await asyncio.sleep(moments.uniform(0.5, 3.0))
         victim.kill()
@@ -155,10 +155,8 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     recovery = await scenario.drained(timeout=600)
     await scenario.finish(
         workload,
-        faults=(
-            "1 worker frozen in a call past the heartbeat timeout, " if mode == ON_DEMAND else ""
-        )
-        + f"{victim.kills} kill -9 of one of 2 workers; repeats per kill: {{per_kill}}",
+        faults=f"1 worker frozen in a call past the heartbeat timeout, {victim.kills} kill -9 of "
+        "one of 2 workers; repeats per kill: {per_kill}",
         recovery=recovery,
         client=fault_client,
         record=record_figures,
@@ -209,20 +207,20 @@ async def calls_of(engine, table: str, pid: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Backlog(rows=2_000, kills=1, shards=30),
         Backlog(rows=20_000, kills=10, shards=200),
     ),
 )
 async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
-    size: Backlog, mode, new_scenario, engine, fault_client, record_figures
+    size: Backlog, new_scenario, engine, fault_client, record_figures
 ) -> None:
     """What one ``kill -9`` costs at full speed: a backlog of distinct groups drained as fast as
     the handlers go, nothing failing, the worker killed mid-drain again and again. A kill
     repeats the groups handled and not deleted yet (at most MAX_UNDELETED_GROUPS across the
     worker's drains, see outbox_bridge/runtime/rounds.py) and the calls under way."""
-    scenario = new_scenario("kill -9 mid-drain of a backlog", mode)
+    scenario = new_scenario("kill -9 mid-drain of a backlog")
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.
     shards = mixed_shards(size.shards)

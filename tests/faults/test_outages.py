@@ -28,16 +28,16 @@ class Size:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Size(rows=600, outages=1, shards=20, down_seconds=1),
         Size(rows=6_000, outages=3, shards=100, down_seconds=5),
     ),
 )
 async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
-    size: Size, mode, new_scenario, fault_temporal, fault_client, record_figures
+    size: Size, new_scenario, fault_temporal, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("Temporal killed, restarted", mode)
+    scenario = new_scenario("Temporal killed, restarted")
     await scenario.prepare(failure_rate=0.05)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 2)
     worker = scenario.worker()
@@ -72,21 +72,21 @@ async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Size(rows=600, outages=1, shards=20, down_seconds=2),
         Size(rows=6_000, outages=3, shards=100, down_seconds=5),
     ),
 )
 async def test_postgresql_stopped_and_restarted_mid_drain(
-    size: Size, mode, new_scenario, own_postgres, fault_client, record_figures
+    size: Size, new_scenario, own_postgres, fault_client, record_figures
 ) -> None:
     postgres, raw_url = own_postgres
     url, password = with_password(sqlalchemy_url(raw_url).render_as_string(hide_password=False))
     engine = create_async_engine(url, pool_pre_ping=True)
     try:
         scenario = new_scenario(
-            "PostgreSQL stopped, restarted", mode, engine=engine, database=(url, password)
+            "PostgreSQL stopped, restarted", engine=engine, database=(url, password)
         )
         await scenario.prepare(failure_rate=0.05)
         workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 3)
@@ -123,9 +123,9 @@ async def test_postgresql_stopped_and_restarted_mid_drain(
         await engine.dispose()
 
 
-@pytest.mark.parametrize(("restarts", "mode"), variants(1, 3))
+@pytest.mark.parametrize("restarts", variants(1, 3))
 async def test_the_bridge_listens_again_after_postgresql_restarts(
-    restarts: int, mode, new_scenario, own_postgres, fault_client, record_figures
+    restarts: int, new_scenario, own_postgres, fault_client, record_figures
 ) -> None:
     """With no scan or sweep for an hour, rows written after a restart reach the bridge only
     through NOTIFY: it must notice the lost connection, reconnect and LISTEN again."""
@@ -134,7 +134,7 @@ async def test_the_bridge_listens_again_after_postgresql_restarts(
     engine = create_async_engine(url, pool_pre_ping=True)
     try:
         scenario = new_scenario(
-            "PostgreSQL restarted, LISTEN", mode, engine=engine, database=(url, password)
+            "PostgreSQL restarted, LISTEN", engine=engine, database=(url, password)
         )
         await scenario.prepare()
         workload = scenario.workload(mixed_shards(5), seed=9)

@@ -127,6 +127,21 @@ class Recorder:
         return [c.id for c in self.calls]
 
 
+def coalesced_calls(
+    written: Iterable[tuple[int, int, int, int]],
+) -> dict[int, list[tuple[int, int]]]:
+    """The handler calls that the contract (invariants 2 and 3) says a drain of these pending
+    rows (id, shard, category, object) makes: per shard, the coalescing groups in ascending
+    order of their lowest id, each once, with its highest id and the count of its rows."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for row_id, shard, category, obj in sorted(written):
+        groups.setdefault((shard, category, obj), []).append(row_id)
+    calls: dict[int, list[tuple[int, int]]] = {}
+    for (shard, _, _), ids in sorted(groups.items(), key=lambda item: item[1][0]):
+        calls.setdefault(shard, []).append((ids[-1], len(ids)))
+    return calls
+
+
 def make_app(
     table: str, recorder: Recorder, *, regional: bool = False, handle_all: bool = True
 ) -> OutboxApp:

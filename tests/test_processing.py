@@ -36,6 +36,7 @@ from tests.harness import (
     Category,
     Recorder,
     Scope,
+    coalesced_calls,
     count_rows,
     create_tables,
     fast_settings,
@@ -109,40 +110,68 @@ class Gate:
             raise ConnectionError(f"downstream unavailable (attempt {self.failures})")
 
 
+# Per shard, the coalescing groups (category, object) of its rows in id order: groups whose
+# lowest and highest ids order differently (in shard 1, object 1's group has ids 1 and 5 of the
+# shard, object 2's id 3, so it is handled first by its lowest id, second by its highest).
+ORDER_WORKLOAD = {
+    1: [(2, 1), (3, 1), (2, 2), (1, 1), (2, 1), (3, 1), (2, 2), (1, 1), (2, 1)],
+    2: [(1, 5), (1, 6), (1, 7), (1, 5), (1, 6), (1, 5), (3, 9), (1, 7), (3, 9)],
+    3: [(2, 1), (2, 1), (2, 1), (3, 4), (2, 2), (3, 4), (2, 1), (2, 3), (2, 2)],
+}
+
+
+def order_workload() -> list[tuple[int, Category, int]]:
+    """The rows of ORDER_WORKLOAD (shard, category, object), the shards interleaved."""
+    rows = []
+    for position in range(max(len(groups) for groups in ORDER_WORKLOAD.values())):
+        for shard, groups in ORDER_WORKLOAD.items():
+            if position < len(groups):
+                category, obj = groups[position]
+                rows.append((shard, Category(category), obj))
+    return rows
+
+
+def test_the_order_workload_coalesces_and_its_groups_order_differently_by_highest_id() -> None:
+    """The order test below proves nothing unless groups coalesce and ordering them by their
+    highest id (or not coalescing) gives another sequence of calls."""
+    written = [
+        (n + 1, shard, int(category), obj)
+        for n, (shard, category, obj) in enumerate(order_workload())
+    ]
+    expected = coalesced_calls(written)
+    for calls in expected.values():
+        assert any(coalesced > 1 for _, coalesced in calls)
+        assert [new_id for new_id, _ in calls] != sorted(new_id for new_id, _ in calls)
+
+
 async def test_per_shard_order_follows_lowest_pending_id_of_each_group(servers, engine) -> None:
     recorder, _, app = await fresh_app(engine)
-    categories = [Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, Category.MEMBER_UPDATE]
-    written: list[tuple[int, int, int, int]] = []  # id, shard, category, object
-    for round_ in range(12):
-        for shard in range(1, 9):
-            chosen = categories[(round_ + shard) % 3]
-            obj = (round_ * 7 + shard) % 4  # few objects: some rows coalesce
-            [new_id] = await write_rows(engine, app, [row(chosen, shard, obj)])
-            written.append((new_id, shard, int(chosen), obj))
-    # Expected per shard: groups in ascending order of their lowest id, each handled once
-    # with its highest id (all rows were pending when the worker started).
-    expected: dict[int, list[int]] = defaultdict(list)
-    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    for new_id, shard, category, obj in written:
-        groups[(shard, category, obj)].append(new_id)
-    for (shard, _, _), ids in sorted(groups.items(), key=lambda item: min(item[1])):
-        expected[shard].append(max(ids))
+    rows = order_workload()
+    ids = await write_rows(
+        engine, app, [row(category, shard, obj) for shard, category, obj in rows]
+    )
+    written = [
+        (new_id, shard, int(category), obj)
+        for new_id, (shard, category, obj) in zip(ids, rows, strict=True)
+    ]
 
     async with running_worker(servers, app, fast_settings()):
         await wait_until(lambda: table_empty(engine, app), what="all rows handled")
 
-    handled: dict[int, list[int]] = defaultdict(list)
+    # Every row was pending when the worker started: per shard, the groups in ascending order
+    # of their lowest id, each handled once with its highest id and the count of its rows.
+    handled: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for call in recorder.calls:
-        handled[int(call.shard.split(":")[1])].append(call.id)
-    assert dict(handled) == dict(expected)
-    assert sum(c.coalesced for c in recorder.calls) == len(written)
+        handled[int(call.shard.split(":")[1])].append((call.id, call.coalesced))
+    assert dict(handled) == coalesced_calls(written)
 
 
 async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, engine) -> None:
     recorder, _, app = await fresh_app(engine)
-    user_handled = asyncio.Event()
+    organization_waiting, user_handled = asyncio.Event(), asyncio.Event()
 
     async def organization_waits_for_user(message: OutboxMessage) -> None:
+        organization_waiting.set()
         await asyncio.wait_for(user_handled.wait(), timeout=60)
 
     async def user(message: OutboxMessage) -> None:
@@ -152,6 +181,9 @@ async def test_shards_run_in_parallel_and_never_wait_for_each_other(servers, eng
     recorder.behaviour[Category.USER_UPDATE] = user
     async with running_worker(servers, app):
         await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, 1, 1)])
+        # The user row only once the organization's call waits for it (written at once, its
+        # round could start first, and nothing would wait).
+        await asyncio.wait_for(organization_waiting.wait(), timeout=30)
         await write_rows(engine, app, [row(Category.USER_UPDATE, 7, 7)])
         await wait_until(lambda: table_empty(engine, app), what="both shards handled")
     organization, user_call = sorted(recorder.calls, key=lambda c: c.category)

@@ -328,8 +328,11 @@ class HandlerCalls:
             # lock until it really returns, so that a retry never overlaps it. What succeeded
             # is deleted by the caller.
             stop.set()
-            with contextlib.suppress(BaseException):
-                await future
+            # However often the attempt is cancelled meanwhile (the SDK cancels it again on
+            # every cancel request and failed heartbeat).
+            while not future.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(future)
             await asyncio.sleep(0)  # let the reports scheduled by the thread run
             raise
         await asyncio.sleep(0)  # let the reports scheduled by the thread run first

@@ -521,14 +521,20 @@ class DrainEngine:
         deleted), after ``settle`` queued what else must be written under its lock.
         """
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
-        await asyncio.gather(
+        # Every shard's calls end before the round does, also when it is cancelled: a plain-def
+        # call cannot be stopped, and its shard stays locked until it returns.
+        ended = await asyncio.gather(
             *(
                 self._run_shard(
                     batch, head, outcome, deadline, attempt, unlock_each, settle, partition
                 )
                 for head, outcome in zip(heads, outcomes, strict=True)
-            )
+            ),
+            return_exceptions=True,
         )
+        for result in ended:
+            if isinstance(result, BaseException):
+                raise result
         return outcomes
 
     async def _run_shard(

@@ -7,7 +7,7 @@ returns or raises, with what the message told it (the row's id, shard, group, an
 its payload), the calling process and a per-process sequence number. What a handler
 does is steered by the test through ``fault_control`` (read at most every 0.2 s): a random share
 of calls fails, the shards listed as poison always fail, the objects listed as hanging hang
-once, past the handler timeout, and every call in a shard listed as slow takes a while (so that
+once, past the handler timeout (the process that took each hang is noted), and every call in a shard listed as slow takes a while (so that
 a test can act while a drain is in the middle of that shard).
 
 ORGANIZATION categories have plain ``def`` handlers (run in a thread by the worker), the USER
@@ -148,9 +148,10 @@ def control(table: str) -> Control:
 def _take_hang(table: str, object_identifier: int) -> bool:
     """Whether this call is the one that hangs for ``object_identifier`` (each hangs once)."""
     rows = _execute(
-        "UPDATE fault_control SET hang_objects = array_remove(hang_objects, %s) "
+        "UPDATE fault_control SET hang_objects = array_remove(hang_objects, %s), "
+        "hung_pids = array_append(hung_pids, %s) "
         "WHERE outbox_table = %s AND %s = ANY(hang_objects) RETURNING 1",
-        (object_identifier, table, object_identifier),
+        (object_identifier, os.getpid(), table, object_identifier),
     )
     with _control_lock:
         _control.read_at = -1.0

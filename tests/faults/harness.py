@@ -96,6 +96,7 @@ class WorkerProcess:
         self.starts = 0
         self.kills = 0
         self.pids: list[int] = []  # of every start, in order
+        self.started_at: list[float] = []  # time.monotonic() before each start, in order
         self.killed_pids: list[int] = []
         self.output_checked = False
         self._ready_offset = 0
@@ -103,6 +104,7 @@ class WorkerProcess:
     def start(self) -> None:
         assert self.process is None or self.process.poll() is not None
         self._ready_offset = self.stdout_path.stat().st_size if self.stdout_path.exists() else 0
+        self.started_at.append(time.monotonic())
         with open(self.stdout_path, "ab") as out, open(self.stderr_path, "ab") as err:
             self.process = subprocess.Popen(
                 [sys.executable, "worker.py"],
@@ -143,6 +145,23 @@ class WorkerProcess:
         self.process.wait()
         self.kills += 1
         self.killed_pids.append(self.process.pid)
+
+    def freeze(self) -> None:
+        """SIGSTOP: the process stops where it is (a paused VM, a long stall), its connections
+        open and its locks held; it misses its heartbeats."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: a frozen process runs on from where it stopped."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting: the worker stops polling at once and exits once what it
+        runs has returned (:meth:`stop` collects its exit code)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
 
     async def stop(self, timeout: float = 60) -> int:
         """SIGTERM and wait; returns the exit code."""

@@ -18,8 +18,10 @@ with an id at least its own.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
+import time
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +98,8 @@ LOG_DDL = [
     "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS slow_shards bigint[] NOT NULL DEFAULT '{}'",
     "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS slow_seconds double precision NOT NULL "
     "DEFAULT 0",
+    # The processes whose calls took a hang, in order.
+    "ALTER TABLE fault_control ADD COLUMN IF NOT EXISTS hung_pids bigint[] NOT NULL DEFAULT '{}'",
     """
     CREATE OR REPLACE FUNCTION fault_log_deletions() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
@@ -141,6 +145,16 @@ async def set_control(engine: AsyncEngine, table: str, **values: Any) -> None:
         )
 
 
+async def hung_in(engine: AsyncEngine, table: str) -> list[int]:
+    """The processes whose calls took a hang so far, in order (each hanging object hangs
+    once)."""
+    async with engine.connect() as conn:
+        found = await conn.execute(
+            text("SELECT hung_pids FROM fault_control WHERE outbox_table = :t"), {"t": table}
+        )
+        return list(found.scalar_one())
+
+
 # -- the workload ---------------------------------------------------------------------------
 
 Shard = tuple[int, int]  # scope, shard identifier
@@ -162,6 +176,8 @@ class Workload:
     seed: int = 1
     committed: int = 0
     rolled_back: list[int] = field(default_factory=list)
+    # (time.monotonic() once the commit had returned, the transaction's highest id), in order.
+    commits: list[tuple[float, int]] = field(default_factory=list)
     _random: random.Random = field(init=False)
     _written: int = field(default=0, init=False)
 
@@ -239,7 +255,14 @@ class Workload:
                 self.rolled_back.extend(ids)
             else:
                 await transaction.commit()
+                self.commits.append((time.monotonic(), max(ids)))
                 self.committed += len(ids)
+
+    def committed_before(self, moment: float) -> int:
+        """The highest id committed before ``moment`` (``time.monotonic()``): every read of a
+        process started after it sees every row up to that id that is still there."""
+        at = bisect.bisect_left(self.commits, (moment, -1))
+        return max((row_id for _, row_id in self.commits[:at]), default=0)
 
 
 # -- reading the history ----------------------------------------------------------------------
@@ -264,6 +287,7 @@ class CallRow:
     finished: float
     outcome: str  # ok, failed, cancelled
     payload_digest: str | None  # of the payload the handler was given
+    coalesced: int | None = None  # the rows the handler was told its call covers
 
 
 @dataclass
@@ -302,12 +326,13 @@ async def read_history(engine: AsyncEngine, table: str) -> History:
                 r.finished,
                 r.outcome,
                 r.payload_digest,
+                r.coalesced,
             )
             for r in await conn.execute(
                 text(
                     "SELECT seq, row_id, shard_scope, shard_identifier, category, "
-                    "object_identifier, pid, started, finished, outcome, payload_digest "
-                    "FROM fault_calls WHERE outbox_table = :t ORDER BY seq"
+                    "object_identifier, pid, started, finished, outcome, payload_digest, "
+                    "coalesced FROM fault_calls WHERE outbox_table = :t ORDER BY seq"
                 ),
                 {"t": table},
             )
@@ -338,6 +363,9 @@ class Verdict:
     lost: list[str] = field(default_factory=list)
     # §3.2: a group handled while a lower pending id of another group was not yet handled.
     order_violations: list[str] = field(default_factory=list)
+    # §3.3: a call that did not cover every pending row of its group up to its id (or claimed
+    # more): the group was not coalesced into its newest row.
+    uncoalesced: list[str] = field(default_factory=list)
     # §3.5: two calls of one shard running at the same time.
     overlaps: list[str] = field(default_factory=list)
     # §3.1: a handler ran for a row that was rolled back (or never written), or was told a
@@ -362,6 +390,7 @@ class Verdict:
         return (
             self.lost
             + self.order_violations
+            + self.uncoalesced
             + self.overlaps
             + self.phantom_calls
             + self.mismatched_calls
@@ -372,6 +401,7 @@ class Verdict:
         return (
             f"{self.rows} rows, {self.calls} calls ({self.failed_calls} failed), "
             f"{len(self.lost)} lost, {len(self.order_violations)} order violations, "
+            f"{len(self.uncoalesced)} uncoalesced calls, "
             f"{len(self.overlaps)} overlaps, {len(self.phantom_calls)} phantom calls, "
             f"{len(self.mismatched_calls)} mismatched calls, "
             f"{self.duplicates} duplicates ({len(self.excess_duplicates)} problems); "
@@ -392,6 +422,7 @@ def check(
     max_duplicates: int = 0,
     killed_pids: Collection[int] | None = None,
     max_repeats_per_pid: int | None = None,
+    visible_to: Mapping[int, int] | None = None,
 ) -> Verdict:
     """Check ``history`` against the invariants of the design contract
     (docs/explanation/contract.md).
@@ -407,6 +438,11 @@ def check(
     - No loss: every deleted row was covered before its deletion; every committed row is
       deleted by the end (except ``pending_ok``), and deleted by a recorded delete; the
       latest row of every group was handled with its own id.
+    - Coalescing: a call covers every pending row of its group up to its id, no more and no
+      fewer (the ``coalesced`` count it was told). With ``visible_to`` (for each process, the
+      highest id committed before it started, so visible to its every read), a call is for
+      the newest pending row of its group that its process could see: a group is handled
+      once, with its highest id.
     - Order: a call handles a group whose lowest pending id (at the call) is below every open
       row of its shard. So a shard's groups run in order of their lowest pending id, a failing
       head blocks the rows behind it, and the only way back to a lower id is a group that was
@@ -463,6 +499,20 @@ def check(
                 f"call {call.seq} handled row {row.id} after its group was deleted"
             )
             continue
+        if call.coalesced is not None and call.coalesced != len(pending):
+            verdict.uncoalesced.append(
+                f"call {call.seq} of row {row.id} covered {call.coalesced} row(s) of group "
+                f"{row.group} of shard {row.shard}; {len(pending)} were pending up to it: "
+                f"{pending[:10]}"
+            )
+        if visible_to is not None:
+            newer = _newer_visible(ids, row.id, visible_to.get(call.pid, 0), deleted)
+            if newer is not None:
+                verdict.uncoalesced.append(
+                    f"call {call.seq} (pid {call.pid}) handled row {row.id} of group "
+                    f"{row.group} of shard {row.shard} while its row {newer}, committed before "
+                    "the process started, was pending"
+                )
         heap = shards[row.shard].open_ids
         while heap and (heap[0] in deleted or heap[0] in covered):
             heapq.heappop(heap)
@@ -504,6 +554,18 @@ def check(
             f"first: {verdict.repeats[:3]}"
         )
     return verdict
+
+
+def _newer_visible(
+    ids: Sequence[int], handled: int, visible: int, deleted: Collection[int]
+) -> int | None:
+    """The newest row of a group (``ids``, ascending) above ``handled``, up to ``visible``,
+    that is not ``deleted``; None if there is none."""
+    above = ids[bisect.bisect_right(ids, handled) : bisect.bisect_right(ids, visible)]
+    for row_id in reversed(above):
+        if row_id not in deleted:
+            return row_id
+    return None
 
 
 def _repeat(

@@ -18,8 +18,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from outbox_bridge import OutboxSettings
 from outbox_bridge.runtime.shards import WORKFLOW as SHARD_WORKFLOW
-from tests.faults.fault_app import ERROR_CANARY, PAYLOAD_CANARY
+from tests.faults.fault_app import ERROR_CANARY, PAYLOAD_CANARY, FaultScope
 from tests.faults.harness import (
     Clock,
     Figures,
@@ -30,7 +31,15 @@ from tests.faults.harness import (
     wait_drained,
     worker_env,
 )
-from tests.faults.history import Shard, Verdict, Workload, check, prepare_fault_table, read_history
+from tests.faults.history import (
+    Shard,
+    Verdict,
+    Workload,
+    check,
+    hung_in,
+    prepare_fault_table,
+    read_history,
+)
 from tests.harness import wait_until
 
 FULL = [pytest.mark.faults, pytest.mark.timeout(1800)]
@@ -85,6 +94,19 @@ class Scenario:
         """Wait until the table is drained; returns the seconds since the last fault."""
         await wait_drained(self.engine, self.table, timeout=timeout, left=left)
         return self.clock.since_fault()
+
+    async def hung_worker(self) -> tuple[WorkerProcess, WorkerProcess]:
+        """Once a call of this scenario hangs (see ``hang_objects``): the worker whose call it
+        is, and the other of its two workers."""
+
+        async def hanging() -> bool:
+            return bool(await hung_in(self.engine, self.table))
+
+        await wait_until(hanging, timeout=60, what="a call hanging")
+        [pid] = await hung_in(self.engine, self.table)
+        [hung] = [worker for worker in self.workers if worker.pid == pid]
+        [other] = [worker for worker in self.workers if worker is not hung]
+        return hung, other
 
     async def held_shards(self) -> int:
         """Shards that their own workflow holds (rows of ``<table>_owners``)."""
@@ -152,6 +174,13 @@ class Scenario:
             worker.check_output()
         history = await read_history(self.engine, self.table)
         killed = [pid for worker in self.workers for pid in worker.killed_pids]
+        # Each process sees every row committed before it started: it handles each of their
+        # groups with its newest row.
+        visible = {
+            pid: workload.committed_before(moment)
+            for worker in self.workers
+            for pid, moment in zip(worker.pids, worker.started_at, strict=True)
+        }
         verdict = check(
             history,
             workload.rolled_back,
@@ -159,6 +188,7 @@ class Scenario:
             max_duplicates=max_duplicates,
             killed_pids=killed if repeats_only_after_kills else None,
             max_repeats_per_pid=max_repeats_per_kill,
+            visible_to=visible,
         )
         record(
             Figures(
@@ -187,6 +217,18 @@ class Scenario:
                 # Full details still go to the logs.
                 assert ERROR_CANARY in outputs
         return verdict
+
+
+def repeats_per_kill(shards: Iterable[Shard]) -> int:
+    """The most successful calls one ``kill -9`` of a worker can repeat, as the guarantees page
+    bounds it ("Repeats per kill"): the groups its drains had handled and not deleted yet
+    (``max_undeleted_groups``), and the calls under way, one per handler thread for the
+    plain-def handlers and one per shard for the async ones (the fault app's USER shards)."""
+    settings = OutboxSettings.model_fields
+    undeleted = settings["max_undeleted_groups"].default
+    threads = settings["handler_threads"].default
+    async_shards = sum(1 for scope, _ in shards if scope == FaultScope.USER)
+    return int(undeleted) + int(threads) + async_shards
 
 
 def spread(counts: list[int]) -> str:

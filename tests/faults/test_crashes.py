@@ -1,6 +1,6 @@
 """Worker crashes: kill -9 at random moments, and two workers on one task queue with one of
-them killed again and again (the design contract, invariants 1, 2 and 5:
-docs/explanation/contract.md)."""
+them frozen past its heartbeat timeout, then killed again and again (the design contract,
+invariants 1, 2 and 5: docs/explanation/contract.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from functools import partial
 
 import pytest
 from sqlalchemy import text
+from temporalio.client import Client
 
-from tests.faults.fault_app import FaultScope
-from tests.faults.harness import outbox_count
-from tests.faults.history import Shard
-from tests.faults.scenario import variants
+from outbox_bridge import OutboxSettings
+from tests.faults.fault_app import FaultCategory, FaultScope
+from tests.faults.harness import WorkerProcess, outbox_count
+from tests.faults.history import Shard, Workload
+from tests.faults.scenario import Scenario, repeats_per_kill, variants
 from tests.harness import wait_until
 
 
@@ -46,7 +48,8 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
 ) -> None:
     scenario = new_scenario("kill -9 worker")
     await scenario.prepare(failure_rate=0.1)
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows)
     worker = scenario.worker(OUTBOX_REDACT_ERRORS="true")
     moments = random.Random(size.kills)
     per_cycle = size.rows // (size.kills + 1)
@@ -71,15 +74,49 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        # A kill repeats what the batches running at that moment had handled and not yet
-        # deleted: at most one batch per shard, cut short by the first failing call (one in
-        # ten). Allowed: one repeated group per shard and kill on average; and each repeat
-        # must repeat a call of a killed process (the surviving one deletes what it handles).
-        max_duplicates=size.kills * size.shards,
+        # A kill repeats what the worker had handled and not deleted yet, and the calls under
+        # way; each repeat must repeat a call of a killed process (a running one deletes what
+        # it handles).
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
+        max_repeats_per_kill=repeats_per_kill(shards),
         redacted=True,
     )
     assert verdict.failed_calls > 0
+
+
+# The object of a row whose call hangs, and for how long.
+HANGING_OBJECT, HANG_SECONDS = 900, 6.0
+
+
+async def frozen_in_a_call(scenario: Scenario, workload: Workload, client: Client) -> None:
+    """Write a row whose call hangs (the scenario hangs HANGING_OBJECT's first call), freeze
+    the worker whose call it is until the partitions' drains have been retried in the other
+    worker (past the heartbeat timeout), then let it run on: the other worker's rounds meet a
+    shard whose stale call still runs, its lock held by a process that missed its heartbeats."""
+    await workload.write_exact(
+        [(int(FaultScope.ORGANIZATION), 1000, int(FaultCategory.PROJECT_UPDATE), HANGING_OBJECT)]
+    )
+    frozen, other = await scenario.hung_worker()
+    frozen.freeze()
+    await wait_until(
+        partial(drains_taken_over, client, scenario.table, other),
+        timeout=120,
+        interval=0.2,
+        what="the frozen worker's drains retried in the other",
+    )
+    frozen.thaw()
+
+
+async def drains_taken_over(client: Client, table: str, worker: WorkerProcess) -> bool:
+    """Whether every partition's drain of ``table`` runs in ``worker`` now."""
+    partitions = OutboxSettings.model_fields["partitions"].default
+    for partition in range(partitions):
+        handle = client.get_workflow_handle(f"outbox:{table}:partition:{partition}")
+        pending = (await handle.describe()).raw_description.pending_activities
+        if not pending or not pending[0].last_worker_identity.startswith(f"{worker.pid}@"):
+            return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -90,8 +127,11 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     size: Size, new_scenario, engine, fault_client, record_figures
 ) -> None:
     scenario = new_scenario("two workers, one killed")
-    await scenario.prepare(failure_rate=0.05)
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 1)
+    await scenario.prepare(
+        failure_rate=0.05, hang_objects=[HANGING_OBJECT], hang_seconds=HANG_SECONDS
+    )
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows + 1)
     steady, victim = scenario.worker("steady"), scenario.worker("victim")
     # The victim starts first, so its bridge is the active one until its first kill: shards it
     # starts run their first task in it (eager start), and after the kill in the other worker.
@@ -101,9 +141,12 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     await steady.ready()
     moments = random.Random(size.kills)
     per_cycle = size.rows // (size.kills + 1)
-    for _ in range(size.kills):
+    for kill in range(size.kills):
         await workload.write(per_cycle)
         await asyncio.sleep(moments.uniform(0.5, 3.0))
+        if kill == 0:
+            await frozen_in_a_call(scenario, workload, fault_client)
+            await asyncio.sleep(moments.uniform(0.5, 3.0))
         victim.kill()
         scenario.clock.fault()
         victim.start()
@@ -112,14 +155,16 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     recovery = await scenario.drained(timeout=600)
     await scenario.finish(
         workload,
-        faults=f"{victim.kills} kill -9 of one of 2 workers; repeats per kill: {{per_kill}}",
+        faults=f"1 worker frozen in a call past the heartbeat timeout, {victim.kills} kill -9 of "
+        "one of 2 workers; repeats per kill: {per_kill}",
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        # As in the kill -9 scenario: a kill repeats the batches that the victim was running
-        # (one per shard at most); the steady worker's calls are never repeated.
-        max_duplicates=size.kills * size.shards,
+        # As in the kill -9 scenario: a kill repeats what the victim had handled and not
+        # deleted, and its calls under way; the steady worker's calls are never repeated.
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
+        max_repeats_per_kill=repeats_per_kill(shards),
     )
     # Both workers handled rows, the steady one too (the victim's restarts alone would give
     # several processes), and some shard was handled by both: the per-shard lock kept them
@@ -135,14 +180,14 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
             )
         ).all()
     assert len(steady.pids) == 1, "the steady worker was restarted"
-    shards: dict[str, set[Shard]] = {steady.name: set(), victim.name: set()}
+    handled_by: dict[str, set[Shard]] = {steady.name: set(), victim.name: set()}
     owner = {pid: worker.name for worker in (steady, victim) for pid in worker.pids}
     for pid, scope, shard in handled:
         assert pid in owner, f"a call of process {pid}, which is neither worker"
-        shards[owner[pid]].add((scope, shard))
-    assert shards[steady.name], "the steady worker handled no row"
-    assert shards[victim.name], "the killed worker handled no row"
-    assert shards[steady.name] & shards[victim.name], "no shard was handled by both workers"
+        handled_by[owner[pid]].add((scope, shard))
+    assert handled_by[steady.name], "the steady worker handled no row"
+    assert handled_by[victim.name], "the killed worker handled no row"
+    assert handled_by[steady.name] & handled_by[victim.name], "no shard was handled by both workers"
 
 
 @dataclass(frozen=True)
@@ -178,7 +223,8 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
     scenario = new_scenario("kill -9 mid-drain of a backlog")
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 6, objects=10_000)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows + 6, objects=10_000)
     worker = scenario.worker()
     moments = random.Random(size.kills + 6)
     for _ in range(size.kills):
@@ -205,17 +251,10 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        max_duplicates=size.kills * BACKLOG_REPEATS_PER_KILL,
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
-        max_repeats_per_kill=BACKLOG_REPEATS_PER_KILL,
+        max_repeats_per_kill=repeats_per_kill(shards),
     )
-
-
-# Repeated calls allowed per kill -9 (see the test above): the groups handled and not deleted
-# (at most MAX_UNDELETED_GROUPS), and the calls under way, which had recorded their success but
-# not returned to the worker: up to one per handler thread (16) and per async shard being
-# drained. Measured on 2 shared cores, per kill: a median of 8-17 with outliers up to 109.
-BACKLOG_REPEATS_PER_KILL = 120
 
 
 async def calls_over(engine, table: str, pid: int, count: int) -> bool:

@@ -31,7 +31,7 @@ from outbox_bridge.runtime.shards import parse_shard, shard_status
 from tests.faults.fault_app import FaultCategory, FaultScope, make_app
 from tests.faults.harness import calls_of_shard, command, temporal_command
 from tests.faults.history import Shard, Workload, set_control
-from tests.faults.scenario import variants
+from tests.faults.scenario import repeats_per_kill, variants
 from tests.faults.test_crashes import mixed_shards
 from tests.faults.test_stuck import failed_at_least
 from tests.harness import wait_until
@@ -458,7 +458,8 @@ async def test_kill_9_while_many_failing_groups_are_handed_over(
     sent or not, holds written or not, category activities running."""
     scenario = new_scenario("kill -9 during handovers")
     await scenario.prepare(failure_rate=0.3)
-    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 15)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows + 15)
     worker = scenario.worker()
     per_cycle = size.rows // (size.kills + 1)
     for _ in range(size.kills):
@@ -480,12 +481,9 @@ async def test_kill_9_while_many_failing_groups_are_handed_over(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        max_duplicates=size.kills * KILL_REPEATS,
+        # A kill repeats what the worker had handled and not deleted, and its calls under way
+        # (category activities among them).
+        max_duplicates=size.kills * repeats_per_kill(shards),
         repeats_only_after_kills=True,
-        max_repeats_per_kill=KILL_REPEATS,
+        max_repeats_per_kill=repeats_per_kill(shards),
     )
-
-
-# Repeated calls allowed per kill -9: as in the backlog's kills (test_crashes.py), rows arriving
-# more slowly here.
-KILL_REPEATS = 120

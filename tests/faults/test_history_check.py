@@ -38,18 +38,20 @@ class Log:
         payload_of: int | None = None,
         pid: int = 1,
         during: tuple[float, float] | None = None,
+        coalesced: int | None = None,
     ) -> None:
         """A call of ``row_id``, told ``group`` and ``shard`` as the row's (the handler's
         message says so; the truth may not), and given the payload of row ``payload_of``
-        (its own by default). It runs from its ``seq`` for half a second (from 1.5 s earlier
-        with ``overlap``), or ``during`` the given times."""
+        (its own by default), told that it covers ``coalesced`` rows (not told by default).
+        It runs from its ``seq`` for half a second (from 1.5 s earlier with ``overlap``), or
+        ``during`` the given times."""
         self.seq += 1
         start, finish = float(self.seq) - (1.5 if overlap else 0.0), self.seq + 0.5
         if during is not None:
             start, finish = during
         given = payload(row_id if payload_of is None else payload_of)
         self.calls.append(
-            CallRow(self.seq, row_id, shard, group, pid, start, finish, outcome, given)
+            CallRow(self.seq, row_id, shard, group, pid, start, finish, outcome, given, coalesced)
         )
 
     def delete(self, *ids: int) -> None:
@@ -315,3 +317,102 @@ def test_overlaps_are_found_in_the_shard_of_the_row_not_the_one_a_call_was_told(
     assert verdict.overlaps == [
         "shard (1, 7): call 2 (pid 1) started while call 1 (pid 1) was running"
     ]
+
+
+# -- overlaps shorter than a second -----------------------------------------------------------
+
+
+def two_calls(first: tuple[float, float], second: tuple[float, float]) -> list[str]:
+    """The overlaps found between a call of row 1 and one of row 2 (another group of the same
+    shard, another process) that ran at these times."""
+    log = Log()
+    log.call(1, A, pid=1, during=first)
+    log.call(2, B, pid=2, during=second)
+    log.delete(1, 2)
+    return check(log.history(rows((1, A), (2, B))), rolled_back=[]).overlaps
+
+
+def test_calls_overlapping_by_a_millisecond_are_found() -> None:
+    started = 1_764_000_000.25  # a time.time() of these days: milliseconds are still exact
+    assert two_calls((started, started + 0.010), (started + 0.009, started + 0.020)) == [
+        "shard (1, 7): call 2 (pid 2) started while call 1 (pid 1) was running"
+    ]
+
+
+def test_calls_overlapping_by_a_tenth_of_a_millisecond_are_found() -> None:
+    started = 1_764_000_000.25
+    assert len(two_calls((started, started + 0.0050), (started + 0.0049, started + 0.008))) == 1
+
+
+def test_a_call_nested_a_few_milliseconds_inside_another_is_found() -> None:
+    started = 1_764_000_000.25
+    assert len(two_calls((started, started + 0.004), (started + 0.001, started + 0.002))) == 1
+
+
+def test_a_call_that_starts_when_the_previous_one_ended_is_no_overlap() -> None:
+    started = 1_764_000_000.25
+    assert two_calls((started, started + 0.005), (started + 0.005, started + 0.010)) == []
+    assert two_calls((started, started + 0.005), (started + 0.0051, started + 0.010)) == []
+
+
+# -- coalescing: groups whose lowest and highest ids order differently ----------------------
+
+
+def test_groups_run_by_their_lowest_pending_id_not_their_highest() -> None:
+    """Group A has rows 1 and 3, group B row 2: A comes first (its lowest id is 1), handled
+    with row 3; ordering by the highest id would run B first."""
+    truth = rows((1, A), (2, B), (3, A))
+    by_lowest = Log()
+    by_lowest.call(3, A, coalesced=2)
+    by_lowest.delete(1, 3)
+    by_lowest.call(2, B, coalesced=1)
+    by_lowest.delete(2)
+    verdict = check(by_lowest.history(truth), rolled_back=[], visible_to={1: 3})
+    assert not verdict.problems, verdict.summary()
+    by_highest = Log()
+    by_highest.call(2, B, coalesced=1)
+    by_highest.delete(2)
+    by_highest.call(3, A, coalesced=2)
+    by_highest.delete(1, 3)
+    assert check(by_highest.history(truth), rolled_back=[]).order_violations == [
+        "call 1 handled group (2, 2) of shard (1, 7) from id 2 while row 1 of another group "
+        "was pending"
+    ]
+
+
+def test_a_call_told_it_covers_fewer_rows_than_its_group_had_is_uncoalesced() -> None:
+    truth = rows((1, A), (2, B), (3, A))
+    log = Log()
+    log.call(3, A, coalesced=1)  # handled with the newest row, but said to cover only it
+    log.delete(1, 3)
+    log.call(2, B, coalesced=1)
+    log.delete(2)
+    verdict = check(log.history(truth), rolled_back=[])
+    assert verdict.uncoalesced == [
+        "call 1 of row 3 covered 1 row(s) of group (2, 1) of shard (1, 7); 2 were pending "
+        "up to it: [1, 3]"
+    ]
+    assert verdict.problems == verdict.uncoalesced
+
+
+def not_coalesced() -> Log:
+    """Every row handled on its own, in id order, each deleted before the next call: group A's
+    rows 1 and 3 are two calls."""
+    log = Log()
+    for row_id, group in ((1, A), (2, B), (3, A)):
+        log.call(row_id, group, coalesced=1)
+        log.delete(row_id)
+    return log
+
+
+def test_a_group_handled_without_the_newest_row_its_process_could_see_is_uncoalesced() -> None:
+    truth = rows((1, A), (2, B), (3, A))
+    # Row 3 was committed before the process started: the call of row 1 had to be row 3's.
+    verdict = check(not_coalesced().history(truth), rolled_back=[], visible_to={1: 3})
+    assert verdict.uncoalesced == [
+        "call 1 (pid 1) handled row 1 of group (2, 1) of shard (1, 7) while its row 3, "
+        "committed before the process started, was pending"
+    ]
+    assert verdict.problems == verdict.uncoalesced
+    # Committed after the process started (up to row 2), row 3 may come in a later call.
+    assert not check(not_coalesced().history(truth), rolled_back=[], visible_to={1: 2}).problems

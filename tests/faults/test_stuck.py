@@ -103,6 +103,75 @@ async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
     )
 
 
+# A blocked shard's head call that hangs this long (past the handler timeout of 2 s).
+HANG_SECONDS = 8.0
+HANGING_OBJECT = 900
+
+
+@pytest.mark.parametrize("size", variants(Size(rows=200, shards=8), Size(rows=3_000, shards=40)))
+async def test_a_plain_def_call_that_outlives_its_attempt_never_overlaps_its_retry_elsewhere(
+    size: Size, new_scenario, engine, fault_client, record_figures
+) -> None:
+    """Two workers. A blocked shard's head is retried by its category activity; one attempt's
+    plain-def call hangs past the handler timeout (its thread cannot be stopped), and its
+    worker is stopped meanwhile, as in a rolling deploy: the retries run in the other worker
+    while the stale call still runs. Nothing but the shard's lock keeps them apart; the calls
+    of the shard must still run one at a time (invariant 5)."""
+    scenario = new_scenario("plain-def call outlives its attempt")
+    blocked = 1
+    await scenario.prepare(poison_shards=[blocked], hang_seconds=HANG_SECONDS)
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 7)
+    workers = [scenario.worker(name, OUTBOX_HANDLER_TIMEOUT="2") for name in ("one", "two")]
+    for worker in workers:
+        worker.start()
+        await worker.ready()
+    await workload.write(size.rows // 2)
+    project = int(FaultCategory.PROJECT_UPDATE)
+    await workload.write_exact(
+        [(ORG, blocked, project, HANGING_OBJECT), (ORG, blocked, project, HANGING_OBJECT + 1)]
+    )
+    await wait_until(
+        partial(failed_at_least, engine, scenario.table, blocked, 2),
+        timeout=120,
+        what=f"shard {blocked} blocked",
+    )
+    await set_control(engine, scenario.table, hang_objects=[HANGING_OBJECT])
+    stale, other = await scenario.hung_worker()
+    stale.terminate()  # it polls no further task, and exits once the hung call has returned
+    scenario.clock.fault()
+    await workload.write(size.rows - workload.committed)
+    assert await stale.stop() == 0, stale.output()[-5000:]
+    await set_control(engine, scenario.table, poison_shards=[])
+    recovery = await scenario.drained(timeout=600)
+    await scenario.finish(
+        workload,
+        faults=f"a plain-def call hung {HANG_SECONDS:g} s (timeout 2 s) while its worker "
+        "stopped; {failed:,} failures of the blocked head",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+        # The stopped worker deletes what it handled before it exits, and the hung call
+        # failed: nothing can be repeated.
+        max_duplicates=0,
+    )
+    async with engine.connect() as conn:
+        calls = (
+            await conn.execute(
+                text(
+                    "SELECT pid, outcome, finished - started AS seconds FROM fault_calls "
+                    "WHERE outbox_table = :t AND shard_identifier = :s ORDER BY seq"
+                ),
+                {"t": scenario.table, "s": blocked},
+            )
+        ).all()
+    # The stale call ran to its end (its worker waited for it), and the other worker handled
+    # the shard in the end.
+    assert [(c.pid, c.outcome) for c in calls if c.seconds >= HANG_SECONDS] == [
+        (stale.pid, "failed")
+    ]
+    assert any(c.pid == other.pid and c.outcome == "ok" for c in calls)
+
+
 async def reset_to_first_task(address: str, workflow: str) -> None:
     """``temporal workflow reset`` to the first workflow task, as an operator would: again
     while the server answers that the workflow is busy (a workflow task is running)."""

@@ -33,6 +33,7 @@ from outbox_bridge.config import (
     SettingGroup,
     env_name,
     env_names,
+    retired_variables,
     setting_group,
 )
 from outbox_bridge.errors import ConfigurationError
@@ -634,3 +635,8 @@ async def test_init_db_refusals(args, expected) -> None:
     assert expected in result.stderr
     assert CANARY not in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_settings_1_0_retired_are_named_when_still_set() -> None:
+    environ = {"OUTBOX_LINGER": "10", "OUTBOX_IDLE_TIMEOUT": "0", "OUTBOX_PARTITIONS": "4"}
+    assert retired_variables(environ) == ["OUTBOX_LINGER", "OUTBOX_IDLE_TIMEOUT"]

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from urllib.parse import quote
 from pydantic import SecretStr
 
 from outbox_bridge import demo
-from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
+from outbox_bridge.config import OutboxSettings, retired_variables, safe_url, sqlalchemy_url
 from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime
 from outbox_bridge.observability.summary import LEGEND, SUMMARY_INTERVAL, WorkerSummary
@@ -177,6 +178,8 @@ def print_banner(
 async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
+    for name in retired_variables(os.environ):
+        log.warning("%s is set, but 1.0 retired that setting: it is ignored (remove it)", name)
     embedded = embedded_temporal(settings)  # no address, neither set nor in a Temporal profile
     check_embedded(postgres=settings.database_url is None, temporal=embedded)
     telemetry = setup_telemetry(settings)

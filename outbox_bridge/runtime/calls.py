@@ -199,9 +199,9 @@ class HandlerCalls:
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
 
-        Raises :class:`HandlerFailed` at the first failure; returns False when the deadline or
-        ``may_continue`` (asked before every call but the first: the shard lock is still held)
-        stopped it early. Runs of consecutive sync handlers go to a worker
+        Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``
+        (asked before every call: whether the shard lock still stands) or the deadline (after
+        the first call) stopped it early. Runs of consecutive sync handlers go to a worker
         thread in one hop (at most ``pace.hop`` of them), so a backlog of cheap handlers does
         not pay a thread switch per row. Each call gets its own span from ``observer`` (a child
         of the activity's).
@@ -214,7 +214,7 @@ class HandlerCalls:
                 call = calls[index]
                 if pace is not None:
                     await pace.wait()
-                if index and (time.monotonic() > deadline or not may_continue()):
+                if not may_continue() or (index and time.monotonic() > deadline):
                     return False
                 if call.is_sync:
                     end = index
@@ -307,7 +307,7 @@ class HandlerCalls:
             for call in run:
                 if stop.is_set():
                     return None
-                if offset + count and (time.monotonic() > deadline or not may_continue()):
+                if not may_continue() or (offset + count and time.monotonic() > deadline):
                     return None
                 # Also before the first call: the hop may have waited for a thread while other
                 # drains went ahead.

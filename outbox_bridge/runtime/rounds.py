@@ -75,6 +75,13 @@ log = logging.getLogger(__name__)
 # not deleted yet (what a kill -9 now would run again): the default of the worker's
 # max_undeleted_groups setting.
 MAX_UNDELETED_GROUPS = 10
+# poll() events of a socket the peer has closed (POLLRDHUP: Linux only); none where poll() is
+# missing.
+HANGUP = (
+    getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+    if hasattr(select, "poll")
+    else 0
+)
 # Payload bytes (as stored) one round reads at most; a round takes at least one group, however
 # large its payload.
 ROUND_MAX_BYTES = 64 * 2**20
@@ -184,7 +191,8 @@ class LockedShards:
     A write that fails for one shard's reason (a trigger refusing to delete its rows, say) is
     done again shard by shard, and only the shards whose own write fails stop: each is held
     for its workflow with why (see :meth:`fault`), while it is still locked. A lost connection
-    stops every write of the round (the fence)."""
+    stops every write of the round (the fence); what it had handled and not deleted is kept in
+    :attr:`unwritten`."""
 
     def __init__(
         self,
@@ -205,6 +213,9 @@ class LockedShards:
         self._socket: psycopg.AsyncConnection[Any] | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the connection
         self._pending: list[tuple[GroupRows, ShardOutcome]] = []
+        # Handled and not deleted when the connection was lost: a new connection may still
+        # delete them (DrainEngine.locked).
+        self.unwritten: list[tuple[GroupRows, ShardOutcome]] = []
         self.outcomes: dict[ShardRef, ShardOutcome] = {}  # of the shards the round runs
         self.held: set[ShardRef] = set()  # shards whose hold this round wrote
         self._calls = calls
@@ -242,12 +253,14 @@ class LockedShards:
         if driver is None:
             return True
         statements = self._statements
-        if statements % 2:
-            return True  # a statement is under way: its answer tells
         try:
             if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
                 self._lose("the connection is closed")
                 return False
+            if statements % 2:
+                # A statement is under way, its answer may be arriving: only a socket the
+                # server has closed says anything.
+                return not self._closed_by_server(driver.pgconn.socket)
             readable, _, _ = select.select([driver.pgconn.socket], [], [], 0)
         except (OSError, psycopg.Error, ValueError) as exc:
             self._lose(str(exc))
@@ -255,6 +268,18 @@ class LockedShards:
         if readable and self._statements == statements:
             self._suspect("received something between statements (the server may be closing it)")
         return not self.suspect
+
+    def _closed_by_server(self, socket: int) -> bool:
+        """Whether the server closed the connection (Linux says so while an answer is still
+        unread); marks the round suspect if it did."""
+        if not HANGUP:
+            return False
+        poller = select.poll()  # one per call: handler threads ask at the same time
+        poller.register(socket, HANGUP)
+        if not poller.poll(0):
+            return False
+        self._suspect("was closed by the server while a statement was under way")
+        return True
 
     def _suspect(self, seen: str) -> None:
         if not self.suspect:
@@ -385,6 +410,7 @@ class LockedShards:
             self._unlocking.update(unlocks)
             try:
                 if self.lost or self._error is not None:
+                    self.unwritten += pending
                     continue  # fenced: nothing more is written in this round
                 async with self._busy:
                     await self._statement(
@@ -394,6 +420,7 @@ class LockedShards:
                 # The connection is gone, or a write failed for no one shard's reason: nothing
                 # more is written in this round, and its connection is dropped.
                 self._error = exc
+                self.unwritten += pending
                 if self.gone(exc):
                     self._lose(type(exc).__name__)
                 else:
@@ -552,10 +579,15 @@ class DrainEngine:
         shards: Sequence[ShardRef],
         *,
         wait_seconds: float = 0.0,
+        recover: bool = True,
     ) -> AsyncIterator[LockedShards]:
         """Lock the free ones of ``shards`` (waiting up to ``wait_seconds`` for each that is
         taken, when given) on a connection of their own; everything is written and unlocked
-        when the block ends, and the connection is dropped if it may still hold a lock."""
+        when the block ends, and the connection is dropped if it may still hold a lock.
+
+        If the connection was lost with groups handled and not deleted, a new connection
+        deletes them in the shards whose locks it gets (with ``recover``): a lost connection
+        then repeats no more than a crash does."""
         conn = await self.engine.connect()
         batch: LockedShards | None = None
         try:
@@ -584,6 +616,40 @@ class DrainEngine:
             await batch.flush()
         finally:
             await self._close(conn, batch)
+            if recover and batch is not None and batch.unwritten:
+                await self._delete_unwritten(batch)
+
+    async def _delete_unwritten(self, lost: LockedShards) -> None:
+        """Delete what a round that lost its connection had handled, from a new connection, in
+        the shards whose locks it gets: no other execution is in those, so the delete is as
+        safe as the round's own. The others' groups run again."""
+        groups = lost.unwritten
+        shards = list(dict.fromkeys(outcome.shard for _, outcome in groups))
+        mine = []
+        try:
+            async with self.locked(lost.table, shards, recover=False) as batch:
+                mine = [
+                    (group, outcome) for group, outcome in groups if outcome.shard in batch.locked
+                ]
+                for group, outcome in mine:
+                    batch.deleted(group, outcome)
+        except Exception as exc:
+            log.warning(
+                "%s group(s) handled by a round of %s that lost its connection cannot be "
+                "deleted (%s): they run again",
+                len(groups),
+                lost.table.name,
+                type(exc).__name__,
+            )
+            return
+        if not batch.lost:
+            log.info(
+                "deleted %s of the %s group(s) a round of %s handled before it lost its "
+                "connection (the others' shards were taken meanwhile: they run again)",
+                len(mine),
+                len(groups),
+                lost.table.name,
+            )
 
     async def _take(
         self, conn: AsyncConnection, shards: Sequence[ShardRef], wait_seconds: float

@@ -60,14 +60,6 @@ class OutboxActivities:
         with log_context(shard=request.shard.key):
             return await self._drainer.drain(request)
 
-    @activity.defn(name="linger_shard")
-    async def linger_shard(self, request: DrainInput) -> DrainResult:
-        """Drain, then keep handling the shard's new rows as the bridge hands them over, until
-        none came for ``linger_seconds``. Heartbeats (which add no history) while it waits."""
-        with log_context(shard=request.shard.key):
-            async with _heartbeating():
-                return await self._drainer.drain(request)
-
     @activity.defn(name="hold_shard")
     async def hold_shard(self, request: HoldInput) -> None:
         """Record that the shard's workflow holds it (partitions leave it alone)."""
@@ -93,8 +85,6 @@ class OutboxActivities:
         with log_context(shard=request.shard.key, category=activity.info().activity_type):
             async with _heartbeating():
                 try:
-                    # Attempt 1 of this activity is the head's second try: the drain made the
-                    # first.
                     return await self._drainer.handle_head(
                         request, heartbeat=activity.heartbeat, attempt=activity.info().attempt
                     )
@@ -112,7 +102,6 @@ class OutboxActivities:
         return [
             self.drain_partition,
             self.drain_shard,
-            self.linger_shard,
             self.hold_shard,
             self.flush_check,
             self.handle_category,

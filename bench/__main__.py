@@ -42,33 +42,10 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
         help="writer duration of the latency workload (default 60 × scale)",
     )
     parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=BenchConfig.idle_timeout,
-        help="the workers' idle_timeout (0: shard workflows complete as soon "
-        "as their shard is empty)",
-    )
-    parser.add_argument(
         "--budget",
         type=float,
         default=19 * 60.0,
         help="seconds the whole invocation may take; drains are capped to fit",
-    )
-    parser.add_argument(
-        "--shard-workflows",
-        choices=["on-demand", "always", "both"],
-        default=None,
-        help="the bridge's mode: partitions drain healthy shards and a shard gets a workflow "
-        "only when it needs one (on-demand, the default), or every shard with rows gets one "
-        "(always); both measures always beside on-demand, on the file server only and with "
-        "each drain capped at --always-share seconds. Default: both for 'all', else on-demand.",
-    )
-    parser.add_argument(
-        "--always-share",
-        type=float,
-        default=BenchConfig.always_share,
-        help="with --shard-workflows both: the seconds one drain with a workflow for every "
-        "shard may take (it reports the rows it reached)",
     )
     tuning.add_arguments(parser)
     parser.add_argument(
@@ -79,19 +56,13 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
     args = parser.parse_args(argv)
     if args.scale <= 0:
         parser.error("--scale must be positive")
-    if args.idle_timeout < 0:
-        parser.error("--idle-timeout must not be negative")
     tuned = tuning.from_arguments(parser, args)
-    shard_workflows = args.shard_workflows or ("both" if args.workload == "all" else "on-demand")
     config = BenchConfig.from_environment(
         scale=args.scale,
         out=args.out,
         temporal=args.temporal,
         latency_seconds=args.latency_seconds,
         budget=args.budget,
-        idle_timeout=args.idle_timeout,
-        shard_workflows=shard_workflows,
-        always_share=args.always_share,
         handler_yield=args.handler_yield,
         tuning=tuned,
     )

@@ -1,10 +1,8 @@
 """Running the bridge side: ``worker.serve`` in-process, exactly as ``worker.py`` runs it.
 
 Nothing in the core is tuned: settings are :class:`OutboxSettings` defaults except a unique task
-queue, ``idle_timeout`` (the default 0: shard workflows close once empty, so their histories
-can be counted), ``shard_workflows`` (``on-demand``, the default, or ``always``) and ``listen``
-for the poll-only latency run. (``--max-undeleted-groups`` and the like change constants of the
-runtime for an A/B run: see :mod:`bench.tuning`.)
+queue and ``listen`` for the poll-only latency run. (``--max-undeleted-groups`` and the like
+change constants of the runtime for an A/B run: see :mod:`bench.tuning`.)
 """
 
 from __future__ import annotations
@@ -32,10 +30,9 @@ READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 60.0
 
 
-def bench_settings(idle_timeout: float, **overrides: Any) -> OutboxSettings:
+def bench_settings(**overrides: Any) -> OutboxSettings:
     return OutboxSettings(
         task_queue=f"bench-{uuid.uuid4().hex[:10]}",
-        idle_timeout=idle_timeout,
         log_level="WARNING",
         health_port=0,  # no endpoints: two benches (or a bench beside a worker) never collide
         **overrides,
@@ -70,8 +67,8 @@ class BridgeRun:
         return None if self.ready_at is None else self.ready_at - self.started
 
     async def close_stats(self, *, close_timeout: float) -> tuple[int, float]:
-        """Wait (with the worker still running) until every shard workflow completed its idle
-        period; return the workflows still running at the timeout and the seconds waited."""
+        """Wait (with the worker still running) until every shard workflow completed; return
+        the workflows still running at the timeout and the seconds waited."""
         began = time.monotonic()
         running = await wait_all_closed(
             self.client, self.settings.task_queue, timeout=close_timeout
@@ -82,12 +79,9 @@ class BridgeRun:
         return await history_stats(self.client, self.settings.task_queue, all_closed=all_closed)
 
     async def partitions_draining(self, tables: list[str], *, timeout: float) -> float | None:
-        """On demand: wait until the drain activity of every partition of ``tables`` runs in
-        the worker and has heartbeated (it then listens for its shards' news); returns the
-        seconds since ``serve`` was called, or None if that did not happen within
-        ``timeout``. At once (0) with a workflow for every shard: there are no partitions."""
-        if not self.settings.on_demand:
-            return 0.0
+        """Wait until the drain activity of every partition of ``tables`` runs in the worker
+        and has heartbeated (it then listens for its shards' news); returns the seconds since
+        ``serve`` was called, or None if that did not happen within ``timeout``."""
         ids = [
             f"outbox:{table}:partition:{n}"
             for table in tables

@@ -14,11 +14,6 @@ ORDER = ["backlog", "hot-shard", "coalesce", "flaky", "many-shards"]
 COLORS = {"baseline": "#7f7f7f", "file": "#1f77b4", "memory": "#ff7f0e", "external": "#2ca02c"}
 
 
-def _mode(results: list[dict[str, Any]]) -> str:
-    modes = sorted({str(r.get("shard_workflows", "on-demand")) for r in results})
-    return ", ".join(modes)
-
-
 def _series(
     results: list[dict[str, Any]],
 ) -> tuple[list[str], dict[str, list[float]], dict[str, list[bool]]]:
@@ -67,7 +62,7 @@ def throughput_chart(results: list[dict[str, Any]], path: Path) -> Path:
     ax.set_yscale("log")
     ax.set_ylabel("rows/s (log scale)")
     scales = sorted({r["scale"] for r in results})
-    title = f"outbox-bridge ({_mode(results)}) vs direct drain, scale {', '.join(map(str, scales))}"
+    title = f"outbox-bridge vs direct drain, scale {', '.join(map(str, scales))}"
     if any(any(cut) for cut in capped.values()):
         title += "\n* capped by the time budget: the rate until the cap"
     ax.set_title(title, fontsize=10)
@@ -100,7 +95,7 @@ def latency_chart(result: dict[str, Any], path: Path) -> Path:
         over_time.set_xlabel("commit time (s since the writer started)")
         over_time.set_ylabel("commit → handler start (ms, log)")
         over_time.set_title(
-            f"latency over time ({_mode([result])}), Temporal {entry['temporal']}, "
+            f"latency over time, Temporal {entry['temporal']}, "
             f"{entry['rate']:.0f} rows/s over {entry['shards']} shards",
             fontsize=10,
         )

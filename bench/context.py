@@ -19,7 +19,8 @@ from outbox_bridge import OutboxSettings
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 MODES = {"file": ["file"], "memory": ["memory"], "both": ["file", "memory"]}
-SHARD_MODES = {"on-demand": ["on-demand"], "always": ["always"], "both": ["on-demand", "always"]}
+# How long shard workflows may take to complete once the table is empty.
+CLOSE_SECONDS = 30.0
 
 
 @dataclass
@@ -31,21 +32,15 @@ class BenchConfig:
     temporal: str | None = None  # file | memory | both; None: each workload's default
     database_url: str | None = None
     temporal_address: str | None = None
-    idle_timeout: float = 0.0  # the settings' default: shard workflows close once empty
     latency_seconds: float | None = None  # None: 60 s × scale, at least 3 s
     latency_grace: float = 5.0
     latency_rate: float = 100.0  # rows/s of the latency writer
     latency_shards: int = 200
     budget: float = 18 * 60.0  # seconds for the whole invocation
-    # Which shard workflow modes to measure: on-demand (the default), always, or both. With
-    # both, always is measured beside on-demand on one server mode (file) with each drain
-    # capped at always_share seconds: it starts a workflow for every shard.
-    shard_workflows: str = "on-demand"
-    always_share: float = 45.0
     handler_yield: bool = False  # every handler call yields to the event loop once
     tuning: Tuning = field(default_factory=Tuning)
-    # OutboxSettings fields to override (the benchmark itself overrides none but
-    # idle_timeout; the smoke test shortens timers). Recorded in the results.
+    # OutboxSettings fields to override (the benchmark itself overrides none; the smoke test
+    # shortens timers). Recorded in the results.
     settings_overrides: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -70,25 +65,11 @@ class Context:
     base_dir: Path
     deadline: float  # time.monotonic() by which the whole invocation must be done
 
-    def modes(self, default: str, shard_workflows: str = "on-demand") -> list[str]:
-        """The Temporal server modes to measure (one ``external`` when an address is given).
-        Beside on demand, ``always`` runs on the file server only, unless a mode was asked
-        for."""
+    def modes(self, default: str) -> list[str]:
+        """The Temporal server modes to measure (one ``external`` when an address is given)."""
         if self.config.temporal_address:
             return ["external"]
-        if shard_workflows == "always" and self.config.shard_workflows == "both":
-            return MODES[self.config.temporal or "file"]
         return MODES[self.config.temporal or default]
-
-    def shard_modes(self) -> list[str]:
-        """The shard workflow modes to measure, on demand first."""
-        return SHARD_MODES[self.config.shard_workflows]
-
-    def share(self, wanted: float, shard_workflows: str) -> float:
-        """The seconds one drain may take: ``always`` beside on demand is capped."""
-        if shard_workflows == "always" and self.config.shard_workflows == "both":
-            return min(wanted, self.config.always_share)
-        return wanted
 
     def temporal(self, mode: str) -> contextlib.AbstractAsyncContextManager[TemporalServer]:
         return temporal(mode, self.base_dir, self.config.temporal_address)
@@ -102,10 +83,9 @@ class Context:
         return self.deadline - time.monotonic()
 
     def settings(self, **overrides: Any) -> OutboxSettings:
-        """Settings of one bridge run: defaults, a unique task queue, the idle timeout."""
+        """Settings of one bridge run: defaults and a unique task queue."""
         return bench_settings(
-            self.config.idle_timeout,
-            **{**self.config.settings_overrides, **self.config.tuning.settings(), **overrides},
+            **{**self.config.settings_overrides, **self.config.tuning.settings(), **overrides}
         )
 
     def cpu_meter(self, server: TemporalServer | None) -> CpuMeter:
@@ -118,8 +98,7 @@ class Context:
             {"bench": psutil.Process(), "postgres": postgres, "temporal": temporal_process}
         )
 
-    def close_timeout(self, settings: OutboxSettings) -> float:
-        """How long shard workflows may take to close once the table is empty: a lingering
-        drain waits for rows first, then the workflow idles."""
-        linger = float(getattr(settings, "linger", 0.0))
-        return min(settings.idle_timeout + linger + 30.0, max(self.left() - 20.0, 0.0))
+    def close_timeout(self) -> float:
+        """How long shard workflows may take to complete once the table is empty (each does
+        as soon as its shard is), within the run's budget."""
+        return min(CLOSE_SECONDS, max(self.left() - 20.0, 0.0))

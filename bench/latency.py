@@ -136,12 +136,9 @@ async def run_phase(
     name: str,
     server: TemporalServer | None,
     writer_seconds: float,
-    shard_workflows: str = "on-demand",
 ) -> Phase:
     """One latency measurement: ``baseline`` (server None), ``listen`` or ``poll_only``."""
     label = f"latency/{name}" + (f"-{server.mode}" if server else "")
-    if server is not None and shard_workflows != "on-demand":
-        label += f"-{shard_workflows}"
     probe = HandlerProbe(record_starts=True)
     app = make_app(table_name(f"latency_{name}"), probe)
     await create_table(ctx.database_url, app)
@@ -157,13 +154,7 @@ async def run_phase(
         outcome = await _with_baseline(ctx, app, writer, label)
     else:
         outcome, extra = await _with_bridge(
-            ctx,
-            app,
-            writer,
-            label,
-            server,
-            listen=name == "listen",
-            shard_workflows=shard_workflows,
+            ctx, app, writer, label, server, listen=name == "listen"
         )
     await asyncio.to_thread(drop_table, ctx.database_url, app.table().name)
     extra["writer_max_lag_ms"] = round(writer.max_lag * 1000, 1)
@@ -198,19 +189,17 @@ async def _with_bridge(
     server: TemporalServer,
     *,
     listen: bool,
-    shard_workflows: str,
 ) -> tuple[tuple[float, int, int], dict[str, Any]]:
-    settings = ctx.settings(listen=listen, shard_workflows=shard_workflows)
+    settings = ctx.settings(listen=listen)
     warnings_mark = COUNTER.count
     async with running_bridge(settings, app, ctx.database_url, server.address) as run:
         ready = await run.partitions_draining([app.table().name], timeout=PARTITIONS_READY_TIMEOUT)
         if ready is None:
             say(label, "the partitions' drains did not all start in time; writing anyway")
         outcome = await _write_and_settle(ctx, writer, app.table().name, label)
-        running, _ = await run.close_stats(close_timeout=ctx.close_timeout(settings))
+        running, _ = await run.close_stats(close_timeout=ctx.close_timeout())
     stats = await run.history(all_closed=running == 0)
     return outcome, {
-        "shard_workflows": shard_workflows,
         "ready_s": round(run.ready_after, 3) if run.ready_after is not None else None,
         "partitions_ready_s": round(ready, 3) if ready is not None else None,
         "history_events": stats.events,
@@ -292,35 +281,25 @@ def latency_entry(
 
 async def run_latency(ctx: Context) -> list[dict[str, Any]]:
     rate, shards = ctx.config.latency_rate, ctx.config.latency_shards
-    shard_modes = ctx.shard_modes()
-    # Poll-only is measured for the first shard workflow mode only.
-    phases = len(shard_modes) + 2
-    seconds = duration(ctx, phases)
+    seconds = duration(ctx, 3)  # the baseline, listen and poll-only
     say("latency", f"{rate:.0f} rows/s over {shards} shards for {seconds:.0f} s per side")
     baseline = await run_phase(ctx, "baseline", None, seconds)
-    results = []
-    for index, shard_workflows in enumerate(shard_modes):
-        entries = []
-        for mode in ctx.modes("file", shard_workflows):
-            async with ctx.temporal(mode) as server:  # a fresh server for each phase
-                listen = await run_phase(ctx, "listen", server, seconds, shard_workflows)
-            poll = None
-            if index == 0:
-                async with ctx.temporal(mode) as server:
-                    poll = await run_phase(ctx, "poll_only", server, seconds, shard_workflows)
-            entries.append(latency_entry(ctx, server.mode, listen, poll, baseline))
-        results.append(
-            {
-                "workload": "latency",
-                "kind": "latency",
-                "shard_workflows": shard_workflows,
-                "description": f"steady {rate:.0f} rows/s over {shards} shards, one row per "
-                "transaction: commit→handler latency",
-                "scale": ctx.config.scale,
-                "idle_timeout": ctx.config.idle_timeout,
-                "duration_s": seconds,
-                "baseline_poll_interval_s": BASELINE_POLL,
-                "entries": entries,
-            }
-        )
-    return results
+    entries = []
+    for mode in ctx.modes("file"):
+        async with ctx.temporal(mode) as server:  # a fresh server for each phase
+            listen = await run_phase(ctx, "listen", server, seconds)
+        async with ctx.temporal(mode) as server:
+            poll = await run_phase(ctx, "poll_only", server, seconds)
+        entries.append(latency_entry(ctx, server.mode, listen, poll, baseline))
+    return [
+        {
+            "workload": "latency",
+            "kind": "latency",
+            "description": f"steady {rate:.0f} rows/s over {shards} shards, one row per "
+            "transaction: commit→handler latency",
+            "scale": ctx.config.scale,
+            "duration_s": seconds,
+            "baseline_poll_interval_s": BASELINE_POLL,
+            "entries": entries,
+        }
+    ]

@@ -212,7 +212,6 @@ async def profile(args: argparse.Namespace) -> None:
         out=args.out,
         temporal=args.temporal,
         budget=args.budget,
-        settings_overrides={"shard_workflows": args.shard_workflows},
         tuning=args.tuning,
     )
     workload = THROUGHPUT[args.workload]
@@ -269,7 +268,7 @@ def _header(
         tuned += f" --max-undeleted-groups {args.max_undeleted_groups}"
     return (
         f"python -m bench.profile {args.workload} --scale {args.scale} --temporal "
-        f"{args.temporal} --shard-workflows {args.shard_workflows}{tuned}\n"
+        f"{args.temporal}{tuned}\n"
         f"{done:,} of {len(rows):,} rows in {seconds:.1f} s ({done / seconds:,.0f} rows/s) "
         f"while sampled at {args.rate} Hz; load average before: "
         f"{' '.join(f'{x:.2f}' for x in args.load_before)}, after: "
@@ -283,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workload", nargs="?", default="backlog", choices=sorted(THROUGHPUT))
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--temporal", choices=["file", "memory"], default="memory")
-    parser.add_argument("--shard-workflows", choices=["on-demand", "always"], default="on-demand")
     parser.add_argument(
         "--rate", type=int, default=100, help="samples per second (0: measure without sampling)"
     )

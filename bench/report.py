@@ -1,9 +1,7 @@
 """Results: the printed tables, the JSON files and the PNG charts (matplotlib, Agg backend).
 
-Each workload's result for the default mode (partitions drain healthy shards, a shard workflow
-only when needed) goes to ``<workload>.json``; with a workflow for every shard
-(``--shard-workflows always``) to ``<workload>-always.json``. The charts likewise:
-``throughput.png`` and ``latency.png``, ``throughput-always.png`` and ``latency-always.png``.
+Each workload's result goes to ``<workload>.json``; the charts to ``throughput.png`` and
+``latency.png``.
 """
 
 from __future__ import annotations
@@ -11,8 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-DEFAULT_MODE = "on-demand"
 
 THROUGHPUT_COLUMNS = [
     ("temporal", "temporal", "{}"),
@@ -55,19 +51,6 @@ EXTRA_COLUMNS = {
 }
 
 
-def mode_of(result: dict[str, Any]) -> str:
-    return str(result.get("shard_workflows", DEFAULT_MODE))
-
-
-def suffix(mode: str) -> str:
-    return "" if mode == DEFAULT_MODE else f"-{mode}"
-
-
-def result_name(result: dict[str, Any]) -> str:
-    """``<workload>`` or ``<workload>-always``: the JSON file's name without its suffix."""
-    return f"{result['workload']}{suffix(mode_of(result))}"
-
-
 def _cell(entry: dict[str, Any], key: str, fmt: str) -> str:
     value = entry.get(key)
     return "-" if value is None else fmt.format(value)
@@ -80,10 +63,7 @@ def format_table(result: dict[str, Any]) -> str:
     header = [title for _, title, _ in columns]
     rows = [[_cell(e, key, fmt) for key, _, fmt in columns] for e in result["entries"]]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        f"{result['workload']} (--shard-workflows {mode_of(result)}): {result['description']} "
-        f"(scale {result['scale']})"
-    ]
+    lines = [f"{result['workload']}: {result['description']} (scale {result['scale']})"]
     for row in [header, ["-" * w for w in widths], *rows]:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
     return "\n".join(lines)
@@ -91,7 +71,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def write_json(out: Path, result: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{result_name(result)}.json"
+    path = out / f"{result['workload']}.json"
     temporary = path.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(result, indent=2, default=str) + "\n")
     temporary.replace(path)
@@ -105,26 +85,24 @@ def load_results(out: Path) -> list[dict[str, Any]]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and "entries" in data and "kind" in data:
+        # Results of 0.x's retired mode (a workflow for every shard) are left out.
+        retired = isinstance(data, dict) and data.get("shard_workflows", "on-demand") != "on-demand"
+        if isinstance(data, dict) and "entries" in data and "kind" in data and not retired:
             results.append(data)
     return results
 
 
 def draw_charts(out: Path) -> list[Path]:
-    """Redraw, for each shard workflow mode with results in ``out``, ``throughput.png`` from
-    its throughput results and ``latency.png`` from its latency result (``-always`` names for
-    a workflow for every shard)."""
+    """Redraw ``throughput.png`` from the throughput results in ``out`` and ``latency.png``
+    from its latency result."""
     from bench import charts
 
     results = load_results(out)
     drawn = []
-    for mode in sorted({mode_of(r) for r in results}):
-        mine = [r for r in results if mode_of(r) == mode]
-        throughput = [r for r in mine if r["kind"] == "throughput"]
-        if throughput:
-            path = out / f"throughput{suffix(mode)}.png"
-            drawn.append(charts.throughput_chart(throughput, path))
-        latency = [r for r in mine if r["kind"] == "latency"]
-        if latency:
-            drawn.append(charts.latency_chart(latency[0], out / f"latency{suffix(mode)}.png"))
+    throughput = [r for r in results if r["kind"] == "throughput"]
+    if throughput:
+        drawn.append(charts.throughput_chart(throughput, out / "throughput.png"))
+    latency = [r for r in results if r["kind"] == "latency"]
+    if latency:
+        drawn.append(charts.latency_chart(latency[0], out / "latency.png"))
     return drawn

@@ -86,9 +86,8 @@ def quiet_logs() -> None:
 
 
 async def run(names: list[str], config: BenchConfig) -> dict[str, dict[str, Any]]:
-    """Run the named workloads; write ``<out>/<workload>.json`` (``<workload>-always.json``
-    for a workflow for every shard) and the charts after each. Returns the results by that
-    name."""
+    """Run the named workloads; write ``<out>/<workload>.json`` and the charts after each.
+    Returns the results by workload."""
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
@@ -106,7 +105,7 @@ async def run(names: list[str], config: BenchConfig) -> dict[str, dict[str, Any]
                     result["wall_seconds"] = round(time.monotonic() - began, 1)
                     result["tuning"] = config.tuning.describe()
                     result["handler_yields"] = config.handler_yield
-                    results[report.result_name(result)] = result
+                    results[result["workload"]] = result
                     path = report.write_json(config.out, result)
                     print(report.format_table(result), flush=True)
                     say(name, f"results {path}")

@@ -152,16 +152,15 @@ async def bridge_side(
     server: TemporalServer,
     *,
     share: float,
-    shard_workflows: str = "on-demand",
     probe: HandlerProbe | None = None,
 ) -> SideResult:
-    """Drain ``rowset`` with ``worker.serve`` in-process (``shard_workflows``: ``on-demand`` or
-    ``always``); then wait (worker still running) for the shard workflows to close, and count
-    the history events of every workflow of the run, partitions included."""
+    """Drain ``rowset`` with ``worker.serve`` in-process; then wait (worker still running) for
+    the shard workflows to close, and count the history events of every workflow of the run,
+    partitions included."""
     probe = probe if probe is not None else HandlerProbe()
     app = await prepared_table(ctx, label, rowset, probe)
     table = app.table().name
-    settings = ctx.settings(shard_workflows=shard_workflows)
+    settings = ctx.settings()
     rss = RssSampler()
     warnings_mark = COUNTER.count
     meter = ctx.cpu_meter(server).start()
@@ -181,14 +180,13 @@ async def bridge_side(
         cpu = meter.stop()
         load = _load(load_before)
         # A capped run: count what still runs, do not wait.
-        close_timeout = ctx.close_timeout(settings) if watch.completed else 0.0
+        close_timeout = ctx.close_timeout() if watch.completed else 0.0
         running, close_wait = await run.close_stats(close_timeout=close_timeout)
         server_rss = server.rss_mb()
     history = await run.history(all_closed=running == 0)
     await asyncio.to_thread(drop_table, ctx.database_url, table)
     rows_done = len(rowset.rows) - watch.remaining
     extra = {
-        "shard_workflows": shard_workflows,
         "ready_s": round(run.ready_after, 3) if run.ready_after is not None else None,
         **_from_ready(watch, run.started, ready_after, left_at_ready),
         **history_entry(history, rows_done),

@@ -1,7 +1,7 @@
 """``python -m bench.summary DIR [DIR ...]``: the figures of several runs side by side.
 
-Each ``DIR`` is the ``--out`` of one ``python -m bench`` invocation. For every workload, shard
-workflow mode and Temporal server mode found, it prints one Markdown row with the median of
+Each ``DIR`` is the ``--out`` of one ``python -m bench`` invocation. For every workload and
+Temporal server mode found, it prints one Markdown row with the median of
 each figure over the runs that measured it, and its range (min–max) when there is more than
 one. Runs measured on a shared machine vary: a single figure says little, a median and its
 spread say more.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import load_results, mode_of
+from bench.report import load_results
 
 # (key in an entry, column title, format) per kind of workload.
 THROUGHPUT = [
@@ -62,24 +62,24 @@ def _notes(entries: list[dict[str, Any]]) -> str:
 
 def table(dirs: Sequence[Path]) -> str:
     """One Markdown table over the results in ``dirs``."""
-    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
     kinds: dict[str, str] = {}
     for directory in dirs:
         for result in load_results(directory):
             kinds[result["workload"]] = result["kind"]
             for entry in result["entries"]:
-                key = (result["workload"], mode_of(result), entry["temporal"])
+                key = (result["workload"], entry["temporal"])
                 grouped.setdefault(key, []).append({**entry, "workload_kind": result["kind"]})
     lines = []
     for kind, columns in (("throughput", THROUGHPUT), ("latency", LATENCY)):
         keys = sorted(k for k in grouped if kinds[k[0]] == kind)
         if not keys:
             continue
-        titles = ["workload", "mode", "server", "runs", *(t for _, t, _ in columns), "notes"]
+        titles = ["workload", "server", "runs", *(t for _, t, _ in columns), "notes"]
         lines += ["", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
-        for workload, mode, server in keys:
-            entries = grouped[(workload, mode, server)]
-            cells = [workload, mode, server, str(len(entries))]
+        for workload, server in keys:
+            entries = grouped[(workload, server)]
+            cells = [workload, server, str(len(entries))]
             for field, _, fmt in columns:
                 values = [float(e[field]) for e in entries if e.get(field) is not None]
                 cells.append(spread(values, fmt))

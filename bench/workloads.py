@@ -122,7 +122,7 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
             else ""
         ),
     )
-    phases = [(s, m) for s in ctx.shard_modes() for m in ctx.modes("both", s)]
+    phases = ctx.modes("both")
     share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) + 1))
     baseline = await baseline_side(
         ctx,
@@ -133,46 +133,34 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
         probe=workload_probe(ctx, workload, rowset),
     )
     say(workload.name, f"baseline: {baseline.rows_per_s:,.0f} rows/s")
-    entries: dict[str, list[dict[str, Any]]] = {s: [] for s in ctx.shard_modes()}
-    for index, (shard_workflows, mode) in enumerate(phases):
+    entries: list[dict[str, Any]] = []
+    for index, mode in enumerate(phases):
         # Later phases need their part of what is left of the invocation's budget.
         share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) - index))
-        share = ctx.share(share, shard_workflows)
         async with ctx.temporal(mode) as server:
             bridge = await bridge_side(
                 ctx,
-                f"{workload.name}/bridge-{server.mode}" + _suffix(shard_workflows),
+                f"{workload.name}/bridge-{server.mode}",
                 rowset,
                 server,
                 share=share,
-                shard_workflows=shard_workflows,
                 probe=workload_probe(ctx, workload, rowset),
             )
         done = "" if bridge.completed else f" (capped after {bridge.rows_done:,} rows)"
-        say(
-            workload.name,
-            f"bridge ({server.mode}, {shard_workflows}): {bridge.rows_per_s:,.0f} rows/s{done}",
-        )
+        say(workload.name, f"bridge ({server.mode}): {bridge.rows_per_s:,.0f} rows/s{done}")
         entry = throughput_entry(server.mode, rowset, baseline, bridge)
         if failing:
             entry.update(_flaky_entry(workload, failing, failing_shards, entry))
-        entries[shard_workflows].append(entry)
+        entries.append(entry)
     return [
         {
             "workload": workload.name,
             "kind": "throughput",
-            "shard_workflows": shard_workflows,
             "description": workload.summary,
             "scale": ctx.config.scale,
-            "idle_timeout": ctx.config.idle_timeout,
-            "entries": mode_entries,
+            "entries": entries,
         }
-        for shard_workflows, mode_entries in entries.items()
     ]
-
-
-def _suffix(shard_workflows: str) -> str:
-    return "" if shard_workflows == "on-demand" else f"-{shard_workflows}"
 
 
 def _flaky_entry(

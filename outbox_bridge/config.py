@@ -9,7 +9,7 @@ explicitly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,17 +24,20 @@ from outbox_bridge.workflows.models import PartitionOptions, ShardOptions
 
 
 class SettingGroup(StrEnum):
-    """Which commands offer a setting as a flag (every setting is an environment variable)."""
+    """Which commands offer a setting as a flag (every setting is an environment variable, which
+    every command reads)."""
 
     DATABASE = "database"  # where the outbox tables are: init-db, flush, shards, the worker
-    TEMPORAL = "temporal"  # how to reach Temporal: every command that talks to shard workflows
+    TEMPORAL = "temporal"  # which Temporal: every command that talks to shard workflows
     APP = "app"  # which OutboxApp: every command that names shards or tables
-    SHARDS = "shards"  # how shard workflows start: the worker, and flush (which may start one)
-    WORKER = "worker"  # the rest: the worker alone (untagged fields)
+    SHARDS = "shards"  # where shard workflows run: the worker, skip and flush (which start one)
+    WORKER = "worker"  # the rest, TLS and API key included: the worker alone (untagged fields)
 
 
-def _in(group: SettingGroup) -> dict[str, Any]:
-    return {"group": group.value}
+def _in(group: SettingGroup, *, tools: str | None = None) -> dict[str, Any]:
+    """A field's group, and what its flag means to the other commands than the worker when that
+    differs from its description (``tools``)."""
+    return {"group": group.value} | ({"tools": tools} if tools else {})
 
 
 def setting_group(field: FieldInfo) -> SettingGroup:
@@ -42,6 +45,13 @@ def setting_group(field: FieldInfo) -> SettingGroup:
     extra = field.json_schema_extra
     group = extra.get("group") if isinstance(extra, dict) else None
     return SettingGroup(group) if isinstance(group, str) else SettingGroup.WORKER
+
+
+def tools_description(field: FieldInfo) -> str:
+    """What a setting means to the commands other than the worker."""
+    extra = field.json_schema_extra
+    tools = extra.get("tools") if isinstance(extra, dict) else None
+    return tools if isinstance(tools, str) else field.description or ""
 
 
 def _temporal(name: str) -> AliasChoices:
@@ -66,14 +76,22 @@ class OutboxSettings(BaseSettings):
         None,
         description="PostgreSQL URL (postgresql://user:password@host/db). Unset: start an "
         "embedded PostgreSQL with its data under --data-dir.",
-        json_schema_extra=_in(SettingGroup.DATABASE),
+        json_schema_extra=_in(
+            SettingGroup.DATABASE,
+            tools="PostgreSQL URL of the outbox tables (postgresql://user:password@host/db). "
+            "Unset: the worker's embedded PostgreSQL under --data-dir.",
+        ),
     )
     temporal_address: str | None = Field(
         None,
         validation_alias=_temporal("address"),
         description="Temporal frontend host:port. Unset: start a Temporal dev server with its "
         "database file under --data-dir.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
+        json_schema_extra=_in(
+            SettingGroup.TEMPORAL,
+            tools="Temporal frontend host:port. Unset: the Temporal profile's address, else the "
+            "worker's embedded dev server, on 127.0.0.1 and OUTBOX_TEMPORAL_PORT (7233).",
+        ),
     )
     temporal_namespace: str = Field(
         "default",
@@ -85,31 +103,41 @@ class OutboxSettings(BaseSettings):
         None,
         validation_alias=_temporal("api_key"),
         description="API key (Temporal Cloud).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls: bool = Field(
         False,
         validation_alias=_temporal("tls"),
         description="Connect to Temporal with TLS.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_cert: Path | None = Field(
         None,
         validation_alias=_temporal("tls_cert"),
         description="mTLS client certificate (PEM).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_key: Path | None = Field(
         None,
         validation_alias=_temporal("tls_key"),
         description="mTLS client key (PEM).",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_tls_ca: Path | None = Field(
         None,
         validation_alias=_temporal("tls_ca"),
         description="CA bundle for the server (PEM).",
+    )
+    temporal_profile: str | None = Field(
+        None,
+        validation_alias=_temporal("profile"),
+        description="Profile of Temporal's environment configuration (temporal.toml) that "
+        "gives the Temporal address, namespace, API key and TLS not set otherwise. Unset: the "
+        "file's 'default' profile, if it has one.",
         json_schema_extra=_in(SettingGroup.TEMPORAL),
+    )
+    temporal_config_file: Path | None = Field(
+        None,
+        validation_alias=_temporal("config_file"),
+        description="Temporal's environment configuration file. Unset: "
+        "~/.config/temporalio/temporal.toml (the platform's configuration folder), if it "
+        "exists.",
     )
     task_queue: str = Field(
         "outbox",
@@ -119,22 +147,40 @@ class OutboxSettings(BaseSettings):
     app: str | None = Field(
         None,
         description="The OutboxApp to run, as module:attribute (e.g. myapp.outbox:app).",
-        json_schema_extra=_in(SettingGroup.APP),
+        json_schema_extra=_in(
+            SettingGroup.APP,
+            tools="The worker's OutboxApp, as module:attribute (e.g. myapp.outbox:app), for its "
+            "scope names and tables. Unset: scope names are learned from the shard workflows.",
+        ),
     )
     demo: bool = Field(
         False,
-        description="Run the demo domain and write steady demo traffic (for a first look).",
-        json_schema_extra=_in(SettingGroup.APP),
+        description="Run the demo app (outbox_bridge.demo) and write demo traffic: a first look "
+        "at shards that drain, block, get skipped and resumed (see the quick start).",
+        json_schema_extra=_in(
+            SettingGroup.APP,
+            tools="Use the demo app's scope names and table (what `outbox-bridge worker "
+            "--demo` runs), instead of --app.",
+        ),
+    )
+    demo_outage: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds the demo's project replica of organization 7 is down after the "
+        "start: shard ORGANIZATION:7 blocks meanwhile, to be skipped and resumed. 0: no outage.",
     )
     data_dir: Path = Field(
         Path(".outbox-bridge"),
         description="Where embedded PostgreSQL and Temporal keep their data (reused on restart).",
-        json_schema_extra=_in(SettingGroup.DATABASE),
+        json_schema_extra=_in(
+            SettingGroup.DATABASE,
+            tools="The worker's --data-dir: its embedded PostgreSQL is used when "
+            "OUTBOX_DATABASE_URL is unset.",
+        ),
     )
     temporal_port: int = Field(
         7233,
         description="Port of the embedded Temporal dev server.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     temporal_ui_port: int = Field(8233, description="Port of the embedded Temporal UI.")
     regions: Annotated[list[str] | None, NoDecode] = Field(
@@ -146,33 +192,24 @@ class OutboxSettings(BaseSettings):
         None,
         description="Shards that start skipped, comma-separated SCOPE:ID (REGION:SCOPE:ID for "
         "a regional table), e.g. ORGANIZATION:42,USER:7: a kill switch for poison shards.",
-        json_schema_extra=_in(SettingGroup.SHARDS),
     )
 
     # -- how shards are processed ----------------------------------------------------------------
-    shard_workflows: Literal["on-demand", "always"] = Field(
+    shard_workflows: str = Field(
         "on-demand",
-        description="When a shard gets its own OutboxShard workflow. on-demand: only when it "
+        description="When a shard gets its own OutboxShard workflow: on-demand, only when it "
         "needs attention (a handler failed, it is skipped, its head is deferred, or a flush "
         "waits on it), while a few partition workflows per table drain the healthy shards at "
-        "no history cost per row. always: every shard with rows, drained in its own workflow "
-        "(its whole history in Temporal, at about 6 history events per burst of rows).",
-        json_schema_extra=_in(SettingGroup.SHARDS),
+        "no history cost per row. The mode `always` of 0.x (a workflow for every shard with "
+        "rows) was retired in 1.0: see the upgrade guide.",
     )
     partitions: int = Field(
         4,
         ge=1,
         le=1000,
-        description="Partition workflows per table (on-demand): each drains the healthy "
+        description="Partition workflows per table: each drains the healthy "
         "shards that hash to it in one lingering activity, many shards at a time; more "
         "partitions spread the work over more workers.",
-    )
-    idle_timeout: float = Field(
-        0.0,
-        ge=0,
-        description="Seconds a shard workflow waits for new rows before completing. 0 (the "
-        "default) completes it as soon as its shard is empty: fewest history events; a shard "
-        "with steady traffic is kept open by a lingering drain instead (see linger).",
     )
     handler_timeout: float = Field(
         300.0, gt=0, description="Seconds one handler call may take before it is retried."
@@ -192,23 +229,11 @@ class OutboxSettings(BaseSettings):
     drain_time_budget: float = Field(
         2.0, gt=0, description="Seconds after which a drain call stops taking new groups."
     )
-    linger: float = Field(
-        10.0,
-        ge=0,
-        description="Seconds a shard with steady traffic keeps a drain waiting for its next "
-        "row (handled at once, with no workflow task per row); 0 disables lingering.",
-    )
-    linger_max: float = Field(
-        120.0, gt=0, description="Seconds one lingering drain may last in all."
-    )
-    linger_max_shards: int = Field(
-        500, ge=0, description="Drains that may linger at once in one worker."
-    )
     max_history_events: int = Field(
         10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
     )
     poll_interval: float = Field(
-        1.0, gt=0, description="Seconds between the bridge's scans for new rows."
+        1.0, gt=0, description="Seconds between a partition's scans for new rows."
     )
     sweep_interval: float = Field(
         30.0,
@@ -255,6 +280,12 @@ class OutboxSettings(BaseSettings):
         description="Where spans go: none, console, or otlp (OTEL_EXPORTER_OTLP_*).",
     )
     log_level: str = Field("INFO", description="Log level.")
+    log_failures: bool = Field(
+        False,
+        description="Log each handler failure in a line of its own also while the console "
+        "summary runs (a terminal, or --demo), which otherwise counts them in a line of its "
+        "own. Without the summary every failure is logged.",
+    )
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Log lines as text, or as JSON objects (one per line) with the shard, "
@@ -306,6 +337,20 @@ class OutboxSettings(BaseSettings):
         "to finish before it cancels them; their rows are kept and retried.",
     )
 
+    @field_validator("shard_workflows", mode="before")
+    @classmethod
+    def _retired_mode(cls, value: Any) -> Any:
+        if value == "always":
+            raise ValueError(
+                "--shard-workflows always was retired in outbox-bridge 1.0: every shard is "
+                "drained by its table's partitions and gets a workflow of its own when it needs "
+                "attention. Remove the setting (OUTBOX_SHARD_WORKFLOWS); before upgrading, run "
+                "`outbox-bridge upgrade-check` (docs: how-to/upgrade)"
+            )
+        if value != "on-demand":
+            raise ValueError(f"the only mode is on-demand, not {value!r}")
+        return value
+
     @field_validator("regions", "skip_shards", mode="before")
     @classmethod
     def _split_regions(cls, value: Any) -> Any:
@@ -323,7 +368,6 @@ class OutboxSettings(BaseSettings):
 
     def shard_options(self) -> ShardOptions:
         return ShardOptions(
-            idle_timeout_seconds=self.idle_timeout,
             handler_timeout_seconds=self.handler_timeout,
             heartbeat_timeout_seconds=self.heartbeat_timeout,
             initial_retry_seconds=self.initial_retry_interval,
@@ -331,15 +375,7 @@ class OutboxSettings(BaseSettings):
             drain_max_groups=self.drain_max_groups,
             drain_time_budget_seconds=self.drain_time_budget,
             max_history_events=self.max_history_events,
-            linger_seconds=self.linger,
-            linger_max_seconds=self.linger_max,
-            owns_shard=self.on_demand,
         )
-
-    @property
-    def on_demand(self) -> bool:
-        """Partitions drain healthy shards; a shard gets its own workflow only when needed."""
-        return self.shard_workflows == "on-demand"
 
     def partition_options(self, skip_shards: Iterable[str] = ()) -> PartitionOptions:
         return PartitionOptions(
@@ -349,6 +385,20 @@ class OutboxSettings(BaseSettings):
             heartbeat_timeout_seconds=self.heartbeat_timeout,
             skip_shards=tuple(sorted(skip_shards)),
         )
+
+
+# Settings of 0.x that 1.0 retired with the mode `always`: set, they are ignored, and said so.
+RETIRED_VARIABLES = (
+    "OUTBOX_LINGER",
+    "OUTBOX_LINGER_MAX",
+    "OUTBOX_LINGER_MAX_SHARDS",
+    "OUTBOX_IDLE_TIMEOUT",
+)
+
+
+def retired_variables(environ: Mapping[str, str]) -> list[str]:
+    """The retired settings (:data:`RETIRED_VARIABLES`) that ``environ`` still sets."""
+    return [name for name in RETIRED_VARIABLES if name in environ]
 
 
 def env_names(name: str, field: FieldInfo) -> list[str]:

@@ -1,8 +1,16 @@
 """The demo domain: a small SaaS with organizations, projects, members, users and audit logs.
 
-``python worker.py --demo`` runs these handlers and writes steady traffic, so the Temporal UI
-shows shards draining, coalescing, a flaky handler being retried, and deferred rows. The flaky
-handler's failures are intended: ``--demo`` logs each in one line, without its traceback.
+``outbox-bridge worker --demo`` runs these handlers and writes steady traffic, so the Temporal
+UI shows shards draining and coalescing, and the shards that need attention:
+
+- a planned outage: the project replica of organization 7 is down for the first minutes
+  (``--demo-outage``), so shard ``ORGANIZATION:7`` stays blocked long enough to be opened,
+  skipped and resumed;
+- a flaky replica: one ``PROJECT_UPDATE`` call in twenty fails at random, and its shard
+  recovers at its next retry;
+- deferred rows: one row in thirty provisions an organization seconds later.
+
+Their failures are intended: :class:`IntendedFailures` drops their tracebacks.
 """
 
 from __future__ import annotations
@@ -10,19 +18,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta
 from enum import IntEnum
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.registry import OutboxApp, OutboxMessage
 
 log = logging.getLogger("outbox_bridge.demo")
 
 
 class ReplicaUnavailable(ConnectionError):
-    """The demo's flaky replica did not answer: an intended failure, to show a shard that
-    blocks and recovers on retry."""
+    """The demo's project replica did not answer: an intended failure, to show a shard that
+    blocks (and recovers on retry, or once the outage is over)."""
 
 
 class IntendedFailures(logging.Filter):
@@ -74,10 +85,42 @@ async def replicate_organization(message: OutboxMessage) -> None:
     await asyncio.sleep(0.005)
 
 
+# The organization whose project replica is down at the start (its shard: ORGANIZATION:7).
+OUTAGE_ORGANIZATION = 7
+# Share of the other PROJECT_UPDATE calls that fail at random.
+FLAKY_SHARE = 0.05
+# The demo's retry cap (unless --max-retry-interval is given): the blocked shard is retried
+# often enough to recover soon after its outage ends.
+RETRY_CAP_SECONDS = 30.0
+
+
+class Outage:
+    """The planned outage of organization 7's project replica."""
+
+    def __init__(self) -> None:
+        self._until = 0.0  # time.monotonic()
+        self.ends_at: datetime | None = None
+
+    def start(self, seconds: float) -> None:
+        self._until = time.monotonic() + seconds
+        self.ends_at = datetime.now().astimezone() + timedelta(seconds=seconds) if seconds else None
+
+    def active(self) -> bool:
+        return time.monotonic() < self._until
+
+
+outage = Outage()
+
+
 @app.handler(Category.PROJECT_UPDATE)
 async def replicate_project(message: OutboxMessage) -> None:
-    # A flaky downstream: one call in ten fails, to show a blocked shard being retried.
-    if random.random() < 0.1:
+    if message.shard_identifier == OUTAGE_ORGANIZATION and outage.active():
+        ends = outage.ends_at.strftime("%H:%M:%S") if outage.ends_at else "later"
+        raise ReplicaUnavailable(
+            f"the project replica of organization {OUTAGE_ORGANIZATION} is down until {ends} "
+            "(the demo's planned outage)"
+        )
+    if random.random() < FLAKY_SHARE:
         raise ReplicaUnavailable("project replica did not answer")
     await asyncio.sleep(0.005)
 
@@ -94,64 +137,90 @@ async def store_audit_event(message: OutboxMessage) -> None:
 
 @app.handler(Category.PROVISION_ORGANIZATION)
 async def provision_organization(message: OutboxMessage) -> None:
-    log.info("provisioned organization %s", message.object_identifier)
+    log.debug("provisioned organization %s", message.object_identifier)
+
+
+def demo_settings(settings: OutboxSettings) -> OutboxSettings:
+    """``settings`` for the demo: retries capped at :data:`RETRY_CAP_SECONDS` unless the retry
+    cap was given."""
+    if "max_retry_interval" in settings.model_fields_set:
+        return settings
+    return settings.model_copy(update={"max_retry_interval": RETRY_CAP_SECONDS})
+
+
+def banner(settings: OutboxSettings, ui: str | None) -> list[str]:
+    """What the demo does, for the worker's banner (lines indented by two spaces)."""
+    shard = f"ORGANIZATION:{OUTAGE_ORGANIZATION}"
+    workflow = f"outbox:{app.table().name}:{shard}"
+    where = (
+        f"{ui}/namespaces/{settings.temporal_namespace}/workflows/{workflow}"
+        if ui
+        else f"workflow {workflow} in the Temporal UI"
+    )
+    lines = ["Demo: about 20 rows/s over 25 organizations and 50 users."]
+    if settings.demo_outage and outage.ends_at is not None:
+        lines += [
+            f"- {shard} is blocked: the project replica of organization {OUTAGE_ORGANIZATION} "
+            f"is down until {outage.ends_at:%H:%M:%S} ({settings.demo_outage:g} s), so each of "
+            f"its PROJECT_UPDATE calls fails and the shard waits, retried every "
+            f"{settings.max_retry_interval:g} s at most, while the other shards go on. Open it, "
+            "skip it and resume it (the quick start shows how):",
+            f"  {where}",
+        ]
+    lines += [
+        f"- One other PROJECT_UPDATE call in {round(1 / FLAKY_SHARE)} fails at random: its "
+        "shard blocks and recovers at its next retry.",
+        "- One row in thirty provisions an organization 5 to 30 s later: its shard waits for "
+        "it (deferred).",
+    ]
+    if not settings.log_failures:
+        lines.append(
+            "- Handler failures are counted under the summary lines; --log-failures logs each."
+        )
+    return lines
 
 
 async def write_traffic(
-    engine: AsyncEngine, stop: asyncio.Event, *, rows_per_second: float = 20
+    engine: AsyncEngine,
+    stop: asyncio.Event,
+    *,
+    rows_per_second: float = 20,
+    outage_seconds: float = 0.0,
 ) -> None:
-    """Write demo rows until ``stop`` is set, one small transaction at a time."""
+    """Start the outage of organization 7's replica for ``outage_seconds``, then write demo
+    rows until ``stop`` is set, one small transaction at a time; the first is a PROJECT_UPDATE
+    of organization 7, which blocks its shard while the outage lasts."""
+    outage.start(outage_seconds)
     rng = random.Random()
     written = 0
     while not stop.is_set():
         async with engine.begin() as conn:
-            org = rng.randint(1, 25)
-            choice = rng.random()
-            if choice < 0.4:
-                # Coalescible: the same project updated again and again.
-                await app.write_async(
-                    conn,
-                    category=Category.PROJECT_UPDATE,
-                    shard_identifier=org,
-                    object_identifier=org * 100 + rng.randint(1, 3),
-                    payload={"name": f"project-{rng.randint(1, 9)}"},
-                )
-            elif choice < 0.6:
-                await app.write_async(
-                    conn,
-                    category=Category.ORGANIZATION_UPDATE,
-                    shard_identifier=org,
-                    object_identifier=org,
-                    payload={"slug": f"org-{org}"},
-                )
-            elif choice < 0.75:
-                user = rng.randint(1, 50)
-                await app.write_async(
-                    conn,
-                    category=Category.USER_UPDATE,
-                    shard_identifier=user,
-                    object_identifier=user,
-                )
-            elif choice < 0.97:
-                await app.write_async(
-                    conn,
-                    category=Category.AUDIT_LOG_EVENT,
-                    shard_identifier=org,
-                    object_identifier=written,
-                    payload={"event": "member.invite"},
-                )
-            else:
-                await app.write_async(
-                    conn,
-                    category=Category.PROVISION_ORGANIZATION,
-                    shard_identifier=org,
-                    object_identifier=org,
-                    scheduled_for=timedelta(seconds=rng.randint(5, 30)),
-                )
+            await app.write_async(conn, **_next_row(rng, written))
         written += 1
-        if written % 200 == 0:
-            log.info("demo traffic: %d rows written", written)
         try:
             await asyncio.wait_for(stop.wait(), timeout=1 / rows_per_second)
         except TimeoutError:
             pass
+
+
+def _next_row(rng: random.Random, written: int) -> dict[str, Any]:
+    """The arguments of ``app.write_async`` for the demo's next row."""
+    org = OUTAGE_ORGANIZATION if written == 0 else rng.randint(1, 25)
+    choice = 0.0 if written == 0 else rng.random()
+    if choice < 0.4:  # coalescible: the same project updated again and again
+        project = org * 100 + rng.randint(1, 3)
+        name = {"name": f"project-{rng.randint(1, 9)}"}
+        return _row(Category.PROJECT_UPDATE, org, project, payload=name)
+    if choice < 0.6:
+        return _row(Category.ORGANIZATION_UPDATE, org, org, payload={"slug": f"org-{org}"})
+    if choice < 0.75:
+        user = rng.randint(1, 50)
+        return _row(Category.USER_UPDATE, user, user)
+    if choice < 0.97:
+        return _row(Category.AUDIT_LOG_EVENT, org, written, payload={"event": "member.invite"})
+    later = timedelta(seconds=rng.randint(5, 30))
+    return _row(Category.PROVISION_ORGANIZATION, org, org, scheduled_for=later)
+
+
+def _row(category: Category, shard: int, obj: int, **more: Any) -> dict[str, Any]:
+    return {"category": category, "shard_identifier": shard, "object_identifier": obj, **more}

@@ -12,14 +12,16 @@ client cannot connect on first use, or the server went away later) every shard i
 ``unavailable``, with a ``detail`` that says why.
 
 Before it starts anything, a flush checks that some worker polls its task queue
-(``describe_task_queue``, asked again until the flush's timeout while none does; a task queue
-seen with pollers is trusted for :data:`POLLERS_TRUSTED_FOR` seconds). A producer configured
-with another task queue than the worker's would otherwise start the shard's workflow on a
-queue nobody polls, where it would stay stuck: the worker's bridge only signals a running
-workflow, it never moves it. Such a flush starts nothing and, at its timeout, answers
-``unavailable`` naming the task queue (and logs a warning); the worker's bridge then handles
-the rows asynchronously. Where the flusher may not describe task queues (or the server lacks
-the call), the check is skipped.
+(``describe_task_queue``; a task queue seen with pollers is trusted for
+:data:`POLLERS_TRUSTED_FOR` seconds). A producer configured with another task queue than the
+worker's would otherwise start the shard's workflow on a queue nobody polls, where it would stay
+stuck: the worker's bridge only signals a running workflow, it never moves it. Such a flush
+starts nothing and answers ``unavailable`` at once, naming the task queue (an answer without
+pollers is asked again for a second, for a worker that is starting); the worker's bridge then
+handles the rows asynchronously. The absence is logged once, as a warning, until a worker polls
+the task queue; every later flush asks again, so one that comes after a worker appeared sees
+it. Where the flusher may not describe task queues (or the server lacks the call), the check is
+skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Coroutine, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar
@@ -92,6 +94,10 @@ class _Unavailable(Exception):
         self.detail = detail
 
 
+class _NoWorker(_Unavailable):
+    """No worker polls the flusher's task queue (logged once per absence, not per flush)."""
+
+
 @dataclass
 class FlushReport:
     """The answer of a flush: one :class:`FlushResult` per shard written to (in the order the
@@ -117,6 +123,19 @@ class FlushReport:
 
     def __len__(self) -> int:
         return len(self.results)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON values (``json.dumps`` and Django's ``JsonResponse`` take it):
+        ``handled``, ``results`` (each result's fields; ``outcome`` as its string) and
+        ``not_committed``. A blocked shard's ``error`` holds its handler's exception message:
+        leave it out of what a browser sees if that message may hold private data."""
+        return {
+            "handled": self.handled,
+            "results": [
+                {**asdict(result), "outcome": str(result.outcome)} for result in self.results
+            ],
+            "not_committed": list(self.not_committed),
+        }
 
 
 class Flusher:
@@ -146,6 +165,8 @@ class Flusher:
         self._loop_lock = threading.Lock()
         # Task queue -> until when it is trusted to have pollers (time.monotonic()).
         self._polled_until: dict[str, float] = {}
+        # Task queues whose absence of pollers was logged (until a worker polls them again).
+        self._unpolled: set[str] = set()
 
     # -- async ---------------------------------------------------------------------------------
 
@@ -162,7 +183,8 @@ class Flusher:
             client = await self._client_for_loop()
             await self._check_pollers(client, deadline)
         except _Unavailable as exc:
-            log.warning(
+            log.log(
+                logging.DEBUG if isinstance(exc, _NoWorker) else logging.WARNING,
                 "flush of shard(s) %s not sent: %s; their rows are handled asynchronously",
                 ", ".join(shard.key for shard in targets),
                 exc.detail,
@@ -188,9 +210,9 @@ class Flusher:
         return client
 
     async def _check_pollers(self, client: Client, deadline: float) -> None:
-        """Return once some worker polls the flusher's task queue; raise :class:`_Unavailable`
-        when none does by the deadline (asked again meanwhile: a worker that is starting
-        polls within moments) or Temporal does not answer. See the module's docstring."""
+        """Return once some worker polls the flusher's task queue; raise :class:`_NoWorker`
+        when none does (at once: see the module's docstring), :class:`_Unavailable` when
+        Temporal does not answer by the deadline."""
         queue = self._settings.task_queue
         if time.monotonic() < self._polled_until.get(queue, 0.0):
             return
@@ -201,12 +223,21 @@ class Flusher:
         except TimeoutError:
             raise _Unavailable(self._no_answer("no answer in time")) from None
         if polled is False:
-            raise _Unavailable(
+            detail = (
                 f"no worker polls task queue {queue!r} in namespace "
                 f"{client.namespace!r}: the flusher's task queue (OUTBOX_TASK_QUEUE) must "
                 "be the worker's. The shard's workflow was not started there"
             )
+            if queue not in self._unpolled:
+                self._unpolled.add(queue)
+                log.warning(
+                    "%s; flushes answer unavailable and their rows are handled asynchronously "
+                    "(logged once, until a worker polls the task queue)",
+                    detail,
+                )
+            raise _NoWorker(detail)
         if polled:
+            self._unpolled.discard(queue)
             self._polled_until[queue] = time.monotonic() + POLLERS_TRUSTED_FOR
 
     def _no_answer(self, why: str) -> str:

@@ -8,9 +8,14 @@ dev server and UI on free ports), waits until some shards are blocked by the dem
 captures with headless Chromium:
 
 - ``ui-shard-list.png``: the workflow list filtered with ``WorkflowType="OutboxShard"``;
-- ``ui-blocked-shard.png``: a blocked shard, its pending category activity with its attempts
-  and last failure;
-- ``ui-skipped-shard.png``: a skipped shard, with who skipped it and why;
+- ``ui-blocked-shard.png``: a blocked shard's first view: its timeline labels the pending
+  category activity with what it is blocked on and since when;
+- ``ui-skipped-shard.png``: a skipped shard's first view: its timeline labels the timer it waits
+  on with who skipped it, when, and why;
+- ``ui-skipped-query.png``: the saved query ``WorkflowType="OutboxShard" AND
+  OutboxState="skipped"`` in the workflow list, listing the skipped shard;
+- ``ui-deferred-shard.png``: a deferred shard's first view, its timer labelled with the time it
+  waits for (only when the demo defers one meanwhile);
 - ``ui-partition.png``: an ``OutboxPartition`` workflow and its drain activity (only when the
   worker runs partitions).
 
@@ -44,6 +49,8 @@ from temporalio.client import Client
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 1400, 900
 SKIP_REASON = "project replica down, ticket OPS-1234"
+# What the UI's result panel says while the run is open (its header's status may lag).
+RUNNING = "Results will appear upon completion"
 
 # Blocked shards stay blocked long enough to be photographed: the demo's flaky handler fails one
 # call in ten, and its first retry would otherwise come a second later.
@@ -322,15 +329,17 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
         caught: str | None = None
         while caught is None and time.monotonic() < deadline:
             for workflow_id, run_id in await wait_for("a blocked shard", blocked, timeout=300):
-                page = f"workflows/{workflow_id}/{run_id}/pending-activities"
-                browser.open(ui_url(ui_port, page))
+                page = f"workflows/{workflow_id}/{run_id}"
                 with contextlib.suppress(TimeoutError):
-                    browser.wait_for_text("PROJECT_UPDATE", "Last Failure", timeout=10)
+                    browser.open(ui_url(ui_port, page))
+                    browser.wait_for_text(RUNNING, "blocked on PROJECT_UPDATE", timeout=10)
                     browser.screenshot(out / "ui-blocked-shard.png")
+                    if RUNNING not in browser.page_text():
+                        continue  # recovered while photographed: try another
                     caught = workflow_id
                     break
 
-        # A skipped shard: skip another blocked shard with a reason, then its current details.
+        # A skipped shard: skip another blocked shard with a reason, then its first view.
         skipped: tuple[str, str] | None = None
         while skipped is None and time.monotonic() < deadline:
             for workflow_id, run_id in await wait_for("a blocked shard", blocked, timeout=300):
@@ -346,9 +355,23 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
             raise TimeoutError("no shard stayed blocked long enough to be photographed")
         # The skip went to the shard's current run, which may be newer than the one listed.
         current = (await client.get_workflow_handle(skipped[0]).describe()).run_id
-        page = f"workflows/{skipped[0]}/{current}/user-metadata"
-        browser.open_showing(ui_url(ui_port, page), "Current Details", SKIP_REASON)
+        page = f"workflows/{skipped[0]}/{current}"
+        browser.open_showing(ui_url(ui_port, page), "skipped by oncall at", SKIP_REASON)
         browser.screenshot(out / "ui-skipped-shard.png")
+        query = 'WorkflowType="OutboxShard" AND OutboxState="skipped"'
+        browser.open(ui_url(ui_port, "workflows", query=query))
+        browser.wait_for_text(skipped[0], "Clear all")
+        browser.show_raw_query()
+        browser.screenshot(out / "ui-skipped-query.png")
+
+        # A deferred shard, if the demo has deferred one meanwhile.
+        deferred = await workflows(client, 'OutboxState="deferred" AND ExecutionStatus="Running"')
+        if deferred:
+            page = "workflows/{}/{}".format(*deferred[0])
+            browser.open_showing(ui_url(ui_port, page), "deferred until")
+            browser.screenshot(out / "ui-deferred-shard.png")
+        else:
+            missing.append("ui-deferred-shard.png: no shard was deferred meanwhile")
 
         # The shard workflows, with the query shown as typed.
         browser.open(ui_url(ui_port, "workflows", query='WorkflowType="OutboxShard"'))

@@ -1,6 +1,5 @@
-"""What the Django tests share: the test PostgreSQL as Django database settings, the testing
-toolkit's worker on a Django test database, and the end of the workflows a worker in a
-subprocess left."""
+"""What the Django tests share: the test PostgreSQL as Django database settings, the rows of an
+outbox table, and the end of the workflows a worker in a subprocess left."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import contextlib
 import itertools
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
@@ -19,9 +17,6 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxSettings
-from outbox_bridge.registry import FlushRoute
-from outbox_bridge.testing import OutboxDatabase, OutboxWorker, PostgresServer, worker_settings
-from outbox_bridge.testing.servers import EventLoopThread
 from outbox_bridge.workflows.models import PartitionRef
 from tests.harness import Servers, connect_client
 
@@ -74,33 +69,11 @@ def point_django_at(servers: Servers) -> None:
         entry.update(database_settings(servers))
 
 
-@contextlib.contextmanager
-def django_worker(
-    postgres: PostgresServer, temporal_address: str, app: OutboxApp, using: str = "default"
-) -> Iterator[OutboxWorker]:
-    """The testing toolkit's worker of ``app`` on the test database of ``using``, in a thread
-    of its own, so that sync tests run Django views (and their flushes) while it handles the
-    rows; ``app`` flushes to it meanwhile. Its partitions never idle out (the tests' rows come
-    in bursts far apart); its workflows are terminated when it stops."""
-    loop = EventLoopThread(name="django-test-worker")
-    database = OutboxDatabase(postgres, str(connections[using].settings_dict["NAME"]))
-    tuned = worker_settings(idle_timeout=0)
-    try:
-        with OutboxWorker(app, database, temporal_address, loop, tuned) as worker:
-            app.configure_flush(worker.settings)
-            try:
-                yield worker
-            finally:
-                app.flush_route = FlushRoute()
-    finally:
-        loop.close()
-
-
 def end_workflows(servers: Servers, app: OutboxApp, options: OutboxSettings) -> None:
-    """Terminate the workflows that a stopped worker (of these options) left running: with an
-    idle timeout of 0 its partitions wait for rows for ever, and workflow ids name the table,
-    not the task queue, so the next worker of these tables (on a task queue of its own) would
-    find them running where nobody polls, and its rows would wait."""
+    """Terminate the workflows that a stopped worker (of these options) left running: its
+    partitions wait for rows for ever, and workflow ids name the table, not the task queue, so
+    the next worker of these tables (on a task queue of its own) would find them running where
+    nobody polls, and its rows would wait."""
     failures: list[BaseException] = []
 
     # On a loop and a thread of their own: asyncio.run in the test's thread would unset

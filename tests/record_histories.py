@@ -1,11 +1,15 @@
 """Record shard workflow histories from real runs into tests/histories/.
 
-    python -m tests.record_histories v5
+    python -m tests.record_histories v7 [FOLDER]
 
 Starts its own PostgreSQL and Temporal dev server, runs each scenario through the real worker,
-and writes every run's history as ``<version>-<scenario>.json``. Record a new version after a
-deliberate change to the workflow and keep the old files: replaying them is what proves the
-change is safe. Existing files are never overwritten.
+and writes every run's history as ``<version>-<scenario>.json``, and the history of the
+partition that handed the shard over as ``<version>-<scenario>_partition.json``. A shard gets
+its workflow only when it needs attention, so each scenario makes it need some: a failing
+handler, a deferred head, a skip or a flush. Record a new version after a deliberate change to
+the workflow and keep the old files: replaying them is what proves the change is safe.
+Existing files are never overwritten. ``FOLDER`` (tests/histories/ by default) lets a trial
+recording go elsewhere.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
+from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.hub import ShardKey, partition_of
+from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.workflows.models import PartitionRef, ResumeInput, ShardStatus, SkipInput
 from tests.harness import (
     Category,
@@ -50,6 +56,8 @@ def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, 
 
 
 class Failing:
+    """Fails the first ``times`` calls of its category."""
+
     def __init__(self, times: int) -> None:
         self.times = times
 
@@ -59,17 +67,33 @@ class Failing:
             raise ConnectionError("replica unavailable")
 
 
+class FailingFirstCall:
+    """Fails the first call of each object: every group of its category is handed over, or
+    becomes the head its shard's workflow retries."""
+
+    def __init__(self) -> None:
+        self.failed: set[int] = set()
+
+    async def __call__(self, message: OutboxMessage) -> None:
+        if message.object_identifier not in self.failed:
+            self.failed.add(message.object_identifier)
+            raise ConnectionError("replica unavailable")
+
+
 async def scenario_drain(
     app: OutboxApp, recorder: Recorder, client: Client, engine, settings
 ) -> None:
-    for _ in range(3):
-        await write_rows(
-            engine,
-            app,
-            [row(Category.PROJECT_UPDATE, 1, i % 3) for i in range(5)]
-            + [row(Category.ORGANIZATION_UPDATE, 1, 1)],
-        )
-        await wait_until(lambda: table_empty(engine, app))
+    """The head fails once, so the partition hands the shard over; its workflow retries the
+    head, then drains the groups behind it a few at a time and gives the shard back."""
+    recorder.behaviour[Category.PROJECT_UPDATE] = Failing(1)
+    await write_rows(
+        engine,
+        app,
+        [row(Category.PROJECT_UPDATE, 1, 0)]
+        + [row(Category.MEMBER_UPDATE, 1, i % 4) for i in range(8)]
+        + [row(Category.ORGANIZATION_UPDATE, 1, 1)],
+    )
+    await wait_until(lambda: table_empty(engine, app))
 
 
 async def scenario_failing_then_succeeding(app, recorder, client, engine, settings) -> None:
@@ -103,30 +127,54 @@ async def scenario_skip_resume(app, recorder, client, engine, settings) -> None:
 
 
 async def scenario_deferred(app, recorder, client, engine, settings) -> None:
+    """The head fails once (a handover); after it, the workflow's drain finds a deferred row,
+    waits for it on a timer, and drains the rest."""
     from datetime import timedelta
 
+    recorder.behaviour[Category.PROJECT_UPDATE] = Failing(1)
     await write_rows(
         engine,
         app,
         [
-            row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=timedelta(seconds=2)),
-            row(Category.PROJECT_UPDATE, 1, 2),
+            row(Category.PROJECT_UPDATE, 1, 1),
+            row(Category.ORGANIZATION_UPDATE, 1, 1, scheduled_for=timedelta(seconds=4)),
+            row(Category.MEMBER_UPDATE, 1, 2),
         ],
     )
     await wait_until(lambda: table_empty(engine, app))
 
 
 async def scenario_continue_as_new(app, recorder, client, engine, settings) -> None:
-    for i in range(30):
-        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
-        await wait_until(lambda: table_empty(engine, app))
+    """A blocked shard keeps receiving flushed rows (each flush an update, answered
+    ``blocked``) and continues as new while blocked, carrying its head and backoff; then the
+    head succeeds and the workflow drains everything."""
+    failing = Failing(10_000)
+    recorder.behaviour[Category.PROJECT_UPDATE] = failing
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
+    shard = parse_shard("ORGANIZATION:1", app)
+    handle = client.get_workflow_handle(shard.workflow_id)
 
+    async def blocked() -> bool:
+        try:
+            shown: ShardStatus = await handle.query("status", result_type=ShardStatus)
+        except RPCError:
+            return False
+        return shown.state == "blocked"
 
-async def scenario_lingering(app, recorder, client, engine, settings) -> None:
-    for i in range(12):
-        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, i)])
-        await wait_until(lambda: table_empty(engine, app))
-        await asyncio.sleep(0.3)
+    async def runs() -> int:
+        return len([w async for w in client.list_workflows(f'WorkflowId = "{handle.id}"')])
+
+    await wait_until(blocked)
+    flusher = Flusher(app, settings, client=client)
+    for i in range(200):
+        [new] = await write_rows(engine, app, [row(Category.MEMBER_UPDATE, 1, 100 + i)])
+        [answer] = await flusher.flush({shard: new}, timeout=10)
+        assert answer.outcome == "blocked", answer
+        if i % 10 == 9 and await runs() >= 3:
+            break
+    await wait_until(lambda: _at_least(runs(), 3), what="continues-as-new while blocked")
+    failing.times = 0
+    await wait_until(lambda: table_empty(engine, app))
 
 
 async def scenario_flush(app, recorder, client, engine, settings) -> None:
@@ -151,11 +199,18 @@ async def scenario_flush(app, recorder, client, engine, settings) -> None:
 
 
 async def scenario_handover_failed(app, recorder, client, engine, settings) -> None:
-    """On demand: a partition hands the failing shard over; its workflow retries the head,
-    drains the rest and gives the shard back."""
-    recorder.behaviour[Category.PROJECT_UPDATE] = Failing(3)
+    """A partition hands the failing shard over; its workflow retries the head, then its own
+    drain fails on the next group, which it retries in turn, drains the rest and gives the
+    shard back."""
+    recorder.behaviour[Category.PROJECT_UPDATE] = FailingFirstCall()
     await write_rows(
-        engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.MEMBER_UPDATE, 1, 2)]
+        engine,
+        app,
+        [
+            row(Category.PROJECT_UPDATE, 1, 1),
+            row(Category.PROJECT_UPDATE, 1, 2),
+            row(Category.MEMBER_UPDATE, 1, 3),
+        ],
     )
     await wait_until(lambda: table_empty(engine, app))
 
@@ -175,12 +230,12 @@ async def scenario_handover_deferred(app, recorder, client, engine, settings) ->
 
 
 async def scenario_skip_healthy(app, recorder, client, engine, settings) -> None:
-    """On demand: an operator skips a shard a partition drains (update-with-start), rows
+    """An operator skips a shard a partition drains (update-with-start), rows
     arrive and stay, the shard is resumed and drained by its workflow, which gives it back."""
     from temporalio.client import WithStartWorkflowOperation
     from temporalio.common import WorkflowIDConflictPolicy
 
-    from outbox_bridge.runtime.shards import WORKFLOW, parse_shard, start_arguments
+    from outbox_bridge.runtime.shards import WORKFLOW, start_arguments
 
     shard = parse_shard("ORGANIZATION:1", app)
     start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
@@ -202,68 +257,38 @@ async def scenario_skip_healthy(app, recorder, client, engine, settings) -> None
     await wait_until(lambda: table_empty(engine, app))
 
 
-async def scenario_blocked_continue_as_new(app, recorder, client, engine, settings) -> None:
-    """Always: a blocked shard keeps receiving rows (each a signal) and continues as new while
-    blocked, carrying its head and backoff; then the head succeeds."""
-    failing = Failing(10_000)
-    recorder.behaviour[Category.PROJECT_UPDATE] = failing
-    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
-    handle = client.get_workflow_handle(f"outbox:{app.table().name}:ORGANIZATION:1")
-
-    async def runs() -> int:
-        return len([w async for w in client.list_workflows(f'WorkflowId = "{handle.id}"')])
-
-    for i in range(60):
-        await write_rows(engine, app, [row(Category.MEMBER_UPDATE, 1, 100 + i)])
-        await asyncio.sleep(0.15)
-    await wait_until(lambda: _at_least(runs(), 2), what="a continue-as-new while blocked")
-    failing.times = 0
-    await wait_until(lambda: table_empty(engine, app))
-
-
 async def _at_least(value: Awaitable[int], minimum: int) -> bool:
     return (await value) >= minimum
 
 
 Scenario = Callable[..., Awaitable[None]]
 SCENARIOS: dict[str, tuple[Scenario, dict[str, object]]] = {
-    "drain": (scenario_drain, {}),
+    "drain": (scenario_drain, {"drain_max_groups": 2}),
     "failing_then_succeeding": (scenario_failing_then_succeeding, {}),
     "skip_resume": (scenario_skip_resume, {}),
     "deferred": (scenario_deferred, {}),
-    "continue_as_new": (scenario_continue_as_new, {"max_history_events": 100, "linger": 0}),
-    "lingering": (scenario_lingering, {}),
-    "complete_when_empty": (scenario_drain, {"idle_timeout": 0}),
-    "lingering_from_start": (scenario_lingering, {"idle_timeout": 0}),
-    "flush": (scenario_flush, {"idle_timeout": 0}),
-    # Since v5: partitions drain healthy shards; the ones above run with a workflow each.
-    "handover_failed": (scenario_handover_failed, {"shard_workflows": "on-demand"}),
-    "handover_deferred": (scenario_handover_deferred, {"shard_workflows": "on-demand"}),
-    "skip_healthy": (scenario_skip_healthy, {"shard_workflows": "on-demand"}),
-    "flush_on_demand": (scenario_flush, {"shard_workflows": "on-demand"}),
-    "blocked_continue_as_new": (
-        scenario_blocked_continue_as_new,
-        {"max_history_events": 100, "linger": 0},
-    ),
+    "continue_as_new": (scenario_continue_as_new, {"max_history_events": 100}),
+    "flush": (scenario_flush, {}),
+    "handover_failed": (scenario_handover_failed, {}),
+    "handover_deferred": (scenario_handover_deferred, {}),
+    "skip_healthy": (scenario_skip_healthy, {}),
 }
 
 
 async def record(
-    servers: Servers, version: str, name: str, scenario: Scenario, overrides: dict[str, object]
+    servers: Servers,
+    folder: Path,
+    version: str,
+    name: str,
+    scenario: Scenario,
+    overrides: dict[str, object],
 ) -> list[Path]:
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
     engine = new_engine(servers)
     client = await Client.connect(servers.temporal_address)
     await create_tables(engine, app)
-    settings = fast_settings(
-        **{
-            "idle_timeout": 1.0,
-            "temporal_address": servers.temporal_address,
-            "shard_workflows": "always",
-            **overrides,
-        }
-    )
+    settings = fast_settings(temporal_address=servers.temporal_address, **overrides)
     workflow_id = f"outbox:{app.table().name}:{Scope.ORGANIZATION.name}:1"
     key = ShardKey(app.table().name, None, int(Scope.ORGANIZATION), 1)
     partition = PartitionRef(
@@ -272,20 +297,20 @@ async def record(
     async with running_worker(servers, app, settings):
         await scenario(app, recorder, client, engine, settings)
         await wait_until(lambda: _completed(client, workflow_id), what=f"{name} to complete")
-        if settings.on_demand:
-            # The partition that drained the shard: retired, so that its history is complete
-            # (the bridge's next sweep starts a new run of it, which is not recorded).
-            handle = client.get_workflow_handle(partition.workflow_id)
-            run = (await handle.describe()).run_id
-            await handle.signal("retire")
-            await wait_until(
-                lambda: _completed(client, partition.workflow_id, run),
-                what="the partition to retire",
-            )
+        # The partition that handed the shard over: retired, so that its history is complete
+        # (the bridge's next sweep starts a new run of it, which is not recorded).
+        handle = client.get_workflow_handle(partition.workflow_id)
+        run = (await handle.describe()).run_id
+        await handle.signal("retire")
+        await wait_until(
+            lambda: _completed(client, partition.workflow_id, run),
+            what="the partition to retire",
+        )
     await engine.dispose()
-    written = await _write_runs(client, workflow_id, f"{version}-{name}")
-    if settings.on_demand:
-        written += await _write_runs(client, partition.workflow_id, f"{version}-{name}_partition")
+    written = await _write_runs(client, workflow_id, folder / f"{version}-{name}")
+    written += await _write_runs(
+        client, partition.workflow_id, folder / f"{version}-{name}_partition"
+    )
     return written
 
 
@@ -294,7 +319,7 @@ async def _completed(client: Client, workflow_id: str, run_id: str | None = None
     return description.status == WorkflowExecutionStatus.COMPLETED
 
 
-async def _write_runs(client: Client, workflow_id: str, stem: str) -> list[Path]:
+async def _write_runs(client: Client, workflow_id: str, stem: Path) -> list[Path]:
     runs = sorted(
         [
             w
@@ -307,7 +332,7 @@ async def _write_runs(client: Client, workflow_id: str, stem: str) -> list[Path]
     for index, run in enumerate(runs):
         history = await client.get_workflow_handle(workflow_id, run_id=run.run_id).fetch_history()
         suffix = f"_run{index + 1}" if len(runs) > 1 else ""
-        path = HISTORIES / f"{stem}{suffix}.json"
+        path = stem.with_name(f"{stem.name}{suffix}.json")
         if path.exists():
             raise SystemExit(f"{path} exists: record under a new version instead")
         text = json.dumps(json.loads(history.to_json()), indent=1) + "\n"
@@ -317,13 +342,13 @@ async def _write_runs(client: Client, workflow_id: str, stem: str) -> list[Path]
     return written
 
 
-async def main(version: str) -> None:
-    HISTORIES.mkdir(exist_ok=True)
+async def main(version: str, folder: Path = HISTORIES) -> None:
+    folder.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as base:
         servers = await start_servers(Path(base))
         try:
             for name, (scenario, overrides) in SCENARIOS.items():
-                for path in await record(servers, version, name, scenario, overrides):
+                for path in await record(servers, folder, version, name, scenario, overrides):
                     print(f"recorded {path}")
         finally:
             servers.temporal.stop()
@@ -332,6 +357,6 @@ async def main(version: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m tests.record_histories VERSION  (e.g. v3)")
-    asyncio.run(main(sys.argv[1]))
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit("usage: python -m tests.record_histories VERSION [FOLDER]  (e.g. v7)")
+    asyncio.run(main(sys.argv[1], *(Path(folder) for folder in sys.argv[2:])))

@@ -42,15 +42,11 @@ def tiny_config(servers: Servers, out: Path) -> BenchConfig:
         out=out,
         database_url=servers.database_url,
         temporal_address=servers.temporal_address,
-        idle_timeout=1.0,
         latency_seconds=3.0,
         latency_grace=1.0,
         latency_rate=20.0,
         latency_shards=10,
         budget=300.0,
-        # Short timers so that shard workflows close quickly (lingering drains wait for rows
-        # first); unknown fields are ignored by OutboxSettings.
-        settings_overrides={"linger": 1.0},
     )
 
 
@@ -129,7 +125,7 @@ async def test_throughput_workload(
                 == entry["failed_calls"]
                 == expected - entry["groups"]
             )
-            # On demand, exactly the shards with a failing group got a workflow of their own.
+            # Exactly the shards with a failing group got a workflow of their own.
             assert entry["shard_workflows_started"] == entry["shards_with_failing_group"] > 0
         else:
             assert entry["failed_calls"] == 0

@@ -9,10 +9,13 @@ on its Unix socket) that must never appear in any output.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import signal
 import typing
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import click
@@ -37,6 +40,7 @@ from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
 from tests.support import (
+    WorkerProcess,
     clean_env,
     clear_settings,
     run_python,
@@ -62,7 +66,6 @@ def worker_env(servers: Servers, table: str, **extra: str) -> dict[str, str]:
         SAMPLE_OUTBOX_TABLE=table,
         OUTBOX_POLL_INTERVAL="0.2",
         OUTBOX_SWEEP_INTERVAL="1",
-        OUTBOX_IDLE_TIMEOUT="1",
         OUTBOX_INITIAL_RETRY_INTERVAL="0.2",
         OUTBOX_MAX_RETRY_INTERVAL="1",
         **extra,
@@ -126,7 +129,7 @@ async def test_worker_refuses_a_category_without_handler(servers) -> None:
         (["--app", "no_such_module_for_outbox:app"], "cannot import 'no_such_module_for_outbox'"),
         (["--app", "tests.sample_app"], "module:attribute"),
         (["--app", SAMPLE_APP, "--demo"], "do not also give --app"),
-        (["--app", SAMPLE_APP, "--idle-timeout", "-1"], "idle_timeout"),
+        (["--app", SAMPLE_APP, "--partitions", "0"], "partitions"),
     ],
     ids=["not-an-app", "no-module", "bad-format", "app-and-demo", "bad-setting"],
 )
@@ -135,6 +138,29 @@ async def test_worker_refuses_bad_configuration(servers, args, expected) -> None
     assert result.code == 2, result.output
     assert result.stderr.startswith("outbox-bridge: error: ")
     assert expected in result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        pytest.param([], {"OUTBOX_SHARD_WORKFLOWS": "always"}, id="environment"),
+        pytest.param(["--shard-workflows", "always"], {}, id="flag"),
+    ],
+)
+async def test_the_retired_always_mode_is_refused_naming_the_upgrade(
+    servers, flags: list[str], env: dict[str, str]
+) -> None:
+    """A worker still configured with the mode 0.x had (a workflow for every shard) stops at
+    once, and says what to do instead."""
+    result = await run_python(
+        "worker.py", "--app", SAMPLE_APP, *flags, env={**worker_env(servers, unique_table()), **env}
+    )
+    assert result.code == 2, result.output
+    assert result.stderr.startswith("outbox-bridge: error: "), result.stderr
+    message = one_line(result.stderr)
+    assert "--shard-workflows always was retired" in message, message
+    assert "outbox-bridge upgrade-check" in message and "how-to/upgrade" in message, message
     assert "Traceback" not in result.output
 
 
@@ -183,6 +209,8 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
             raw, expected = "eu, us", ["eu", "us"]
         elif name == "skip_shards":
             raw, expected = "ORGANIZATION:42, USER:7", ["ORGANIZATION:42", "USER:7"]
+        elif name == "shard_workflows":
+            raw, expected = "on-demand", "on-demand"  # its only value; `always` is retired
         elif name in ("temporal_tls_cert", "temporal_tls_key"):
             continue  # they go together; checked below
         with monkeypatch.context() as patch:
@@ -195,16 +223,16 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
         assert value == (raw if expected is None else expected), name
     monkeypatch.setenv("TEMPORAL_TLS_CERT", "/c.pem")
     monkeypatch.setenv("TEMPORAL_TLS_KEY", "/k.pem")
-    monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "7")
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "7")
     monkeypatch.setenv("OUTBOX_LISTEN", "false")
-    settings = build_settings({"idle_timeout": 9.0, "listen": None, "task_queue": None})
+    settings = build_settings({"partitions": 9, "listen": None, "task_queue": None})
     assert settings.temporal_tls_cert == Path("/c.pem")
     assert settings.temporal_tls_key == Path("/k.pem")
-    assert settings.idle_timeout == 9.0  # the flag wins
+    assert settings.partitions == 9  # the flag wins
     assert settings.listen is False  # no flag: the environment
     assert settings.task_queue == "outbox"  # neither: the default
-    monkeypatch.setenv("OUTBOX_IDLE_TIMEOUT", "-1")
-    with pytest.raises(ConfigurationError, match="idle_timeout"):
+    monkeypatch.setenv("OUTBOX_PARTITIONS", "0")
+    with pytest.raises(ConfigurationError, match="partitions"):
         build_settings({})
 
 
@@ -221,6 +249,7 @@ COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "flush": SHARD_COMMAND | {SettingGroup.DATABASE, SettingGroup.SHARDS},
     "shards": SHARD_COMMAND | {SettingGroup.DATABASE},
     "replay": set(),
+    "upgrade-check": {SettingGroup.TEMPORAL},
 }
 
 
@@ -257,7 +286,13 @@ def test_status_help_lists_connection_settings_only() -> None:
     help_text = one_line(result.output)
     for flag, env in [("--temporal-address", "TEMPORAL_ADDRESS"), ("--app", "OUTBOX_APP")]:
         assert flag in help_text and f"[env: {env}]" in help_text
-    for flag in ("--linger", "--health-port", "--shutdown-grace", "--database-url", "--log-level"):
+    for flag in (
+        "--partitions",
+        "--health-port",
+        "--shutdown-grace",
+        "--database-url",
+        "--log-level",
+    ):
         assert f"{flag} " not in help_text, flag
 
 
@@ -269,15 +304,15 @@ def test_settings_a_command_offers_no_flag_for_come_from_the_environment(monkeyp
     def command(**overrides: object) -> None:
         seen.append(build_settings(overrides))
 
-    monkeypatch.setenv("OUTBOX_LINGER", "3")
+    monkeypatch.setenv("OUTBOX_SHUTDOWN_GRACE", "3")
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://from-env/db")
     result = CliRunner().invoke(command, ["--database-url", "postgresql://from-flag/db"])
     assert result.exit_code == 0, result.output
     [settings] = seen
-    assert settings.linger == 3
+    assert settings.shutdown_grace == 3
     assert settings.database_url is not None
     assert settings.database_url.get_secret_value() == "postgresql://from-flag/db"
-    assert CliRunner().invoke(command, ["--linger", "4"]).exit_code == 2  # not offered
+    assert CliRunner().invoke(command, ["--shutdown-grace", "4"]).exit_code == 2  # not offered
 
 
 # -- worker.py: end to end ------------------------------------------------------------------------
@@ -382,36 +417,124 @@ async def test_worker_end_to_end(servers, engine) -> None:
 # -- worker.py --demo ------------------------------------------------------------------------------
 
 SUMMARY_ROW = re.compile(r"^\s*\d+\.\d\s+\d+\.\d(\s+\d+){6}\s*$", re.MULTILINE)
+OUTAGE_SHARD = "ORGANIZATION:7"
+# The demo's table is the same in every demo test, and so are its partitions' workflow ids: the
+# demo tests share a task queue, so that each worker takes over what the last one left running.
+DEMO_TASK_QUEUE = f"tq-demo-{uuid.uuid4().hex[:8]}"
 
 
-async def test_demo_shows_one_line_per_intended_failure_and_a_summary(servers, engine) -> None:
-    """The demo's flaky handler fails without a traceback, and a summary line follows every
-    few seconds (stdout is a pipe here: --demo turns the summary on)."""
+async def demo_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
+    """``python -m outbox_bridge ARGS --demo`` with the worker's settings; exit code and
+    output (stdout, then stderr)."""
+    done = await run_python("-m", "outbox_bridge", *args, "--demo", env=env)
+    return done.code, done.output
+
+
+async def demo_state(env: dict[str, str]) -> dict[str, object]:
+    code, output = await demo_cli(env, "status", OUTAGE_SHARD, "--json")
+    assert code == 0, output
+    found: dict[str, object] = json.loads(output)
+    return found
+
+
+async def outage_rows(engine: AsyncEngine) -> object:
+    return await scalar(
+        engine, "SELECT count(*) FROM outbox WHERE shard_scope = 1 AND shard_identifier = 7"
+    )
+
+
+@contextlib.asynccontextmanager
+async def demo_worker(
+    servers: Servers,
+    engine: AsyncEngine,
+    *args: str,
+    ready: Callable[[WorkerProcess], bool],
+    what: str,
+) -> AsyncIterator[tuple[WorkerProcess, dict[str, str]]]:
+    """``python worker.py --demo ARGS`` from the moment ``ready`` holds, and its settings; the
+    block's end stops it with SIGINT (it must exit 0) and empties the demo's table."""
     env = worker_env(servers, unique_table(), OUTBOX_HEALTH_PORT="0")
+    env["OUTBOX_TASK_QUEUE"] = DEMO_TASK_QUEUE
     try:
         async with worker_process(
-            "--demo",
-            env=env,
-            ready=lambda output: (
-                len(SUMMARY_ROW.findall(output.stdout)) >= 2
-                and "ReplicaUnavailable" in output.stderr
-            ),
-            timeout=90,
-            what="two summary lines and an intended failure",
+            "--demo", *args, env=env, ready=ready, timeout=90, what=what
         ) as output:
+            yield output, env
             output.proc.send_signal(signal.SIGINT)
             code = await output.finish(30)
             assert code == 0, str(output)
     finally:
         async with engine.begin() as conn:  # the demo app's table, shared by no other test
             await conn.execute(text("DELETE FROM outbox"))
+
+
+async def test_demo_blocks_a_shard_to_skip_and_resume_and_summarises_failures(
+    servers, engine
+) -> None:
+    """The demo, as the quick start walks through it: ORGANIZATION:7 stays blocked while its
+    replica is down (here for 30 s), the banner says so, the shard can be skipped (its rows
+    are kept) and resumed, and it drains once the outage is over. The console counts the
+    handler failures under the summary lines instead of a log line each."""
+    async with demo_worker(
+        servers,
+        engine,
+        "--demo-outage",
+        "30",
+        ready=lambda output: "handler failures: " in output.stdout,
+        what="a line of handler failures",
+    ) as (output, env):
+
+        async def blocked_on_the_outage() -> bool:
+            state = await demo_state(env)
+            error = state.get("last_error") or {}
+            return (
+                state["state"] == "blocked"
+                and int(str(state["attempts"])) >= 3
+                and "planned outage" in str(error)
+            )
+
+        await wait_until(blocked_on_the_outage, timeout=30, what="ORGANIZATION:7 blocked")
+        code, said = await demo_cli(env, "skip", OUTAGE_SHARD, "--reason", "replica down")
+        assert code == 0, said
+        assert (await demo_state(env))["state"] == "skipped"
+        assert int(str(await outage_rows(engine))) > 0  # skipped, its rows kept
+        code, said = await demo_cli(env, "resume", OUTAGE_SHARD)
+        assert code == 0, said
+
+        async def flushed() -> bool:
+            code, _ = await demo_cli(env, "flush", OUTAGE_SHARD, "--timeout", "5")
+            return code == 0
+
+        await wait_until(flushed, timeout=90, what="ORGANIZATION:7 drained after its outage")
+    banner = " ".join(output.stdout.split())
+    assert "ORGANIZATION:7 is blocked: the project replica of organization 7 is down" in banner
+    assert "(30 s)" in banner and "--log-failures logs each" in banner
+    assert "workflow outbox:outbox:ORGANIZATION:7 in the Temporal UI" in banner
+    assert "fails once" not in banner
+    assert len(SUMMARY_ROW.findall(output.stdout)) >= 2, str(output)
+    assert "handler failures: ORGANIZATION:7 ×" in output.stdout
+    header = "written/s handled/s pending shards workflows blocked skipped deferred"
+    assert header in banner, str(output)
+    assert "handler failed" not in output.stderr, str(output)
     assert "Traceback" not in output.stdout + output.stderr, str(output)
+    assert "outbox-bridge stopped" in output.stderr
+
+
+async def test_demo_logs_each_failure_with_log_failures(servers, engine) -> None:
+    """With --log-failures, each failed call has a log line of its own, without the
+    traceback of an intended failure."""
+    async with demo_worker(
+        servers,
+        engine,
+        "--log-failures",
+        ready=lambda output: "ReplicaUnavailable" in output.stderr,
+        what="a log line of a failed call",
+    ) as (output, _):
+        pass
     failures = [line for line in output.stderr.splitlines() if "ReplicaUnavailable" in line]
     assert failures and all("handler failed: " in line for line in failures), str(output)
-    assert "Every 5 s a line follows" in output.stdout
-    header = "written/s handled/s pending shards workflows blocked skipped deferred"
-    assert header in " ".join(output.stdout.split()), str(output)
-    assert "outbox-bridge stopped" in output.stderr
+    assert "Traceback" not in output.stdout + output.stderr, str(output)
+    assert "--log-failures logs each" not in output.stdout
 
 
 # -- python -m outbox_bridge --------------------------------------------------------------------

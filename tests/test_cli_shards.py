@@ -157,10 +157,18 @@ async def _attempts_at_least(shown, minimum: int) -> bool:
 async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     servers, engine, tmp_path
 ) -> None:
-    _, table, app = await fresh_app(engine)
+    recorder, table, app = await fresh_app(engine)
     canary = "personal-data-canary-7f3a"
-    # Every shard in its own workflow: the healthy shard has a history to export.
-    async with running_worker(servers, app, fast_settings(shard_workflows="always")):
+    failed: list[int] = []
+
+    async def fail_once(message: OutboxMessage) -> None:
+        if not failed:
+            failed.append(message.id)
+            raise ConnectionError("replica unavailable")
+
+    # A failing call hands the shard to its own workflow: it has a history to export.
+    recorder.behaviour[Category.USER_UPDATE] = fail_once
+    async with running_worker(servers, app, fast_settings()):
         await write_rows(
             engine,
             app,
@@ -188,11 +196,17 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     assert_replays(exported)  # what an application's test does with its exported histories
 
     # The same history as if the workflow had scheduled another category: nondeterminism.
-    recorded = json.loads((ROOT / "tests/histories/v3-failing_then_succeeding.json").read_text())
-    for event in recorded["events"]:
-        attributes = event.get("activityTaskScheduledEventAttributes")
-        if attributes:
-            attributes["activityType"]["name"] = "USER_UPDATE"
+    recorded = json.loads(text)
+    scheduled = [
+        event
+        for event in recorded["events"]
+        if event.get("activityTaskScheduledEventAttributes", {}).get("activityType", {}).get("name")
+        == "USER_UPDATE"
+    ]
+    assert scheduled, "the head's retry is a USER_UPDATE activity"
+    for event in scheduled:
+        event["activityTaskScheduledEventAttributes"]["activityType"]["name"] = "PROJECT_UPDATE"
+    first = scheduled[0]["eventId"]
     tampered = tmp_path / "tampered.json"
     tampered.write_text(json.dumps(recorded))
     code, out, err = await cli(servers, table, "replay", str(exported), str(tampered))
@@ -200,7 +214,8 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     assert "1 replayed, 1 failed" in out
     # The file, the first event the code disagrees with, and the runner it failed under.
     assert f"FAIL {tampered}: " in out, out
-    assert "Nondeterminism" in out and "at event 6 ActivityTaskScheduled USER_UPDATE" in out, out
+    assert "Nondeterminism" in out, out
+    assert f"at event {first} ActivityTaskScheduled PROJECT_UPDATE" in out, out
     assert "(unsandboxed)" in out, out
 
 
@@ -279,7 +294,7 @@ async def test_flush_from_the_command_line(servers, engine) -> None:
             raise ConnectionError("replica unavailable")
 
     recorder.behaviour[Category.PROJECT_UPDATE] = failing
-    settings = fast_settings(idle_timeout=0)
+    settings = fast_settings()
     env = {"OUTBOX_TASK_QUEUE": settings.task_queue}
     async with running_worker(servers, app, settings):
         code, out, err = await cli(servers, table, "flush", "ORGANIZATION:21", env=env)

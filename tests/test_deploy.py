@@ -33,6 +33,7 @@ from outbox_bridge.cli import main as cli
 from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.config import OutboxSettings, env_name, env_names
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
+from outbox_bridge.runtime.embedded import temporal_cli
 from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 from tests.support import clear_settings
 
@@ -401,6 +402,18 @@ def test_deploy_files_run_commands_of_the_cli() -> None:
 
 
 # -- docker compose: the Temporal server and its setup jobs ----------------------------------
+
+
+def test_compose_runs_the_temporal_release_the_suite_tests_against() -> None:
+    """The server and UI tags are at least those of the dev server the tests run on (the
+    ``temporal`` CLI of the dev extra): a newer CLI in the extra asks for a newer stack."""
+    version = subprocess.run(
+        [temporal_cli(), "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    [(server, ui)] = re.findall(r"Server (\d+\.\d+\.\d+), UI (\d+\.\d+\.\d+)", version)
+    found = services()
+    assert image_tag(found["temporal"]["image"]) >= image_tag(f"cli:{server}"), version
+    assert image_tag(found["temporal-ui"]["image"]) >= image_tag(f"cli:{ui}"), version
 
 
 def test_compose_services_and_images() -> None:

@@ -50,7 +50,6 @@ def worker_env(servers: Servers, task_queue: str, health_port: int) -> tuple[dic
         OUTBOX_HEALTH_HOST="127.0.0.1",
         OUTBOX_POLL_INTERVAL="0.2",
         OUTBOX_SWEEP_INTERVAL="1",
-        OUTBOX_IDLE_TIMEOUT="0",
     )
     return env, password
 

@@ -6,6 +6,7 @@ their own worker."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,31 +14,45 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections, transaction
+from django.http import JsonResponse
 from django.test import AsyncClient, Client
 
-from outbox_bridge import FlushResult
+from outbox_bridge import FlushReport, FlushResult
 from outbox_bridge.contrib.django.flush import flush_report, outbox_context
+from outbox_bridge.contrib.django.testing import outbox_worker_django
 from outbox_bridge.contrib.django.writes import write_row
 from outbox_bridge.registry import FlushRoute
-from outbox_bridge.testing import OutboxWorker
+from outbox_bridge.testing import OutboxWorker, worker_settings
+from outbox_bridge.workflows.models import FlushOutcome, HandlerFailure, HeadGroup, SkipInfo
 from tests.django_app.outbox import app, archive_app, archive_recorder, recorder
-from tests.django_support import django_worker, next_identifier
+from tests.django_support import next_identifier
 from tests.harness import Category, Recorder
 
 MIDDLEWARE = ["outbox_bridge.contrib.django.flush.OutboxFlushMiddleware"]
 
 
+# The workers' partitions never idle out: the tests' rows come in bursts far apart.
+SETTINGS = {"idle_timeout": 0}
+
+
 @pytest.fixture(scope="module")
-def worker(outbox_postgres, servers, django_db_setup) -> Iterator[OutboxWorker]:
+def worker(servers, django_db_setup) -> Iterator[OutboxWorker]:
     """The worker of ``app``, on the default test database."""
-    with django_worker(outbox_postgres, servers.temporal_address, app) as running:
+    with outbox_worker_django(
+        app, temporal_address=servers.temporal_address, settings=worker_settings(**SETTINGS)
+    ) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def archive_worker(outbox_postgres, servers, django_db_setup) -> Iterator[OutboxWorker]:
+def archive_worker(servers, django_db_setup) -> Iterator[OutboxWorker]:
     """The worker of ``archive_app``, on the ``other`` test database."""
-    with django_worker(outbox_postgres, servers.temporal_address, archive_app, "other") as running:
+    with outbox_worker_django(
+        archive_app,
+        temporal_address=servers.temporal_address,
+        using="other",
+        settings=worker_settings(**SETTINGS),
+    ) as running:
         yield running
 
 
@@ -85,6 +100,63 @@ def test_a_decorated_view_answers_once_its_rows_are_handled() -> None:
     # Without the decorator the same view answers at once.
     plain = Client().get(f"/write/{next_identifier()}")
     assert plain.status_code == 200 and flush_report(plain) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_view_answers_with_its_flush_report_as_json() -> None:
+    shard = next_identifier()
+    response = Client().get(f"/report/{shard}")
+    assert response.status_code == 200, response.content
+    assert response.json() == {
+        "handled": True,
+        "results": [
+            {
+                "shard": f"ORGANIZATION:{shard}",
+                "outcome": "handled",
+                "head": None,
+                "blocked_since": None,
+                "error": None,
+                "skip": None,
+                "deferred_until": None,
+                "detail": None,
+            }
+        ],
+        "not_committed": [],
+    }
+
+
+def test_every_field_of_a_flush_report_is_json() -> None:
+    head = HeadGroup(1, "PROJECT_UPDATE", 7, 10, 12, 3)
+    report = FlushReport(
+        [
+            FlushResult(
+                "ORGANIZATION:1",
+                FlushOutcome.BLOCKED,
+                head,
+                "2026-01-02T03:04:05+00:00",
+                HandlerFailure("ValueError", "no such project"),
+            ),
+            FlushResult(
+                "ORGANIZATION:2", FlushOutcome.SKIPPED, skip=SkipInfo("maintenance", "ada")
+            ),
+        ],
+        not_committed=["ORGANIZATION:3"],
+    )
+    answer = json.loads(JsonResponse(report.as_dict()).content)
+    assert answer["handled"] is False and answer["not_committed"] == ["ORGANIZATION:3"]
+    blocked, skipped = answer["results"]
+    assert blocked["outcome"] == "blocked" and skipped["outcome"] == "skipped"
+    assert blocked["head"] == {
+        "category": 1,
+        "category_name": "PROJECT_UPDATE",
+        "object_identifier": 7,
+        "first_id": 10,
+        "last_id": 12,
+        "rows": 3,
+    }
+    assert blocked["error"] == {"error_type": "ValueError", "message": "no such project"}
+    assert skipped["skip"] == {"reason": "maintenance", "by": "ada", "at": None}
+    assert json.loads(json.dumps(report.as_dict())) == answer  # plain json too
 
 
 @pytest.mark.django_db(transaction=True)

@@ -125,7 +125,7 @@ def test_outbox_bridge_maps_onto_outbox_settings(databases, settings, monkeypatc
     databases["default"] = ("postgresql", entry(NAME="main"))
     databases["outbox"] = ("postgresql", entry(NAME="events", PASSWORD="canary-pw"))
     monkeypatch.setenv("OUTBOX_TASK_QUEUE", "from-the-environment")
-    monkeypatch.setenv("OUTBOX_LINGER", "3")
+    monkeypatch.setenv("OUTBOX_SHUTDOWN_GRACE", "3")
     settings.OUTBOX_BRIDGE = {
         "APP": APP,
         "DATABASE": "outbox",
@@ -137,7 +137,7 @@ def test_outbox_bridge_maps_onto_outbox_settings(databases, settings, monkeypatc
     }
     mapped = outbox_settings()
     assert mapped.task_queue == "from-django"  # the Django settings before the environment
-    assert mapped.linger == 3  # the environment for what they do not give
+    assert mapped.shutdown_grace == 3  # the environment for what they do not give
     assert mapped.temporal_address == "temporal:7233"
     assert mapped.partitions == 8
     assert mapped.app == APP

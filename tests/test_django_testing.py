@@ -16,18 +16,30 @@ from sqlalchemy import Engine, text
 
 from outbox_bridge import ConfigurationError, OutboxApp, OutboxMessage
 from outbox_bridge.contrib.django import testing
-from outbox_bridge.contrib.django.testing import drain_outbox_django, drain_outbox_django_async
+from outbox_bridge.contrib.django.testing import (
+    UncommittedTransactionError,
+    drain_outbox_django,
+    drain_outbox_django_async,
+)
 from outbox_bridge.contrib.django.writes import write_row, write_row_async
 from outbox_bridge.testing import DrainReport, HandlerFailedError
 from tests.django_app.outbox import app, archive_app, archive_recorder, recorder
-from tests.django_support import ARCHIVE, OUTBOX, next_identifier, rows
+from tests.django_support import ARCHIVE, next_identifier, rows
 from tests.harness import Category
 
 
 @pytest.mark.django_db
-def test_rows_that_have_not_committed_are_refused() -> None:
-    with pytest.raises(ConfigurationError, match=r"django_db\(transaction=True\)"):
+def test_a_drain_in_the_transaction_of_a_test_case_is_refused() -> None:
+    with pytest.raises(UncommittedTransactionError, match=r"django_db\(transaction=True\)"):
         drain_outbox_django(app)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_drain_inside_atomic_is_refused() -> None:
+    with pytest.raises(UncommittedTransactionError, match="drain after the atomic block"):
+        with transaction.atomic():
+            drain_outbox_django(app)
+    assert issubclass(UncommittedTransactionError, ConfigurationError)
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
@@ -65,16 +77,8 @@ def others_connected(alias: str) -> int:
         time.sleep(0.05)
 
 
-def empty(*tables: str, using: str = "default") -> None:
-    with connections[using].cursor() as cursor:
-        for table in tables:
-            cursor.execute(f"DELETE FROM {table}")
-
-
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
 def test_rows_written_by_a_view_are_handled_in_the_test() -> None:
-    empty(OUTBOX)
-    empty(ARCHIVE, using="other")
     shard, archived = next_identifier(), next_identifier()
     assert Client().get(f"/write/{shard}").status_code == 200  # committed by the view
     with transaction.atomic(using="other"):
@@ -100,7 +104,6 @@ def test_rows_written_by_a_view_are_handled_in_the_test() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_failing_handler_fails_the_drain_and_keeps_its_row() -> None:
-    empty(OUTBOX)
     shard = next_identifier()
 
     async def fail(message: OutboxMessage) -> None:
@@ -133,7 +136,6 @@ async def async_db(transactional_db: None) -> Any:
 
 
 async def test_an_async_test_drains_in_its_event_loop(async_db) -> None:
-    await sync_to_async(empty, thread_sensitive=True)(OUTBOX)
     shard = next_identifier()
     written = await write_row_async(
         app, category=Category.ORGANIZATION_UPDATE, shard_identifier=shard, object_identifier=shard

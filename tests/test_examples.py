@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def test_projects_example_waits_for_its_rows(servers, engine) -> None:
-    async with running_worker(servers, example.app, fast_settings(idle_timeout=0)) as settings:
+    async with running_worker(servers, example.app, fast_settings()) as settings:
         service = example_api.create_api(
             settings.model_copy(
                 update={
@@ -71,7 +70,7 @@ async def test_projects_example_waits_for_its_rows(servers, engine) -> None:
 def test_the_django_example_s_own_tests_pass(servers: Servers, tmp_path: Path) -> None:
     """examples/djangoshop's tests: its models and views write rows, its migration creates the
     outbox table, its handlers run in the test (drain_outbox_django), and its requests wait
-    for a worker that ``manage.py outbox_worker`` runs."""
+    for the app's worker on the test database (outbox_worker_django)."""
     database = database_settings(servers)
     env = clean_env(
         PGHOST=database["HOST"],
@@ -79,8 +78,7 @@ def test_the_django_example_s_own_tests_pass(servers: Servers, tmp_path: Path) -
         PGUSER=database["USER"],
         PGPASSWORD=database["PASSWORD"],
         PGDATABASE="djangoshop",
-        TEMPORAL_ADDRESS=servers.temporal_address,
-        OUTBOX_TASK_QUEUE=f"tq-shop-{uuid.uuid4().hex[:8]}",
+        OUTBOX_TEST_TEMPORAL_ADDRESS=servers.temporal_address,
     )
     env.pop("DJANGO_SETTINGS_MODULE", None)  # the example's pytest.ini names its own settings
     result = subprocess.run(

@@ -29,7 +29,13 @@ from temporalio.common import WorkflowIDConflictPolicy
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.runtime.worker import build_drains, build_flush_worker, build_worker
-from outbox_bridge.workflows.models import FlushInput, FlushResult, ShardCarry, ShardInput, ShardRef
+from outbox_bridge.workflows.models import (
+    FlushInput,
+    FlushResult,
+    ShardInput,
+    ShardRecord,
+    ShardRef,
+)
 from outbox_bridge.workflows.shard import OutboxShard
 from tests.harness import (
     Category,
@@ -71,7 +77,7 @@ async def flushing(
     recorder = Recorder()
     app = make_app(unique_table(), recorder)
     await create_tables(engine, app)
-    settings = fast_settings(idle_timeout=0, **overrides)
+    settings = fast_settings(**overrides)
     async with running_worker(servers, app, settings):
         app.configure_flush(flush_settings(servers, settings))
         yield recorder, app, settings
@@ -236,12 +242,12 @@ async def test_flush_across_continue_as_new(servers, engine, client: Client) -> 
             for n in range(1, 41)
         ],
     )
-    settings = fast_settings(idle_timeout=0, drain_max_groups=1, linger=0)
+    settings = fast_settings(drain_max_groups=1)
     shard = ShardRef(table, int(Scope.ORGANIZATION), "ORGANIZATION", 12)
     options = dataclasses.replace(settings.shard_options(), max_history_events=10)
     start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
         "OutboxShard",
-        ShardInput(shard=shard, options=options, carry=ShardCarry(max_known_id=max(ids))),
+        ShardInput(shard=shard, options=options, record=ShardRecord(max_known_id=max(ids))),
         id=shard.workflow_id,
         task_queue=settings.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
@@ -337,14 +343,13 @@ def test_the_flush_validator_refuses_what_another_converter_might_pass(
     assert message in str(refused.value)
 
 
-@pytest.mark.parametrize("mode", ["on-demand", "always"])
 async def test_many_concurrent_flushes_never_starve_the_drains_they_wait_for(
-    servers, engine, mode: str
+    servers, engine
 ) -> None:
     """Three times as many flushes as the worker has activity slots, each waiting for a slow
     row of its own shard: the waits run on the flush task queue, in slots of their own, so the
     drains they wait for still get theirs, and every flush is answered ``handled``."""
-    async with flushing(servers, engine, shard_workflows=mode, max_concurrent_activities=4) as (
+    async with flushing(servers, engine, max_concurrent_activities=4) as (
         recorder,
         app,
         settings,

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -98,7 +99,7 @@ def unavailable(report: FlushReport, shard: str) -> str:
 
 
 def settings_for(address: str, **overrides: object) -> OutboxSettings:
-    return fast_settings(idle_timeout=0, temporal_address=address, **overrides)
+    return fast_settings(temporal_address=address, **overrides)
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
@@ -157,11 +158,10 @@ async def test_flush_to_a_task_queue_nobody_polls_starts_nothing(
     servers: Servers, engine: AsyncEngine, client
 ) -> None:
     """A producer configured with another task queue than the worker's: the flush does not
-    start the shard's workflow on its own task queue (nobody would ever run it; the worker's
-    bridge would only signal it there); it answers ``unavailable`` naming the task queue, and
-    the worker's bridge handles the rows."""
+    start the shard's workflow on its own task queue (nobody would ever run it there); it
+    answers ``unavailable`` naming the task queue, and the worker's partitions handle the rows."""
     recorder, app = await fresh(engine)
-    worker_settings = fast_settings(idle_timeout=0)
+    worker_settings = fast_settings()
     producer_queue = f"tq-producer-{uuid.uuid4().hex[:8]}"
     async with running_worker(servers, app, worker_settings):
         app.configure_flush(
@@ -181,3 +181,41 @@ async def test_flush_to_a_task_queue_nobody_polls_starts_nothing(
         if app.table().name in w.id
     ]
     assert found == []
+
+
+async def test_a_flush_to_a_task_queue_nobody_polls_answers_at_once_and_logs_it_once(
+    servers: Servers, engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No worker polls the flusher's task queue: each flush answers ``unavailable`` without
+    waiting for its timeout, and the absence is logged once, not per flush. A worker that
+    appears later is seen by the next flush.
+
+    "At once" is checked as less than half the timeout, not tightly: the answer takes one
+    describe_task_queue round trip plus a second of patience for a worker that is starting;
+    a flush that waited for its timeout, as before, takes the whole 10 s."""
+    recorder, app = await fresh(engine)
+    queue = f"tq-nobody-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(servers.temporal_address, task_queue=queue)
+    app.configure_flush(settings)
+    timeout = 10.0
+    with caplog.at_level(logging.DEBUG, logger="outbox_bridge.flush"):
+        started = time.monotonic()
+        first = await flush_async(app, engine, 5, timeout=timeout)
+        elapsed = time.monotonic() - started
+        second = await flush_async(app, engine, 6, timeout=timeout)
+    for report, shard in ((first, "ORGANIZATION:5"), (second, "ORGANIZATION:6")):
+        assert queue in unavailable(report, shard)
+    assert elapsed < timeout / 2, elapsed
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "outbox_bridge.flush" and r.levelno >= logging.WARNING
+    ]
+    assert len(warned) == 1, warned
+    assert queue in warned[0] and "logged once" in warned[0]
+    assert recorder.calls == []
+    async with running_worker(servers, app, settings):
+        third = await flush_async(app, engine, 7, timeout=timeout)
+        assert third.handled, third.results
+        await wait_until(lambda: table_empty(engine, app), what="every row, by the worker")
+    assert sorted(c.shard for c in recorder.calls) == ["1:5", "1:6", "1:7"]

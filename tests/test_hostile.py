@@ -1,13 +1,15 @@
-"""Hostile conditions that had no test: a skip that lands while the shard's drain lingers, two
-region-scoped bridges on one table, a flush whose run completes while the update waits for
-delivery, a history with the local-drain fallback replayed, and slow handlers that exhaust the
-worker's connection pool.
+"""Hostile conditions that had no test: a skip that lands while the shard's own drain runs a
+handler, two region-scoped bridges on one table, a flush whose run completes while the update
+waits for delivery, a history with the local-drain fallback replayed, and slow handlers that
+exhaust the worker's connection pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from functools import partial
 from typing import Any
 
 import pytest
@@ -17,7 +19,6 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 
 from outbox_bridge import OutboxMessage, outbox_context
-from outbox_bridge.db.store import lock_key
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import ShardStatus, SkipInput
@@ -34,19 +35,11 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
+from tests.test_processing import drain_past_a_held_lock
 
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
     return {"category": category, "shard_identifier": shard, "object_identifier": obj, **extra}
-
-
-async def lingering(handle: WorkflowHandle[Any, Any]) -> bool:
-    """The shard's workflow has a lingering drain pending."""
-    try:
-        pending = (await handle.describe()).raw_description.pending_activities
-    except Exception:
-        return False
-    return any(p.activity_type.name == "linger_shard" for p in pending)
 
 
 async def state_of(handle: WorkflowHandle[Any, Any]) -> str:
@@ -54,35 +47,52 @@ async def state_of(handle: WorkflowHandle[Any, Any]) -> str:
     return status.state
 
 
-# -- a skip while the drain lingers ---------------------------------------------------------------
+# -- a skip while the shard's drain runs ---------------------------------------------------------
 
 
-async def test_a_skip_while_the_drain_lingers_stops_handlers_until_resumed(
+async def test_a_skip_while_the_shard_s_drain_runs_stops_handlers_until_resumed(
     servers, engine, client: Client
 ) -> None:
-    """Steady traffic keeps a lingering drain waiting for the shard's next row. A skip taken
-    (the update answered) while it lingers means no handler runs: a row written right after
-    the answer is kept, through several of the drain's heartbeats, until the shard is resumed."""
+    """A failing call hands the shard to its workflow, whose drain then runs a slow handler.
+    A skip taken (the update answered) while that handler runs means no handler of the shard
+    starts afterwards: a row written right after the answer is kept until the shard is
+    resumed, and then handled once."""
     recorder, _, app = await fresh_app(engine)
     shard = parse_shard("ORGANIZATION:21", app)
     handle = client.get_workflow_handle(shard.workflow_id)
-    # Every shard in its own workflow: steady traffic keeps its drain lingering.
-    settings = fast_settings(
-        linger=30.0, idle_timeout=60, sweep_interval=3600.0, shard_workflows="always"
+    entered, release = asyncio.Event(), asyncio.Event()
+    started: list[tuple[int, float]] = []
+
+    async def behaviour(message: OutboxMessage) -> None:
+        started.append((message.object_identifier, time.monotonic()))
+        if message.object_identifier == 0 and len(started) == 1:
+            raise ConnectionError("the first call fails: the shard goes to its workflow")
+        if message.object_identifier == 1 and not entered.is_set():
+            entered.set()
+            await asyncio.wait_for(release.wait(), timeout=60)
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = behaviour
+    await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 21, 0), row(Category.PROJECT_UPDATE, 21, 1)]
     )
-    async with running_worker(servers, app, settings):
-        for obj in range(3):  # rows after the first drain: steady traffic, so it lingers
-            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 21, obj)])
-            await wait_until(lambda: table_empty(engine, app), what=f"row {obj}")
-        await wait_until(lambda: lingering(handle), what="a lingering drain")
-        await handle.execute_update("skip", SkipInput(reason="investigating", by="ops"))
+    async with running_worker(servers, app, fast_settings(sweep_interval=3600.0)):
+        await asyncio.wait_for(entered.wait(), timeout=60)  # in the workflow's drain
+        skip = asyncio.create_task(
+            handle.execute_update("skip", SkipInput(reason="investigating", by="ops"))
+        )
+
+        async def skipped() -> bool:
+            return await state_of(handle) == "skipped"
+
+        await wait_until(skipped, what="the skip, taken while the handler runs")
+        release.set()  # the handler under way returns (or was cancelled by the skip)
+        await skip
+        answered = time.monotonic()
         [kept] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 21, 50)])
-        # Longer than the heartbeat timeout: whatever the lingering attempt does, it has
-        # heard of the skip by then.
-        await asyncio.sleep(settings.heartbeat_timeout + 1)
+        await asyncio.sleep(3)  # several retry intervals: a skipped shard runs no handler
+        assert [obj for obj, at in started if at >= answered] == [], started
         assert kept not in recorder.ids(), "a handler ran on a skipped shard"
         assert await state_of(handle) == "skipped"
-        assert not await lingering(handle)
         await handle.execute_update("resume", {})
         await wait_until(lambda: table_empty(engine, app), what="the kept row, once resumed")
     assert recorder.ids().count(kept) == 1
@@ -91,19 +101,16 @@ async def test_a_skip_while_the_drain_lingers_stops_handlers_until_resumed(
 # -- two region-scoped bridges on one table ------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["on-demand", "always"])
-async def test_two_region_scoped_bridges_on_one_table(
-    servers, engine, client: Client, mode: str
-) -> None:
+async def test_two_region_scoped_bridges_on_one_table(servers, engine, client: Client) -> None:
     """Workers of regions eu and us (each on its own task queue, as the README says) on one
     regional table: both bridges are active at once, each handles its region's rows only and
-    starts their workflows on its own task queue; a third region's rows stay."""
+    runs its partitions on its own task queue; a third region's rows stay."""
     table = unique_table()
     eu, us = Recorder(), Recorder()
     eu_app, us_app = make_app(table, eu, regional=True), make_app(table, us, regional=True)
     await create_tables(engine, eu_app)
-    eu_settings = fast_settings(regions=["eu"], task_queue=f"tq-eu-{table}", shard_workflows=mode)
-    us_settings = fast_settings(regions=["us"], task_queue=f"tq-us-{table}", shard_workflows=mode)
+    eu_settings = fast_settings(regions=["eu"], task_queue=f"tq-eu-{table}")
+    us_settings = fast_settings(regions=["us"], task_queue=f"tq-us-{table}")
     async with running_worker(servers, eu_app, eu_settings):
         async with running_worker(servers, us_app, us_settings):
             rows = [
@@ -122,13 +129,8 @@ async def test_two_region_scoped_bridges_on_one_table(
     assert sorted(c.shard for c in eu.calls) == ["eu:1:1", "eu:1:2", "eu:1:3"]
     assert sorted(c.shard for c in us.calls) == ["us:1:1", "us:1:2", "us:1:3"]
     for region, settings in (("eu", eu_settings), ("us", us_settings)):
-        # Each region's partitions (on demand) or shard workflows (always) on its task queue.
-        wids = (
-            [f"outbox:{table}:partition:{n}:{region}" for n in range(settings.partitions)]
-            if mode == "on-demand"
-            else [f"outbox:{table}:{region}:ORGANIZATION:{shard}" for shard in (1, 2, 3)]
-        )
-        for wid in wids:
+        # Each region's partitions on its task queue.
+        for wid in [f"outbox:{table}:partition:{n}:{region}" for n in range(settings.partitions)]:
             description = await client.get_workflow_handle(wid).describe()
             assert description.task_queue == settings.task_queue, wid
 
@@ -139,26 +141,35 @@ async def test_two_region_scoped_bridges_on_one_table(
 async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
     servers, engine, client: Client
 ) -> None:
-    """The bridge starts the shard's run, which drains (a slow handler) and completes as soon
-    as the shard is empty; a flush sent meanwhile reaches that run, which completes without
-    taking it (the history of v4-flush_run2 shows such a case). The flush is sent again,
-    starts a new run, and answers ``handled`` from the table: not ``unavailable``."""
+    """A failing call hands the shard to its run, which retries it, drains the row behind it
+    (a slow handler) and completes as soon as the shard is empty; a flush of that row sent
+    meanwhile (a little later for each shard, so that one lands as its run completes) may
+    reach that run, which completes without taking it. The flush is sent again, starts a new
+    run, and answers ``handled`` from the table: not ``unavailable``."""
     recorder, _, app = await fresh_app(engine)
+    failed: set[int] = set()
 
-    async def slow(message: OutboxMessage) -> None:
-        await asyncio.sleep(1.0)
+    async def fails_once_then_slow(message: OutboxMessage) -> None:
+        if message.object_identifier == 0 and message.shard_identifier not in failed:
+            failed.add(message.shard_identifier)
+            raise ConnectionError("the first call fails: the shard goes to its workflow")
+        if message.object_identifier == 1:
+            await asyncio.sleep(1.0)
 
-    recorder.behaviour[Category.PROJECT_UPDATE] = slow
-    # Every shard with rows gets its run from the bridge (on demand, a partition would drain
-    # the row and no run would exist for the flush to race).
-    settings = fast_settings(idle_timeout=0, linger=0, shard_workflows="always")
+    recorder.behaviour[Category.PROJECT_UPDATE] = fails_once_then_slow
+
+    def handled(row_id: int) -> bool:
+        return row_id in recorder.ids()
+
+    settings = fast_settings()
     outcomes: list[str] = []
     dropped_by_a_run = 0
     async with running_worker(servers, app, settings):
         app.configure_flush(
             settings.model_copy(update={"temporal_address": servers.temporal_address})
         )
-        for shard in range(31, 39):
+        for n, shard in enumerate(range(31, 39)):
+            [head] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, shard, 0)])
             async with AsyncSession(engine) as session:
                 async with outbox_context(session, flush=True, timeout=15) as outbox:
                     await app.write_async(
@@ -168,8 +179,9 @@ async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
                         object_identifier=1,
                     )
                     await session.commit()
-                    # The bridge hears of the row and starts its run before the flush goes.
-                    await asyncio.sleep(0.4)
+                    # The shard's run has retried the head: it drains the slow row now.
+                    await wait_until(partial(handled, head), what="the head's retry")
+                    await asyncio.sleep(0.2 * n)
             outcomes.append(outbox.report.results[0].outcome)
             runs = [
                 w
@@ -192,31 +204,10 @@ async def test_a_history_with_the_local_drain_fallback_replays(servers, engine, 
     falls back to a normal drain_shard activity; the run's history replays against the
     workflow code, sandboxed and not."""
     recorder, _, app = await fresh_app(engine)
-    shard = parse_shard("ORGANIZATION:62", app)
-    handle = client.get_workflow_handle(shard.workflow_id)
-    async with engine.connect() as holder:
-        await holder.execute(
-            text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
-        )
-        await holder.commit()
-        settings = fast_settings(idle_timeout=0, linger=0, shard_workflows="always")
-        async with running_worker(servers, app, settings):
-            await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 62, 1)])
-
-            async def drain_pending() -> bool:
-                try:
-                    pending = (await handle.describe()).raw_description.pending_activities
-                except Exception:
-                    return False
-                return any(a.activity_type.name == "drain_shard" for a in pending)
-
-            await wait_until(drain_pending, timeout=60, what="the fallback drain_shard activity")
-            await holder.execute(
-                text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"),
-                {"key": lock_key(shard)},
-            )
-            await holder.commit()
-            await handle.result()
+    handle, result = await drain_past_a_held_lock(
+        servers, engine, client, app, parse_shard("ORGANIZATION:62", app)
+    )
+    assert result.outcome == "handled", result
     history = await handle.fetch_history()
     scheduled = [
         e.activity_task_scheduled_event_attributes.activity_type.name
@@ -233,9 +224,8 @@ async def test_a_history_with_the_local_drain_fallback_replays(servers, engine, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["on-demand", "always"])
 async def test_slow_handlers_that_exhaust_the_connection_pool_slow_the_worker_down(
-    servers, engine, mode: str, caplog: pytest.LogCaptureFixture
+    servers, engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A drain holds a connection (and its shard's lock) while its handlers run. With more
     concurrent drains than connections, and handlers slower than the pool's 30 s wait, drains
@@ -250,9 +240,7 @@ async def test_slow_handlers_that_exhaust_the_connection_pool_slow_the_worker_do
 
     recorder.behaviour[Category.PROJECT_UPDATE] = held
     # 2 connections + 5 overflow; 10 drains may run at once.
-    settings = fast_settings(
-        shard_workflows=mode, database_pool_size=2, max_concurrent_activities=10, linger=0
-    )
+    settings = fast_settings(database_pool_size=2, max_concurrent_activities=10)
     with caplog.at_level(logging.INFO, logger="outbox_bridge"):
         async with running_worker(servers, app, settings):
             rows = [row(Category.PROJECT_UPDATE, s, 1) for s in range(1, 11)]

@@ -1,7 +1,7 @@
 """Hostile conditions at the core of processing, against a real PostgreSQL and Temporal:
 
-- a shard blocked, skipped or deferred for a long time while rows keep coming continues as new
-  under the history cap, carrying where it stands;
+- a shard blocked, skipped or deferred for a long time while producers keep flushing rows to it
+  continues as new under the history cap, carrying where it stands;
 - an operator's edits to pending rows (a deferred head deleted or moved earlier, a blocked head's
   category changed) take effect within a sweep;
 - the connection that holds a round's shard locks is killed while a handler runs (the design
@@ -27,10 +27,12 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import lock_key
+from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.rounds import LockedShards
 from outbox_bridge.runtime.shards import parse_shard
-from outbox_bridge.workflows.models import ShardInput, ShardStatus, SkipInput
+from outbox_bridge.workflows.models import ShardInput, ShardRef, ShardStatus, SkipInput
 from tests.harness import (
     Category,
     Recorder,
@@ -48,11 +50,11 @@ from tests.harness import (
     write_rows,
 )
 
-MODES = pytest.mark.parametrize("mode", ["on-demand", "always"])
 CONTINUED = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
-# What a run may add past the cap: the task that notices it (a signal or two that raced it,
-# the cancel of the waiting activity, the continue-as-new itself).
-HANDFUL = 12
+# What a run may add past the cap: the task that notices it, a flush under way (its update,
+# its check activity and their tasks: up to 17 events seen), the cancel of the waiting
+# activity, the continue-as-new itself.
+HANDFUL = 24
 
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
@@ -128,32 +130,36 @@ async def carried(client: Client, run: Run) -> ShardInput:
     return shard_input
 
 
-async def keep_writing(
+async def keep_flushing(
     engine: Any,
     app: Any,
-    shard: int,
+    flusher: Flusher,
+    shard: ShardRef,
     client: Client,
-    workflow_id: str,
     first_run: str,
     *,
     runs: int,
     seconds: float,
     every: float = 0.1,
-    **extra: object,
-) -> list[int]:
-    """Write a row of its own group to ``shard`` every ``every`` seconds, until the workflow
-    has continued as new ``runs`` times or ``seconds`` passed."""
+) -> tuple[list[int], set[str]]:
+    """Write a row of its own group to ``shard`` and flush it, every ``every`` seconds, until
+    the shard's workflow has continued as new ``runs`` times or ``seconds`` passed: the rows
+    written and the flushes' answers (each flush is an update in the workflow's history)."""
     written: list[int] = []
+    answers: set[str] = set()
     end = time.monotonic() + seconds
     for obj in itertools.count(1000):
-        [new] = await write_rows(engine, app, [row(Category.ORGANIZATION_UPDATE, shard, obj)])
+        [new] = await write_rows(
+            engine, app, [row(Category.ORGANIZATION_UPDATE, shard.shard_identifier, obj)]
+        )
         written.append(new)
+        answers |= {result.outcome for result in await flusher.flush({shard: new}, timeout=10)}
         await asyncio.sleep(every)
         if obj % 20 == 0:
-            chain = await runs_from(client, workflow_id, first_run)
+            chain = await runs_from(client, shard.workflow_id, first_run)
             if len(chain) > runs or time.monotonic() > end:
                 break
-    return written
+    return written, answers
 
 
 def check_runs(chain: list[Run], cap: int, *, at_least: int) -> None:
@@ -168,21 +174,34 @@ async def through_runs(
     engine: Any,
     app: Any,
     client: Client,
-    handle: WorkflowHandle[Any, Any],
-    shard: int,
+    settings: OutboxSettings,
+    shard: ShardRef,
     *,
     runs: int,
     cap: int,
+    answer: str,
     at_least: int = 2,
+    every: float = 0.1,
 ) -> tuple[list[int], list[Run], ShardStatus]:
-    """Rows keep coming to ``shard`` until its workflow has continued as new ``runs`` times,
-    each run under the cap: the rows written, the chain of runs, and the status at the end."""
+    """Producers keep flushing rows to ``shard`` until its workflow has continued as new
+    ``runs`` times, each run under the cap, every flush answered ``answer``: the rows written,
+    the chain of runs, and the status at the end."""
+    handle = client.get_workflow_handle(shard.workflow_id)
     first_run = (await handle.describe()).run_id
     assert first_run is not None
-    written = await keep_writing(
-        engine, app, shard, client, handle.id, first_run, runs=runs, seconds=45
+    written, answers = await keep_flushing(
+        engine,
+        app,
+        Flusher(app, settings, client=client),
+        shard,
+        client,
+        first_run,
+        runs=runs,
+        seconds=45,
+        every=every,
     )
-    chain = await runs_from(client, handle.id, first_run)
+    assert answers == {answer}
+    chain = await runs_from(client, shard.workflow_id, first_run)
     check_runs(chain, cap, at_least=at_least)
     after = await status_of(handle)
     assert after is not None
@@ -195,21 +214,17 @@ async def through_runs(
 async def test_a_long_blocked_shard_continues_as_new_carrying_its_block(
     servers, engine, client: Client
 ) -> None:
-    """Always mode: a shard blocked behind a failing head while rows keep coming (the bridge
-    signals its workflow for each) continues as new under --max-history-events, and each run
-    carries the block: the same head, since when, the attempts so far, the last error, and
-    where the retry backoff stood (no run starts again from the initial interval)."""
+    """A shard blocked behind a failing head while producers keep flushing rows to it (each
+    flush an update of its workflow, answered ``blocked``) continues as new under
+    --max-history-events, and each run carries the block: the same head, since when, the
+    attempts so far, the last error, and where the retry backoff stood (no run starts again
+    from the initial interval)."""
     recorder, _, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
     cap = 300
     settings = fast_settings(
-        shard_workflows="always",
-        max_history_events=cap,
-        initial_retry_interval=0.2,
-        max_retry_interval=2.0,
-        linger=0,
-        idle_timeout=0,
+        max_history_events=cap, initial_retry_interval=0.2, max_retry_interval=2.0
     )
     shard = parse_shard("ORGANIZATION:31", app)
     handle = client.get_workflow_handle(shard.workflow_id)
@@ -218,15 +233,17 @@ async def test_a_long_blocked_shard_continues_as_new_carrying_its_block(
         await wait_until(lambda: in_state(handle, "blocked"), what="the blocked shard")
         before = await status_of(handle)
         assert before is not None and before.head is not None
-        written, chain, after = await through_runs(engine, app, client, handle, 31, runs=3, cap=cap)
+        written, chain, after = await through_runs(
+            engine, app, client, settings, shard, runs=3, cap=cap, answer="blocked"
+        )
         assert after.state == "blocked"
         assert after.head == before.head
         assert after.blocked_since == before.blocked_since
         assert after.last_error == before.last_error
         assert after.attempts >= before.attempts
-        # The carry, run by run: the attempts grow, and the backoff goes on where it stood.
-        carries = [await carried(client, run) for run in chain[:-1]]
-        attempts = [c.carry.attempts for c in carries if c.carry is not None]
+        # The record, run by run: the attempts grow, and the backoff goes on where it stood.
+        records = [(await carried(client, run)).record for run in chain[:-1]]
+        attempts = [r.attempts for r in records if r is not None]
         assert attempts == sorted(attempts) and attempts[-1] > before.attempts
         # A run that retried (one may continue as new again before its attempt is due).
         retried = [
@@ -238,11 +255,11 @@ async def test_a_long_blocked_shard_continues_as_new_carrying_its_block(
         assert intervals
         assert all(interval > settings.initial_retry_interval for interval in intervals)
         assert intervals[-1] == settings.max_retry_interval  # blocked long enough: capped
-        for c in carries:
-            assert c.carry is not None and c.carry.head == before.head
-            assert c.carry.blocked_since == before.blocked_since
-            assert c.carry.retry_interval_seconds is not None
-            assert c.carry.next_attempt_at is not None  # the next run waits for it
+        for r in records:
+            assert r is not None and r.head == before.head
+            assert r.blocked_since == before.blocked_since
+            assert r.retry_interval_seconds is not None
+            assert r.next_attempt_at is not None  # the next run waits for it
         assert await count_rows(engine, app) == len(written) + 1
         assert recorder.calls == []  # nothing passed the blocked head
         gate.open = True
@@ -253,19 +270,14 @@ async def test_a_long_blocked_shard_continues_as_new_carrying_its_block(
 async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
     servers, engine, client: Client
 ) -> None:
-    """Rows keep a blocked shard continuing as new every few seconds: once the backoff has
-    reached --max-retry-interval, attempts stay that far apart, also across runs."""
+    """Flushed rows keep a blocked shard continuing as new every few seconds: once the backoff
+    has reached --max-retry-interval, attempts stay that far apart, also across runs."""
     recorder, _, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
     cap_seconds = 8.0
     settings = fast_settings(
-        shard_workflows="always",
-        max_history_events=200,
-        initial_retry_interval=1.0,
-        max_retry_interval=cap_seconds,
-        linger=0,
-        idle_timeout=0,
+        max_history_events=200, initial_retry_interval=1.0, max_retry_interval=cap_seconds
     )
     shard = parse_shard("ORGANIZATION:32", app)
     handle = client.get_workflow_handle(shard.workflow_id)
@@ -277,8 +289,9 @@ async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
         # 1 + 2 + 4 s of backoff: the interval is at its cap from then on.
         await asyncio.sleep(7.5)
         capped_from = time.monotonic()
-        await keep_writing(
-            engine, app, 32, client, shard.workflow_id, first_run, runs=6, seconds=30, every=0.05
+        flusher = Flusher(app, settings, client=client)
+        await keep_flushing(
+            engine, app, flusher, shard, client, first_run, runs=6, seconds=30, every=0.05
         )
         chain = await runs_from(client, shard.workflow_id, first_run)
         await handle.signal("skip", SkipInput(reason="test over"))
@@ -291,16 +304,14 @@ async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
 async def test_a_long_skipped_shard_continues_as_new_carrying_its_skip(
     servers, engine, client: Client
 ) -> None:
-    """Always mode: a blocked shard that an operator skipped keeps receiving rows. Its runs
-    continue as new under the cap, each carrying the skip (reason, by whom, when) and the
-    block it paused; no handler runs until it is resumed."""
+    """A blocked shard that an operator skipped keeps receiving flushed rows (each answered
+    ``skipped``). Its runs continue as new under the cap, each carrying the skip (reason, by
+    whom, when) and the block it paused; no handler runs until it is resumed."""
     recorder, _, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
     cap = 200
-    settings = fast_settings(
-        shard_workflows="always", max_history_events=cap, linger=0, idle_timeout=0
-    )
+    settings = fast_settings(max_history_events=cap)
     shard = parse_shard("ORGANIZATION:33", app)
     handle = client.get_workflow_handle(shard.workflow_id)
     [head_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 33, 1)])
@@ -310,7 +321,9 @@ async def test_a_long_skipped_shard_continues_as_new_carrying_its_skip(
         before = await status_of(handle)
         assert before is not None and before.skip is not None and before.head is not None
         attempts = len(gate.attempts)
-        written, chain, after = await through_runs(engine, app, client, handle, 33, runs=2, cap=cap)
+        written, chain, after = await through_runs(
+            engine, app, client, settings, shard, runs=2, cap=cap, answer="skipped"
+        )
         assert after.state == "skipped"
         assert after.skip == before.skip
         assert (after.head, after.blocked_since, after.last_error) == (
@@ -331,14 +344,13 @@ async def test_a_long_skipped_shard_continues_as_new_carrying_its_skip(
 async def test_a_long_deferred_shard_continues_as_new_carrying_its_deferral(
     servers, engine, client: Client
 ) -> None:
-    """Always mode: a shard whose head is deferred for an hour keeps receiving rows. Its runs
-    continue as new under the cap, each still deferred until the same time, and nothing
-    behind the head runs; once the head is moved to now, everything runs in order."""
+    """A shard whose head is deferred for an hour keeps receiving flushed rows (each answered
+    ``deferred``). Its runs continue as new under the cap, each still deferred until the same
+    time, and nothing behind the head runs; once the head is moved to now, everything runs in
+    order."""
     recorder, table, app = await fresh_app(engine)
     cap = 200
-    settings = fast_settings(
-        shard_workflows="always", max_history_events=cap, linger=0, idle_timeout=0
-    )
+    settings = fast_settings(max_history_events=cap)
     shard = parse_shard("ORGANIZATION:34", app)
     handle = client.get_workflow_handle(shard.workflow_id)
     due = datetime.now(UTC) + timedelta(hours=1)
@@ -349,58 +361,34 @@ async def test_a_long_deferred_shard_continues_as_new_carrying_its_deferral(
         await wait_until(lambda: in_state(handle, "deferred"), what="the deferred shard")
         before = await status_of(handle)
         assert before is not None and before.deferred_until is not None
-        written, chain, after = await through_runs(engine, app, client, handle, 34, runs=2, cap=cap)
+        written, chain, after = await through_runs(
+            engine, app, client, settings, shard, runs=2, cap=cap, answer="deferred"
+        )
         assert after.state == "deferred"
         assert after.deferred_until == before.deferred_until
         assert datetime.fromisoformat(after.deferred_until or "") == due
         for run in chain[:-1]:
-            c = await carried(client, run)
-            assert c.carry is not None and c.carry.deferred_until == before.deferred_until
+            record = (await carried(client, run)).record
+            assert record is not None and record.deferred_until == before.deferred_until
         assert recorder.calls == []
         await sql(engine, f"UPDATE {table} SET scheduled_for = now() WHERE id = :id", id=head_id)
         await wait_until(lambda: table_empty(engine, app), timeout=30, what="the due shard")
     assert recorder.ids() == [head_id, *written]
 
 
-async def test_a_lingering_shard_continues_as_new_under_the_cap(
-    servers, engine, client: Client
-) -> None:
-    """Always mode: steady traffic keeps a shard's drain lingering (each lingering activity
-    stays for the next rows, up to --linger-max); its runs continue as new under the cap,
-    and every row is handled once, in order."""
-    recorder, _, app = await fresh_app(engine)
-    cap = 100  # the least the settings allow
-    settings = fast_settings(
-        shard_workflows="always", max_history_events=cap, linger=1.0, linger_max=1.0
-    )
-    shard = parse_shard("ORGANIZATION:35", app)
-    handle = client.get_workflow_handle(shard.workflow_id)
-    async with running_worker(servers, app, settings):
-        [first] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 35, 1)])
-        await wait_until(lambda: first in recorder.ids(), what="the first row")
-        written, chain, _ = await through_runs(
-            engine, app, client, handle, 35, runs=2, cap=cap, at_least=1
-        )
-        assert any(run.scheduled("linger_shard") for run in chain[1:])
-        await wait_until(lambda: table_empty(engine, app), what="every row")
-    assert recorder.ids() == [first, *written]
-
-
 # -- 2. edits to pending rows take effect within a sweep ---------------------------------------------
 
 SWEEP = 2.0
-# On demand, the sweep wakes a held shard whose head changed; with a workflow for every shard,
-# the bridge looks at a shard once its head has not moved between two sweeps. The waits below
-# are far shorter than what would release the rows without the sweep (an hour's deferral, a
-# retry 20 s away), and far longer than two sweeps.
+# The sweep wakes a held shard whose head changed. The waits below are far shorter than what
+# would release the rows without the sweep (an hour's deferral, a retry 20 s away), and far
+# longer than two sweeps.
 DEFERRED_EDITS = ["deferred head deleted", "deferred head due now"]
 BLOCKED_EDITS = ["blocked head's category changed", "blocked head deleted"]
 
 
-@MODES
 @pytest.mark.parametrize("edit", DEFERRED_EDITS)
 async def test_an_edit_to_a_deferred_head_takes_effect_within_a_sweep(
-    servers, engine, client: Client, mode: str, edit: str
+    servers, engine, client: Client, edit: str
 ) -> None:
     recorder, table, app = await fresh_app(engine)
     shard = parse_shard("ORGANIZATION:41", app)
@@ -415,7 +403,7 @@ async def test_an_edit_to_a_deferred_head_takes_effect_within_a_sweep(
             row(Category.MEMBER_UPDATE, 41, 3),
         ],
     )
-    settings = fast_settings(shard_workflows=mode, sweep_interval=SWEEP, linger=0)
+    settings = fast_settings(sweep_interval=SWEEP)
     async with running_worker(servers, app, settings):
         await wait_until(lambda: in_state(handle, "deferred"), what="the deferred shard")
         await asyncio.sleep(2 * SWEEP)  # the sweeps have seen the shard as it is
@@ -428,10 +416,9 @@ async def test_an_edit_to_a_deferred_head_takes_effect_within_a_sweep(
     assert recorder.ids() == expected
 
 
-@MODES
 @pytest.mark.parametrize("edit", BLOCKED_EDITS)
 async def test_an_edit_to_a_blocked_head_takes_effect_within_a_sweep(
-    servers, engine, client: Client, mode: str, edit: str
+    servers, engine, client: Client, edit: str
 ) -> None:
     """An operator fixes a poison head (its category, or deletes it) while the backoff waits
     20 s before the next attempt: the rows behind it run within about a sweep."""
@@ -450,9 +437,7 @@ async def test_an_edit_to_a_blocked_head_takes_effect_within_a_sweep(
         ],
     )
     settings = fast_settings(
-        shard_workflows=mode,
         sweep_interval=SWEEP,
-        linger=0,
         initial_retry_interval=20.0,
         max_retry_interval=60.0,
     )
@@ -565,22 +550,18 @@ async def test_a_statement_under_way_does_not_hide_a_connection_the_server_close
         await conn.close()
 
 
-@pytest.mark.parametrize("mode", ["on-demand", "always"])
 async def test_a_lost_lock_stops_the_round_and_its_rows_run_again(
-    servers, engine, client: Client, mode: str
+    servers, engine, client: Client
 ) -> None:
     """A handler hangs past --handler-timeout; meanwhile the connection holding its shard's
-    lock is terminated (an idle timeout, a pooler, a network cut). On demand that is a
-    partition's round; with a workflow for every shard, the shard workflow's drain, whose
-    attempt times out and is retried while the hung call still runs.
+    lock is terminated (an idle timeout, a pooler, a network cut): the connection of a
+    partition's round.
 
     The round notices: it takes no further group on the dead connection, and deletes nothing
     under the lost lock. No second call of the shard starts in this worker while the first
     still runs, although PostgreSQL no longer holds the lock. Once the hung call returned, a
     new connection takes the shard's lock again and deletes the group it handled, so it does
-    not run again (with a workflow for every shard, the drain's retry may take the lock
-    first: then it runs once more). And the shard is not blocked for good: all its rows are
-    handled."""
+    not run again. And the shard is not blocked for good: all its rows are handled."""
     hanging = HangingHandler()
     table = unique_table()
     app = make_app(table, Recorder(), handle_all=False)
@@ -596,17 +577,13 @@ async def test_a_lost_lock_stops_the_round_and_its_rows_run_again(
             row(Category.MEMBER_UPDATE, 51, 3),
         ],
     )
-    # On demand, a round's time budget outlasts the hung call: only the lost connection stops
-    # the round. In a shard workflow, the drain attempt times out (and is retried) meanwhile.
-    budget = 30.0 if mode == "on-demand" else 1.0
-    settings = fast_settings(
-        shard_workflows=mode, handler_timeout=2.0, drain_time_budget=budget, linger=0
-    )
+    # The round's time budget outlasts the hung call: only the lost connection stops it.
+    settings = fast_settings(handler_timeout=2.0, drain_time_budget=30.0)
     async with running_worker(servers, app, settings):
         await asyncio.wait_for(asyncio.to_thread(hanging.entered.wait, 30), timeout=35)
         [pid] = await lock_holders(engine, lock_key(shard))
         await sql(engine, "SELECT pg_terminate_backend(:pid)", pid=pid)
-        # Past the handler timeout and the drain attempt's timeout: retries come and go.
+        # Past the handler timeout: whatever retries there are come and go.
         await asyncio.sleep(3 * settings.handler_timeout + 1)
         assert hanging.objects() == []  # nothing else of the shard started meanwhile
         hanging.release.set()
@@ -614,10 +591,7 @@ async def test_a_lost_lock_stops_the_round_and_its_rows_run_again(
     objects = hanging.objects()
     # The hung group returned on a dead connection; its rows were deleted under the lock taken
     # again. The groups behind it ran once each, on a live connection, in order.
-    if mode == "on-demand":
-        assert objects == [1, 2, 3]
-    else:
-        assert objects in ([1, 2, 3], [1, 1, 2, 3])
+    assert objects == [1, 2, 3]
     assert hanging.overlaps == 0
     for (_, _, first_end), (_, second_start, _) in itertools.pairwise(hanging.calls):
         assert second_start >= first_end

@@ -44,8 +44,6 @@ from tests.harness import (
     write_rows,
 )
 
-MODES = pytest.mark.parametrize("mode", ["on-demand", "always"])
-
 
 def row(category: Category, shard: int, obj: int, **extra: object) -> dict[str, object]:
     return {"category": category, "shard_identifier": shard, "object_identifier": obj, **extra}
@@ -179,9 +177,8 @@ async def clock_behind_url(engine: Any, url: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}options={options}"
 
 
-@MODES
 async def test_a_database_clock_behind_temporal_s_never_makes_a_deferred_shard_spin(
-    servers, engine, client: Client, mode: str
+    servers, engine, client: Client
 ) -> None:
     """A row is due in 2 s by Temporal's clock, in 2 + 8 s by the database's (which decides):
     the shard waits once for what the database says, instead of draining again and again
@@ -194,7 +191,7 @@ async def test_a_database_clock_behind_temporal_s_never_makes_a_deferred_shard_s
 
     recorder.behaviour[Category.PROJECT_UPDATE] = stamped
     skewed = replace(servers, database_url=await clock_behind_url(engine, servers.database_url))
-    settings = fast_settings(shard_workflows=mode, linger=0)
+    settings = fast_settings()
     due = datetime.now(UTC) + timedelta(seconds=2)
     async with running_worker(skewed, app, settings):
         await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 9, 1, scheduled_for=due)])
@@ -219,9 +216,8 @@ async def test_a_database_clock_behind_temporal_s_never_makes_a_deferred_shard_s
 HUGE = 200_000
 
 
-@MODES
 async def test_a_huge_error_message_blocks_its_shard_and_temporal_keeps_it_bounded(
-    servers, engine, client: Client, mode: str
+    servers, engine, client: Client
 ) -> None:
     """A handler raises an exception whose message is 200,000 characters: its shard blocks
     like on any failure, the status shows the error's class and the start of its message, and
@@ -235,7 +231,7 @@ async def test_a_huge_error_message_blocks_its_shard_and_temporal_keeps_it_bound
             raise ValueError("x" * HUGE)
 
     recorder.behaviour[Category.PROJECT_UPDATE] = huge
-    settings = fast_settings(shard_workflows=mode, linger=0, max_retry_interval=0.5)
+    settings = fast_settings(max_retry_interval=0.5)
     ids = await write_rows(
         engine,
         app,

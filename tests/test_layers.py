@@ -28,7 +28,10 @@ DJANGO_PRODUCER_SIDE = (
     "handlers",
     "models",
     "operations",
+    "tables",
     "writes",
+    "management.commands.flush",
+    "management.commands.sqlflush",
 )
 
 # What an application that writes rows may load, and nothing more: the registry and what it

@@ -179,7 +179,7 @@ async def test_the_bridge_handles_a_large_multibyte_insert_through_the_sweep_not
     """With scans and sweeps an hour apart, only the ``*`` notification can bring the rows
     of a large multi-shard INSERT to the bridge."""
     recorder, app, table = await new_app(engine, regional=True)
-    settings = fast_settings(poll_interval=3600, sweep_interval=3600, linger=0)
+    settings = fast_settings(poll_interval=3600, sweep_interval=3600)
     async with running_worker(servers, app, settings):
         statement, params = insert_shards_sql(table, 150, WIDE)
         await sql(engine, statement, **params)

@@ -283,7 +283,7 @@ async def test_async_session_rows_are_flushed_by_outbox_context(servers, engine)
     models = declare_models(app)
     async with engine.begin() as conn:
         await conn.run_sync(models.Base.metadata.create_all)
-    async with running_worker(servers, app, fast_settings(idle_timeout=0)) as settings:
+    async with running_worker(servers, app, fast_settings()) as settings:
         app.configure_flush(
             settings.model_copy(update={"temporal_address": servers.temporal_address})
         )

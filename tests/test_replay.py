@@ -34,6 +34,22 @@ def latest_corpus(paths: list[Path]) -> list[Path]:
     return [p for p in paths if version(p) == newest]
 
 
+def newest(scenario: str) -> Path:
+    """The newest corpus's history of ``scenario`` (its first run, when it has several)."""
+    stems = (scenario, f"{scenario}_run1")
+    [path] = [p for p in latest_corpus(HISTORIES) if p.stem.split("-", 1)[1] in stems]
+    return path
+
+
+def first_scheduled_activity(recorded: dict[str, Any]) -> int:
+    """The id of the first ActivityTaskScheduled event of ``recorded``."""
+    return min(
+        int(event["eventId"])
+        for event in recorded["events"]
+        if "activityTaskScheduledEventAttributes" in event
+    )
+
+
 def test_corpus_versions_compare_as_numbers() -> None:
     paths = [Path(f"{name}.json") for name in ("v9-drain", "v10-drain", "v10-flush_run1", "v2-x")]
     assert [p.stem for p in latest_corpus(paths)] == ["v10-drain", "v10-flush_run1"]
@@ -43,22 +59,20 @@ def test_the_corpus_covers_the_required_scenarios() -> None:
     # The newest version of the corpus covers every scenario; older versions stay to be replayed.
     names = {p.stem.split("-", 1)[1].split("_run")[0] for p in latest_corpus(HISTORIES)}
     assert {
+        # Each shard workflow drains, retries, waits or continues as new after a handover.
         "drain",
         "failing_then_succeeding",
         "skip_resume",
         "continue_as_new",
         "deferred",
-        "lingering",
-        "complete_when_empty",
-        "lingering_from_start",
         "flush",
-        # Since v5, on demand: partitions, handovers, giving a shard back.
         "handover_failed",
-        "handover_failed_partition",
         "handover_deferred",
         "skip_healthy",
-        "flush_on_demand",
-        "blocked_continue_as_new",
+        # The partition that handed each shard over and took it back.
+        "drain_partition",
+        "handover_failed_partition",
+        "handover_deferred_partition",
     } <= names
     kinds = {e.event_type for p in HISTORIES for e in load(p).events}
     assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW in kinds
@@ -86,7 +100,7 @@ def scheduling_another_activity(recorded: dict[str, Any]) -> dict[str, Any]:
 
 def tampered(tmp_path: Path) -> Path:
     """A recorded history as if the workflow had scheduled another category's activity."""
-    recorded = json.loads((HISTORY_FOLDER / "v3-failing_then_succeeding.json").read_text())
+    recorded = json.loads(newest("failing_then_succeeding").read_text())
     path = tmp_path / "tampered.json"
     path.write_text(json.dumps(scheduling_another_activity(recorded)))
     return path
@@ -114,7 +128,7 @@ def test_assert_replays_reads_the_sdks_and_the_uis_json(tmp_path: Path) -> None:
     """``outbox-bridge history export`` writes the SDK's JSON indented (the corpus's files);
     the SDK's ``to_json`` writes it as it is; the UI's download names enums its own way.
     Each replays, and each fails the same way when the code disagrees with it."""
-    exported = HISTORY_FOLDER / "v5-failing_then_succeeding.json"
+    exported = newest("failing_then_succeeding")
     sdk = tmp_path / "sdk" / "history.json"
     ui = tmp_path / "ui" / "history.json"
     for path in (sdk, ui):
@@ -137,26 +151,28 @@ def test_assert_replays_reads_the_sdks_and_the_uis_json(tmp_path: Path) -> None:
 
 
 def test_assert_replays_takes_files_folders_patterns_and_histories(tmp_path: Path) -> None:
-    drain = HISTORY_FOLDER / "v4-drain.json"
+    drain = newest("drain")
     (tmp_path / "nested").mkdir()
     (tmp_path / "nested" / "drain.json").write_text(drain.read_text())
     assert_replays(
         drain,
         str(tmp_path / "nested"),
         f"{tmp_path}/**/*.json",
-        load(HISTORY_FOLDER / "v4-flush_run1.json"),
+        load(newest("flush")),
     )
 
 
 def test_a_nondeterministic_history_fails_naming_the_file_and_the_event(tmp_path: Path) -> None:
     bad = tampered(tmp_path)
+    at = first_scheduled_activity(json.loads(bad.read_text()))
+    drain = newest("drain")
     with pytest.raises(AssertionError) as raised:
-        assert_replays(HISTORY_FOLDER / "v4-drain.json", bad)
+        assert_replays(drain, bad)
     message = str(raised.value)
     assert message.startswith("1 of 2 histories do not replay"), message
     assert f"{bad}: [TMPRL1100] Nondeterminism error" in message, message
-    assert "at event 6 ActivityTaskScheduled USER_UPDATE (unsandboxed)" in message, message
-    assert "v4-drain" not in message
+    assert f"at event {at} ActivityTaskScheduled USER_UPDATE (unsandboxed)" in message, message
+    assert drain.stem not in message
 
 
 def test_assert_replays_refuses_what_is_no_history(tmp_path: Path) -> None:
@@ -170,6 +186,6 @@ def test_assert_replays_refuses_what_is_no_history(tmp_path: Path) -> None:
 
 
 async def test_assert_replays_in_an_async_test(tmp_path: Path) -> None:
-    assert_replays(HISTORY_FOLDER / "v4-deferred.json")
+    assert_replays(newest("deferred"))
     with pytest.raises(AssertionError, match=r"tampered\.json"):
         assert_replays(tampered(tmp_path))

@@ -49,10 +49,7 @@ async def shards_matching(client: Client, query: str, task_queue: str) -> set[st
     return found
 
 
-@pytest.mark.parametrize("mode", ["on-demand", "always"])
-async def test_state_attributes_follow_blocked_skipped_resumed(
-    servers, engine, client, mode
-) -> None:
+async def test_state_attributes_follow_blocked_skipped_resumed(servers, engine, client) -> None:
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
@@ -64,7 +61,7 @@ async def test_state_attributes_follow_blocked_skipped_resumed(
             raise ConnectionError("search index down")
 
     recorder.behaviour[int(Category.PROJECT_UPDATE)] = flaky
-    settings = fast_settings(idle_timeout=0, shard_workflows=mode)
+    settings = fast_settings()
     tq = settings.task_queue
     before_block = datetime.now(UTC) - timedelta(seconds=1)
     async with running_worker(servers, app, settings):
@@ -106,25 +103,11 @@ async def test_state_attributes_follow_blocked_skipped_resumed(
         assert attributes.get(BLOCKED_SINCE_ATTRIBUTE) is None
 
     healthy = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:32")
-    if mode == "always":
-        # The healthy shard never upserted a state of its own: it was set when it started.
-        # (The SDK upserts TemporalChangeVersion once, with the patches a run decides in its
-        # first task.)
-        upserts = [
-            sorted(
-                e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
-            )
-            for e in (await healthy.fetch_history()).events
-            if e.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES
-        ]
-        assert upserts == [["TemporalChangeVersion"]]
-    else:
-        # A partition drained the healthy shard: it never had a workflow.
-        with pytest.raises(RPCError) as missing:
-            await healthy.describe()
-        assert missing.value.status == RPCStatusCode.NOT_FOUND
-    # The blocked one upserted once per change: blocked, skipped, draining (besides the SDK's
-    # own TemporalChangeVersion upsert that marks the code version).
+    # A partition drained the healthy shard: it never had a workflow.
+    with pytest.raises(RPCError) as missing:
+        await healthy.describe()
+    assert missing.value.status == RPCStatusCode.NOT_FOUND
+    # The blocked one upserted once per change: blocked, skipped, draining.
     upserted = [
         sorted(
             e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
@@ -140,14 +123,14 @@ async def test_state_attributes_follow_blocked_skipped_resumed(
     ]
 
 
-async def test_deferred_and_idle_states(servers, engine, client) -> None:
-    """Every shard with rows in its own workflow: a deferred one, and an idle one waiting for
-    rows (idle exists only there; on demand, an empty shard goes back to its partition)."""
+async def test_a_deferred_shard_is_listed_by_its_state(servers, engine, client) -> None:
+    """A shard whose head is deferred goes to its own workflow, listed as deferred; a shard
+    drained by a partition next to it is listed in no state (it has no workflow)."""
     recorder = Recorder()
     table = unique_table()
     app = make_app(table, recorder)
     await create_tables(engine, app)
-    settings = fast_settings(idle_timeout=30, shard_workflows="always")
+    settings = fast_settings()
     async with running_worker(servers, app, settings):
         await write_rows(engine, app, [row(41, scheduled_for=timedelta(hours=1)), row(42)])
 
@@ -155,15 +138,15 @@ async def test_deferred_and_idle_states(servers, engine, client) -> None:
             handle = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:{shard}")
             try:
                 attributes = (await handle.describe()).typed_search_attributes
-            except Exception:
+            except RPCError:
                 return False
             return bool(attributes.get(STATE_ATTRIBUTE) == state)
 
         await wait_until(lambda: state_of(41, "deferred"), what="the deferred shard")
-        await wait_until(lambda: state_of(42, "idle"), what="the idle shard")
+        await wait_until(lambda: len(recorder.calls) == 1, what="the healthy shard's row")
         assert await shards_matching(client, 'OutboxState = "deferred"', settings.task_queue) == {
             "ORGANIZATION:41"
         }
-        # New rows wake the idle shard: it drains again.
-        await write_rows(engine, app, [row(42, 2)])
-        await wait_until(lambda: len(recorder.calls) == 2, what="the second row")
+        assert await shards_matching(client, "OutboxState IS NOT NULL", settings.task_queue) == {
+            "ORGANIZATION:41"
+        }

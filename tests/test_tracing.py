@@ -1,12 +1,14 @@
 """Traces: a row carries its producer's trace context; its handler runs in a span under the
-Temporal activity's, linked to the producer span of every row it covers; the bridge's wake-ups,
-sweeps and signals have spans; exporters follow the settings. No payload ever enters a span."""
+Temporal activity's, linked to the producer span of every row it covers; a handover to a
+shard's workflow and that workflow's activities share a trace; the bridge's sweeps have spans;
+exporters follow the settings. No payload ever enters a span."""
 
 from __future__ import annotations
 
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -18,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode, Tracer
 from sqlalchemy import select, text
 
-from outbox_bridge import OutboxMessage
+from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.observability.sdk import build_tracer_provider
 from outbox_bridge.runtime.hub import ShardKey, partition_of
 from tests.harness import (
@@ -75,8 +77,18 @@ def by_id(spans: InMemorySpanExporter) -> dict[int, ReadableSpan]:
     return {s.context.span_id: s for s in spans.get_finished_spans() if s.context is not None}
 
 
-# Both paths: partitions draining healthy shards (the default), a workflow for every shard.
-MODES = pytest.mark.parametrize("mode", ["on-demand", "always"])
+async def failing_once(engine: Any) -> tuple[str, OutboxApp]:
+    """An app on a fresh table whose PROJECT_UPDATE handler fails its first call."""
+    recorder, table, app = await fresh_app(engine)
+    failed: list[int] = []
+
+    async def fail_once(message: OutboxMessage) -> None:
+        if not failed:
+            failed.append(message.id)
+            raise RuntimeError("the downstream service said no")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
+    return table, app
 
 
 def partition_index(table: str, scope: int, shard: int, partitions: int = 4) -> int:
@@ -166,37 +178,41 @@ async def test_an_existing_outbox_table_gets_the_trace_context_column(engine) ->
     assert [tuple(c) for c in columns] == [("jsonb", "YES")]
 
 
-async def test_signals_and_activities_are_traced(servers, engine, spans) -> None:
-    """Every shard in its own workflow: the bridge's signal starts it, in the row's trace."""
-    _, table, app = await fresh_app(engine)
-    async with running_worker(servers, app, fast_settings(shard_workflows="always")):
-        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 1, 1)])
-        await wait_until(lambda: table_empty(engine, app), what="the row handled")
-    names = {span.name for span in spans.get_finished_spans()}
-    starts = {"StartWorkflow:OutboxShard", "SignalWithStartWorkflow:OutboxShard"}
-    assert names & starts
-    assert "RunActivity:drain_shard" in names
-    signal = of_table(spans, table, "outbox.bridge.signal")[0]
-    start = next(
-        s for s in spans.get_finished_spans() if s.name in starts and parent_of(s, spans) is signal
-    )
-    [handler] = of_table(spans, table, HANDLE_PROJECT)
-    run = parent_of(handler, spans)
-    assert run.name == "RunActivity:drain_shard"
-    assert run.context is not None and start.context is not None
-    assert run.context.trace_id == start.context.trace_id  # one trace across Temporal
-    # Rows written outside a span: the signal belongs to the bridge's wake-up (or sweep).
-    assert parent_of(signal, spans).name in ("outbox.bridge.wake", "outbox.bridge.sweep")
-    assert "outbox.bridge.sweep" in names
-    assert not handler.links
-
-
-@MODES
-async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(
-    servers, engine, spans, mode: str
+async def test_a_handover_and_the_shard_workflow_s_activities_are_traced(
+    servers, engine, spans
 ) -> None:
+    """A failing handler makes its shard get its workflow: the partition's handover starts it,
+    and the workflow's activities (the head's retry, the drain of the rows behind it) run in
+    the handover's trace."""
+    table, app = await failing_once(engine)
+    await write_rows(
+        engine, app, [row(Category.PROJECT_UPDATE, 1, 1), row(Category.ORGANIZATION_UPDATE, 1, 2)]
+    )
+    async with running_worker(servers, app, fast_settings()):
+        await wait_until(lambda: table_empty(engine, app), what="the rows handled")
+    names = {span.name for span in spans.get_finished_spans()}
+    assert "outbox.bridge.sweep" in names
+    [start] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "SignalWithStartWorkflow:OutboxShard"
+        and (s.attributes or {}).get("temporalWorkflowID") == f"outbox:{table}:ORGANIZATION:1"
+    ]
+    first, retry = of_table(spans, table, HANDLE_PROJECT)
+    assert parent_of(first, spans).name == "RunActivity:drain_partition"
+    assert parent_of(retry, spans).name == "RunActivity:PROJECT_UPDATE"
+    [behind] = of_table(spans, table, "outbox.handle ORGANIZATION_UPDATE")
+    assert parent_of(behind, spans).name == "RunActivity:drain_shard"
+    assert start.context is not None
+    for handler in (retry, behind):
+        assert handler.context is not None
+        assert handler.context.trace_id == start.context.trace_id  # one trace across Temporal
+    assert_no_payload(spans.get_finished_spans())
+
+
+async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(servers, engine, spans) -> None:
     _, table, app = await fresh_app(engine)
-    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
+    async with running_worker(servers, app, fast_settings()):
         with tracer().start_as_current_span("request"):
             [row_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5, 7)])
         await wait_until(lambda: table_empty(engine, app), what="the row handled")
@@ -205,11 +221,8 @@ async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(
     assert producer.context is not None and handler.context is not None
     assert handler.context.trace_id == producer.context.trace_id
     partition = f"outbox:{table}:partition:{partition_index(table, 1, 5)}"
-    if mode == "on-demand":
-        # A partition drained it: the handler span is the producer span's child.
-        assert parent_of(handler, spans) is producer
-    else:
-        assert parent_of(handler, spans).name == "RunActivity:drain_shard"
+    # A partition drained it: the handler span is the producer span's child.
+    assert parent_of(handler, spans) is producer
     assert handler.kind is trace.SpanKind.CONSUMER
     assert [link.context.span_id for link in handler.links] == [producer.context.span_id]
     attributes = dict(handler.attributes or {})
@@ -224,23 +237,13 @@ async def test_a_row_s_trace_runs_from_its_producer_to_its_handler(
         "outbox.id": row_id,
         "outbox.coalesced": 1,
         "outbox.attempt": 1,
-        **({"outbox.partition": partition} if mode == "on-demand" else {}),
+        "outbox.partition": partition,
     }
     assert handler.status.status_code is StatusCode.UNSET
-    if mode == "on-demand":
-        assert not of_table(spans, table, "outbox.bridge.signal")  # no Temporal hop per row
-        assert_no_payload(spans.get_finished_spans())
-        return
-    # The bridge signalled the shard as a child of the producer span, linked to its wake-up.
-    signal = of_table(spans, table, "outbox.bridge.signal")[0]
-    assert parent_of(signal, spans) is producer
-    [wake] = [by_id(spans)[link.context.span_id] for link in signal.links]
-    assert wake.name in ("outbox.bridge.wake", "outbox.bridge.sweep")
     assert_no_payload(spans.get_finished_spans())
 
 
-@MODES
-async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans, mode: str) -> None:
+async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans) -> None:
     recorder, table, app = await fresh_app(engine)
     # A row from plain SQL has no trace context; it is coalesced all the same.
     await sql(
@@ -253,7 +256,7 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans,
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 3, 9)])
     producers = of_table(spans, table, "outbox.write PROJECT_UPDATE")
     assert len(producers) == 3
-    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
+    async with running_worker(servers, app, fast_settings()):
         await wait_until(lambda: table_empty(engine, app), what="the group handled")
     assert [(c.coalesced, c.object_identifier) for c in recorder.calls] == [(4, 9)]
     [handler] = of_table(spans, table, HANDLE_PROJECT)
@@ -267,21 +270,12 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans,
     assert_no_payload(spans.get_finished_spans())
 
 
-@MODES
 @pytest.mark.parametrize("redact", [False, True], ids=["messages", "redacted"])
 async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
-    servers, engine, spans, redact: bool, mode: str
+    servers, engine, spans, redact: bool
 ) -> None:
-    recorder, table, app = await fresh_app(engine)
-    failed: list[int] = []
-
-    async def fail_once(message: OutboxMessage) -> None:
-        if not failed:
-            failed.append(message.id)
-            raise RuntimeError("the downstream service said no")
-
-    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
-    settings = fast_settings(redact_errors=redact, shard_workflows=mode)
+    table, app = await failing_once(engine)
+    settings = fast_settings(redact_errors=redact)
     async with running_worker(servers, app, settings):
         with tracer().start_as_current_span("request"):
             await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
@@ -296,9 +290,8 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     # Redacting keeps the message out of Temporal only: the span has it either way.
     assert event.attributes["exception.message"] == "the downstream service said no"
     assert "downstream" in str(first.status.description)
-    # The first attempt ran in a drain: the partition's (under the producer) or the shard's.
-    expected = "outbox.write PROJECT_UPDATE" if mode == "on-demand" else "RunActivity:drain_shard"
-    assert parent_of(first, spans).name == expected
+    # The first attempt ran in the partition's drain, under the producer.
+    assert parent_of(first, spans).name == "outbox.write PROJECT_UPDATE"
     # The retry is the category activity's first attempt: the head's second.
     assert retry.status.status_code is StatusCode.UNSET
     assert retry.attributes is not None and retry.attributes["outbox.attempt"] == 2
@@ -308,9 +301,8 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     assert_no_payload(spans.get_finished_spans())
 
 
-@MODES
 async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
-    servers, engine, spans, mode: str
+    servers, engine, spans
 ) -> None:
     """A plain-def handler runs in a thread of the handler pool, not on the event loop, and
     the span current in that thread is its own call's: the handler span of its row, under the
@@ -329,7 +321,7 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
     await create_tables(engine, app)
     rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
     ids = await write_rows(engine, app, rows)  # before the worker: one batch
-    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
+    async with running_worker(servers, app, fast_settings()):
         await wait_until(lambda: table_empty(engine, app), what="the rows handled")
     assert sorted(seen) == ids
     assert all(thread != loop_thread for thread, _ in seen.values()), "ran on the event loop"
@@ -341,7 +333,5 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
     assert {row_id: span_id for row_id, (_, span_id) in seen.items()} == span_of_row
     assert len(set(span_of_row.values())) == 3
     [run] = {parent_of(s, spans) for s in handlers}  # rows without a producer span
-    assert run.name == (
-        "RunActivity:drain_partition" if mode == "on-demand" else "RunActivity:drain_shard"
-    )
+    assert run.name == "RunActivity:drain_partition"
     assert_no_payload(spans.get_finished_spans())

@@ -14,7 +14,9 @@ from temporalio.common import SearchAttributeKey
 # Custom search attributes of shard workflows (registered by the worker; see
 # docs/reference/workflows.md).
 SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
-SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShard")
+# Not "OutboxShard": the Temporal UI reads a search attribute named like a workflow type as
+# that type, and a query that combines them finds nothing.
+SHARD_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxShardKey")
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxState")
 BLOCKED_CATEGORY_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxBlockedCategory")
 BLOCKED_SINCE_ATTRIBUTE = SearchAttributeKey.for_datetime("OutboxBlockedSince")
@@ -73,9 +75,8 @@ class ShardRef:
 
 @dataclass
 class ShardOptions:
-    """Tuning handed to every run of a shard workflow (set by the bridge from the settings)."""
+    """Tuning handed to every run of a shard workflow (set from the worker's settings)."""
 
-    idle_timeout_seconds: float = 0.0
     handler_timeout_seconds: float = 300.0
     heartbeat_timeout_seconds: float = 30.0
     initial_retry_seconds: float = 1.0
@@ -83,11 +84,6 @@ class ShardOptions:
     drain_max_groups: int = 1000
     drain_time_budget_seconds: float = 2.0
     max_history_events: int = 10_000
-    linger_seconds: float = 0.0
-    linger_max_seconds: float = 120.0
-    # On demand (partitions drain healthy shards): each run holds its shard while it runs and
-    # gives it back once the shard is empty. Off: every shard with rows has its own workflow.
-    owns_shard: bool = False
 
 
 @dataclass
@@ -123,34 +119,61 @@ class HeadGroup:
 
 
 @dataclass
-class ShardCarry:
-    """State carried across continue-as-new."""
+class ShardRecord:
+    """Everything a shard workflow knows, carried whole across continue-as-new; its state is
+    derived from it (:attr:`state`)."""
 
-    max_known_id: int = 0
-    highest_seen_id: int = 0
+    max_known_id: int = 0  # the highest row id it was told of
+    highest_seen_id: int = 0  # the highest row id its drains read
     rows_handled: int = 0
     groups_handled: int = 0
+    pending: bool = True  # rows may be due: drain next
     skip: SkipInfo | None = None
-    # Rows kept arriving: the run drains with a lingering activity from the start (set by the
-    # bridge for a shard it started or signalled moments ago, and carried across runs).
-    traffic: bool = False
-    # A blocked shard continues as new without starting over: its head, attempts so far, since
-    # when, the last error and where the retry backoff stands.
+    skip_held: bool = False  # the skip is recorded in the owner table: no drain takes the shard
+    # A failing head group: retried as its category activity until it succeeds.
     head: HeadGroup | None = None
-    attempts: int = 0
+    attempts: int = 0  # calls of the head so far, the partition's first one included
     last_error: HandlerFailure | None = None
     blocked_since: str | None = None
-    retry_interval_seconds: float | None = None
-    # When the backoff had scheduled the next attempt (a run carried over waits for it).
-    next_attempt_at: str | None = None
+    retry_interval_seconds: float | None = None  # where the backoff stands
+    next_attempt_at: str | None = None  # when the backoff scheduled the next attempt
+    # A head row scheduled later: when it is due, and how long that is by the database's clock
+    # (which decides when the row is due) at the moment it was read.
     deferred_until: str | None = None
+    deferred_seconds: float | None = None
+
+    @property
+    def state(self) -> ShardState:
+        if self.skip is not None:
+            return ShardState.SKIPPED
+        if self.head is not None:
+            return ShardState.BLOCKED
+        if self.pending:
+            return ShardState.DRAINING
+        if self.deferred_until is not None:
+            return ShardState.DEFERRED
+        return ShardState.IDLE
+
+    def clear_head(self) -> None:
+        self.head = None
+        self.attempts = 0
+        self.last_error = None
+        self.blocked_since = None
+        self.retry_interval_seconds = None
+        self.next_attempt_at = None
+
+
+# The generation of the workflow code a run was started by, in its memo (MEMO_CODE_KEY): runs
+# of an older generation cannot be replayed by this code (``outbox-bridge upgrade-check``).
+WORKFLOW_CODE = 1
+MEMO_CODE_KEY = "outbox-bridge-workflow-code"
 
 
 @dataclass
 class ShardInput:
     shard: ShardRef
     options: ShardOptions = field(default_factory=ShardOptions)
-    carry: ShardCarry | None = None
+    record: ShardRecord | None = None
 
 
 @dataclass
@@ -202,13 +225,12 @@ class HandoverInput:
 
 @dataclass
 class DrainInput:
+    """Local activity ``drain_shard``: hold the shard for its workflow, handle head groups in
+    order, and give the shard back once it is empty."""
+
     shard: ShardRef
     max_groups: int = 1000
     time_budget_seconds: float = 2.0
-    linger_seconds: float = 0.0
-    linger_max_seconds: float = 0.0
-    # Hold the shard (partitions leave it alone) and give it back once it is empty.
-    own: bool = False
 
 
 @dataclass
@@ -219,7 +241,6 @@ class HoldInput:
     shard: ShardRef
     held_for: HeldFor = HeldFor.WORKFLOW
     wait_seconds: float = 30.0
-    release: bool = False  # no longer held: give the shard back
 
 
 @dataclass
@@ -233,18 +254,19 @@ class DrainResult:
     deferred_until: str | None = None
     failed: HeadGroup | None = None
     failure: HandlerFailure | None = None
-    lingered_rows: int = 0
     released: bool = False  # the shard was empty and went back to its partition
     deferred_seconds: float | None = None  # by the database's clock, when deferred_until is set
 
 
 @dataclass
 class HandleHeadInput:
-    """Input of a category activity: handle the head group of the shard if it is this group."""
+    """Input of a category activity: handle the head group of the shard if it is this group.
+    ``prior_attempts``: calls of the group before this activity began (numbered on from them)."""
 
     shard: ShardRef
     category: int
     object_identifier: int
+    prior_attempts: int = 0
 
 
 @dataclass

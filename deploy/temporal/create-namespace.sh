@@ -15,7 +15,7 @@ RETENTION=${RETENTION:-72h}
 # The search attributes of workflows/models.py, one per line: NAME TYPE.
 SEARCH_ATTRIBUTES='
 OutboxScope Keyword
-OutboxShard Keyword
+OutboxShardKey Keyword
 OutboxState Keyword
 OutboxBlockedCategory Keyword
 OutboxBlockedSince Datetime

@@ -38,18 +38,21 @@ def _import_from_working_directory() -> None:
         sys.path.insert(0, here)
 
 
-def app_from_settings(demo_app: bool, spec: str | None, *, allow_none: bool = False) -> OutboxApp:
-    """The app named by ``--app`` (``module:attribute``), or the demo app with ``--demo``.
-
-    With ``allow_none``, no app means a registry without scopes and the default ``outbox``
-    table (enough for commands that only need table names).
-    """
+def app_from_settings(demo_app: bool, spec: str | None) -> OutboxApp | None:
+    """The app named by ``--app`` (``module:attribute``), the demo app with ``--demo``, or None
+    when neither is given."""
     if demo_app and spec:
         raise RegistryError("--demo runs the demo app; do not also give --app")
     if demo_app:
         return demo.app
-    if spec:
-        return load_app(spec)
-    if allow_none:
-        return OutboxApp(scopes={})
-    raise RegistryError("no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo")
+    return load_app(spec) if spec else None
+
+
+def worker_app(demo_app: bool, spec: str | None) -> OutboxApp:
+    """The app the worker runs: :func:`app_from_settings`, which must name one."""
+    app = app_from_settings(demo_app, spec)
+    if app is None:
+        raise RegistryError(
+            "no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo"
+        )
+    return app

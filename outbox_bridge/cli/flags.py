@@ -13,7 +13,13 @@ import click
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from outbox_bridge.config import OutboxSettings, SettingGroup, env_names, setting_group
+from outbox_bridge.config import (
+    OutboxSettings,
+    SettingGroup,
+    env_names,
+    setting_group,
+    tools_description,
+)
 from outbox_bridge.errors import ConfigurationError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,26 +39,46 @@ def _click_type(annotation: Any) -> Any:
 
 
 def settings_options(*groups: SettingGroup) -> Callable[[F], F]:
-    """A decorator that gives a click command one option per setting of ``groups`` (every
-    setting when none is given); the values land in ``**overrides``."""
+    """A decorator that gives a click command one option per setting of ``groups``, described
+    as the tools use it; with no group, the worker's: every setting. The values land in
+    ``**overrides``."""
     wanted = set(groups) or set(SettingGroup)
 
     def decorate(fn: F) -> F:
         for name, field in reversed(list(OutboxSettings.model_fields.items())):
             if setting_group(field) in wanted:
-                fn = _option(name, field)(fn)
+                description = tools_description(field) if groups else field.description
+                fn = _option(name, field, description or "")(fn)
         return fn
 
     return decorate
 
 
-def _option(name: str, field: FieldInfo) -> Callable[[F], F]:
+# Every tool command ends its help with this.
+ENVIRONMENT_EPILOG = (
+    "The other settings (TLS, API key, Temporal's configuration file, the embedded servers' "
+    "ports, ...) come from the environment, as the worker's do: see `outbox-bridge worker "
+    "--help`."
+)
+
+
+def tool_command(name: str) -> Callable[[Callable[..., Any]], click.Command]:
+    """A command of the command line other than the worker (its help ends with the
+    :data:`ENVIRONMENT_EPILOG`)."""
+    return click.command(
+        name,
+        epilog=ENVIRONMENT_EPILOG,
+        context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    )
+
+
+def _option(name: str, field: FieldInfo, description: str) -> Callable[[F], F]:
     flag = "--" + name.replace("_", "-")
     env = ", else ".join(env_names(name, field))
     default = field.default
     hidden = default is None or default is False or name == "database_url"
     shown = "" if hidden else f" [default: {default}]"
-    help_text = f"{field.description}{shown} [env: {env}]"
+    help_text = f"{description}{shown} [env: {env}]"
     if field.annotation is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
     return click.option(

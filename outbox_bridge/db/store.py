@@ -734,16 +734,22 @@ def _owner_values(table: Table, shard: ShardRef) -> dict[str, Any]:
     return values
 
 
-async def hold_shard(conn: AsyncConnection, table: Table, shard: ShardRef, held_for: str) -> None:
+async def hold_shard(
+    conn: AsyncConnection, table: Table, shard: ShardRef, held_for: str, *, over_skip: bool = False
+) -> None:
     """Record that ``shard``'s own workflow holds it, and why (partitions leave it alone until
     :func:`release_shard`; every drain leaves a shard held because it is skipped alone). Call
-    it under the shard's lock; holding it again records the new reason."""
+    it under the shard's lock; holding it again records the new reason, but a skip is replaced
+    only by another skip, or with ``over_skip`` (the workflow's own skip and resume): a drain
+    that started before the skip was recorded never undoes it."""
     owners = owners_of(table)
     insert = pg_insert(owners).values(**_owner_values(table, shard), held_for=held_for)
+    keeps_skip = held_for != SKIPPED_HOLD and not over_skip
     await conn.execute(
         insert.on_conflict_do_update(
             index_elements=list(owners.primary_key.columns),
             set_={"held_for": insert.excluded.held_for},
+            where=owners.c.held_for != SKIPPED_HOLD if keeps_skip else None,
         )
     )
 
@@ -769,11 +775,14 @@ async def hold_free_shards(
 
 async def release_shard(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """Give ``shard`` back to its partition (under the shard's lock). False if it was not
-    held."""
+    held, or held because it is skipped (only a resume ends a skip)."""
     owners = owners_of(table)
     values = _owner_values(table, shard)
     result = await conn.execute(
-        delete(owners).where(and_(*(owners.c[name] == value for name, value in values.items())))
+        delete(owners).where(
+            *(owners.c[name] == value for name, value in values.items()),
+            owners.c.held_for != SKIPPED_HOLD,
+        )
     )
     return bool(result.rowcount)
 

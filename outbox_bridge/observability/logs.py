@@ -12,11 +12,26 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextvars import ContextVar
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TextIO
 
 import structlog
 from opentelemetry import trace
+
+# The attribute that marks the log record of a failed handler call (a FailedCall): what the
+# console summary counts.
+FAILED_CALL = "outbox_failed_call"
+
+
+@dataclass(frozen=True)
+class FailedCall:
+    """A handler call that failed, as its log line reports it."""
+
+    shard: str
+    category: str
+    error_type: str
+
 
 # Fields bound for the lines logged in the current context (shard, category); read-only.
 _NO_FIELDS: Mapping[str, Any] = MappingProxyType({})
@@ -66,6 +81,11 @@ def _renderers(log_format: str) -> list[Any]:
 
 
 _installed: logging.Handler | None = None
+
+
+def installed_handler() -> logging.Handler | None:
+    """The handler :func:`configure_logging` installed, if it was called."""
+    return _installed
 
 
 def configure_logging(

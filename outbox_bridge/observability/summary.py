@@ -1,6 +1,8 @@
 """A running worker's summary for a person watching it: every few seconds, one line with the rows
 written and handled per second, the rows pending and the shards they are in, and how many shard
-workflows are running, and blocked, skipped or deferred among them.
+workflows are running, and blocked, skipped or deferred among them; then, if handlers failed
+since the last line, one line that counts the failures by shard. The failures' own log lines
+are left out meanwhile (a line a second would bury the summary), unless ``log_failures``.
 
 Rates come from PostgreSQL's statistics (:mod:`outbox_bridge.db.stats`), pending rows and shards
 from the same aggregate a sweep reads, states from Temporal's visibility store (the
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -25,6 +29,7 @@ from temporalio.service import RPCError
 from outbox_bridge.db.stats import RowCounters, read_row_counters
 from outbox_bridge.db.store import read_shard_ranges
 from outbox_bridge.observability.backlog import count_shard_states
+from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, installed_handler
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import ShardState
 
@@ -40,6 +45,8 @@ LEGEND = (
     "deferred"
 )
 HEADER_EVERY = 10  # lines
+# Shards named in a line of handler failures, the most failing first.
+FAILING_SHARDS_SHOWN = 3
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,46 @@ class _Reading:
     states: dict[str | None, int | None]  # None: running, in any state
 
 
+class FailureTally(logging.Filter):
+    """Counts the log records of failed handler calls (:class:`FailedCall`) and keeps them off
+    the log unless ``show``; every other record passes."""
+
+    def __init__(self, *, show: bool) -> None:
+        super().__init__()
+        self._show = show
+        self._lock = threading.Lock()  # plain-def handlers fail in worker threads
+        self._calls: list[FailedCall] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = record.__dict__.get(FAILED_CALL)
+        if not isinstance(failed, FailedCall):
+            return True
+        with self._lock:
+            self._calls.append(failed)
+        return self._show
+
+    def take(self) -> list[FailedCall]:
+        """The failures counted since the last call."""
+        with self._lock:
+            taken, self._calls = self._calls, []
+        return taken
+
+
+def failures_line(calls: list[FailedCall]) -> str:
+    """``  handler failures: ORGANIZATION:7 ×4, ORGANIZATION:14 ×2 (PROJECT_UPDATE:
+    ReplicaUnavailable)``: the most failing shards, and what failed."""
+    by_shard = Counter(call.shard for call in calls).most_common()
+    shown = [f"{shard} ×{count}" for shard, count in by_shard[:FAILING_SHARDS_SHOWN]]
+    if len(by_shard) > FAILING_SHARDS_SHOWN:
+        shown.append(f"{len(by_shard) - FAILING_SHARDS_SHOWN} more shards")
+    errors = sorted({f"{call.category}: {call.error_type}" for call in calls})
+    return f"  handler failures: {', '.join(shown)} ({'; '.join(errors)})"
+
+
 class WorkerSummary:
-    """Prints one line every ``interval`` seconds until stopped (a header every few lines)."""
+    """Prints one line every ``interval`` seconds until stopped (a header every few lines),
+    and a line of the handler failures since the last one; the failures' own log lines are
+    left out meanwhile unless ``log_failures``."""
 
     def __init__(
         self,
@@ -62,6 +107,7 @@ class WorkerSummary:
         *,
         console: Console | None = None,
         interval: float = SUMMARY_INTERVAL,
+        log_failures: bool = False,
     ) -> None:
         self._app = app
         self._engine = engine
@@ -70,18 +116,26 @@ class WorkerSummary:
         self._console = console or Console(highlight=False)
         self._interval = interval
         self._lines = 0
+        self._tally = FailureTally(show=log_failures)
 
     async def run(self, stop: asyncio.Event) -> None:
-        previous = await self._read()
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), self._interval)
-                return
-            except TimeoutError:
-                pass
-            reading = await self._read()
-            self._print(previous, reading)
-            previous = reading
+        handler = installed_handler()
+        if handler is not None:
+            handler.addFilter(self._tally)
+        try:
+            previous = await self._read()
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), self._interval)
+                    return
+                except TimeoutError:
+                    pass
+                reading = await self._read()
+                self._print(previous, reading)
+                previous = reading
+        finally:
+            if handler is not None:
+                handler.removeFilter(self._tally)
 
     async def _read(self) -> _Reading:
         counters = pending = None
@@ -114,6 +168,9 @@ class WorkerSummary:
         view.add_row(written, handled, rows, shards, *counts)
         self._console.print(view)
         self._lines += 1
+        failed = self._tally.take()
+        if failed:
+            self._console.print(failures_line(failed), soft_wrap=True)
 
 
 def _count(value: int | None) -> str:

@@ -31,7 +31,7 @@ from outbox_bridge.errors import (
     ShardFaultError,
     UnknownCategoryError,
 )
-from outbox_bridge.observability.logs import log_context
+from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
@@ -145,8 +145,10 @@ class HandlerCalls:
             )
         owner = self._app.scope_of(category)
         if owner is None or int(owner) != shard.scope:
+            # Not `if owner`: a scope whose value is 0 is falsy.
+            owner_name = owner.name if owner is not None else "?"
             raise CategoryScopeError(
-                f"category {known.name} belongs to scope {owner.name if owner else '?'}, but the "
+                f"category {known.name} belongs to scope {owner_name}, but the "
                 f"row is in scope {shard.scope_name}; fix or delete the row, or skip shard "
                 f"{shard.key}"
             )
@@ -367,6 +369,7 @@ class HandlerCalls:
                 type(exc).__qualname__,
                 exc,
                 exc_info=exc if attempt % 10 == 1 else None,
+                extra={FAILED_CALL: FailedCall(shard.key, call.category, type(exc).__qualname__)},
             )
         return HandlerFailed(HandlerFailure(type(exc).__qualname__, self._history_text(exc)), group)
 

@@ -1,16 +1,9 @@
-"""In-process hand-off from the bridge's notifications to the drains of this worker.
+"""In-process hand-off from the bridge's notifications to the partition drains of this worker.
 
 Every worker listens for its tables' notifications. What they announce goes, without a round
-trip through Temporal, to the drain of this worker that handles the shard:
-
-- a *partition* drain (the healthy path): each of a table's partitions drains the shards that
-  hash to it; news of a shard is queued in that partition's inbox and wakes it;
-- a *lingering* shard drain: the drain of a shard's own workflow that waits a few seconds for
-  the next rows of a shard with steady traffic (``--shard-workflows always``).
-
-Both sides run on one event loop, so an offer and a drain's departure are ordered. A lingering
-drain stays registered for its whole call, batches included: news that comes while it handles
-rows waits in its event, and it reads its shard again right after the batch.
+trip through Temporal, to the drain of this worker's partition that the shard hashes to: news
+of a shard is queued in that partition's inbox and wakes it. A partition whose drain runs in
+another worker finds the rows by its own scans. Both sides run on one event loop.
 """
 
 from __future__ import annotations
@@ -88,15 +81,12 @@ class PartitionInbox:
 
 class ShardHub:
     def __init__(self) -> None:
-        self._lingering: dict[ShardKey, asyncio.Event] = {}
         self._partitions: dict[tuple[str, int], PartitionInbox] = {}
         self.closed = False
 
     def close(self) -> None:
         """Shutting down: wake every drain so that it returns now."""
         self.closed = True
-        for event in self._lingering.values():
-            event.set()
         for inbox in self._partitions.values():
             inbox.event.set()
 
@@ -130,26 +120,3 @@ class ShardHub:
                 inbox.offer(key, max_id)
                 return True
         return False
-
-    # -- lingering shard drains ------------------------------------------------------------
-
-    def arrive(self, key: ShardKey) -> asyncio.Event:
-        """Register a lingering drain for ``key``; the event is set when rows arrive."""
-        event = asyncio.Event()
-        self._lingering[key] = event
-        return event
-
-    def leave(self, key: ShardKey, event: asyncio.Event) -> None:
-        if self._lingering.get(key) is event:
-            del self._lingering[key]
-
-    def offer(self, key: ShardKey) -> bool:
-        """Hand news of new rows to a drain lingering on ``key``; False if none is."""
-        event = self._lingering.get(key)
-        if event is None:
-            return False
-        event.set()
-        return True
-
-    def __len__(self) -> int:
-        return len(self._lingering)

@@ -19,11 +19,10 @@ from collections.abc import AsyncIterator, Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox_bridge.db.store import read_pending_up_to
+from outbox_bridge.db.store import hold_shard, read_pending_up_to
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed
-from outbox_bridge.runtime.hub import ShardHub, key_of
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.workflows.models import (
     DrainInput,
@@ -39,6 +38,10 @@ from outbox_bridge.workflows.models import (
 
 log = logging.getLogger(__name__)
 
+# How long a shard workflow's drain or category activity waits for the shard's lock: a partition
+# round may hold a held shard's lock for a moment (it locks before it reads, and reads nothing
+# of a held shard), and failing at once would count that as a failed attempt of the handler.
+LOCK_WAIT_SECONDS = 5.0
 # A waiting flush reads the table after 10 ms, then less and less often, at least every 250 ms.
 FLUSH_POLL_FIRST = 0.01
 FLUSH_POLL_MAX = 0.25
@@ -52,24 +55,16 @@ class ShardLockLostError(ShardLockedError):
 class ShardDrainer:
     """Runs one shard's handlers for the activities of its workflow."""
 
-    def __init__(
-        self,
-        engine: DrainEngine,
-        *,
-        hub: ShardHub | None = None,
-        max_lingering: int = 100,
-    ) -> None:
+    def __init__(self, engine: DrainEngine) -> None:
         self._engine = engine
         self._app = engine.app
-        self._hub = hub
-        self._max_lingering = max_lingering
 
     def close(self) -> None:
         self._engine.calls.close()
 
     @contextlib.asynccontextmanager
     async def _locked(
-        self, shard: ShardRef, wait_seconds: float = 0.0
+        self, shard: ShardRef, wait_seconds: float = LOCK_WAIT_SECONDS
     ) -> AsyncIterator[LockedShards]:
         table = self._app.table(shard.table)
         async with self._engine.locked(table, [shard], wait_seconds=wait_seconds) as batch:
@@ -87,79 +82,27 @@ class ShardDrainer:
     # -- draining --------------------------------------------------------------------------
 
     async def drain(self, request: DrainInput) -> DrainResult:
-        """Handle head groups in order until the shard is empty, a handler fails, the head is
-        deferred, or the batch limits are reached; stops at the first failure.
-
-        With ``linger_seconds``, a drain that emptied its shard then waits that long for news of
-        new rows from the bridge (:class:`ShardHub`), handling them as they come, without
-        holding the shard lock or a connection while it waits.
-        """
-        result = DrainResult()
-        hub = self._hub
-        if (
-            hub is None
-            or request.linger_seconds <= 0
-            or hub.closed
-            or len(hub) >= self._max_lingering  # lingering drains hold activity slots
-        ):
-            await self._drain_batch(request, result)
-            return result
-        # Registered for the whole call, not only while waiting: news of rows that commit
-        # while a batch runs is kept in the event and drained right after the batch, instead
-        # of going to the workflow while this drain waits a linger period for the next news.
-        key = key_of(request.shard)
-        event = hub.arrive(key)
-        try:
-            await self._drain_batch(request, result)
-            until = time.monotonic() + max(request.linger_max_seconds, request.linger_seconds)
-            while _emptied(result) and not hub.closed:
-                if not event.is_set():
-                    # Wait at most linger_seconds for the next row, linger_max_seconds in all.
-                    remaining = min(request.linger_seconds, until - time.monotonic())
-                    if remaining <= 0:
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(event.wait(), remaining)
-                    if not event.is_set():
-                        break  # nothing was handed to us: the bridge signals what comes next
-                event.clear()
-                before = result.rows_handled
-                try:
-                    await self._drain_batch(request, result)
-                except ShardLockedError:
-                    result.more = True  # another execution holds the shard: let the workflow see
-                    break
-                result.lingered_rows += result.rows_handled - before
-        finally:
-            # Also when cancelled (a skip): a stale entry would swallow the bridge's news.
-            hub.leave(key, event)
-        if event.is_set() and not hub.closed:
-            result.more = True  # news came as we left: the workflow drains again
-        return result
-
-    async def _drain_batch(self, request: DrainInput, result: DrainResult) -> None:
+        """Hold the shard for its workflow, then handle head groups in order until the shard is
+        empty (and give it back to its partition), a handler fails, the head is deferred, or
+        the call's limits are reached. A shard held because it is skipped is left alone."""
         shard = request.shard
+        result = DrainResult()
         deadline = time.monotonic() + request.time_budget_seconds
         outcome = ShardOutcome(shard)
         async with self._locked(shard) as batch:
-            if request.own:
-                batch.hold(shard, HeldFor.WORKFLOW)
+            batch.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
             heads = await self._engine.read_heads(
-                # A skipped shard is left alone even by its own workflow's drains (a lingering
-                # one that has not heard of the skip yet).
-                batch,
-                max_groups=request.max_groups,
-                skip_held=False,
-                skip_paused=True,
+                batch, max_groups=request.max_groups, skip_held=False, skip_paused=True
             )
             if heads:
                 [outcome] = await self._engine.run(
                     batch, heads, deadline=deadline, unlock_each=False
                 )
-            if request.own and outcome.emptied:
+            if outcome.emptied:
                 batch.release(shard)
                 result.released = True
         _add(result, outcome)
+        return result
 
     # -- a blocked head --------------------------------------------------------------------
 
@@ -171,8 +114,11 @@ class ShardDrainer:
         attempt: int = 1,
     ) -> HandleHeadResult:
         """Handle the shard's head group if it is still the given group (it may have been
-        handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`."""
+        handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`.
+        ``attempt`` is the activity's; the calls are numbered on from the group's earlier
+        ones (the partition's first call at least), across handover and continue-as-new."""
         shard = request.shard
+        calls_before = max(request.prior_attempts, 1)
         async with self._locked(shard) as batch:
             heads = await self._engine.read_heads(
                 batch, max_groups=1, skip_held=False, skip_paused=True
@@ -187,7 +133,7 @@ class ShardDrainer:
             if heartbeat is not None:
                 heartbeat()
             [outcome] = await self._engine.run(
-                batch, heads, deadline=math.inf, attempt=attempt + 1, unlock_each=False
+                batch, heads, deadline=math.inf, attempt=calls_before + attempt, unlock_each=False
             )
         if outcome.failed is not None and outcome.failure is not None:
             raise HandlerFailed(outcome.failure, group)
@@ -198,14 +144,14 @@ class ShardDrainer:
     # -- holding ---------------------------------------------------------------------------
 
     async def hold(self, request: HoldInput) -> None:
-        """Record that the shard's workflow holds it (or, with ``release``, no longer does),
-        waiting for a round in the shard to end first: a skip takes effect once the group that
+        """Record that the shard's workflow holds it (skipped, or taken back from a skip),
+        waiting for a drain of the shard to end first: a skip takes effect once the group that
         is running has returned, and no drain takes the shard after that."""
-        async with self._locked(request.shard, wait_seconds=request.wait_seconds) as batch:
-            if request.release:
-                batch.release(request.shard)
-            else:
-                batch.hold(request.shard, request.held_for)
+        shard = request.shard
+        async with self._locked(shard, wait_seconds=request.wait_seconds) as batch:
+            await batch.execute(
+                lambda conn: hold_shard(conn, batch.table, shard, request.held_for, over_skip=True)
+            )
 
     # -- flushing --------------------------------------------------------------------------
 
@@ -251,7 +197,3 @@ def _add(result: DrainResult, outcome: ShardOutcome) -> None:
     elif not outcome.more and outcome.deferred_until is not None:
         result.deferred_until = iso_utc(outcome.deferred_until)
         result.deferred_seconds = outcome.deferred_seconds
-
-
-def _emptied(result: DrainResult) -> bool:
-    return not result.more and result.failed is None and result.deferred_until is None

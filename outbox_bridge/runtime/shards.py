@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from outbox_bridge.db.store import FirstRow
-from outbox_bridge.errors import ConfigurationError, ShardNameError
+from outbox_bridge.errors import ConfigurationError, RegistryError, ShardNameError
+from outbox_bridge.producer import BIGINT_MAX, BIGINT_MIN
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import (
+    MEMO_CODE_KEY,
     SCOPE_ATTRIBUTE,
     SHARD_ATTRIBUTE,
     STATE_ATTRIBUTE,
+    WORKFLOW_CODE,
     HandlerFailure,
     HandoverInput,
     NotifyInput,
     RecheckInput,
-    ShardCarry,
     ShardInput,
     ShardOptions,
+    ShardRecord,
     ShardRef,
     ShardState,
     ShardStatus,
@@ -32,33 +35,74 @@ from outbox_bridge.workflows.models import (
 )
 
 WORKFLOW = "OutboxShard"
+# The shard_scope column is an integer.
+SCOPE_MIN, SCOPE_MAX = -(2**31), 2**31 - 1
 # How long the bridge waits for a shard workflow's answer to ``status``.
 STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
-log = logging.getLogger("outbox_bridge.runtime.shards")
+log = logging.getLogger(__name__)
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
-    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`.
+    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`, named
+    as the worker names it.
 
-    Read from the right: scope names and ids hold no ``:``, a region may (``eu:west:USER:7``
-    is region ``eu:west``)."""
+    SCOPE is a scope's name (any case) or number; a number the app does not register (a row a
+    plain-SQL producer wrote) names the shard by that number, as the worker does."""
     spec = app.table_spec(table)
-    expected = 3 if spec.regional else 2
-    parts = name.rsplit(":", expected - 1)
-    if len(parts) != expected or not all(parts):
-        form = "REGION:SCOPE:ID" if spec.regional else "SCOPE:ID"
-        raise ShardNameError(f"shard {name!r} is not {form} (table {spec.name})")
-    region = parts[0] if spec.regional else None
-    scope_text, ident_text = parts[-2:]
-    scope = app.scope_by_name(scope_text)
+    region, scope_text, ident = split_shard_name(name, regional=spec.regional, table=spec.name)
     try:
-        ident = int(ident_text)
-    except ValueError:
-        raise ShardNameError(
-            f"shard identifier {ident_text!r} of {name!r} is not an integer"
-        ) from None
+        scope = app.scope_by_name(scope_text)
+    except RegistryError:
+        number = scope_number(scope_text)
+        if number is None:
+            raise RegistryError(
+                f"unknown scope {scope_text!r} in shard {name!r}; {known_scopes(app)}. A "
+                "scope the app does not register is named by its number, as the worker names "
+                f"it (e.g. 9:{ident})"
+            ) from None
+        return ShardRef(spec.name, number, app.scope_name(number), ident, region)
     return ShardRef(spec.name, int(scope), scope.name, ident, region)
+
+
+def known_scopes(app: OutboxApp) -> str:
+    """The app's scopes, for a message: ``known scopes: ORGANIZATION, USER (numbers 1, 2)``."""
+    if not app.scopes:
+        return "the app registers no scopes"
+    names = ", ".join(scope.name for scope in app.scopes)
+    return f"known scopes: {names} (numbers {', '.join(str(int(s)) for s in app.scopes)})"
+
+
+def split_shard_name(name: str, *, regional: bool, table: str) -> tuple[str | None, str, int]:
+    """The region (None outside a regional table), the scope's text and the identifier of a
+    shard's name. Read from the right: scope names and ids hold no ``:``, a region may
+    (``eu:west:USER:7`` is region ``eu:west``)."""
+    expected = 3 if regional else 2
+    parts = name.rsplit(":", expected - 1)
+    if len(parts) != expected or not all(part.strip() for part in parts):
+        form = "REGION:SCOPE:ID" if regional else "SCOPE:ID"
+        raise ShardNameError(
+            f"shard {name!r} is not {form} (table {table}); e.g. ORGANIZATION:42, or 9:6003 "
+            "for a scope known by its number"
+        )
+    ident = _integer(parts[-1])
+    if ident is None or not BIGINT_MIN <= ident <= BIGINT_MAX:
+        raise ShardNameError(
+            f"shard identifier {parts[-1]!r} of {name!r} is not an integer that fits a bigint"
+        )
+    return (parts[0] if regional else None), parts[-2].strip(), ident
+
+
+def scope_number(text: str) -> int | None:
+    """``text`` as a scope number (an integer that fits the ``shard_scope`` column), else None."""
+    number = _integer(text)
+    return number if number is not None and SCOPE_MIN <= number <= SCOPE_MAX else None
+
+
+def _integer(text: str) -> int | None:
+    stripped = text.strip()
+    digits = stripped[1:] if stripped[:1] in ("+", "-") else stripped
+    return int(stripped) if digits.isascii() and digits.isdigit() else None
 
 
 def static_skips(app: OutboxApp, names: list[str] | None) -> frozenset[str]:
@@ -82,10 +126,25 @@ def static_skip(shard: ShardRef, skipped_ids: frozenset[str]) -> SkipInfo | None
     return SkipInfo(reason="listed in the skip_shards setting", by="configuration")
 
 
+@dataclass
+class ShardReport:
+    """A shard workflow's ``status`` answer, and whether its workflow still runs."""
+
+    status: ShardStatus
+    running: bool
+    started: datetime | None = None
+    closed: datetime | None = None
+
+
 async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
     """The workflow's ``status`` query, completed with what only the server knows: the attempt
     count and last failure of a category activity that is being retried (neither adds history,
     so the workflow itself sees only the first failure)."""
+    return (await shard_report(client, shard)).status
+
+
+async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
+    """:func:`shard_status`, with when the workflow started and whether it still runs."""
     handle = client.get_workflow_handle(shard.workflow_id)
     status: ShardStatus = await handle.query("status", result_type=ShardStatus)
     description = await handle.describe()
@@ -98,7 +157,8 @@ async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
             failure = pending.last_failure
             error_type = failure.application_failure_info.type or "Error"
             status.last_error = HandlerFailure(error_type, failure.message)
-    return status
+    running = description.status == WorkflowExecutionStatus.RUNNING
+    return ShardReport(status, running, description.start_time, description.close_time)
 
 
 def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool:
@@ -111,6 +171,12 @@ def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool
     return first is None or not first.heads(head.category, head.object_identifier)
 
 
+def workflow_code_memo() -> dict[str, Any]:
+    """The memo every outbox workflow starts with: which generation of the workflow code
+    started it (``outbox-bridge upgrade-check`` finds runs that this code cannot replay)."""
+    return {MEMO_CODE_KEY: WORKFLOW_CODE}
+
+
 def start_arguments(
     shard: ShardRef,
     options: ShardOptions,
@@ -118,18 +184,20 @@ def start_arguments(
     *,
     max_id: int,
     skip: SkipInfo | None = None,
-    traffic: bool = False,
+    pending: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments that start ``shard``'s workflow, for ``Client.start_workflow`` and
-    ``WithStartWorkflowOperation`` alike: its input, id, task queue and search attributes."""
+    ``WithStartWorkflowOperation`` alike: its input, id, task queue, memo and search
+    attributes. ``pending``: the run drains first (not when a handover tells it what to do)."""
     return {
         "arg": ShardInput(
             shard=shard,
             options=options,
-            carry=ShardCarry(max_known_id=max_id, skip=skip, traffic=traffic),
+            record=ShardRecord(max_known_id=max_id, skip=skip, pending=pending),
         ),
         "id": shard.workflow_id,
         "task_queue": task_queue,
+        "memo": workflow_code_memo(),
         "search_attributes": TypedSearchAttributes(
             [
                 SearchAttributePair(SCOPE_ATTRIBUTE, shard.scope_name),
@@ -161,7 +229,7 @@ class ShardStarter:
         self.skip_shards = skip_shards
 
     def _arguments(
-        self, shard: ShardRef, max_id: int, traffic: bool, skip: SkipInfo | None = None
+        self, shard: ShardRef, max_id: int, *, skip: SkipInfo | None = None, pending: bool = True
     ) -> dict[str, Any]:
         return start_arguments(
             shard,
@@ -169,41 +237,29 @@ class ShardStarter:
             self.task_queue,
             max_id=max_id,
             skip=skip or static_skip(shard, self.skip_shards),
-            traffic=traffic,
+            pending=pending,
         )
 
-    async def start(self, shard: ShardRef, max_id: int, *, traffic: bool = False) -> bool:
-        """Start the shard's workflow, eagerly: its first task (which drains) runs in this
-        worker without a round trip through matching. False if it is already running."""
-        try:
-            await self.client.start_workflow(
-                WORKFLOW, **self._arguments(shard, max_id, traffic), request_eager_start=True
-            )
-        except WorkflowAlreadyStartedError:
-            return False
-        except RPCError as exc:
-            log.warning("start failed for shard %s: %s", shard.key, exc.message)
-            return False
-        return True
-
     async def notify(
-        self,
-        shard: ShardRef,
-        max_id: int,
-        *,
-        late: bool = False,
-        traffic: bool = False,
-        skip: SkipInfo | None = None,
+        self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None
     ) -> bool:
         """Tell the shard's workflow of rows up to ``max_id``, starting it if it is not
         running (skipped, if ``skip`` is given). False if Temporal did not take it."""
         return await self._signal_with_start(
-            shard, max_id, traffic, "notify", NotifyInput(max_id=max_id, late=late), skip
+            shard,
+            "notify",
+            NotifyInput(max_id=max_id, late=late),
+            self._arguments(shard, max_id, skip=skip),
         )
 
     async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
         """Give the shard to its workflow (the caller holds it for the workflow already)."""
-        return await self._signal_with_start(shard, handover.max_id, False, "handover", handover)
+        return await self._signal_with_start(
+            shard,
+            "handover",
+            handover,
+            self._arguments(shard, handover.max_id, pending=False),
+        )
 
     async def recheck(self, shard: ShardRef, reason: str) -> bool:
         """Tell a blocked shard's running workflow that its head changed in the table."""
@@ -216,20 +272,11 @@ class ShardStarter:
         return True
 
     async def _signal_with_start(
-        self,
-        shard: ShardRef,
-        max_id: int,
-        traffic: bool,
-        signal: str,
-        argument: object,
-        skip: SkipInfo | None = None,
+        self, shard: ShardRef, signal: str, argument: object, arguments: dict[str, Any]
     ) -> bool:
         try:
             await self.client.start_workflow(
-                WORKFLOW,
-                **self._arguments(shard, max_id, traffic, skip),
-                start_signal=signal,
-                start_signal_args=[argument],
+                WORKFLOW, **arguments, start_signal=signal, start_signal_args=[argument]
             )
         except RPCError as exc:
             log.warning("%s of shard %s failed: %s", signal, shard.key, exc.message)

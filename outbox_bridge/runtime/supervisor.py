@@ -1,11 +1,14 @@
-"""What the active bridge looks after when partitions drain the healthy shards (on demand):
+"""What the active bridge repairs at every sweep: it makes Temporal match the table.
 
-- every table has its ``OutboxPartition`` workflows running, with the current options, and no
-  partition beyond the configured number keeps running;
-- every held shard with rows has its ``OutboxShard`` workflow running (a workflow terminated
-  by hand, a lost start, a namespace that was reset: the sweep starts it again), and a held
-  shard that waits for a deferred head notices when an operator deleted that row or made it
-  due earlier.
+- Every table has its ``OutboxPartition`` workflows running on this worker's task queue, with
+  the current options, and no partition beyond the configured number keeps running. A
+  partition left running on another task queue that no worker polls (a renamed queue, a
+  server's data kept from an earlier setup) is ended and started again here; one that workers
+  of another queue do poll is reported at every sweep (two fleets on one table).
+- Every shard held in ``<table>_owners`` that has rows has its ``OutboxShard`` workflow running
+  (a workflow terminated by hand, a lost start, a namespace that was reset: the sweep starts it
+  again, skipped if the table says so), and a held shard that waits for a deferred head or is
+  blocked on a group notices when an operator deleted that row or changed it.
 
 It asks Temporal's visibility once per sweep for the running shard workflows, and describes
 only the few held shards that visibility does not list.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,6 +34,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
+from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
@@ -37,7 +42,9 @@ from outbox_bridge.runtime.shards import (
     ShardStarter,
     blocked_on_another_head,
     static_skip,
+    workflow_code_memo,
 )
+from outbox_bridge.runtime.temporal import task_queue_polled
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
@@ -50,7 +57,7 @@ from outbox_bridge.workflows.models import (
     SkipInfo,
 )
 
-log = logging.getLogger("outbox_bridge.runtime.supervisor")
+log = logging.getLogger(__name__)
 
 PARTITION_WORKFLOW = "OutboxPartition"
 # Held shards a sweep checks at once (visibility, describe, start, status query).
@@ -72,7 +79,7 @@ class PartitionSupervisor:
     ) -> None:
         self._app = app
         self._engine = engine
-        self._client = client
+        self.client = client
         self._starter = starter
         self._task_queue = task_queue
         self._partitions = partitions
@@ -105,22 +112,28 @@ class PartitionSupervisor:
 
     async def _start(self, ref: PartitionRef) -> bool:
         try:
-            await self._client.start_workflow(
+            await self.client.start_workflow(
                 PARTITION_WORKFLOW,
                 PartitionInput(ref, self._options),
                 id=ref.workflow_id,
                 task_queue=self._task_queue,
+                memo=workflow_code_memo(),
                 # The workflow's first task comes back with the answer when this process's
                 # worker has room for it: about a tenth of a second sooner at start-up.
                 request_eager_start=True,
             )
         except WorkflowAlreadyStartedError:
+            ours = await self._on_this_queue(ref.workflow_id, what="partition")
+            if ours is None:
+                return await self._start(ref)  # ended on the other queue: start it here
+            if not ours:
+                return False
             if self._configured:
                 return True
             # Running since an earlier worker: it gets this worker's options. (A partition
             # started here has them already; a signal would cost it a workflow task.)
             try:
-                await self._client.get_workflow_handle(ref.workflow_id).signal(
+                await self.client.get_workflow_handle(ref.workflow_id).signal(
                     "reconfigure", self._options
                 )
             except RPCError as exc:
@@ -131,6 +144,50 @@ class PartitionSupervisor:
             return False
         return True
 
+    async def _on_this_queue(self, workflow_id: str, *, what: str) -> bool | None:
+        """Whether the running workflow ``workflow_id`` runs on this worker's task queue (False:
+        cannot tell now). One on another queue that no worker polls is terminated, and None
+        says so (the caller starts it again here: the table holds everything it needs). One
+        that workers of that queue poll raises :class:`ConfigurationError`: two fleets with
+        different task queues on one table would fight over it."""
+        handle = self.client.get_workflow_handle(workflow_id)
+        try:
+            description = await handle.describe()
+        except RPCError as exc:
+            log.warning("cannot describe %s %s: %s", what, workflow_id, exc.message)
+            return False
+        queue = description.task_queue
+        if description.status != WorkflowExecutionStatus.RUNNING or queue == self._task_queue:
+            return True
+        try:
+            polled = await task_queue_polled(self.client, queue, time.monotonic())
+        except (RPCError, TimeoutError):
+            polled = None
+        if polled is not False:
+            raise ConfigurationError(
+                f"{what} {workflow_id} runs on task queue {queue!r}, which other workers poll, "
+                f"and this worker's task queue is {self._task_queue!r}: two worker fleets with "
+                "different task queues serve one table. Give every worker of this table the "
+                "same OUTBOX_TASK_QUEUE (--task-queue), or stop the other fleet: this worker "
+                "takes the table's workflows over once nobody polls that queue"
+            )
+        log.warning(
+            "%s %s was left running on task queue %r, which no worker polls: ending it and "
+            "starting it again on %r (a renamed task queue, or a server kept from an earlier "
+            "setup)",
+            what,
+            workflow_id,
+            queue,
+            self._task_queue,
+        )
+        try:
+            await handle.terminate(reason=f"taken over by task queue {self._task_queue}")
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                log.warning("cannot end %s %s: %s", what, workflow_id, exc.message)
+                return False
+        return None
+
     async def _retire_extra(self, table: str) -> None:
         wanted = {ref.workflow_id for ref in self.partition_refs(table)}
         prefix = f"outbox:{table}:partition:"
@@ -139,22 +196,20 @@ class PartitionSupervisor:
             f"AND TaskQueue = '{_escaped(self._task_queue)}'"
         )
         try:
-            async for execution in self._client.list_workflows(query):
+            async for execution in self.client.list_workflows(query):
                 if execution.id.startswith(prefix) and execution.id not in wanted:
                     log.info(
                         "retiring partition %s (partitions: %s)", execution.id, self._partitions
                     )
-                    await self._client.get_workflow_handle(execution.id).signal("retire")
+                    await self.client.get_workflow_handle(execution.id).signal("retire")
         except RPCError as exc:
             log.warning("cannot list the partitions of %s: %s", table, exc.message)
 
     # -- held shards ------------------------------------------------------------------------------
 
-    async def check_held(self, *, skipped_only: bool = False) -> None:
+    async def check_held(self) -> None:
         """Start the workflow of every held shard that has rows and no running workflow (a
-        skipped one skipped again), and wake a deferred one whose head is due now. With
-        ``skipped_only`` (every shard with rows has its own workflow: the bridge's sweep
-        starts the rest), only the skipped shards."""
+        skipped one skipped again), and wake a deferred or blocked one whose head changed."""
         running = await self._running_shard_states()
         if running is None:
             return
@@ -169,9 +224,7 @@ class PartitionSupervisor:
             checks += [
                 (self._ref(table, shard), shard)
                 for shard in held
-                if (not skipped_only or shard.held_for == HeldFor.SKIPPED)
-                and shard.head is not None
-                and self._wanted(shard)
+                if shard.head is not None and self._wanted(shard)
             ]
         # At once, a few at a time: a status query may wait out its timeout (a workflow whose
         # task stays open while it drains answers no query), and one after another those held
@@ -192,8 +245,15 @@ class PartitionSupervisor:
     async def _check(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
         state = running.get(ref.workflow_id)
         if state is None:
-            if await self._is_running(ref):
-                return  # visibility lags behind: it has just started
+            try:
+                if (
+                    await self._is_running(ref)
+                    and await self._on_this_queue(ref.workflow_id, what="shard workflow")
+                    is not None
+                ):
+                    return  # running here (visibility lags behind), or cannot tell now
+            except ConfigurationError:
+                return  # another fleet's: its partitions' check reports it
             log.info(
                 "shard %s is held for its workflow (%s since %s) but none runs; starting it",
                 ref.key,
@@ -222,7 +282,7 @@ class PartitionSupervisor:
 
     async def _head_changed(self, ref: ShardRef, shard: HeldShard) -> bool:
         try:
-            status = await self._client.get_workflow_handle(ref.workflow_id).query(
+            status = await self.client.get_workflow_handle(ref.workflow_id).query(
                 "status", result_type=ShardStatus, rpc_timeout=STATUS_QUERY_TIMEOUT
             )
         except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as exc:
@@ -232,7 +292,7 @@ class PartitionSupervisor:
 
     async def _is_running(self, ref: ShardRef) -> bool:
         try:
-            description = await self._client.get_workflow_handle(ref.workflow_id).describe()
+            description = await self.client.get_workflow_handle(ref.workflow_id).describe()
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 log.warning("cannot describe shard %s: %s", ref.key, exc.message)
@@ -248,7 +308,7 @@ class PartitionSupervisor:
         )
         states: dict[str, str] = {}
         try:
-            async for execution in self._client.list_workflows(query):
+            async for execution in self.client.list_workflows(query):
                 state = execution.typed_search_attributes.get(STATE_ATTRIBUTE)
                 states[execution.id] = state or ShardState.DRAINING
         except RPCError as exc:

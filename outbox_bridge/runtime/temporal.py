@@ -1,12 +1,20 @@
-"""Connecting to Temporal, and the custom search attributes of shard workflows."""
+"""Connecting to Temporal, and the custom search attributes of shard workflows.
+
+The client's settings are outbox-bridge's (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``,
+``TEMPORAL_API_KEY``, ``TEMPORAL_TLS*``, or their flags and Django keys); what they do not set
+comes from Temporal's environment configuration, the profile ``TEMPORAL_PROFILE`` (else
+``default``) of ``temporal.toml``, as the ``temporal`` CLI and the SDKs read it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from temporalio.api.enums.v1 import IndexedValueType, TaskQueueKind, TaskQueueType
 from temporalio.api.operatorservice.v1 import (
@@ -16,6 +24,7 @@ from temporalio.api.operatorservice.v1 import (
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, Interceptor
+from temporalio.envconfig import ClientConfigProfile
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
@@ -51,6 +60,10 @@ def dev_server_search_attribute_args() -> list[str]:
     return args
 
 
+# The TLS settings: any of them given turns the profile's TLS off.
+TLS_SETTINGS = ("temporal_tls", "temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca")
+
+
 def _tls(settings: OutboxSettings) -> TLSConfig | bool:
     if not (settings.temporal_tls or settings.temporal_tls_cert or settings.temporal_tls_ca):
         return False
@@ -72,9 +85,56 @@ def _tls(settings: OutboxSettings) -> TLSConfig | bool:
         ) from None
 
 
+def temporal_profile(settings: OutboxSettings) -> ClientConfigProfile:
+    """The profile of Temporal's environment configuration that the settings name
+    (``temporal_profile``, else ``default``) in ``temporal_config_file`` (else Temporal's
+    default file); empty when there is no file. Its environment variables are outbox-bridge's
+    settings, read already, so only the file is read here.
+
+    The ``default`` profile is not used once an address is given: it says where Temporal is
+    when nothing else does (a test's own dev server never gets a personal profile's key).
+    """
+    if settings.temporal_profile is None and settings.temporal_address is not None:
+        return ClientConfigProfile()
+    source = settings.temporal_config_file
+    if source is not None and not source.is_file():
+        raise ConfigurationError(f"Temporal's configuration file {source} does not exist")
+    try:
+        return ClientConfigProfile.load(
+            settings.temporal_profile, config_source=source, disable_env=True
+        )
+    except RuntimeError as exc:  # the SDK's ConfigError: unreadable file, unknown profile
+        raise ConfigurationError(f"Temporal's environment configuration: {exc}") from None
+
+
 def temporal_address(settings: OutboxSettings) -> str:
-    """The configured Temporal frontend, or the embedded dev server's port on this host."""
-    return settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    """The configured Temporal frontend (the settings', else the profile's), or the embedded
+    dev server's port on this host."""
+    address = settings.temporal_address or temporal_profile(settings).address
+    return address or f"127.0.0.1:{settings.temporal_port}"
+
+
+def embedded_temporal(settings: OutboxSettings) -> bool:
+    """Neither the settings nor Temporal's environment configuration give an address: the
+    worker starts a dev server."""
+    return settings.temporal_address is None and not temporal_profile(settings).address
+
+
+def client_options(settings: OutboxSettings) -> dict[str, Any]:
+    """``Client.connect``'s namespace, API key, TLS and gRPC metadata: each setting that was
+    given (a flag, a variable, a Django key), else the profile's, else the default."""
+    options: dict[str, Any] = dict(temporal_profile(settings).to_client_connect_config())
+    options.pop("target_host", None)
+    given = settings.model_fields_set
+    if "temporal_namespace" in given or "namespace" not in options:
+        options["namespace"] = settings.temporal_namespace
+    if settings.temporal_api_key is not None:
+        options["api_key"] = settings.temporal_api_key.get_secret_value()
+    if given.intersection(TLS_SETTINGS) or settings.temporal_api_key is not None:
+        options["tls"] = _tls(settings) or "api_key" in options
+    else:
+        options.setdefault("tls", False)
+    return options
 
 
 async def connect(
@@ -84,21 +144,52 @@ async def connect(
     interceptors: Sequence[Interceptor] = (),
     runtime: Runtime | None = None,
 ) -> Client:
-    api_key = settings.temporal_api_key.get_secret_value() if settings.temporal_api_key else None
+    """A client of the configured namespace at ``address``; :class:`ConfigurationError` in one
+    line, with what to check, when it cannot connect."""
+    options = client_options(settings)
     try:
         return await Client.connect(
-            address,
-            namespace=settings.temporal_namespace,
-            tls=_tls(settings) or bool(api_key),
-            api_key=api_key,
-            interceptors=list(interceptors),
-            runtime=runtime,
+            address, interceptors=list(interceptors), runtime=runtime, **options
         )
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         raise ConfigurationError(
-            f"cannot connect to Temporal at {address} (namespace "
-            f"{settings.temporal_namespace!r}): {exc}"
+            f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): "
+            f"{connect_failure(str(exc))}; {_connect_advice(settings)}"
         ) from None
+
+
+# What the SDK's connection errors say, in its Rust debug format (tonic::transport::Error(...)).
+_QUOTED_REASONS = (re.compile(r'message: "([^"]+)"'), re.compile(r'error: "([^"]+)"'))
+_TLS_FAILURE = re.compile(r"InvalidMessage|InvalidCertificate|AlertReceived|[Tt]ls|[Cc]ertificate")
+
+
+def connect_failure(text: str) -> str:
+    """Why a connection failed, in a few words, from the SDK's error text."""
+    for pattern in _QUOTED_REASONS:
+        found = pattern.search(text)
+        if found:
+            reason = found.group(1)
+            return reason[:1].lower() + reason[1:]
+    if _TLS_FAILURE.search(text):
+        return "the TLS handshake failed"
+    return (
+        text.removeprefix("Failed client connect: ").split("tonic::transport::Error")[0].strip(" :")
+        or "the connection failed"
+    )
+
+
+def _connect_advice(settings: OutboxSettings) -> str:
+    if embedded_temporal(settings):
+        return (
+            "no Temporal address is set (TEMPORAL_ADDRESS, or a profile of temporal.toml), so "
+            "the embedded dev server's port was tried: start `outbox-bridge worker` (which "
+            "starts it) or set TEMPORAL_ADDRESS (--temporal-address) to your Temporal frontend"
+        )
+    return (
+        "check that Temporal runs there and TEMPORAL_ADDRESS (--temporal-address, or the "
+        "profile's address) is its frontend host:port; TEMPORAL_TLS, TEMPORAL_TLS_CA or "
+        "TEMPORAL_API_KEY if it needs them"
+    )
 
 
 async def ensure_search_attributes(client: Client) -> None:
@@ -142,20 +233,25 @@ async def ensure_search_attributes(client: Client) -> None:
 UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
 # The longest one describe_task_queue may take.
 PROBE_TIMEOUT = 2.0
+# How long an answer without pollers is asked again: a worker that is starting polls within
+# moments, and a caller waiting on a queue nobody polls hears so at once.
+NO_POLLER_PATIENCE = 1.0
 
 
-async def task_queue_polled(client: Client, task_queue: str, deadline: float) -> bool | None:
-    """Whether a worker polls ``task_queue`` for workflow tasks, asked again until the
-    ``deadline`` (``time.monotonic()``) while none does: a worker that is starting polls within
-    moments. None when the server will not tell; raises ``RPCError`` or ``TimeoutError`` when
-    it does not answer."""
+async def task_queue_polled(
+    client: Client, task_queue: str, deadline: float, *, patience: float = NO_POLLER_PATIENCE
+) -> bool | None:
+    """Whether a worker polls ``task_queue`` for workflow tasks. An answer without pollers is
+    asked again for ``patience`` seconds, then is final; a server that does not answer is asked
+    again until the ``deadline`` (``time.monotonic()``). None when the server will not tell;
+    raises ``RPCError`` or ``TimeoutError`` when it does not answer."""
     request = DescribeTaskQueueRequest(
         namespace=client.namespace,
         task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
         task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
     )
     pause = 0.05
-    answered = False
+    unpolled_since: float | None = None
     while True:
         # Each call gets PROBE_TIMEOUT even past the deadline: a busy server that answers late
         # still tells whether anyone polls.
@@ -172,20 +268,20 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
                 log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc.message)
                 return None
             if exc.status != RPCStatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
-                if answered:
+                if unpolled_since is not None:
                     return False
                 raise
         except TimeoutError:
             if time.monotonic() >= deadline:
-                if answered:
+                if unpolled_since is not None:
                     return False
                 raise
         else:
             if response.pollers:
                 return True
-            answered = True
-        left = deadline - time.monotonic()
-        if left <= 0:
+            unpolled_since = unpolled_since if unpolled_since is not None else time.monotonic()
+        now = time.monotonic()
+        if now >= deadline or (unpolled_since is not None and now - unpolled_since >= patience):
             return False
-        await asyncio.sleep(min(pause, left))
+        await asyncio.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 0.5)

@@ -47,7 +47,12 @@ from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
-from outbox_bridge.runtime.temporal import connect, ensure_search_attributes
+from outbox_bridge.runtime.temporal import (
+    connect,
+    embedded_temporal,
+    ensure_search_attributes,
+    temporal_address,
+)
 from outbox_bridge.workflows import models as workflow_models
 from outbox_bridge.workflows import partition as partition_workflow
 from outbox_bridge.workflows import shard as shard_workflow
@@ -96,9 +101,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         redact_errors=settings.redact_errors,
         max_undeleted_groups=settings.max_undeleted_groups,
     )
-    hub = ShardHub()
-    shards = ShardDrainer(drain_engine, hub=hub, max_lingering=settings.linger_max_shards)
-    return Drains(drain_engine, shards, hub)
+    return Drains(drain_engine, ShardDrainer(drain_engine), ShardHub())
 
 
 @functools.cache
@@ -152,11 +155,8 @@ def build_worker(
         # them under the sandbox too. Unsandboxed, a new shard run costs no module re-import
         # (a third of the worker's CPU on a backlog of new shards).
         workflow_runner=UnsandboxedWorkflowRunner(),
-        # Lingering drains (a partition's, a shard's) mostly wait: room for them beside the
-        # busy ones.
-        max_concurrent_activities=settings.max_concurrent_activities
-        + settings.linger_max_shards
-        + settings.partitions * tables,
+        # The partitions' lingering drains mostly wait: room for them beside the busy ones.
+        max_concurrent_activities=settings.max_concurrent_activities + settings.partitions * tables,
         max_concurrent_local_activities=settings.max_concurrent_activities,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
@@ -243,20 +243,14 @@ async def serve(
         bridge = Bridge(
             app=app,
             engine=engine,
-            client=client,
             listen_url=libpq_url(sqlalchemy_url(database_url)),
             options=BridgeOptions(
                 task_queue=settings.task_queue,
-                poll_interval=settings.poll_interval,
                 sweep_interval=settings.sweep_interval,
                 listen=settings.listen,
                 regions=settings.regions,
-                idle_timeout=settings.idle_timeout,
-                linger=settings.linger,
             ),
-            starter=starter,
-            supervisor=supervisor if settings.on_demand else None,
-            held=supervisor,
+            supervisor=supervisor,
             hub=hub,
         )
         flush_worker = build_flush_worker(client, settings, drains)
@@ -269,9 +263,12 @@ async def serve(
             bridge_task,
         ]
         if settings.demo:
-            tasks.append(asyncio.create_task(demo.write_traffic(engine, stop), name="demo"))
+            traffic = demo.write_traffic(engine, stop, outage_seconds=settings.demo_outage)
+            tasks.append(asyncio.create_task(traffic, name="demo"))
         if summary:
-            view = WorkerSummary(app, engine, client, settings.task_queue)
+            view = WorkerSummary(
+                app, engine, client, settings.task_queue, log_failures=settings.log_failures
+            )
             tasks.append(asyncio.create_task(view.run(stop), name="summary"))
         announcer = asyncio.create_task(_announce(bridge.ready, ready))
         stopper = asyncio.create_task(stop.wait())
@@ -349,9 +346,17 @@ def print_banner(
         )
         lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
     if settings.demo:
-        lines.append("  Demo traffic: about 20 rows/s over 25 organizations and 50 users; one")
-        lines.append("  PROJECT_UPDATE in ten fails once (one log line each), so some shards block")
-        lines.append("  and recover on retry.")
+        for line in demo.banner(settings, ui):
+            lines.append(
+                textwrap.fill(
+                    line,
+                    80,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                    break_long_words=False,  # a link stays whole
+                    break_on_hyphens=False,
+                )
+            )
     if summary:
         legend = f"Every {SUMMARY_INTERVAL:g} s a line follows: {LEGEND}."
         lines.append(textwrap.fill(legend, 80, initial_indent="  ", subsequent_indent="  "))
@@ -361,9 +366,8 @@ def print_banner(
 async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     """Run ``app`` until SIGINT or SIGTERM, with embedded servers for what is not configured."""
     app.check_handlers()
-    check_embedded(
-        postgres=settings.database_url is None, temporal=settings.temporal_address is None
-    )
+    embedded = embedded_temporal(settings)  # no address, neither set nor in a Temporal profile
+    check_embedded(postgres=settings.database_url is None, temporal=embedded)
     telemetry = setup_telemetry(settings)
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
@@ -374,8 +378,8 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
             postgres = EmbeddedPostgres(settings.data_dir / "postgres")
             database_url = await asyncio.to_thread(postgres.start)
         ui = None
-        if settings.temporal_address is not None:
-            address = settings.temporal_address
+        if not embedded:
+            address = temporal_address(settings)
         else:
             temporal = EmbeddedTemporal(
                 settings.data_dir / "temporal",

@@ -27,11 +27,10 @@ from outbox_bridge.workflows.models import PartitionRef, ShardRef
 
 
 def worker_settings(**overrides: Any) -> OutboxSettings:
-    """Settings for a worker under test: short retry, sweep and idle timers (a test sees a
-    retry or a sweep within a second or two), a task queue of its own, no health endpoints.
+    """Settings for a worker under test: short retry and sweep timers (a test sees a retry or
+    a sweep within a second or two), a task queue of its own, no health endpoints.
     ``overrides`` are :class:`~outbox_bridge.OutboxSettings` fields."""
     values: dict[str, Any] = {
-        "idle_timeout": 2.0,
         "initial_retry_interval": 0.2,
         "max_retry_interval": 1.0,
         "handler_timeout": 20.0,

@@ -183,7 +183,7 @@ def outbox_session_database(_outbox_template: DatabaseTemplate) -> Iterator[Outb
 @pytest.fixture
 def outbox_settings() -> OutboxSettings:
     """The settings of the test's worker: short timers and a task queue of its own. Override
-    it to change a setting (``return worker_settings(linger=0)``)."""
+    it to change a setting (``return worker_settings(partitions=2)``)."""
     settings: OutboxSettings = _worker().worker_settings()
     return settings
 

@@ -136,10 +136,14 @@ class OutboxDatabase:
             self._engine = create_engine(self.url)
         return self._engine
 
-    def drop(self) -> None:
+    def dispose(self) -> None:
+        """Close the connections of ``engine``, if it was made."""
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
+
+    def drop(self) -> None:
+        self.dispose()
         self.server.drop_database(self.name)
 
 

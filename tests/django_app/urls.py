@@ -7,6 +7,7 @@ from tests.django_app import views
 urlpatterns = [
     path("write/<int:organization>", views.write),
     path("flushed/<int:organization>", views.flushed_write),
+    path("report/<int:organization>", views.write_and_report),
     path("request-transaction/<int:organization>", views.write_in_the_request_transaction),
     path(
         "flushed-request-transaction/<int:organization>",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from outbox_bridge.contrib.django.flush import flush_outbox
+from outbox_bridge.contrib.django.flush import flush_outbox, outbox_context
 from outbox_bridge.contrib.django.writes import write_row, write_row_async
 from tests.django_app.models import Note, Organization, Project
 from tests.django_app.outbox import app
@@ -26,6 +26,13 @@ def write(request: HttpRequest, organization: int) -> HttpResponse:
 
 
 flushed_write = flush_outbox(write)
+
+
+def write_and_report(request: HttpRequest, organization: int) -> HttpResponse:
+    """A row, flushed, and the flush report as the response."""
+    with outbox_context(flush=True) as outbox:
+        write(request, organization)
+    return JsonResponse(outbox.report.as_dict())
 
 
 def write_in_the_request_transaction(request: HttpRequest, organization: int) -> HttpResponse:

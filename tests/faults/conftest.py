@@ -1,10 +1,9 @@
 """Fixtures of the fault suite, and its summary table.
 
-Every scenario has a fast variant, run by default (on demand, and for a few scenarios also with
-``--shard-workflows always``), and a full one in both modes, marked ``faults``: the full ones
-(and the slowest fast ones) run only when asked for with ``pytest -m faults`` (or any ``-m``
-expression that names the marker). The figures of every scenario that ran are printed at the end, with its mode
-(tests/conftest.py: also from the test processes of pytest-xdist).
+Every scenario has a fast variant, run by default, and a full one, marked ``faults``: the full
+ones (and the slowest fast ones) run only when asked for with ``pytest -m faults`` (or any
+``-m`` expression that names the marker). The figures of every scenario that ran are printed at
+the end (tests/conftest.py: also from the test processes of pytest-xdist).
 """
 
 from __future__ import annotations
@@ -97,7 +96,6 @@ class NewScenario(Protocol):
     def __call__(
         self,
         name: str,
-        mode: str,
         *,
         engine: AsyncEngine | None = None,
         database: tuple[str, str] | None = None,
@@ -111,21 +109,17 @@ def new_scenario(
     fault_temporal: EmbeddedTemporal,
     logs: Path,
 ) -> NewScenario:
-    """A scenario of this test named ``name``, its workers in ``mode``: on the session's
-    database, or on ``engine`` and ``database`` (its URL and password: a PostgreSQL of the
-    test's own)."""
+    """A scenario of this test named ``name``: on the session's database, or on ``engine``
+    and ``database`` (its URL and password: a PostgreSQL of the test's own)."""
 
     def new(
         name: str,
-        mode: str,
         *,
         engine: AsyncEngine | None = None,
         database: tuple[str, str] | None = None,
     ) -> Scenario:
         url, password = database or fault_database
-        return Scenario(
-            name, engine or session_engine, url, password, fault_temporal.address, logs, mode=mode
-        )
+        return Scenario(name, engine or session_engine, url, password, fault_temporal.address, logs)
 
     session_engine = engine
     return new

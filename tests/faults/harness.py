@@ -75,7 +75,6 @@ def worker_env(
         "OUTBOX_HANDLER_TIMEOUT": "20",
         "OUTBOX_HEARTBEAT_TIMEOUT": "3",
         "OUTBOX_SHUTDOWN_GRACE": "2",
-        "OUTBOX_LINGER": "2",
     }
     settings.update(extra)
     return clean_env(**settings)
@@ -312,7 +311,6 @@ class Figures:
     """One line of the fault summary table."""
 
     scenario: str
-    mode: str  # --shard-workflows: on-demand or always
     rows: int
     faults: str
     lost: int
@@ -330,7 +328,6 @@ def summary_lines(figures: list[Figures]) -> list[str]:
     """The fault summary table, a line per scenario."""
     header = (
         "scenario",
-        "mode",
         "rows",
         "faults injected",
         "rows lost",
@@ -342,7 +339,6 @@ def summary_lines(figures: list[Figures]) -> list[str]:
     lines = [
         (
             f.scenario,
-            f.mode,
             f"{f.rows:,}",
             f.faults,
             str(f.lost),

@@ -1,12 +1,8 @@
 """One fault scenario: its table, its workers, its workload, and the final check; and the
 variants each scenario runs in.
 
-Every scenario runs in both ways of processing (``--shard-workflows``): ``on-demand``, the
-default, where partitions drain the healthy shards and a shard gets its own workflow only when
-it needs one, and ``always``, where every shard with rows runs in its own workflow. The full
-size runs in both (``pytest -m faults``); by default the fast variant runs on demand, and in
-``always`` too for a few scenarios; the slowest fast variants run only with the full ones
-(:func:`variants`).
+Every scenario has a fast variant, run by default, and a full one (``pytest -m faults``); the
+slowest fast variants run only with the full ones (:func:`variants`).
 """
 
 from __future__ import annotations
@@ -45,27 +41,18 @@ from tests.faults.history import (
 )
 from tests.harness import wait_until
 
-ON_DEMAND, ALWAYS = "on-demand", "always"
-MODES = (ON_DEMAND, ALWAYS)
 FULL = [pytest.mark.faults, pytest.mark.timeout(1800)]
 
 
-def variants(
-    fast: Any,
-    full: Any,
-    *,
-    fast_modes: Sequence[str] = (ON_DEMAND,),
-    fast_by_default: bool = True,
-) -> list[Any]:
-    """Parameters ``(size, mode)`` of a scenario: its fast variant in each of ``fast_modes``
-    (on demand, and also ``always`` for the few scenarios that ask for it) and its full variant
-    in both modes (``pytest -m faults``). The fast variants run by default, unless
-    ``fast_by_default`` is False (the slowest of them): then with the full ones, so that the
-    default suite stays short."""
+def variants(fast: Any, full: Any, *, fast_by_default: bool = True) -> list[Any]:
+    """Parameters of a scenario (its size): its fast variant and its full variant (``pytest -m
+    faults``). The fast variant runs by default, unless ``fast_by_default`` is False (the
+    slowest of them): then with the full ones, so that the default suite stays short."""
     fast_marks = [] if fast_by_default else [pytest.mark.faults]
-    params = [pytest.param(fast, mode, id=f"fast-{mode}", marks=fast_marks) for mode in fast_modes]
-    params += [pytest.param(full, mode, id=f"full-{mode}", marks=FULL) for mode in MODES]
-    return params
+    return [
+        pytest.param(fast, id="fast", marks=fast_marks),
+        pytest.param(full, id="full", marks=FULL),
+    ]
 
 
 @dataclass
@@ -76,7 +63,6 @@ class Scenario:
     password: str
     temporal_address: str
     logs: Path
-    mode: str = ON_DEMAND  # --shard-workflows of its workers
     table: str = field(default_factory=new_table)
     task_queue: str = field(default_factory=new_task_queue)
     workers: list[WorkerProcess] = field(default_factory=list)
@@ -92,7 +78,7 @@ class Scenario:
             self.temporal_address,
             self.table,
             self.task_queue,
-            **{"OUTBOX_SHARD_WORKFLOWS": self.mode, **settings},
+            **settings,
         )
 
     def worker(self, name: str = "worker", **settings: str) -> WorkerProcess:
@@ -202,7 +188,6 @@ class Scenario:
         record(
             Figures(
                 scenario=self.name,
-                mode=self.mode,
                 rows=verdict.rows,
                 faults=faults.format(
                     failed=verdict.failed_calls,

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from tests.faults.fault_app import FaultScope
 from tests.faults.harness import outbox_count
 from tests.faults.history import Shard
-from tests.faults.scenario import ALWAYS, ON_DEMAND, variants
+from tests.faults.scenario import variants
 from tests.harness import wait_until
 
 
@@ -35,16 +35,16 @@ def mixed_shards(count: int) -> list[Shard]:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Size(rows=1_000, kills=2, shards=30),
         Size(rows=20_000, kills=20, shards=150),
     ),
 )
 async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
-    size: Size, mode, new_scenario, fault_client, record_figures
+    size: Size, new_scenario, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("kill -9 worker", mode)
+    scenario = new_scenario("kill -9 worker")
     await scenario.prepare(failure_rate=0.1)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows)
     worker = scenario.worker(OUTBOX_REDACT_ERRORS="true")
@@ -83,13 +83,13 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(Size(rows=500, kills=1, shards=20), Size(rows=5_000, kills=10, shards=60)),
 )
 async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
-    size: Size, mode, new_scenario, engine, fault_client, record_figures
+    size: Size, new_scenario, engine, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("two workers, one killed", mode)
+    scenario = new_scenario("two workers, one killed")
     await scenario.prepare(failure_rate=0.05)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 1)
     steady, victim = scenario.worker("steady"), scenario.worker("victim")
@@ -162,20 +162,20 @@ async def calls_of(engine, table: str, pid: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Backlog(rows=2_000, kills=1, shards=30),
         Backlog(rows=20_000, kills=10, shards=200),
     ),
 )
 async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
-    size: Backlog, mode, new_scenario, engine, fault_client, record_figures
+    size: Backlog, new_scenario, engine, fault_client, record_figures
 ) -> None:
     """What one ``kill -9`` costs at full speed: a backlog of distinct groups drained as fast as
     the handlers go, nothing failing, the worker killed mid-drain again and again. A kill
     repeats the groups handled and not deleted yet (at most MAX_UNDELETED_GROUPS across the
     worker's drains, see outbox_bridge/runtime/rounds.py) and the calls under way."""
-    scenario = new_scenario("kill -9 mid-drain of a backlog", mode)
+    scenario = new_scenario("kill -9 mid-drain of a backlog")
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 6, objects=10_000)
@@ -205,18 +205,17 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        max_duplicates=size.kills * BACKLOG_REPEATS_PER_KILL[mode],
+        max_duplicates=size.kills * BACKLOG_REPEATS_PER_KILL,
         repeats_only_after_kills=True,
-        max_repeats_per_kill=BACKLOG_REPEATS_PER_KILL[mode],
+        max_repeats_per_kill=BACKLOG_REPEATS_PER_KILL,
     )
 
 
 # Repeated calls allowed per kill -9 (see the test above): the groups handled and not deleted
 # (at most MAX_UNDELETED_GROUPS), and the calls under way, which had recorded their success but
 # not returned to the worker: up to one per handler thread (16) and per async shard being
-# drained. Measured on 2 shared cores, per kill: on demand a median of 8-17 with outliers up to
-# 109, always a median of 8 and at most 26.
-BACKLOG_REPEATS_PER_KILL = {ON_DEMAND: 120, ALWAYS: 40}
+# drained. Measured on 2 shared cores, per kill: a median of 8-17 with outliers up to 109.
+BACKLOG_REPEATS_PER_KILL = 120
 
 
 async def calls_over(engine, table: str, pid: int, count: int) -> bool:

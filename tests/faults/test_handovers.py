@@ -10,9 +10,7 @@ docs/explanation/contract.md).
 - the shard's own workflow terminated by hand while it holds the shard (the sweep restarts it);
 - ``kill -9`` of the worker while many failing groups are being handed over.
 
-Each runs in both modes; with ``--shard-workflows always`` every shard has its workflow from
-the start, so the same faults hit the workflow instead of a handover. Each checks, besides the
-history: every row handled in the end, and nobody stuck (every shard given back, no shard
+Each checks, besides the history: every row handled in the end, and nobody stuck (every shard given back, no shard
 workflow left running).
 """
 
@@ -33,7 +31,7 @@ from outbox_bridge.runtime.shards import parse_shard, shard_status
 from tests.faults.fault_app import FaultCategory, FaultScope, make_app
 from tests.faults.harness import calls_of_shard, command, temporal_command
 from tests.faults.history import Shard, Workload, set_control
-from tests.faults.scenario import ALWAYS, MODES, ON_DEMAND, variants
+from tests.faults.scenario import variants
 from tests.faults.test_crashes import mixed_shards
 from tests.faults.test_stuck import failed_at_least
 from tests.harness import wait_until
@@ -121,17 +119,16 @@ class Traffic:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Traffic(rows=800, shards=12, flips=2),
         Traffic(rows=15_000, shards=60, flips=12),
-        fast_modes=MODES,
     ),
 )
 async def test_a_handler_fails_while_rows_for_its_shard_keep_arriving(
-    size: Traffic, mode, new_scenario, engine, fault_client, record_figures
+    size: Traffic, new_scenario, engine, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("handler fails, rows keep arriving", mode)
+    scenario = new_scenario("handler fails, rows keep arriving")
     shards = mixed_shards(size.shards)
     await scenario.prepare(failure_rate=0.2)
     workload = scenario.workload(shards, seed=size.rows + 11)
@@ -165,15 +162,14 @@ async def test_a_handler_fails_while_rows_for_its_shard_keep_arriving(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        # No crash, restart or timeout: a failing head is handed over (or, in always mode,
-        # retried by its category activity) without repeating what succeeded before it.
+        # No crash, restart or timeout: a failing head is handed over without repeating what
+        # succeeded before it.
         max_duplicates=0,
     )
     assert verdict.failed_calls > 0
     runs = await shard_workflow_runs(fault_client, scenario.task_queue)
-    if mode == ON_DEMAND:
-        # Failing shards were handed to their workflows, which gave them back once empty.
-        assert runs.get("COMPLETED", 0) >= len(flaky), runs
+    # Failing shards were handed to their workflows, which gave them back once empty.
+    assert runs.get("COMPLETED", 0) >= len(flaky), runs
 
 
 # -- a skip while a partition is in the middle of the shard -----------------------------------
@@ -188,19 +184,19 @@ class Skips:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Skips(groups=150, skipped=1, others=300, shards=10),
         Skips(groups=600, skipped=4, others=4_000, shards=80),
     ),
 )
 async def test_a_skip_while_a_drain_is_in_the_middle_of_the_shard(
-    size: Skips, mode, new_scenario, engine, fault_client, record_figures
+    size: Skips, new_scenario, engine, fault_client, record_figures
 ) -> None:
     """``outbox-bridge skip`` of a shard that is being drained (by a partition on demand: the
     command starts the shard's workflow with update-with-start). Once the command answers, no
     handler of the shard runs or starts; its rows stay until it is resumed."""
-    scenario = new_scenario("skip mid-drain", mode)
+    scenario = new_scenario("skip mid-drain")
     skipped = [100 + n for n in range(size.skipped)]
     # Each call of a skipped shard takes 20 ms: a drain of it lasts seconds.
     await scenario.prepare(slow_shards=skipped, slow_seconds=0.02)
@@ -263,20 +259,20 @@ class Flushes:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Flushes(groups=150, flushed=1, arriving=100, shards=10),
         Flushes(groups=800, flushed=4, arriving=1_000, shards=80),
     ),
 )
 async def test_a_flush_of_a_shard_that_a_drain_is_in_the_middle_of(
-    size: Flushes, mode, new_scenario, engine, fault_client, record_figures
+    size: Flushes, new_scenario, engine, fault_client, record_figures
 ) -> None:
     """``outbox-bridge flush`` of shards that are being drained (by a partition on demand: the
     flush starts the shard's workflow, which takes the shard over once the partition's round
     in it ends), while rows keep arriving in them: each flush answers ``handled``, and by then
     every row it waited for is gone."""
-    scenario = new_scenario("flush mid-drain", mode)
+    scenario = new_scenario("flush mid-drain")
     flushed = [200 + n for n in range(size.flushed)]
     # Each call of a flushed shard takes 30 ms: its drain lasts seconds, longer than the flush
     # command takes to start.
@@ -347,7 +343,7 @@ class Terminations:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Terminations(rows=400, shards=10, owners=2),
         Terminations(rows=6_000, shards=60, owners=8),
@@ -355,12 +351,12 @@ class Terminations:
     ),
 )
 async def test_a_shard_workflow_terminated_while_it_holds_the_shard_is_restarted(
-    size: Terminations, mode, new_scenario, engine, fault_temporal, fault_client, record_figures
+    size: Terminations, new_scenario, engine, fault_temporal, fault_client, record_figures
 ) -> None:
     """The OutboxShard workflow of a shard that needs one is terminated by hand, twice: while
     its head fails (the partition handed it over), and while it drains the rows that came
     meanwhile. The active bridge's sweep starts it again from the table each time."""
-    scenario = new_scenario("shard workflow terminated", mode)
+    scenario = new_scenario("shard workflow terminated")
     owners = [300 + n for n in range(size.owners)]
     await scenario.prepare(poison_shards=owners, slow_shards=owners, slow_seconds=0.01)
     background = mixed_shards(size.shards)
@@ -447,7 +443,7 @@ KILL_MOMENTS = random.Random(15)
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Kills(rows=1_000, kills=1, shards=20),
         Kills(rows=15_000, kills=10, shards=120),
@@ -455,12 +451,12 @@ KILL_MOMENTS = random.Random(15)
     ),
 )
 async def test_kill_9_while_many_failing_groups_are_handed_over(
-    size: Kills, mode, new_scenario, engine, fault_client, record_figures
+    size: Kills, new_scenario, engine, fault_client, record_figures
 ) -> None:
     """A third of the handler calls fail, so shards are handed over all the time (on
     demand), and the worker is killed with ``kill -9`` while it hands them over: signals
     sent or not, holds written or not, category activities running."""
-    scenario = new_scenario("kill -9 during handovers", mode)
+    scenario = new_scenario("kill -9 during handovers")
     await scenario.prepare(failure_rate=0.3)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 15)
     worker = scenario.worker()
@@ -484,12 +480,12 @@ async def test_kill_9_while_many_failing_groups_are_handed_over(
         recovery=recovery,
         client=fault_client,
         record=record_figures,
-        max_duplicates=size.kills * KILL_REPEATS[mode],
+        max_duplicates=size.kills * KILL_REPEATS,
         repeats_only_after_kills=True,
-        max_repeats_per_kill=KILL_REPEATS[mode],
+        max_repeats_per_kill=KILL_REPEATS,
     )
 
 
 # Repeated calls allowed per kill -9: as in the backlog's kills (test_crashes.py), rows arriving
 # more slowly here.
-KILL_REPEATS = {ON_DEMAND: 120, ALWAYS: 60}
+KILL_REPEATS = 120

@@ -1,8 +1,8 @@
 """Outages of the servers under a running worker: the Temporal dev server killed and restarted
 on its database file, PostgreSQL stopped and started again, and every connection of the worker
-terminated by the server. The worker keeps running and
-recovers by itself (the design contract, section 1: nothing is lost because a server went
-away; docs/explanation/contract.md)."""
+terminated by the server. The worker keeps running and recovers by itself (the design
+contract, section 1: nothing is lost because a server went away;
+docs/explanation/contract.md)."""
 
 from __future__ import annotations
 
@@ -34,16 +34,16 @@ class Size:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Size(rows=600, outages=1, shards=20, down_seconds=1),
         Size(rows=6_000, outages=3, shards=100, down_seconds=5),
     ),
 )
 async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
-    size: Size, mode, new_scenario, fault_temporal, fault_client, record_figures
+    size: Size, new_scenario, fault_temporal, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("Temporal killed, restarted", mode)
+    scenario = new_scenario("Temporal killed, restarted")
     await scenario.prepare(failure_rate=0.05)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 2)
     worker = scenario.worker()
@@ -78,21 +78,21 @@ async def test_temporal_killed_and_restarted_on_its_database_file_mid_drain(
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Size(rows=600, outages=1, shards=20, down_seconds=2),
         Size(rows=6_000, outages=3, shards=100, down_seconds=5),
     ),
 )
 async def test_postgresql_stopped_and_restarted_mid_drain(
-    size: Size, mode, new_scenario, own_postgres, fault_client, record_figures
+    size: Size, new_scenario, own_postgres, fault_client, record_figures
 ) -> None:
     postgres, raw_url = own_postgres
     url, password = with_password(sqlalchemy_url(raw_url).render_as_string(hide_password=False))
     engine = create_async_engine(url, pool_pre_ping=True)
     try:
         scenario = new_scenario(
-            "PostgreSQL stopped, restarted", mode, engine=engine, database=(url, password)
+            "PostgreSQL stopped, restarted", engine=engine, database=(url, password)
         )
         await scenario.prepare(failure_rate=0.05)
         workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 3)
@@ -129,9 +129,9 @@ async def test_postgresql_stopped_and_restarted_mid_drain(
         await engine.dispose()
 
 
-@pytest.mark.parametrize(("restarts", "mode"), variants(1, 3))
+@pytest.mark.parametrize("restarts", variants(1, 3))
 async def test_the_bridge_listens_again_after_postgresql_restarts(
-    restarts: int, mode, new_scenario, own_postgres, fault_client, record_figures
+    restarts: int, new_scenario, own_postgres, fault_client, record_figures
 ) -> None:
     """With no scan or sweep for an hour, rows written after a restart reach the bridge only
     through NOTIFY: it must notice the lost connection, reconnect and LISTEN again."""
@@ -140,7 +140,7 @@ async def test_the_bridge_listens_again_after_postgresql_restarts(
     engine = create_async_engine(url, pool_pre_ping=True)
     try:
         scenario = new_scenario(
-            "PostgreSQL restarted, LISTEN", mode, engine=engine, database=(url, password)
+            "PostgreSQL restarted, LISTEN", engine=engine, database=(url, password)
         )
         await scenario.prepare()
         workload = scenario.workload(mixed_shards(5), seed=9)
@@ -195,21 +195,21 @@ class Terminations:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(
         Terminations(rows=5_000, terminations=3, shards=100),
         Terminations(rows=20_000, terminations=5, shards=200),
     ),
 )
 async def test_the_worker_s_connections_terminated_mid_drain_repeat_few_groups(
-    size: Terminations, mode, new_scenario, engine, fault_client, record_figures
+    size: Terminations, new_scenario, engine, fault_client, record_figures
 ) -> None:
     """``pg_terminate_backend`` of every connection of the worker (a failover, a pooler or an
     idle timeout closing them), again and again while it drains a backlog at full speed. The
     worker stays up, and a termination repeats no more calls than a ``kill -9`` may: a round
     that lost its connection deletes what it had handled from a new one, under the shards'
     locks taken again."""
-    scenario = new_scenario("worker's connections terminated mid-drain", mode)
+    scenario = new_scenario("worker's connections terminated mid-drain")
     await scenario.prepare()
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 7, objects=10_000)
     name = f"outbox-worker-{scenario.table}"

@@ -24,7 +24,7 @@ from tests.faults.harness import (
     wipe_temporal,
 )
 from tests.faults.history import set_control
-from tests.faults.scenario import MODES, variants
+from tests.faults.scenario import variants
 from tests.faults.test_crashes import mixed_shards
 from tests.harness import wait_until
 
@@ -48,22 +48,20 @@ async def failed_at_least(engine, table: str, shard: int, times: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(Size(rows=200, shards=8, hangs=1), Size(rows=3_000, shards=40, hangs=4)),
 )
 async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
-    size: Size, mode, new_scenario, engine, fault_client, record_figures
+    size: Size, new_scenario, engine, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("handler hangs", mode)
+    scenario = new_scenario("handler hangs")
     # Each hanging object has a row in an organization (a plain-def handler: its thread
     # cannot be interrupted, so the stale attempt runs on) and one in a user shard (an
     # async handler: cancelled when its attempt times out).
     hanging = [900 + n for n in range(size.hangs)]
     await scenario.prepare(hang_objects=[*hanging, *(h + 50 for h in hanging)], hang_seconds=5.0)
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 4)
-    # No lingering: a lingering drain is a normal activity whose timeout allows for its whole
-    # linger period, so a hung call in it is not retried after the handler timeout.
-    worker = scenario.worker(OUTBOX_HANDLER_TIMEOUT="2", OUTBOX_LINGER="0")
+    worker = scenario.worker(OUTBOX_HANDLER_TIMEOUT="2")
     worker.start()
     await worker.ready()
     await workload.write(size.rows // 2)
@@ -133,15 +131,15 @@ async def reset_to_first_task(address: str, workflow: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
-    variants(Size(rows=300, shards=10), Size(rows=4_000, shards=60), fast_modes=MODES),
+    "size",
+    variants(Size(rows=300, shards=10), Size(rows=4_000, shards=60)),
 )
 async def test_lost_shard_workflows_are_restored_from_the_table(
-    size: Size, mode, new_scenario, engine, fault_temporal, fault_client, record_figures
+    size: Size, new_scenario, engine, fault_temporal, fault_client, record_figures
 ) -> None:
     """A shard workflow terminated, another reset, then every workflow lost with the dev
     server's database file: the bridge restores processing from the table."""
-    scenario = new_scenario("workflows lost", mode)
+    scenario = new_scenario("workflows lost")
     poison = {1: ORG, 2: ORG, 3: USER}  # blocked, so that their workflows live on
     await scenario.prepare(poison_shards=list(poison))
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 5)
@@ -189,13 +187,13 @@ async def test_lost_shard_workflows_are_restored_from_the_table(
 
 
 @pytest.mark.parametrize(
-    ("size", "mode"),
+    "size",
     variants(Size(rows=0, shards=20), Size(rows=0, shards=1_000)),
 )
 async def test_a_poison_row_blocks_one_shard_while_the_others_drain(
-    size: Size, mode, new_scenario, engine, fault_temporal, fault_client, record_figures
+    size: Size, new_scenario, engine, fault_temporal, fault_client, record_figures
 ) -> None:
-    scenario = new_scenario("poison row", mode)
+    scenario = new_scenario("poison row")
     poison = 1
     await scenario.prepare(poison_shards=[poison])
     others = [(ORG if n % 2 else USER, 10_000 + n) for n in range(size.shards)]

@@ -77,7 +77,6 @@ def failing(failure: HandlerFailure = REPLICA_DOWN) -> ApplicationError:
 def options(**overrides: Any) -> ShardOptions:
     """Shard options with round figures, so that each test can tell its timers apart."""
     values: dict[str, Any] = {
-        "idle_timeout_seconds": 0.0,
         "initial_retry_seconds": 10.0,
         "max_retry_interval_seconds": 60.0,
         "handler_timeout_seconds": 300.0,
@@ -118,7 +117,6 @@ class Doubles:
         self.released = asyncio.Event()
         self.order: list[str] = []  # activity types, in the order their attempts started
         self.drains: Script[DrainInput] = Script(DrainResult())
-        self.lingers: Script[DrainInput] = Script(DrainResult())
         self.holds: Script[HoldInput] = Script(None)
         self.flush_checks: Script[FlushCheckInput] = Script(FlushCheck(handled=True))
         self.categories: Script[HandleHeadInput] = Script(HandleHeadResult(True, 1))
@@ -149,11 +147,6 @@ class Doubles:
         result: DrainResult = await self._answer(self.drains, request)
         return result
 
-    @activity.defn(name="linger_shard")
-    async def linger_shard(self, request: DrainInput) -> DrainResult:
-        result: DrainResult = await self._answer(self.lingers, request)
-        return result
-
     @activity.defn(name="hold_shard")
     async def hold_shard(self, request: HoldInput) -> None:
         await self._answer(self.holds, request)
@@ -177,7 +170,6 @@ class Doubles:
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.drain_shard,
-            self.linger_shard,
             self.hold_shard,
             self.flush_check,
             self.handle_category,
@@ -202,10 +194,12 @@ class Bench:
     def client(self) -> Client:
         return self.env.client
 
-    async def result(self, handle: WorkflowHandle[Any, Any], result_type: type[T]) -> T:
-        """The workflow's result (following its continue-as-new runs), time skipping while the
-        test waits for it."""
-        typed = self.client.get_workflow_handle(handle.id, result_type=result_type)
+    async def result(
+        self, handle: WorkflowHandle[Any, Any], result_type: type[T], *, run_id: str | None = None
+    ) -> T:
+        """The workflow's result (following its continue-as-new runs, from ``run_id`` if given),
+        time skipping while the test waits for it."""
+        typed = self.client.get_workflow_handle(handle.id, run_id=run_id, result_type=result_type)
         service = self.client.test_service
         await service.unlock_time_skipping(UnlockTimeSkippingRequest())
         try:
@@ -263,6 +257,14 @@ async def events(handle: WorkflowHandle[Any, Any]) -> list[HistoryEvent]:
 
 def of_type(history: list[HistoryEvent], kind: EventType.ValueType) -> list[HistoryEvent]:
     return [event for event in history if event.event_type == kind]
+
+
+async def summaries(
+    client: Client, history: list[HistoryEvent], kind: EventType.ValueType
+) -> list[str]:
+    """The summaries the run gave its events of ``kind`` (what the UI labels them with)."""
+    found = [e.user_metadata.summary for e in of_type(history, kind) if e.HasField("user_metadata")]
+    return [str(s) for s in await client.data_converter.decode(found, [str] * len(found))]
 
 
 def timers(history: list[HistoryEvent]) -> list[float]:

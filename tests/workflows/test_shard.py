@@ -3,6 +3,7 @@ timers, idle waits and retry backoff pass in skipped time."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 
 from outbox_bridge.runtime.shards import WORKFLOW, ShardStarter, start_arguments
 from outbox_bridge.workflows.models import (
+    MEMO_CODE_KEY,
+    WORKFLOW_CODE,
     DrainResult,
     FlushCheck,
     FlushInput,
@@ -40,6 +43,7 @@ from tests.workflows.doubles import (
     intervals,
     of_type,
     options,
+    summaries,
     timers,
 )
 
@@ -49,11 +53,11 @@ def starter(wf: Bench, opts: ShardOptions) -> ShardStarter:
 
 
 async def start(
-    wf: Bench, opts: ShardOptions, max_id: int = 10, *, traffic: bool = False
+    wf: Bench, opts: ShardOptions, max_id: int = 10, *, skip: SkipInfo | None = None
 ) -> WorkflowHandle[Any, Any]:
-    """Start the shard's workflow as the bridge does; a handle on its latest run that knows its
+    """Start the shard's workflow as the sweep does; a handle on its latest run that knows its
     first."""
-    arguments = start_arguments(wf.shard, opts, wf.task_queue, max_id=max_id, traffic=traffic)
+    arguments = start_arguments(wf.shard, opts, wf.task_queue, max_id=max_id, skip=skip)
     started = await wf.client.start_workflow(WORKFLOW, **arguments)
     wf.track(wf.shard.workflow_id)
     return wf.client.get_workflow_handle(
@@ -83,41 +87,17 @@ async def summary(wf: Bench, handle: WorkflowHandle[Any, Any]) -> ShardSummary:
 # -- draining and completing -------------------------------------------------------------------
 
 
-async def test_an_emptied_shard_completes_at_once_when_it_owns_the_shard(wf) -> None:
-    wf.doubles.drains.answers = [DrainResult(groups_handled=2, rows_handled=3, highest_seen_id=10)]
-    handle = await start(wf, options(owns_shard=True, idle_timeout_seconds=300))
+async def test_an_emptied_shard_completes_at_once(wf) -> None:
+    wf.doubles.drains.answers = [
+        DrainResult(groups_handled=2, rows_handled=3, highest_seen_id=10, released=True)
+    ]
+    handle = await start(wf, options())
     assert await summary(wf, handle) == ShardSummary(wf.shard.key, 3, 2)
     [drain] = wf.doubles.drains.calls
-    assert drain.input.own  # the drain gives the shard back to its partition once empty
     assert drain.input.shard == wf.shard
     assert timers(await events(handle)) == []  # no idle wait
-
-
-async def test_a_shard_of_its_own_lingers_idle_then_completes(wf) -> None:
-    handle = await start(wf, options(idle_timeout_seconds=300))
-    assert await summary(wf, handle) == ShardSummary(wf.shard.key, 0, 0)
-    assert not wf.doubles.drains.calls[0].input.own
-    assert timers(await events(handle)) == [300]
-
-
-async def test_rows_arriving_while_idle_are_drained_by_a_lingering_activity(wf) -> None:
-    opts = options(idle_timeout_seconds=300, linger_seconds=5, linger_max_seconds=60)
-    handle = await start(wf, opts, max_id=10)
-    await reaches(handle, ShardState.IDLE)
-    wf.doubles.lingers.answers = [DrainResult(groups_handled=1, rows_handled=4, highest_seen_id=20)]
-    await handle.signal("notify", NotifyInput(max_id=20))
-    assert await summary(wf, handle) == ShardSummary(wf.shard.key, 4, 1)
-    assert len(wf.doubles.drains.calls) == 1
-    [linger] = wf.doubles.lingers.calls
-    assert (linger.input.linger_seconds, linger.input.linger_max_seconds) == (5, 60)
-    assert timers(await events(handle)) == [300, 300]  # idle, woken by the rows; idle again
-
-
-async def test_a_shard_started_with_traffic_lingers_from_the_first_drain(wf) -> None:
-    handle = await start(wf, options(linger_seconds=5), traffic=True)
-    await summary(wf, handle)
-    assert wf.doubles.drains.calls == []
-    assert len(wf.doubles.lingers.calls) == 1
+    # Started by this code: a run that upgrade-check does not report.
+    assert await (await handle.describe()).memo() == {MEMO_CODE_KEY: WORKFLOW_CODE}
 
 
 async def test_more_rows_drain_again_before_going_idle(wf) -> None:
@@ -154,7 +134,12 @@ async def test_a_deferred_head_waits_on_a_timer_by_the_database_clock(wf) -> Non
     deferred = await reaches(handle, ShardState.DEFERRED)
     assert deferred.deferred_until == "2030-01-01T00:00:00+00:00"
     assert await summary(wf, handle) == ShardSummary(wf.shard.key, 1, 1)
-    assert timers(await events(handle)) == [3600]  # the seconds the database counted
+    history = await events(handle)
+    assert timers(history) == [3600]  # the seconds the database counted
+    # What the UI labels the timer with on the workflow's first view.
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_TIMER_STARTED) == [
+        "deferred until 2030-01-01 00:00:00 UTC"
+    ]
     assert len(wf.doubles.drains.calls) == 2
 
 
@@ -223,13 +208,27 @@ async def blocked_shard(
     return handle, await reaches(handle, ShardState.BLOCKED)
 
 
-async def first_run_input(wf: Bench, handle: WorkflowHandle[Any, Any]) -> ShardInput:
-    """What the first run carried into the next (its continue-as-new event's input)."""
-    first = wf.client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
-    [continued] = of_type(
-        await events(first), EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
-    )
-    attributes = continued.workflow_execution_continued_as_new_event_attributes
+def shown(iso: str | None) -> str:
+    """A timestamp as a summary shows it."""
+    assert iso is not None
+    return datetime.fromisoformat(iso).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+async def test_a_blocked_heads_activity_says_what_it_is_blocked_on_since_when(wf) -> None:
+    handle, blocked = await blocked_shard(wf)
+    history = await events(handle)
+    # The label of the pending category activity on the workflow's first view in the UI.
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED) == [
+        f"blocked on {PROJECT_UPDATE.summary} since {shown(blocked.blocked_since)}"
+    ]
+
+
+async def carried_input(wf: Bench, handle: WorkflowHandle[Any, Any]) -> ShardInput:
+    """What the previous run carried into the current one (the current run's input)."""
+    current = wf.client.get_workflow_handle(handle.id, run_id=(await handle.describe()).run_id)
+    started = (await events(current))[0]
+    attributes = started.workflow_execution_started_event_attributes
+    assert attributes.continued_execution_run_id, "the current run was not continued as new"
     [carried] = await wf.client.data_converter.decode(attributes.input.payloads, [ShardInput])
     assert isinstance(carried, ShardInput)
     return carried
@@ -268,43 +267,59 @@ async def continue_as_new(wf: Bench, handle: WorkflowHandle[Any, Any], signal: N
 # -- continue-as-new ---------------------------------------------------------------------------
 
 
-async def test_a_busy_shard_continues_as_new_carrying_its_counts(wf) -> None:
-    wf.doubles.drains.default = DrainResult(groups_handled=1, rows_handled=2)
-    handle = await start(wf, options(idle_timeout_seconds=300, max_history_events=40))
-    await reaches(handle, ShardState.IDLE)
-    max_id = 10
-    first = (await handle.describe()).run_id
-    while (await handle.describe()).run_id == first:  # rows keep coming
-        max_id += 1
-        await handle.signal("notify", NotifyInput(max_id=max_id))
-        await settled(handle)
-        assert max_id < 100, "the run never continued as new"
-    carried = await first_run_input(wf, handle)
+async def test_a_busy_shard_continues_as_new_carrying_its_record(wf) -> None:
+    wf.doubles.drains.default = DrainResult(groups_handled=1, rows_handled=2, more=True)
+    handle = await start(wf, options(max_history_events=40), max_id=10)
+    first = handle.first_execution_run_id
+
+    async def continued() -> bool:
+        return (await handle.describe()).run_id != first
+
+    await wait_until(continued, timeout=10, interval=0.01, what="a continue-as-new")
+    carried = await carried_input(wf, handle)
     assert carried.shard == wf.shard and carried.options.max_history_events == 40
-    assert carried.carry is not None
-    assert carried.carry.groups_handled > 0
-    assert carried.carry.rows_handled == 2 * carried.carry.groups_handled
-    assert carried.carry.max_known_id == max_id
-    assert carried.carry.traffic  # rows kept arriving after the first drain
+    assert carried.record is not None
+    assert carried.record.groups_handled > 0
+    assert carried.record.rows_handled == 2 * carried.record.groups_handled
+    assert carried.record.max_known_id == 10
+    assert carried.record.pending  # it was draining: the next run drains on
+    assert await (await handle.describe()).memo() == {MEMO_CODE_KEY: WORKFLOW_CODE}
+    wf.doubles.drains.default = DrainResult(released=True)
     # The counts go on from the carried ones: the last run reports them all.
     total = await summary(wf, handle)
-    drained = len(wf.doubles.drains.calls)
+    drained = len(wf.doubles.drains.calls) - 1
     assert total == ShardSummary(wf.shard.key, 2 * drained, drained)
 
 
 # -- skip and resume ---------------------------------------------------------------------------
 
 
+async def deferred_shard(wf: Bench) -> WorkflowHandle[Any, Any]:
+    """A shard whose head is due in an hour: its workflow runs until then."""
+    wf.doubles.drains.answers = [
+        DrainResult(
+            groups_handled=1,
+            rows_handled=1,
+            highest_seen_id=10,
+            deferred_until="2030-01-01T00:00:00+00:00",
+            deferred_seconds=3600.0,
+        )
+    ]
+    wf.doubles.drains.default = DrainResult(released=True)
+    handle = await start(wf, options(), max_id=10)
+    await reaches(handle, ShardState.DEFERRED)
+    return handle
+
+
 async def test_skip_and_resume_updates_are_refused_when_malformed_or_pointless(wf) -> None:
-    handle = await start(wf, options(idle_timeout_seconds=300))
-    await reaches(handle, ShardState.IDLE)
+    handle = await deferred_shard(wf)
     with pytest.raises(WorkflowUpdateFailedError) as no_reason:
         await handle.execute_update("skip", SkipInput(reason="  "))
     assert "skip needs a reason" in refusal(no_reason.value)
     with pytest.raises(WorkflowUpdateFailedError) as not_skipped:
         await handle.execute_update("resume", ResumeInput())
     assert f"shard {wf.shard.key} is not skipped" in refusal(not_skipped.value)
-    assert (await status(handle)).state == ShardState.IDLE
+    assert (await status(handle)).state == ShardState.DEFERRED
     assert wf.doubles.holds.calls == []
 
 
@@ -321,14 +336,87 @@ async def hand_over(
 async def test_a_handed_over_skip_keeps_the_shard_skipped(wf) -> None:
     skip = SkipInfo(reason="listed in the skip_shards setting", by="configuration")
     handle = await hand_over(
-        wf, options(owns_shard=True), HandoverInput(max_id=13, held_for=HeldFor.SKIPPED, skip=skip)
+        wf, options(), HandoverInput(max_id=13, held_for=HeldFor.SKIPPED, skip=skip)
     )
     skipped = await reaches(handle, ShardState.SKIPPED)
     assert skipped.skip is not None and skipped.skip.reason == skip.reason
     assert wf.doubles.drains.calls == []
+    wf.doubles.drains.default = DrainResult(released=True)
     await handle.execute_update("resume", ResumeInput(), result_type=ShardStatus)
     await summary(wf, handle)
-    assert wf.doubles.order == ["hold_shard", "hold_shard", "drain_shard"]
+    # The partition recorded the skip: the workflow only takes the shard back, then drains.
+    assert wf.doubles.order == ["hold_shard", "drain_shard"]
+    assert wf.doubles.holds.calls[0].input.held_for == HeldFor.WORKFLOW
+
+
+async def test_a_skipped_shard_waits_on_a_timer_that_says_who_skipped_it_and_why(wf) -> None:
+    skip = SkipInfo(reason="replica down", by="ops")
+    handle = await hand_over(
+        wf, options(), HandoverInput(max_id=13, held_for=HeldFor.SKIPPED, skip=skip)
+    )
+    skipped = await reaches(handle, ShardState.SKIPPED)
+    assert skipped.skip is not None
+
+    async def waiting() -> bool:
+        return bool(of_type(await events(handle), EventType.EVENT_TYPE_TIMER_STARTED))
+
+    await wait_until(waiting, timeout=10, interval=0.01, what="the skipped shard's timer")
+    history = await events(handle)
+    # What the UI shows first: who, when and why, on the timer the shard waits on.
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_TIMER_STARTED) == [
+        f"skipped by ops at {shown(skipped.skip.at)}: replica down"
+    ]
+    # A week later the shard is still skipped, waiting on the next such timer: nothing else ran.
+    await wf.skip_time(8 * 24 * 3600)
+    await settled(handle)
+    assert (await status(handle)).state == ShardState.SKIPPED
+    assert timers(await events(handle)) == [7 * 24 * 3600] * 2
+    assert wf.doubles.drains.calls == [] and wf.doubles.holds.calls == []
+
+
+async def test_a_handed_over_failure_is_retried_without_repeating_the_partitions_call(wf) -> None:
+    wf.doubles.categories.answers = [failing()]
+    wf.doubles.categories.default = HandleHeadResult(True, 3, 13)
+    wf.doubles.drains.default = DrainResult(released=True)
+    handle = await hand_over(
+        wf,
+        options(initial_retry_seconds=10),
+        HandoverInput(
+            max_id=13, held_for=HeldFor.FAILED, head=PROJECT_UPDATE, failure=REPLICA_DOWN
+        ),
+    )
+    blocked = await reaches(handle, ShardState.BLOCKED)
+    assert (blocked.head, blocked.last_error, blocked.attempts) == (
+        PROJECT_UPDATE,
+        REPLICA_DOWN,
+        1,
+    )
+    assert await summary(wf, handle) == ShardSummary(wf.shard.key, 3, 1)
+    calls = wf.doubles.categories.calls
+    assert wf.doubles.order[0] == "PROJECT_UPDATE"  # no drain first: the head is known
+    # The partition made the first call: the activity's attempts come after it.
+    assert [(c.attempt, c.input.prior_attempts) for c in calls] == [(1, 1), (2, 1)]
+    assert len(wf.doubles.drains.calls) == 1  # the rest of the shard, once the head passed
+
+
+async def test_a_handed_over_deferral_waits_for_its_head(wf) -> None:
+    wf.doubles.drains.default = DrainResult(groups_handled=1, rows_handled=1, released=True)
+    handle = await hand_over(
+        wf,
+        options(),
+        HandoverInput(
+            max_id=13,
+            held_for=HeldFor.DEFERRED,
+            deferred_until="2030-01-01T00:00:00+00:00",
+            deferred_seconds=600.0,
+        ),
+    )
+    await reaches(handle, ShardState.DEFERRED)
+    assert wf.doubles.drains.calls == []
+    await wf.skip_time(601)
+    await summary(wf, handle)
+    assert timers(await events(handle)) == [600]
+    assert len(wf.doubles.drains.calls) == 1
 
 
 # -- flush ---------------------------------------------------------------------------------------
@@ -341,13 +429,6 @@ async def flush(
         "flush", FlushInput(up_to_id=up_to_id, timeout_seconds=timeout), result_type=FlushResult
     )
     return result
-
-
-async def idle_shard(wf: Bench) -> WorkflowHandle[Any, Any]:
-    wf.doubles.drains.answers = [DrainResult(groups_handled=1, rows_handled=1, highest_seen_id=10)]
-    handle = await start(wf, options(idle_timeout_seconds=300), max_id=10)
-    await reaches(handle, ShardState.IDLE)
-    return handle
 
 
 @pytest.mark.parametrize(
@@ -364,7 +445,7 @@ async def idle_shard(wf: Bench) -> WorkflowHandle[Any, Any]:
     ids=["handled", "deferred", "timed-out", "check-failed"],
 )
 async def test_flush_answers_what_the_table_says(wf, check: object, outcome: FlushOutcome) -> None:
-    handle = await idle_shard(wf)
+    handle = await deferred_shard(wf)
     wf.doubles.flush_checks.answers = [check]
     answer = await flush(handle, 10, timeout=30)
     assert answer.outcome == outcome and answer.shard == wf.shard.key
@@ -403,7 +484,7 @@ async def test_flush_of_a_blocked_or_skipped_shard_answers_at_once(wf) -> None:
     ids=["no-id", "no-timeout", "timeout-too-long"],
 )
 async def test_malformed_flushes_are_refused(wf, bad: FlushInput, refused_by: str) -> None:
-    handle = await idle_shard(wf)
+    handle = await deferred_shard(wf)
     with pytest.raises(WorkflowUpdateFailedError) as refused:
         await handle.execute_update("flush", bad)
     assert refused_by in refusal(refused.value)

@@ -3,25 +3,15 @@ with PostgreSQL named by PGHOST, PGPORT, PGUSER and PGPASSWORD.
 
 pytest-django creates the test database with the migrations (the outbox table included). The
 models and the views write rows without a worker, and drain_outbox_django runs the handlers in
-the test. The requests that wait for their rows run
-against a real worker: ``manage.py outbox_worker``, started for these tests on the test
-database, with Temporal at TEMPORAL_ADDRESS (unset: the worker starts a dev server on
-127.0.0.1:7233, where the flushes look for it too).
+the test. The requests that wait for their rows run against the app's worker, started in this
+process on the test database (outbox_worker_django), with Temporal from outbox-bridge's pytest
+plugin: at OUTBOX_TEST_TEMPORAL_ADDRESS, else a dev server in memory.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,9 +21,8 @@ from django.test import Client
 from examples.djangoshop.shop.models import Invitation, Organization, Project, SearchEntry
 from examples.djangoshop.shop.outbox import Category, Scope, app
 from outbox_bridge.contrib.django.flush import flush_report
-from outbox_bridge.contrib.django.testing import drain_outbox_django
-
-MANAGE = Path(__file__).resolve().parents[1] / "manage.py"
+from outbox_bridge.contrib.django.testing import drain_outbox_django, outbox_worker_django
+from outbox_bridge.testing import OutboxWorker, TemporalServer
 
 
 def outbox_rows() -> list[tuple[int, int, int, int]]:
@@ -51,15 +40,12 @@ def post(client: Client, path: str, **body: Any) -> Any:
 
 
 # -- without a worker: the rows are written, and wait in the table ------------------------------
+#
+# Transactional tests: the rows commit, as in production. Django empties the outbox table after
+# each of them, with the model tables, so each test sees only its own rows, in any order.
 
 
-@pytest.fixture
-def no_rows_left(transactional_db: None) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM shop_outbox")
-
-
-@pytest.mark.usefixtures("no_rows_left")
+@pytest.mark.django_db(transaction=True)
 def test_saving_and_deleting_models_writes_rows() -> None:
     with transaction.atomic():
         organization = Organization.objects.create(name="acme")
@@ -75,7 +61,7 @@ def test_saving_and_deleting_models_writes_rows() -> None:
     ]
 
 
-@pytest.mark.usefixtures("no_rows_left")
+@pytest.mark.django_db(transaction=True)
 def test_a_failed_request_writes_nothing() -> None:
     with pytest.raises(RuntimeError), transaction.atomic():
         Organization.objects.create(name="acme")
@@ -83,7 +69,7 @@ def test_a_failed_request_writes_nothing() -> None:
     assert outbox_rows() == []
 
 
-@pytest.mark.usefixtures("no_rows_left")
+@pytest.mark.django_db(transaction=True)
 def test_the_handlers_index_what_the_models_wrote() -> None:
     with transaction.atomic():
         organization = Organization.objects.create(name="acme")
@@ -100,52 +86,15 @@ def test_the_handlers_index_what_the_models_wrote() -> None:
     ]
 
 
-# -- with a worker: manage.py outbox_worker --------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
+# -- with a worker: the app's worker on the test database ------------------------------------------
 
 
 @pytest.fixture(scope="session")
-def worker(django_db_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """``manage.py outbox_worker`` on the test database, until the tests are done."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PGDATABASE": str(connection.settings_dict["NAME"]),  # the test database
-        "OUTBOX_HEALTH_PORT": str(port),
-        "OUTBOX_HEALTH_HOST": "127.0.0.1",
-        "OUTBOX_DATA_DIR": str(tmp_path_factory.mktemp("worker")),  # an embedded Temporal's
-        "OUTBOX_TASK_QUEUE": os.environ.get("OUTBOX_TASK_QUEUE", f"shop-{uuid.uuid4().hex[:8]}"),
-    }
-    # The flushes of this process use the worker's task queue.
-    os.environ["OUTBOX_TASK_QUEUE"] = env["OUTBOX_TASK_QUEUE"]
-    proc = subprocess.Popen([sys.executable, str(MANAGE), "outbox_worker"], env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready(port):
-            assert proc.poll() is None, f"the worker stopped ({proc.returncode})"
-            assert time.monotonic() < deadline, "the worker was not ready within 60 s"
-            time.sleep(0.2)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def worker(django_db_setup: None, outbox_temporal: TemporalServer) -> Iterator[OutboxWorker]:
+    """The app's worker, in this process, on the test database, until the tests are done; the
+    views' flushes go to it."""
+    with outbox_worker_django(temporal_address=outbox_temporal.address) as running:
+        yield running
 
 
 @pytest.mark.django_db(transaction=True)

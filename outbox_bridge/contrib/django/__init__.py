@@ -3,8 +3,9 @@ views and a management command. The worker itself runs on SQLAlchemy and psycopg
 same database.
 
 Add ``"outbox_bridge.contrib.django"`` to ``INSTALLED_APPS`` for the ``outbox_worker``
-management command and the system checks of the ``OUTBOX_BRIDGE`` setting; the rest works
-without it.
+management command, the system checks of the ``OUTBOX_BRIDGE`` setting, and a ``flush`` command
+that empties the outbox tables with the model tables (after every transactional test); the
+rest works without it.
 
 - :mod:`~outbox_bridge.contrib.django.writes`: :func:`write_row` (and ``write_row_async``),
   ``app.write`` with a Django connection, inside ``transaction.atomic()``.
@@ -17,7 +18,10 @@ without it.
 - :mod:`~outbox_bridge.contrib.django.conf`: the ``OUTBOX_BRIDGE`` setting and a
   ``DATABASES`` entry as :class:`~outbox_bridge.OutboxSettings`.
 - :mod:`~outbox_bridge.contrib.django.handlers`: handlers that use the ORM in the worker.
-- :mod:`~outbox_bridge.contrib.django.testing`: drain the outbox in a test.
+- :mod:`~outbox_bridge.contrib.django.tables`: the outbox tables that Django's ``flush``
+  empties.
+- :mod:`~outbox_bridge.contrib.django.testing`: drain the outbox in a test, or run the worker
+  on the test database.
 
 Nothing is imported here: the modules are imported one by one, the producer's without the
 worker's (see CONTRIBUTING.md, "Layers").

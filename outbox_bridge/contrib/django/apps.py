@@ -1,5 +1,6 @@
 """The Django app of outbox-bridge: ``"outbox_bridge.contrib.django"`` in ``INSTALLED_APPS``
-brings the ``outbox_worker`` management command and the system checks of ``OUTBOX_BRIDGE``."""
+brings the ``outbox_worker`` management command, the system checks of ``OUTBOX_BRIDGE``, and
+``flush`` and ``sqlflush`` commands that empty the outbox tables with the model tables."""
 
 from __future__ import annotations
 

@@ -1,28 +1,59 @@
-"""Draining the outbox in a Django test, without a worker or Temporal.
+"""The outbox in a Django test: drained in the test without a worker or Temporal, or handled
+by the app's worker on the test database.
 
 :func:`drain_outbox_django` runs the testing toolkit's in-process drain
 (:func:`outbox_bridge.testing.drain_outbox`) against a Django database: it builds a SQLAlchemy
 engine for the same database (the test database, in a test) and hands it over.
-:func:`drain_outbox_django_async` does the same in an async test.
+:func:`drain_outbox_django_async` does the same in an async test. :func:`outbox_worker_django`
+runs the app's worker in this process, on the test database, for end-to-end tests.
 
 The rows must have committed, as for a worker: run the test with
 ``@pytest.mark.django_db(transaction=True)`` (or a ``TransactionTestCase``). A test in a
 transaction that never commits (the ``db`` fixture, ``TestCase``) keeps its rows where no other
-connection sees them, and is refused.
+connection sees them: the drain refuses to run there, with :class:`UncommittedTransactionError`.
+With ``"outbox_bridge.contrib.django"`` installed, Django empties the outbox tables after each
+transactional test, as it does the model tables (:mod:`outbox_bridge.contrib.django.tables`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TypedDict, Unpack
 
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.transaction import TransactionManagementError
 from sqlalchemy import create_engine
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from outbox_bridge.contrib.django.conf import database_url
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.contrib.django.conf import (
+    database_url,
+    outbox_app,
+    outbox_database,
+    outbox_settings,
+)
+from outbox_bridge.contrib.django.handlers import with_django_connections
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.testing import DrainReport, drain_outbox, drain_outbox_async
+from outbox_bridge.testing import (
+    DrainReport,
+    OutboxDatabase,
+    OutboxWorker,
+    PostgresServer,
+    drain_outbox,
+    drain_outbox_async,
+    worker_settings,
+)
+from outbox_bridge.testing.servers import EventLoopThread
+
+
+class UncommittedTransactionError(ConfigurationError, TransactionManagementError):
+    """A drain called inside a transaction that has not committed: in a ``TestCase`` (or
+    pytest-django's ``django_db`` without ``transaction=True``), whose transaction never
+    commits, or inside ``transaction.atomic()``. The drain reads with a connection of its own,
+    which cannot see the rows written in that transaction. Both a
+    :class:`~outbox_bridge.ConfigurationError` and Django's ``TransactionManagementError``."""
 
 
 class DrainOptions(TypedDict, total=False):
@@ -65,10 +96,66 @@ async def drain_outbox_django_async(
 def _committed_rows_url(using: str | None) -> str:
     """The URL of the database ``using``, once its rows are known to be committed."""
     alias = using or DEFAULT_DB_ALIAS
-    if connections[alias].in_atomic_block:
-        raise ConfigurationError(
-            f"the rows written on {alias!r} have not committed: the test runs inside a "
-            "transaction (django_db without transaction=True, or TestCase); mark it "
-            "django_db(transaction=True) so that the drain sees them"
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        return database_url(alias)
+    if any(getattr(block, "_from_testcase", False) for block in connection.atomic_blocks):
+        raise UncommittedTransactionError(
+            f"drain_outbox_django cannot see the rows written on {alias!r}: the test runs in a "
+            "transaction that never commits (TestCase, or django_db without transaction=True); "
+            "mark the test @pytest.mark.django_db(transaction=True), or make it a "
+            "TransactionTestCase"
         )
-    return database_url(alias)
+    raise UncommittedTransactionError(
+        f"drain_outbox_django cannot see the rows written on {alias!r}: it runs inside "
+        "transaction.atomic(), whose rows have not committed; drain after the atomic block"
+    )
+
+
+@contextlib.contextmanager
+def outbox_worker_django(
+    app: OutboxApp | None = None,
+    *,
+    temporal_address: str | None = None,
+    using: str | None = None,
+    settings: OutboxSettings | None = None,
+) -> Iterator[OutboxWorker]:
+    """The worker of ``app`` (default: ``OUTBOX_BRIDGE["APP"]``'s) running in this process,
+    in a thread of its own, on the Django database ``using`` (default: the outbox's): in a
+    test, its test database. Yields the testing toolkit's
+    :class:`~outbox_bridge.testing.OutboxWorker` (``wait_handled(...)``) once it is ready.
+
+    As ``manage.py outbox_worker`` does, every handler is wrapped with
+    :func:`~outbox_bridge.contrib.django.handlers.with_django_connections`: ORM handlers run in
+    the worker's threads on the test database, and close their connections. Meanwhile the
+    app's flushes (``outbox_context(flush=True)``, ``flush_outbox``, the middleware) go to this
+    worker. When the block ends, the worker stops and the workflows it left running are
+    terminated.
+
+    ``temporal_address`` defaults to the Django settings' ``TEMPORAL_ADDRESS`` (the testing
+    plugin's ``outbox_temporal`` fixture starts a dev server: pass ``outbox_temporal.address``);
+    ``settings`` to :func:`~outbox_bridge.testing.worker_settings` (short timers, a task queue
+    of its own), whose database and Temporal address are replaced by these.
+    """
+    app = app if app is not None else outbox_app()
+    alias = outbox_database(using)
+    address = temporal_address or outbox_settings(using=alias).temporal_address
+    if address is None:
+        raise ConfigurationError(
+            "outbox_worker_django needs a Temporal server: pass temporal_address= (the "
+            "outbox_temporal fixture's .address starts a dev server) or set TEMPORAL_ADDRESS"
+        )
+    app.wrap_handlers(with_django_connections)
+    server = PostgresServer(database_url(alias))
+    database = OutboxDatabase(server, str(connections[alias].settings_dict["NAME"]))
+    loop = EventLoopThread(name="outbox-django-worker")
+    route = app.flush_route
+    try:
+        with OutboxWorker(app, database, address, loop, settings or worker_settings()) as worker:
+            app.configure_flush(worker.settings)
+            yield worker
+    finally:
+        app.flush_route = route
+        loop.close()
+        database.dispose()
+        server.stop()

@@ -1,0 +1,90 @@
+"""What the tools (every command but the worker) connect to: the app, if one is given, the
+database and Temporal, with their failures turned into one line that says what to do."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from temporalio.client import Client
+
+from outbox_bridge.cli.apps import app_from_settings
+from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp, OutboxTable
+from outbox_bridge.runtime.embedded import EmbeddedPostgres
+from outbox_bridge.runtime.temporal import connect, temporal_address
+
+# SQLSTATE of a table that does not exist.
+UNDEFINED_TABLE = "42P01"
+
+
+def command_app(settings: OutboxSettings) -> OutboxApp | None:
+    """The app given with ``--app`` (or ``OUTBOX_APP``) or ``--demo``; None without one."""
+    return app_from_settings(settings.demo, settings.app)
+
+
+def tables_of(app: OutboxApp | None, table: str | None, *, regional: bool = False) -> OutboxApp:
+    """``app``, or without one an app of no scope whose only table is ``table`` (``outbox``
+    when not given; ``regional`` says whether it has regions), enough to read it."""
+    if app is not None:
+        app.table(table)  # an unknown table is refused, naming the app's
+        return app
+    return OutboxApp(scopes={}, tables=[OutboxTable(table or "outbox", regional=regional)])
+
+
+async def temporal_client(settings: OutboxSettings) -> Client:
+    return await connect(settings, temporal_address(settings))
+
+
+@contextlib.asynccontextmanager
+async def database(settings: OutboxSettings, *, create: bool = False) -> AsyncIterator[AsyncEngine]:
+    """The configured database, or the worker's embedded one under ``--data-dir`` (stopped
+    afterwards); without ``create``, refused when neither is there rather than created empty."""
+    postgres = None
+    if settings.database_url is not None:
+        url = settings.database_url.get_secret_value()
+    else:
+        data = settings.data_dir / "postgres"
+        if not create and not data.is_dir():
+            raise ConfigurationError(
+                f"no database: OUTBOX_DATABASE_URL is not set, and there is no embedded "
+                f"PostgreSQL under {settings.data_dir} (the worker's --data-dir). Set "
+                "OUTBOX_DATABASE_URL (--database-url), or run the command from the worker's "
+                "folder (or with its --data-dir)"
+            )
+        postgres = EmbeddedPostgres(data)
+        url = postgres.start()
+    engine = create_async_engine(sqlalchemy_url(url))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        if postgres is not None:
+            postgres.stop()
+
+
+@contextlib.contextmanager
+def reading(engine: AsyncEngine, table: str) -> Iterator[None]:
+    """Turn a database error while reading ``table`` into one line that says what to do."""
+    try:
+        yield
+    except DBAPIError as exc:
+        where = safe_url(engine.url)
+        if getattr(exc.orig, "sqlstate", None) == UNDEFINED_TABLE:
+            raise ConfigurationError(
+                f"table {table} does not exist in {where}: give the worker's app (--app, or "
+                "OUTBOX_APP) and --table, or create it with `outbox-bridge init-db`"
+            ) from None
+        # The driver's message names host and port, never the password.
+        reason = " ".join(str(exc.orig).split())
+        raise ConfigurationError(
+            f"cannot read table {table} in {where}: {reason}. Check OUTBOX_DATABASE_URL "
+            "(--database-url)"
+        ) from None
+    except SQLAlchemyError as exc:
+        raise ConfigurationError(
+            f"cannot read table {table} in {safe_url(engine.url)}: {exc}"
+        ) from None

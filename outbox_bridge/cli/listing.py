@@ -1,0 +1,221 @@
+"""``outbox-bridge shards``: the shards with pending rows and the state of their workflows.
+
+The table holds scope numbers; the workflows are named after scope names. With the app, the
+names come from its registry; without it, from the table's shard workflows
+(:class:`~outbox_bridge.runtime.scope_directory.ScopeDirectory`), and a scope none of whose
+shards has had a workflow is shown by its number (it has no workflow to show either).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import func, select
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from outbox_bridge.cli.connections import (
+    command_app,
+    database,
+    reading,
+    tables_of,
+    temporal_client,
+)
+from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.store import ShardDepth, read_shard_depths
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.scope_directory import NO_APP_HINT, ScopeDirectory
+from outbox_bridge.runtime.shards import scope_number
+from outbox_bridge.workflows.models import ShardRef, ShardState, ShardStatus
+
+# The state `shards` shows for a shard with no running workflow (its partition drains it).
+NO_WORKFLOW = "none"
+# ... and for a running workflow that did not answer its status query (no worker runs it).
+NO_ANSWER = "no answer"
+QUERY_TIMEOUT = timedelta(seconds=5)
+
+
+@dataclass
+class Listing:
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    # Without the app: the scopes shown by their number, for want of a name.
+    unnamed: set[int] = field(default_factory=set)
+
+
+@tool_command("shards")
+@click.option("--top", default=20, show_default=True, help="How many shards to list.")
+@click.option("--scope", "scope_name", help="Only shards of this scope (a name or a number).")
+@click.option(
+    "--state",
+    type=click.Choice([*(state.value for state in ShardState), NO_WORKFLOW]),
+    help="Only shards whose workflow is in this state (none: no running workflow).",
+)
+@click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
+@click.option("--table", help="The outbox table (default: the app's first).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@settings_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
+def shards(
+    top: int,
+    scope_name: str | None,
+    state: str | None,
+    oldest: bool,
+    table: str | None,
+    as_json: bool,
+    **overrides: Any,
+) -> None:
+    """The shards with pending rows, deepest (or oldest) first, with their workflow's state.
+
+    Without the app (--app, --demo), scope names are learned from the shard workflows, and a
+    scope none of whose shards has had one is shown by its number."""
+    settings = build_settings(overrides)
+    listing = run_or_exit(_list(settings, top, scope_name, state, oldest, table))
+    if as_json:
+        click.echo(json.dumps(listing.shards, indent=2, default=str))
+    else:
+        Console().print(_table(listing))
+    if listing.unnamed:
+        click.echo(_unnamed_note(sorted(listing.unnamed)), err=True)
+
+
+def _unnamed_note(numbers: list[int]) -> str:
+    listed = ", ".join(str(n) for n in numbers)
+    one = len(numbers) == 1
+    which = f"Scope {listed} is shown by its" if one else f"Scopes {listed} are shown by their"
+    return (
+        f"{which} number: no app was given, and no shard of {'it' if one else 'them'} has had "
+        f"a workflow to learn the name from; {NO_APP_HINT}."
+    )
+
+
+def _table(listing: Listing) -> Table:
+    view = Table(title="shards with pending rows")
+    for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
+        view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
+    for entry in listing.shards:
+        view.add_row(
+            entry["shard"],
+            str(entry["rows"]),
+            str(entry["groups"]),
+            f"{entry['oldest_age_seconds']:.0f} s",
+            entry["state"],
+            entry["blocked_category"] or "",
+        )
+    return view
+
+
+async def _list(
+    settings: OutboxSettings,
+    top: int,
+    scope_name: str | None,
+    state: str | None,
+    oldest_first: bool,
+    table_name: str | None,
+) -> Listing:
+    app = command_app(settings)
+    client = await temporal_client(settings)
+    table = tables_of(app, table_name).table(table_name)
+    names = _ScopeNames(app, ScopeDirectory(client, table.name))
+    scope = await names.number(scope_name) if scope_name else None
+    async with database(settings) as engine:
+        with reading(engine, table.name):
+            async with engine.connect() as conn:
+                # With a state filter, look further down the list for matches.
+                depths = await read_shard_depths(
+                    conn,
+                    table,
+                    scope=scope,
+                    oldest_first=oldest_first,
+                    limit=top if state is None else top * 20,
+                )
+                now = (await conn.execute(select(func.now()))).scalar_one()
+    listing = Listing()
+    for depth in depths:
+        ref = ShardRef(
+            table.name,
+            depth.scope,
+            await names.name(depth.scope, listing),
+            depth.shard_identifier,
+            depth.region,
+        )
+        found, blocked = await _workflow_state(client, ref)
+        if state is not None and found != state:
+            continue
+        listing.shards.append(_entry(ref, depth, (now - depth.oldest).total_seconds(), found))
+        listing.shards[-1]["blocked_category"] = blocked
+        if len(listing.shards) >= top:
+            break
+    return listing
+
+
+def _entry(ref: ShardRef, depth: ShardDepth, age: float, state: str) -> dict[str, Any]:
+    return {
+        "shard": ref.key,
+        "workflow_id": ref.workflow_id,
+        "rows": depth.rows,
+        "groups": depth.groups,
+        "oldest": depth.oldest.isoformat(),
+        "oldest_age_seconds": age,
+        "state": state,
+    }
+
+
+@dataclass
+class _ScopeNames:
+    """Scope names and numbers from the app, or without it from the shard workflows."""
+
+    app: OutboxApp | None
+    directory: ScopeDirectory
+
+    async def number(self, text: str) -> int:
+        number = scope_number(text)
+        if number is not None:
+            return number
+        if self.app is not None:
+            return int(self.app.scope_by_name(text))  # refused naming the app's scopes
+        found = await self.directory.number(text)
+        if found is not None:
+            return found[1]
+        raise ConfigurationError(
+            f"--scope {text}: no shard workflow of the table says which number scope {text!r} "
+            f"has (scopes seen: {await self.directory.seen()}); give it by number, or "
+            f"{NO_APP_HINT}"
+        )
+
+    async def name(self, number: int, listing: Listing) -> str:
+        if self.app is not None:
+            return self.app.scope_name(number)
+        name = await self.directory.name(number)
+        if name is None:
+            listing.unnamed.add(number)
+        return name or str(number)
+
+
+async def _workflow_state(client: Client, shard: ShardRef) -> tuple[str, str | None]:
+    """The state of the shard's running workflow, and its blocked category; ``none`` when no
+    workflow of the shard runs (describe needs no worker: a closed run is not queried)."""
+    handle = client.get_workflow_handle(shard.workflow_id)
+    try:
+        description = await handle.describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return NO_WORKFLOW, None
+        raise
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        return NO_WORKFLOW, None
+    try:
+        status = await handle.query("status", result_type=ShardStatus, rpc_timeout=QUERY_TIMEOUT)
+    except (RPCError, WorkflowQueryFailedError):
+        return NO_ANSWER, None
+    blocked = (
+        status.head.category_name if status.head and status.state == ShardState.BLOCKED else None
+    )
+    return status.state, blocked

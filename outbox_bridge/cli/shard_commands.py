@@ -1,0 +1,287 @@
+"""The commands that steer one shard: ``status``, ``skip``, ``resume``, ``flush``, and ``history
+export``.
+
+A shard is named as the worker names it (``SCOPE:ID``, ``REGION:SCOPE:ID``); SCOPE is a name or
+a number. With the app (``--app``, ``--demo``) names come from its registry; without it, from
+the table's shard workflows (:mod:`outbox_bridge.runtime.scope_directory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import getpass
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
+
+from outbox_bridge.cli.connections import (
+    command_app,
+    database,
+    reading,
+    tables_of,
+    temporal_client,
+)
+from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.store import read_shard_max_id
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.flush import Flusher
+from outbox_bridge.runtime.scope_directory import find_shard
+from outbox_bridge.runtime.shards import WORKFLOW, ShardReport, shard_report, start_arguments
+from outbox_bridge.runtime.temporal import task_queue_polled
+from outbox_bridge.workflows.models import (
+    FlushOutcome,
+    FlushResult,
+    ResumeInput,
+    ShardRef,
+    ShardStatus,
+    SkipInput,
+)
+
+# What `flush` says of a shard with nothing pending: handled, there is nothing to wait for.
+NO_PENDING_ROWS = "no pending rows"
+# How long skip waits for Temporal to say whether a worker polls the task queue.
+POLLERS_WAIT = 5.0
+
+
+def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
+        fn = click.argument("shard")(fn)
+        return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
+
+    return decorate
+
+
+async def _named(
+    settings: OutboxSettings, shard: str, table: str | None
+) -> tuple[Client, ShardRef]:
+    client = await temporal_client(settings)
+    return client, await find_shard(client, shard, command_app(settings), table=table)
+
+
+# -- status -------------------------------------------------------------------------------------
+
+
+@tool_command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@shard_options()
+def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
+    """Show the workflow of SHARD: its state, what it handled, its head group and error, its
+    skip. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE a name or a number."""
+
+    async def work() -> ShardReport:
+        client, ref = await _named(build_settings(overrides), shard, table)
+        return await shard_report(client, ref)
+
+    report = run_or_exit(work(), shard=shard)
+    if as_json:
+        shown = dataclasses.asdict(report.status) | {
+            "workflow_running": report.running,
+            "workflow_started": _iso(report.started),
+            "workflow_closed": _iso(report.closed),
+        }
+        click.echo(json.dumps(shown, indent=2))
+    else:
+        Console().print(_status_table(report))
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat(timespec="seconds") if moment is not None else None
+
+
+def _status_table(report: ShardReport) -> Table:
+    status = report.status
+    view = Table(title=f"shard {status.shard}", show_header=False)
+    if report.running:
+        workflow = f"running since {_iso(report.started)}"
+    else:
+        workflow = f"closed at {_iso(report.closed)}; the partition drains the shard"
+    rows: list[tuple[str, str]] = [
+        ("state", status.state),
+        ("workflow", workflow),
+        (
+            "handled by the workflow",
+            f"{status.rows_handled} rows in {status.groups_handled} groups (rows its "
+            "partition drained are not counted)",
+        ),
+        ("highest id known / seen", f"{status.max_known_id} / {status.highest_seen_id}"),
+    ]
+    if status.head is not None:
+        head = status.head
+        rows.append(("head group", f"{head.summary}, ids {head.first_id}-{head.last_id}"))
+    if status.last_error is not None:
+        rows.append(("attempts", str(status.attempts)))
+        error = status.last_error
+        rows.append(("last error", f"{error.error_type}: {error.message}".rstrip(": ")))
+    if status.blocked_since:
+        rows.append(("blocked since", status.blocked_since))
+    if status.deferred_until:
+        rows.append(("deferred until", status.deferred_until))
+    if status.skip is not None:
+        skip = status.skip
+        rows.append(("skipped", f"by {skip.by or 'an operator'} at {skip.at}: {skip.reason}"))
+    for key, value in rows:
+        view.add_row(key, value)
+    return view
+
+
+# -- skip and resume ----------------------------------------------------------------------------
+
+
+@tool_command("skip")
+@click.option("--reason", required=True, help="Why the shard is paused (shown in the UI).")
+@shard_options(SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
+def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
+    """Pause SHARD: its retrying attempt is cancelled, no handler runs, every row is kept.
+
+    A shard without a workflow of its own (a partition drains it) gets one, started skipped on
+    --task-queue, which must be the workers': the skip is taken once no handler of the shard
+    runs any more."""
+    if not reason.strip():
+        raise click.BadParameter("a skip needs a reason", param_hint="--reason")
+
+    async def work() -> None:
+        settings = build_settings(overrides)
+        client, ref = await _named(settings, shard, table)
+        request = SkipInput(reason=reason.strip(), by=getpass.getuser())
+        handle = client.get_workflow_handle(ref.workflow_id)
+        with contextlib.suppress(RPCError):
+            if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+                await handle.execute_update("skip", request, result_type=ShardStatus)
+                return
+        # No running workflow: start one, skipped, where the workers will run it.
+        deadline = time.monotonic() + POLLERS_WAIT
+        if await task_queue_polled(client, settings.task_queue, deadline) is False:
+            raise ConfigurationError(
+                f"no worker polls task queue {settings.task_queue!r}: set OUTBOX_TASK_QUEUE "
+                "(--task-queue) to the workers' task queue; nothing was skipped"
+            )
+        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+            WORKFLOW,
+            **start_arguments(ref, settings.shard_options(), settings.task_queue, max_id=0),
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        await client.execute_update_with_start_workflow(
+            "skip", request, start_workflow_operation=start, result_type=ShardStatus
+        )
+
+    run_or_exit(work(), shard=shard)
+    click.echo(f"shard {shard} skipped: {reason.strip()}")
+
+
+@tool_command("resume")
+@shard_options()
+def resume(shard: str, table: str | None, **overrides: Any) -> None:
+    """Resume a skipped SHARD: its head is retried at once."""
+
+    async def work() -> None:
+        client, ref = await _named(build_settings(overrides), shard, table)
+        await client.get_workflow_handle(ref.workflow_id).execute_update(
+            "resume", ResumeInput(by=getpass.getuser()), result_type=ShardStatus
+        )
+
+    run_or_exit(work(), shard=shard)
+    click.echo(f"shard {shard} resumed")
+
+
+# -- flush --------------------------------------------------------------------------------------
+
+
+@tool_command("flush")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=3600),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
+def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overrides: Any) -> None:
+    """Wait until SHARD has handled every row pending now (exit 0), or say why it cannot:
+    blocked, skipped, deferred, timed out or unavailable (exit 1). Starts the shard's workflow
+    on --task-queue if needed."""
+
+    async def work() -> FlushResult:
+        settings = build_settings(overrides)
+        client, ref = await _named(settings, shard, table)
+        app = tables_of(command_app(settings), ref.table, regional=ref.region is not None)
+        async with database(settings) as engine:
+            with reading(engine, ref.table):
+                async with engine.connect() as conn:
+                    up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
+        if up_to is None:
+            return FlushResult(ref.key, FlushOutcome.HANDLED, detail=NO_PENDING_ROWS)
+        [result] = await Flusher(app, settings, client=client).flush({ref: up_to}, timeout)
+        return result
+
+    result = run_or_exit(work(), shard=shard)
+    if result.detail == NO_PENDING_ROWS and not as_json:
+        click.echo(f"shard {shard} has no pending rows")
+        return
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+    else:
+        Console().print(_flush_table(result))
+    if not result.handled:
+        raise SystemExit(1)
+
+
+def _flush_table(result: FlushResult) -> Table:
+    view = Table(title=f"flush of shard {result.shard}", show_header=False)
+    view.add_row("outcome", result.outcome)
+    if result.head is not None:
+        head = result.head
+        view.add_row("head group", f"{head.summary}, ids {head.first_id}-{head.last_id}")
+    if result.error is not None:
+        error = result.error
+        view.add_row("last error", f"{error.error_type}: {error.message}".rstrip(": "))
+    if result.blocked_since:
+        view.add_row("blocked since", result.blocked_since)
+    if result.skip is not None:
+        view.add_row("skipped", f"by {result.skip.by or 'an operator'}: {result.skip.reason}")
+    if result.deferred_until:
+        view.add_row("deferred until", result.deferred_until)
+    if result.detail:
+        view.add_row("detail", result.detail)
+    return view
+
+
+# -- history export -----------------------------------------------------------------------------
+
+
+@tool_command("export")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write the history (JSON).",
+)
+@shard_options()
+def history_export(shard: str, table: str | None, output: Path, **overrides: Any) -> None:
+    """Write the history of SHARD's latest workflow run as JSON (ids and counts, no payloads)."""
+
+    async def work() -> int:
+        client, ref = await _named(build_settings(overrides), shard, table)
+        recorded = await client.get_workflow_handle(ref.workflow_id).fetch_history()
+        output.write_text(json.dumps(json.loads(recorded.to_json()), indent=1) + "\n")
+        return len(recorded.events)
+
+    events = run_or_exit(work(), shard=shard)
+    click.echo(f"wrote {events} events of shard {shard} to {output}")

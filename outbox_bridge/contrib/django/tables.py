@@ -1,0 +1,64 @@
+"""The outbox tables of a Django database, for Django's ``flush``: emptied with the model
+tables, so that a ``TransactionTestCase`` (``django_db(transaction=True)``) leaves no outbox row
+to the next test.
+
+The outbox tables are not Django models, so Django's own flush (after every transactional test,
+and ``manage.py flush``) leaves their rows. The app's ``flush`` and ``sqlflush`` commands
+(:mod:`outbox_bridge.contrib.django.management.commands.flush`) add the tables found here to
+Django's ``TRUNCATE``: the tables that ``CreateOutbox`` operations in the project's migrations
+create on the database, and the tables of the app that ``OUTBOX_BRIDGE["APP"]`` names on the
+outbox's database (a worker creates them where no migration did), as far as they exist there.
+
+The owner tables (``<table>_owners``) are kept: they say which workflow holds a shard, which a
+worker that outlives the flush still needs, and a shard found empty is handed back. The
+identity of the outbox tables is not restarted, even when Django resets its sequences: a row id
+is the order within a shard, and a running worker may have seen the old ones.
+"""
+
+from __future__ import annotations
+
+from django.core.management.color import Style
+from django.db import router
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.migrations.loader import MigrationLoader
+
+from outbox_bridge.contrib.django.conf import app_spec, load_app, outbox_database
+from outbox_bridge.contrib.django.operations import CreateOutbox
+
+
+def outbox_tables(connection: BaseDatabaseWrapper) -> list[str]:
+    """The outbox tables on ``connection``'s database: those the migrations' ``CreateOutbox``
+    operations create there (the routers allowing), and the ``OUTBOX_BRIDGE`` app's tables on
+    the outbox's database; only those that exist, sorted."""
+    if connection.vendor != "postgresql":
+        return []
+    names = set(_migrated_tables(connection.alias))
+    spec = app_spec()
+    if spec is not None and outbox_database() == connection.alias:
+        names.update(load_app(spec).tables)
+    existing = set(connection.introspection.table_names())
+    return sorted(names & existing)
+
+
+def _migrated_tables(alias: str) -> set[str]:
+    """The tables of every ``CreateOutbox`` in the migration files that may run on ``alias``."""
+    loader = MigrationLoader(None, load=False)
+    loader.load_disk()
+    names: set[str] = set()
+    for (app_label, _), migration in loader.disk_migrations.items():
+        for operation in migration.operations:
+            if isinstance(operation, CreateOutbox) and router.allow_migrate(
+                alias, app_label, **operation.hints
+            ):
+                given = operation.tables
+                names.update(given if given is not None else operation.outbox_app().tables)
+    return names
+
+
+def outbox_flush_sql(style: Style, connection: BaseDatabaseWrapper) -> list[str]:
+    """The statement that empties the outbox tables of ``connection`` (their identity kept),
+    or none when it has none."""
+    statements: list[str] = connection.ops.sql_flush(
+        style, outbox_tables(connection), reset_sequences=False
+    )
+    return statements

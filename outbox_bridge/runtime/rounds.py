@@ -423,15 +423,14 @@ class LockedShards:
                 self.unwritten += pending
                 if self.gone(exc):
                     self._lose(type(exc).__name__)
-                else:
+                else:  # raised again by flush(): the round's owner reports it
                     self.lost = True
-                    log.error(
-                        "a write of a round of %s failed (%s); the round's %s shard(s) are "
-                        "read again",
+                    log.warning(
+                        "a write of a round of %s failed (%s): nothing more is written in this "
+                        "round, and its %s shard(s) are read again",
                         self.table.name,
                         type(exc).__qualname__,
                         len(self.locked),
-                        exc_info=exc,
                     )
             finally:
                 # Deleted, or never to be deleted by this round (they run again): either

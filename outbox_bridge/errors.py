@@ -39,6 +39,24 @@ class CategoryScopeError(OutboxError):
     """A row in the table carries a category that belongs to another scope."""
 
 
+class PayloadDecodeError(OutboxError):
+    """A row's payload is stored, but this worker cannot decode it (JSON nested deeper than
+    Python's decoder goes, an integer longer than Python converts).
+
+    The row is kept and its shard blocks until the row is fixed or deleted, or an operator
+    skips the shard; the message names the row, never the payload.
+    """
+
+
+class ShardFaultError(OutboxError):
+    """A step of a drain round failed for one shard, for a reason of its own other than its
+    handler (its rows cannot be read, its handled rows cannot be deleted, ...).
+
+    The shard is held like a shard whose handler failed, and retried; the round's other shards
+    go on.
+    """
+
+
 class ShardLockedError(OutboxError):
     """Another execution of the same shard still holds the shard lock; the attempt is retried."""
 

@@ -20,7 +20,6 @@ from urllib.parse import quote
 
 import pytest
 from sqlalchemy import Table, text
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
@@ -271,12 +270,14 @@ async def test_a_huge_error_message_blocks_its_shard_and_temporal_keeps_it_bound
 # -- an unlock that failed ------------------------------------------------------------------------------
 
 
-async def test_a_round_whose_unlock_failed_leaves_no_lock_behind(engine, drains) -> None:
-    """A round's last write (delete the handled rows, then unlock) fails: here another
-    transaction holds the handled row and the round's lock_timeout gives up. The round fails,
-    its connection is dropped rather than returned to the pool with the lock, so no
-    connection holds the shard's lock afterwards and the next round takes the shard and
-    handles the row again (at least once)."""
+async def test_a_round_whose_delete_failed_holds_the_shard_and_leaves_no_lock_behind(
+    engine, drains
+) -> None:
+    """A round's last writes (delete the handled rows, then unlock) and the delete fails: here
+    another transaction holds the handled row and the round's lock_timeout gives up. The
+    round does not fail: the shard is held for its workflow with why, its lock is released
+    (no connection holds it afterwards), and its workflow's next drain handles the row again
+    (at least once)."""
     recorder, table, app = await fresh_app(engine)
     [row_id] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 11, 1)])
     shard = shard_of(table, 11)
@@ -285,17 +286,20 @@ async def test_a_round_whose_unlock_failed_leaves_no_lock_behind(engine, drains)
         await holder.execute(
             text(f"SELECT id FROM {table} WHERE id = :id FOR UPDATE"), {"id": row_id}
         )
-        with pytest.raises(SQLAlchemyError, match="lock timeout"):
-            async with drain.locked(app.table(), [shard]) as batch:
-                await batch.execute(lambda c: c.execute(text("SET lock_timeout = '200ms'")))
-                heads = await drain.read_heads(batch, max_groups=10, skip_held=True)
-                await drain.run(batch, heads, deadline=math.inf)
+        async with drain.locked(app.table(), [shard]) as batch:
+            await batch.execute(lambda c: c.execute(text("SET lock_timeout = '200ms'")))
+            heads = await drain.read_heads(batch, max_groups=10, skip_held=True)
+            [outcome] = await drain.run(batch, heads, deadline=math.inf)
         await holder.rollback()
     assert recorder.ids() == [row_id]
+    assert outcome.failure is not None and outcome.failure.error_type == "ShardFaultError"
+    assert "its handled rows cannot be deleted: LockNotAvailable" in outcome.failure.message
+    assert outcome.failed is not None and outcome.failed.last_id == row_id
+    assert batch.held == {shard}
     assert await lock_holders(engine, lock_key(shard)) == []
     async with drain.locked(app.table(), [shard]) as batch:
         assert list(batch.locked) == [shard]
-        heads = await drain.read_heads(batch, max_groups=10, skip_held=True)
+        heads = await drain.read_heads(batch, max_groups=10, skip_held=False)
         await drain.run(batch, heads, deadline=math.inf)
     assert recorder.ids() == [row_id, row_id]
     assert await table_empty(engine, app)

@@ -578,11 +578,16 @@ async def read_group_tails(
 async def read_rows(
     conn: AsyncConnection, table: Table, ids: Sequence[int], *, with_trace_context: bool
 ) -> dict[int, Row[Any]]:
-    """The rows ``ids`` (those still there), payloads included: the newest row of each group
-    a drain is about to hand to its handler."""
+    """The rows ``ids`` (those still there), payloads included, as JSON text: the newest row
+    of each group a drain is about to hand to its handler. Decoding it is left to the caller,
+    so that a payload PostgreSQL stores but Python cannot decode fails its own row only."""
     if not ids:
         return {}
-    columns = [c for c in table.c if with_trace_context or c.name != TRACE_CONTEXT_COLUMN]
+    columns: list[Any] = [
+        c.cast(Text).label(c.name) if c.name == "payload" else c
+        for c in table.c
+        if with_trace_context or c.name != TRACE_CONTEXT_COLUMN
+    ]
     result = await conn.execute(select(*columns).where(table.c.id == _any_id(ids)))
     return {row.id: row for row in result}
 

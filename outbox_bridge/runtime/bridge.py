@@ -24,6 +24,7 @@ from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
 from outbox_bridge.db.store import (
     STATISTICS_MIN_ROWS,
@@ -79,20 +80,23 @@ class Bridge:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set. Database and Temporal outages are waited out: the bridge
-        reconnects, listens again and sweeps, so nothing committed meanwhile is missed."""
+        reconnects, listens again and sweeps, so nothing committed meanwhile is missed. Any
+        other error (a statement PostgreSQL refuses, a bug) is a failure, logged as one with
+        its traceback; the bridge restarts with the same backoff, so the worker stays up."""
         delay = 1.0
         while not stop.is_set():
             try:
                 await self._run_connected(stop)
                 delay = 1.0
-            except (psycopg.Error, SQLAlchemyError, OSError) as exc:
-                log.warning(
-                    "bridge lost the database (%s); reconnecting in %.0fs",
-                    type(exc).__name__,
-                    delay,
-                )
-            except Exception:
-                log.exception("bridge failed; restarting in %.0fs", delay)
+            except Exception as exc:
+                if connection_lost(exc):
+                    log.warning(
+                        "bridge lost the database (%s); reconnecting in %.0fs",
+                        type(exc).__name__,
+                        delay,
+                    )
+                else:
+                    log.exception("bridge failed; restarting in %.0fs", delay)
             else:
                 continue
             self.is_leader = False

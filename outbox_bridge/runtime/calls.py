@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import json
 import logging
 import math
 import threading
@@ -23,7 +24,13 @@ from typing import Any
 from sqlalchemy import Row
 
 from outbox_bridge.db.store import GroupRows
-from outbox_bridge.errors import CategoryScopeError, OutboxError, UnknownCategoryError
+from outbox_bridge.errors import (
+    CategoryScopeError,
+    OutboxError,
+    PayloadDecodeError,
+    ShardFaultError,
+    UnknownCategoryError,
+)
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
@@ -114,12 +121,19 @@ class HandlerCalls:
         )
 
     def prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> Call:
-        message = self._message(group, row, self._has_region(shard.table))
+        """The call of ``group`` with its newest ``row`` (as :func:`read_rows` reads it, the
+        payload still JSON text). A row that cannot be handled (its category unknown or in
+        another scope, its payload undecodable) gives a call that fails with why, like a
+        handler would: only its shard stops."""
+        payload, undecodable = _decode_payload(shard, row)
+        message = self._message(group, row, payload, self._has_region(shard.table))
         category = self._app.category_name(group.category)
         try:
             handler = self._resolve(shard, group.category)
         except OutboxError as exc:
             return Call(group, None, message, category, exc)
+        if undecodable is not None:
+            return Call(group, None, message, category, undecodable)
         return Call(group, handler, message, category)
 
     def _resolve(self, shard: ShardRef, category: int) -> Handler:
@@ -149,7 +163,9 @@ class HandlerCalls:
             regional = self._regional[table] = "region" in self._app.table(table).c
         return regional
 
-    def _message(self, group: GroupRows, row: Row[Any], regional: bool) -> OutboxMessage:
+    def _message(
+        self, group: GroupRows, row: Row[Any], payload: Any, regional: bool
+    ) -> OutboxMessage:
         # A row of a table without a region column has no region attribute: asking a Row for
         # a missing attribute raises (and catches) an exception, several times the cost of the
         # rest of the message, so the table says whether to ask.
@@ -162,7 +178,7 @@ class HandlerCalls:
             shard_identifier=row.shard_identifier,
             category=category if category is not None else category_value,
             object_identifier=row.object_identifier,
-            payload=row.payload,
+            payload=payload,
             region=row.region if regional else None,
             date_added=row.date_added,
             scheduled_for=row.scheduled_for,
@@ -185,12 +201,12 @@ class HandlerCalls:
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
 
-        Raises :class:`HandlerFailed` at the first failure; returns False when the deadline or
-        ``may_continue`` (asked before every call but the first: the shard lock is still held)
-        stopped it early. Runs of consecutive sync handlers go to a worker thread in one hop
-        (at most ``pace.hop`` of them), so a backlog of cheap handlers does not pay a thread
-        switch per row. Each call gets its own span from ``observer`` (a child of the
-        activity's).
+        Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``
+        (asked before every call: whether the shard lock still stands) or the deadline (after
+        the first call) stopped it early. Runs of consecutive sync handlers go to a worker
+        thread in one hop (at most ``pace.hop`` of them), so a backlog of cheap handlers does
+        not pay a thread switch per row. Each call gets its own span from ``observer`` (a child
+        of the activity's).
         """
         index = 0
         clock: _CallClock | None = None  # the handler timeout of the async calls
@@ -200,7 +216,7 @@ class HandlerCalls:
                 call = calls[index]
                 if pace is not None:
                     await pace.wait()
-                if index and (time.monotonic() > deadline or not may_continue()):
+                if not may_continue() or (index and time.monotonic() > deadline):
                     return False
                 if call.is_sync:
                     end = index
@@ -293,7 +309,7 @@ class HandlerCalls:
             for call in run:
                 if stop.is_set():
                     return None
-                if offset + count and (time.monotonic() > deadline or not may_continue()):
+                if not may_continue() or (offset + count and time.monotonic() > deadline):
                     return None
                 # Also before the first call: the hop may have waited for a thread while other
                 # drains went ahead.
@@ -359,6 +375,16 @@ class HandlerCalls:
                 extra={FAILED_CALL: FailedCall(shard.key, call.category, type(exc).__qualname__)},
             )
         return HandlerFailed(HandlerFailure(type(exc).__qualname__, self._history_text(exc)), group)
+
+    def fault(self, shard: ShardRef, what: str, exc: BaseException) -> HandlerFailure:
+        """A step of a round failed for ``shard`` alone, not its handler (``what``: which step,
+        as a clause: "its rows cannot be read"): logged with its traceback, and what may enter
+        Temporal history about it."""
+        cause = getattr(exc, "orig", None) or exc  # a driver's own message, not the statement
+        error = ShardFaultError(f"shard {shard.key}: {what}: {type(cause).__qualname__}: {cause}")
+        with log_context(shard=shard.key):
+            log.warning("%s", error, exc_info=exc)
+        return HandlerFailure(type(error).__qualname__, self._history_text(error))
 
     def _history_text(self, exc: BaseException) -> str:
         """The exception's message as Temporal may keep it: none when redacted, else bounded."""
@@ -433,6 +459,21 @@ class _CallClock:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _decode_payload(shard: ShardRef, row: Row[Any]) -> tuple[Any, PayloadDecodeError | None]:
+    """The row's payload, decoded from its JSON text; or why it cannot be (PostgreSQL stores
+    JSON that Python cannot read: nested 10,000 deep, an integer of 5,000 digits)."""
+    text = row.payload
+    if text is None:
+        return None, None
+    try:
+        return json.loads(text), None
+    except (ValueError, RecursionError) as exc:
+        return None, PayloadDecodeError(
+            f"the payload of row {row.id} cannot be decoded: {type(exc).__qualname__}: {exc}; "
+            f"fix or delete the row, or skip shard {shard.key}"
+        )
 
 
 def _cancelled() -> bool:

@@ -33,6 +33,7 @@ from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.store import ShardRange, hold_free_shards, read_row_ages, read_shard_ranges
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.hub import (
@@ -278,12 +279,14 @@ class PartitionDrain:
     # -- one round -----------------------------------------------------------------------------
 
     async def _round(self, shards: list[ShardRef]) -> None:
-        handovers: list[tuple[ShardRef, HandoverInput]] = []
         outcomes: list[ShardOutcome] = []
+        skipped: list[ShardRef] = []
+        held: set[ShardRef] = set()  # those the round's writes held for their workflow
         lost = False
         try:
             async with self._engine.locked(self._table, shards) as batch:
-                await self._hold_skipped(batch, handovers)
+                held = batch.held
+                skipped = await self._hold_skipped(batch)
                 heads = await self._engine.read_heads(
                     batch, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
                 )
@@ -292,78 +295,76 @@ class PartitionDrain:
                     batch,
                     heads,
                     deadline=deadline,
-                    settle=lambda b, o: self._settle(b, o, handovers),
+                    settle=self._settle,
                     partition=self._ref.workflow_id,
                 )
             lost = batch.lost
-        except (SQLAlchemyError, OSError) as exc:
-            log.warning("partition %s: a round failed: %s", self._ref.workflow_id, exc)
+        except Exception as exc:
+            self._round_failed(exc)
             lost = True
         finally:
             for shard in shards:
                 self._in_flight.discard(key_of(shard))
             self._round_done.set()
+        handovers = [
+            (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, self._skip)))
+            for s in skipped
+        ]
+        handovers += [
+            (outcome.shard, handover)
+            for outcome in outcomes
+            if outcome.shard in held and (handover := _handover(outcome)) is not None
+        ]
         if lost:
-            for shard in shards:  # nothing this round wrote can be trusted: read them again
-                self._enqueue(key_of(shard))
-            return
-        self._count(outcomes, handovers)
+            handed = {key_of(shard) for shard, _ in handovers}
+            for shard in shards:  # nothing else this round wrote can be trusted: read them again
+                if key_of(shard) not in handed:
+                    self._enqueue(key_of(shard))
+        else:
+            self._count(outcomes, handovers)
         if handovers:
             await asyncio.gather(
                 *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
             )
 
-    async def _hold_skipped(
-        self, batch: LockedShards, handovers: list[tuple[ShardRef, HandoverInput]]
-    ) -> None:
+    def _round_failed(self, exc: Exception) -> None:
+        """A round ended early: its shards are read again. A lost connection is an outage
+        waited out; anything else is a failure no shard of the round could be blamed for."""
+        if connection_lost(exc):
+            log.warning("partition %s: a round failed: %s", self._ref.workflow_id, exc)
+        else:
+            log.error(
+                "partition %s: a round failed: %s: %s",
+                self._ref.workflow_id,
+                type(exc).__qualname__,
+                exc,
+                exc_info=exc,
+            )
+
+    async def _hold_skipped(self, batch: LockedShards) -> list[ShardRef]:
         """Shards on the skip list that nobody holds go to their workflow, skipped, before
-        anything runs. A listed shard its workflow holds is left to it: an operator may have
-        resumed it, and skipping it again would undo the resume."""
+        anything runs (returned). A listed shard its workflow holds is left to it: an operator
+        may have resumed it, and skipping it again would undo the resume."""
         if not self._skip:
-            return
+            return []
         listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
         if not listed:
-            return
-        held = await batch.execute(
+            return []
+        held: list[ShardRef] = await batch.execute(
             functools.partial(
                 hold_free_shards, table=batch.table, shards=listed, held_for=HeldFor.SKIPPED
             )
         )
-        handovers += [
-            (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, self._skip)))
-            for s in held
-        ]
+        return held
 
-    def _settle(
-        self,
-        batch: LockedShards,
-        outcome: ShardOutcome,
-        handovers: list[tuple[ShardRef, HandoverInput]],
-    ) -> None:
-        """Under the shard's lock: a shard that failed or waits for a deferred head becomes its
-        workflow's."""
-        shard = outcome.shard
-        if outcome.lock_lost:
-            return
-        if outcome.failed is not None:
-            batch.hold(shard, HeldFor.FAILED)
-            handover = HandoverInput(
-                max_id=outcome.highest_seen_id,
-                held_for=HeldFor.FAILED,
-                head=outcome.failed,
-                failure=outcome.failure,
-            )
-        elif outcome.deferred_until is not None:
-            batch.hold(shard, HeldFor.DEFERRED)
-            handover = HandoverInput(
-                max_id=outcome.highest_seen_id,
-                held_for=HeldFor.DEFERRED,
-                deferred_until=iso_utc(outcome.deferred_until),
-                deferred_seconds=outcome.deferred_seconds,
-            )
-        else:
-            return
-        handovers.append((shard, handover))
+    @staticmethod
+    def _settle(batch: LockedShards, outcome: ShardOutcome) -> None:
+        """Under the shard's lock: a shard that failed or waits for a deferred head is held for
+        its workflow (unless a workflow holds it already: a shard whose rows could not be read
+        is read, and fails, whoever holds it)."""
+        handover = _handover(outcome)
+        if handover is not None and not outcome.lock_lost:
+            batch.hold(outcome.shard, handover.held_for, if_free=True)
 
     def _count(
         self, outcomes: list[ShardOutcome], handovers: list[tuple[ShardRef, HandoverInput]]
@@ -391,3 +392,23 @@ class PartitionDrain:
         stats.shards_drained = len(self._drained)
         stats.queued = len(self._queue)
         return stats
+
+
+def _handover(outcome: ShardOutcome) -> HandoverInput | None:
+    """What a shard's workflow is told when the round gives it the shard: its failure (a
+    handler's, or a step of the round that failed for this shard), or its deferred head."""
+    if outcome.failure is not None:
+        return HandoverInput(
+            max_id=outcome.highest_seen_id,
+            held_for=HeldFor.FAILED,
+            head=outcome.failed,
+            failure=outcome.failure,
+        )
+    if outcome.deferred_until is not None:
+        return HandoverInput(
+            max_id=outcome.highest_seen_id,
+            held_for=HeldFor.DEFERRED,
+            deferred_until=iso_utc(outcome.deferred_until),
+            deferred_seconds=outcome.deferred_seconds,
+        )
+    return None

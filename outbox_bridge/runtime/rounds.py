@@ -39,7 +39,7 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import Row, Table
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
@@ -50,9 +50,11 @@ from outbox_bridge.db.store import (
     WindowRow,
     delete_handled,
     driver_writes,
+    hold_free_shards,
     hold_shard,
     lock_key,
     lock_shard_waiting,
+    read_first_row,
     read_group_tails,
     read_payload_sizes,
     read_rows,
@@ -65,7 +67,7 @@ from outbox_bridge.db.store import (
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
-from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
+from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, ShardRef
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,13 @@ log = logging.getLogger(__name__)
 # not deleted yet (what a kill -9 now would run again): the default of the worker's
 # max_undeleted_groups setting.
 MAX_UNDELETED_GROUPS = 10
+# poll() events of a socket the peer has closed (POLLRDHUP: Linux only); none where poll() is
+# missing.
+HANGUP = (
+    getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+    if hasattr(select, "poll")
+    else 0
+)
 # Payload bytes (as stored) one round reads at most; a round takes at least one group, however
 # large its payload.
 ROUND_MAX_BYTES = 64 * 2**20
@@ -145,6 +154,8 @@ class ShardHead:
     deferred_seconds: float | None = None  # then the head is a row not due for this long
     deferred_until: datetime | None = None  # (when it is due)
     rows: dict[int, Row[Any]] = field(default_factory=dict)  # the newest row of each group
+    # The shard's head could not be read: its first group (if known) fails with this.
+    fault: HandlerFailure | None = None
 
 
 @dataclass
@@ -167,7 +178,7 @@ class ShardOutcome:
         """Nothing is left that this round saw: no due rows, no deferred head, no failure."""
         return (
             not self.more
-            and self.failed is None
+            and self.failure is None
             and self.deferred_seconds is None
             and not self.lock_lost
         )
@@ -175,7 +186,13 @@ class ShardOutcome:
 
 class LockedShards:
     """Shards locked on one connection for one round, and the round's writes: deleted groups,
-    held and released shards, unlocks, all in that order and all on that connection."""
+    held and released shards, unlocks, all in that order and all on that connection.
+
+    A write that fails for one shard's reason (a trigger refusing to delete its rows, say) is
+    done again shard by shard, and only the shards whose own write fails stop: each is held
+    for its workflow with why (see :meth:`fault`), while it is still locked. A lost connection
+    stops every write of the round (the fence); what it had handled and not deleted is kept in
+    :attr:`unwritten`."""
 
     def __init__(
         self,
@@ -183,6 +200,7 @@ class LockedShards:
         table: Table,
         locked: list[ShardRef],
         undeleted: Undeleted | None = None,
+        calls: HandlerCalls | None = None,
     ) -> None:
         self.conn = conn
         self.table = table
@@ -194,12 +212,20 @@ class LockedShards:
         self._statements = 0  # odd while a statement is under way
         self._socket: psycopg.AsyncConnection[Any] | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the connection
-        self._pending: list[tuple[list[int], ShardOutcome]] = []
+        self._pending: list[tuple[GroupRows, ShardOutcome]] = []
+        # Handled and not deleted when the connection was lost: a new connection may still
+        # delete them (DrainEngine.locked).
+        self.unwritten: list[tuple[GroupRows, ShardOutcome]] = []
+        self.outcomes: dict[ShardRef, ShardOutcome] = {}  # of the shards the round runs
+        self.held: set[ShardRef] = set()  # shards whose hold this round wrote
+        self._calls = calls
         self._unlocks: dict[ShardRef, None] = {}
         # Unlocks under way: still locked until their statement returns, not to queue again
         # (a second unlock made PostgreSQL warn "you don't own a lock" once per round).
         self._unlocking: set[ShardRef] = set()
-        self._holds: list[tuple[ShardRef, str]] = []
+        self._holds: list[tuple[ShardRef, str, bool]] = []  # shard, why, only if free
+        self._faulted: list[ShardRef] = []  # shards a write failed for: held next
+        self.stuck: set[ShardRef] = set()  # locks only closing the connection releases
         self._releases: list[ShardRef] = []
         self._flusher: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -227,25 +253,44 @@ class LockedShards:
         if driver is None:
             return True
         statements = self._statements
-        if statements % 2:
-            return True  # a statement is under way: its answer tells
         try:
             if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
                 self._lose("the connection is closed")
                 return False
+            if statements % 2:
+                # A statement is under way, its answer may be arriving: only a socket the
+                # server has closed says anything.
+                return not self._closed_by_server(driver.pgconn.socket)
             readable, _, _ = select.select([driver.pgconn.socket], [], [], 0)
         except (OSError, psycopg.Error, ValueError) as exc:
             self._lose(str(exc))
             return False
         if readable and self._statements == statements:
+            self._suspect("received something between statements (the server may be closing it)")
+        return not self.suspect
+
+    def _closed_by_server(self, socket: int) -> bool:
+        """Whether the server closed the connection (Linux says so while an answer is still
+        unread); marks the round suspect if it did."""
+        if not HANGUP:
+            return False
+        poller = select.poll()  # one per call: handler threads ask at the same time
+        poller.register(socket, HANGUP)
+        if not poller.poll(0):
+            return False
+        self._suspect("was closed by the server while a statement was under way")
+        return True
+
+    def _suspect(self, seen: str) -> None:
+        if not self.suspect:
             self.suspect = True
             log.warning(
-                "the connection holding %s shard lock(s) of %s received something between "
-                "statements (the server may be closing it): this round takes no further group",
+                "the connection holding %s shard lock(s) of %s %s: this round takes no "
+                "further group",
                 len(self.locked),
                 self.table.name,
+                seen,
             )
-        return not self.suspect
 
     def _lose(self, why: str) -> None:
         if not self.lost:
@@ -272,15 +317,48 @@ class LockedShards:
         self._statements += 1
         try:
             return await work(self.conn)
+        except BaseException as exc:
+            if self.gone(exc):
+                self._lose(type(exc).__name__)
+            raise
         finally:
             self._statements += 1
 
+    def gone(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by a statement of this round, means its connection (and every
+        lock of the round) is gone, rather than the statement failing on a live connection."""
+        if self.lost or isinstance(exc, OSError) or self.conn.invalidated:
+            return True
+        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            return True
+        driver = self._socket
+        return driver is not None and (driver.closed or driver.broken)
+
+    def fault(
+        self, shard: ShardRef, group: GroupRows | None, what: str, exc: BaseException
+    ) -> None:
+        """A step of the round failed for ``shard`` alone (``what`` it could not do): it
+        stops as if its handler had failed on ``group`` (its first group not handled, if
+        known), keeps its rows, and is held for its workflow with why. The first failure of
+        a shard is the one reported."""
+        if self._calls is None:  # a round built by hand (tests): no isolation
+            raise exc
+        outcome = self.outcomes.setdefault(shard, ShardOutcome(shard))
+        if outcome.failure is None:
+            outcome.failure = self._calls.fault(shard, what, exc)
+            outcome.failed = None if group is None else self._calls.head(group)
+
+    def may_continue(self, outcome: ShardOutcome) -> bool:
+        """Whether ``outcome``'s shard may take a further group: the connection stands and no
+        step of the round failed for the shard (asked from handler threads too)."""
+        return outcome.failure is None and self.alive()
+
     # -- queued writes -----------------------------------------------------------------------
 
-    def deleted(self, ids: list[int], outcome: ShardOutcome) -> None:
+    def deleted(self, group: GroupRows, outcome: ShardOutcome) -> None:
         """Rows of a handled group: deleted at once if the connection is free, else with
         whatever else was handled meanwhile, as soon as the delete under way returns."""
-        self._pending.append((ids, outcome))
+        self._pending.append((group, outcome))
         self.undeleted.added()
         self._kick()
 
@@ -291,15 +369,22 @@ class LockedShards:
         if not self.lost and self._error is None:
             await self.undeleted.room()
 
-    def hold(self, shard: ShardRef, held_for: str) -> None:
-        self._holds.append((shard, held_for))
+    def hold(self, shard: ShardRef, held_for: str, *, if_free: bool = False) -> None:
+        """Hold ``shard`` for its workflow (again, with a new reason); with ``if_free`` only if
+        no workflow holds it yet. :attr:`held` says which were held."""
+        self._holds.append((shard, held_for, if_free))
 
     def release(self, shard: ShardRef) -> None:
         self._releases.append(shard)
 
     def unlock(self, shard: ShardRef) -> None:
         """Release ``shard``'s lock once everything queued for it is written."""
-        if shard in self.locked and shard not in self._unlocks and shard not in self._unlocking:
+        if (
+            shard in self.locked
+            and shard not in self._unlocks
+            and shard not in self._unlocking
+            and shard not in self.stuck
+        ):
             self._unlocks[shard] = None
             self._kick()
 
@@ -325,14 +410,28 @@ class LockedShards:
             self._unlocking.update(unlocks)
             try:
                 if self.lost or self._error is not None:
+                    self.unwritten += pending
                     continue  # fenced: nothing more is written in this round
                 async with self._busy:
                     await self._statement(
                         functools.partial(self._write, pending, holds, releases, unlocks)
                     )
-            except (SQLAlchemyError, psycopg.Error, OSError) as exc:
+            except Exception as exc:
+                # The connection is gone, or a write failed for no one shard's reason: nothing
+                # more is written in this round, and its connection is dropped.
                 self._error = exc
-                self._lose(type(exc).__name__)
+                self.unwritten += pending
+                if self.gone(exc):
+                    self._lose(type(exc).__name__)
+                else:  # raised again by flush(): the round's owner reports it
+                    self.lost = True
+                    log.warning(
+                        "a write of a round of %s failed (%s): nothing more is written in this "
+                        "round, and its %s shard(s) are read again",
+                        self.table.name,
+                        type(exc).__qualname__,
+                        len(self.locked),
+                    )
             finally:
                 # Deleted, or never to be deleted by this round (they run again): either
                 # way no longer ahead.
@@ -341,23 +440,81 @@ class LockedShards:
 
     async def _write(
         self,
-        pending: list[tuple[list[int], ShardOutcome]],
-        holds: list[tuple[ShardRef, str]],
+        pending: list[tuple[GroupRows, ShardOutcome]],
+        holds: list[tuple[ShardRef, str, bool]],
         releases: list[ShardRef],
         unlocks: dict[ShardRef, None],
         _conn: AsyncConnection | None = None,
     ) -> None:
         if pending:
-            owner = {row_id: outcome for ids, outcome in pending for row_id in ids}
-            for row_id in await self._delete(list(owner)):
-                owner[row_id].rows_handled += 1
-        for shard, held_for in holds:
-            await hold_shard(self.conn, self.table, shard, held_for)
+            await self._delete_handled(pending)
+        await self._write_holds(holds)
         for shard in releases:
             await release_shard(self.conn, self.table, shard)
         if unlocks:
-            await self._unlock(list(unlocks))
-            for shard in unlocks:
+            await self._unlock_each(list(unlocks))
+
+    async def _delete_handled(self, pending: list[tuple[GroupRows, ShardOutcome]]) -> None:
+        """Delete the handled groups; if that fails on a live connection, shard by shard."""
+        owner = {row_id: outcome for group, outcome in pending for row_id in group.ids}
+        try:
+            deleted = await self._delete(list(owner))
+        except Exception as exc:
+            if self.gone(exc):
+                raise
+            deleted = []
+            shards: dict[ShardRef, list[GroupRows]] = {}
+            for group, outcome in pending:
+                shards.setdefault(outcome.shard, []).append(group)
+            for shard, groups in shards.items():
+                try:
+                    deleted += await self._delete([i for group in groups for i in group.ids])
+                except Exception as failed:
+                    if self.gone(failed):
+                        raise
+                    # Its handled groups stay and run again, after the shard's workflow
+                    # took it over.
+                    self.fault(shard, groups[0], "its handled rows cannot be deleted", failed)
+                    self._faulted.append(shard)
+        for row_id in deleted:
+            owner[row_id].rows_handled += 1
+
+    async def _write_holds(self, holds: list[tuple[ShardRef, str, bool]]) -> None:
+        """The holds queued, then those of the shards a write failed for (still locked; held
+        only if no workflow holds them already, whose reason stays)."""
+        faulted, self._faulted = self._faulted, []
+        if_free: dict[str, list[ShardRef]] = {}
+        for shard, held_for, only_free in holds:
+            if only_free:
+                if_free.setdefault(held_for, []).append(shard)
+            else:
+                await hold_shard(self.conn, self.table, shard, held_for)
+                self.held.add(shard)
+        if faulted:
+            if_free.setdefault(HeldFor.FAILED, []).extend(faulted)
+        for held_for, shards in if_free.items():
+            self.held.update(await hold_free_shards(self.conn, self.table, shards, held_for))
+
+    async def _unlock_each(self, shards: list[ShardRef]) -> None:
+        """Unlock ``shards``; if that fails on a live connection, shard by shard. A shard that
+        cannot be unlocked is held and stays locked until the round closes its connection."""
+        try:
+            await self._unlock(shards)
+        except Exception as exc:
+            if self.gone(exc):
+                raise
+            for shard in shards:
+                try:
+                    await self._unlock([shard])
+                except Exception as failed:
+                    if self.gone(failed):
+                        raise
+                    self.fault(shard, None, "its lock cannot be released", failed)
+                    self.stuck.add(shard)
+                    self._faulted.append(shard)
+            await self._write_holds([])
+        for shard in shards:
+            if shard not in self.stuck:
                 self.locked.pop(shard, None)
 
     async def _delete(self, ids: list[int]) -> list[int]:
@@ -416,11 +573,20 @@ class DrainEngine:
 
     @contextlib.asynccontextmanager
     async def locked(
-        self, table: Table, shards: Sequence[ShardRef], *, wait_seconds: float = 0.0
+        self,
+        table: Table,
+        shards: Sequence[ShardRef],
+        *,
+        wait_seconds: float = 0.0,
+        recover: bool = True,
     ) -> AsyncIterator[LockedShards]:
         """Lock the free ones of ``shards`` (waiting up to ``wait_seconds`` for each that is
         taken, when given) on a connection of their own; everything is written and unlocked
-        when the block ends, and the connection is dropped if it may still hold a lock."""
+        when the block ends, and the connection is dropped if it may still hold a lock.
+
+        If the connection was lost with groups handled and not deleted, a new connection
+        deletes them in the shards whose locks it gets (with ``recover``): a lost connection
+        then repeats no more than a crash does."""
         conn = await self.engine.connect()
         batch: LockedShards | None = None
         try:
@@ -433,6 +599,7 @@ class DrainEngine:
                 table,
                 [s for s, t in zip(candidates, taken, strict=True) if t],
                 self._undeleted,
+                self.calls,
             )
             await batch.attach()
             try:
@@ -448,6 +615,40 @@ class DrainEngine:
             await batch.flush()
         finally:
             await self._close(conn, batch)
+            if recover and batch is not None and batch.unwritten:
+                await self._delete_unwritten(batch)
+
+    async def _delete_unwritten(self, lost: LockedShards) -> None:
+        """Delete what a round that lost its connection had handled, from a new connection, in
+        the shards whose locks it gets: no other execution is in those, so the delete is as
+        safe as the round's own. The others' groups run again."""
+        groups = lost.unwritten
+        shards = list(dict.fromkeys(outcome.shard for _, outcome in groups))
+        mine = []
+        try:
+            async with self.locked(lost.table, shards, recover=False) as batch:
+                mine = [
+                    (group, outcome) for group, outcome in groups if outcome.shard in batch.locked
+                ]
+                for group, outcome in mine:
+                    batch.deleted(group, outcome)
+        except Exception as exc:
+            log.warning(
+                "%s group(s) handled by a round of %s that lost its connection cannot be "
+                "deleted (%s): they run again",
+                len(groups),
+                lost.table.name,
+                type(exc).__name__,
+            )
+            return
+        if not batch.lost:
+            log.info(
+                "deleted %s of the %s group(s) a round of %s handled before it lost its "
+                "connection (the others' shards were taken meanwhile: they run again)",
+                len(mine),
+                len(groups),
+                lost.table.name,
+            )
 
     async def _take(
         self, conn: AsyncConnection, shards: Sequence[ShardRef], wait_seconds: float
@@ -465,7 +666,7 @@ class DrainEngine:
     @staticmethod
     async def _close(conn: AsyncConnection, batch: LockedShards | None) -> None:
         try:
-            if batch is not None and batch.locked and not batch.lost:
+            if batch is not None and batch.locked and not batch.lost and not batch.stuck:
                 await unlock_shards(conn, list(batch.locked))
                 batch.locked.clear()
         except BaseException:
@@ -489,17 +690,54 @@ class DrainEngine:
     ) -> list[ShardHead]:
         """The head groups of every locked shard (at most ``max_groups`` each, and within the
         round's payload budget) and their newest rows, in a few statements for the whole
-        round."""
-        return await read_shard_heads(
+        round.
+
+        If those fail on a live connection, the round reads each shard alone: a shard whose
+        own read fails gets a head that carries why (:attr:`ShardHead.fault`), with its first
+        group if that can be read, and the others are read as usual."""
+        read = functools.partial(
+            read_shard_heads,
             batch.execute,
             batch.table,
-            list(batch.locked),  # the shards locked now, in the order they were locked
             max_groups=max_groups,
             skip_held=skip_held,
             skip_paused=skip_paused,
             with_trace_context=BatchObserver.tracing(),
             max_bytes=self.max_round_bytes,
         )
+        shards = list(batch.locked)  # the shards locked now, in the order they were locked
+        try:
+            return await read(shards)
+        except Exception as exc:
+            if batch.gone(exc):
+                raise
+        heads: list[ShardHead] = []
+        for shard in shards:
+            try:
+                heads += await read([shard])
+            except Exception as exc:
+                if batch.gone(exc):
+                    raise
+                heads.append(await self._unreadable(batch, shard, exc))
+        return heads
+
+    async def _unreadable(
+        self, batch: LockedShards, shard: ShardRef, exc: BaseException
+    ) -> ShardHead:
+        """The head of a shard whose rows cannot be read: its first group (an index lookup
+        that reads no payload), if it has one and that can be read, failing with why."""
+        failure = self.calls.fault(shard, "its rows cannot be read", exc)
+        head = ShardHead(shard, [], 0, fault=failure)
+        try:
+            first = await batch.execute(lambda conn: read_first_row(conn, batch.table, shard))
+        except Exception as error:
+            if batch.gone(error):
+                raise
+            return head
+        if first is not None:
+            head.groups = [GroupRows(first.category, first.object_identifier, [first.id])]
+            head.highest_id = first.id
+        return head
 
     # -- running -----------------------------------------------------------------------------
 
@@ -521,6 +759,7 @@ class DrainEngine:
         deleted), after ``settle`` queued what else must be written under its lock.
         """
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
+        batch.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
         # Every shard's calls end before the round does, also when it is cancelled: a plain-def
         # call cannot be stopped, and its shard stays locked until it returns.
         ended = await asyncio.gather(
@@ -549,22 +788,54 @@ class DrainEngine:
         partition: str | None,
     ) -> None:
         shard = head.shard
-        calls: list[Call] = []
-        for group in head.groups:
-            row = head.rows.get(group.last_id)
-            if row is None:  # deleted behind our back: read the head again
-                break
-            calls.append(self.calls.prepare(shard, group, row))
-        observer = await self._observer(batch, shard, calls, head.rows, partition)
-        head.rows = {}  # the calls hold what they need: the round need not keep the rows
         key = lock_key(shard)
         self._running[key] = self._running.get(key, 0) + 1
+        try:
+            await self._handle(batch, head, outcome, deadline, attempt, partition)
+        finally:
+            self._running[key] -= 1
+            if not self._running[key]:
+                del self._running[key]
+            outcome.lock_lost = batch.lost
+        if settle is not None:
+            settle(batch, outcome)
+        if unlock_each and shard in batch.locked:
+            batch.unlock(shard)
+
+    async def _handle(
+        self,
+        batch: LockedShards,
+        head: ShardHead,
+        outcome: ShardOutcome,
+        deadline: float,
+        attempt: int,
+        partition: str | None,
+    ) -> None:
+        """Run one shard's head groups. Whatever fails in it (its head unread, a call that
+        cannot be prepared or observed, a handler) fails this shard alone."""
+        shard = head.shard
+        if head.fault is not None:
+            outcome.failure = head.fault
+            outcome.failed = self.calls.head(head.groups[0]) if head.groups else None
+            return
+        observer: BatchObserver | None = None
 
         def handled(call: Call) -> None:
             outcome.groups_handled += 1
-            batch.deleted(call.group.ids, outcome)
+            batch.deleted(call.group, outcome)
 
+        step = "its head groups cannot be prepared for their handlers"
         try:
+            calls: list[Call] = []
+            for group in head.groups:
+                row = head.rows.get(group.last_id)
+                if row is None:  # deleted behind our back: read the head again
+                    break
+                calls.append(self.calls.prepare(shard, group, row))
+            step = "its calls cannot be observed (tracing, metrics)"
+            observer = await self._observer(batch, shard, calls, head.rows, partition)
+            head.rows = {}  # the calls hold what they need: the round need not keep the rows
+            step = "its handlers cannot be called"
             finished = await self.calls.run(
                 shard,
                 calls,
@@ -572,7 +843,7 @@ class DrainEngine:
                 observer,
                 deadline=deadline,
                 attempt=attempt,
-                may_continue=batch.alive,
+                may_continue=functools.partial(batch.may_continue, outcome),
                 pace=Pace(
                     batch.pace,
                     batch.undeleted.ahead,
@@ -585,18 +856,18 @@ class DrainEngine:
                 outcome.deferred_seconds = head.deferred_seconds
                 outcome.deferred_until = head.deferred_until
         except HandlerFailed as failed:
-            outcome.failed = self.calls.head(failed.group)
-            outcome.failure = failed.failure
+            if outcome.failure is None:
+                outcome.failed = self.calls.head(failed.group)
+                outcome.failure = failed.failure
+        except Exception as exc:  # one shard's trouble, whatever it is, stays with it
+            unhandled = head.groups[outcome.groups_handled :]
+            batch.fault(shard, unhandled[0] if unhandled else None, step, exc)
         finally:
-            self._running[key] -= 1
-            if not self._running[key]:
-                del self._running[key]
-            observer.finish()
-            outcome.lock_lost = batch.lost
-        if settle is not None:
-            settle(batch, outcome)
-        if unlock_each and shard in batch.locked:
-            batch.unlock(shard)
+            if observer is not None:
+                try:
+                    observer.finish()
+                except Exception as exc:
+                    batch.fault(shard, None, "its calls cannot be recorded (metrics)", exc)
 
     async def _observer(
         self,

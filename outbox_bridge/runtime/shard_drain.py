@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_bridge.db.store import hold_shard, read_pending_up_to
 from outbox_bridge.db.timestamps import iso_utc
-from outbox_bridge.errors import ShardLockedError
+from outbox_bridge.errors import ShardFaultError, ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.workflows.models import (
@@ -101,6 +101,11 @@ class ShardDrainer:
             if outcome.emptied:
                 batch.release(shard)
                 result.released = True
+        if outcome.failure is not None and outcome.failed is None:
+            # Failed before any group could be named (its rows cannot be read, its unlock
+            # failed): the activity fails, and is retried with backoff, saying why.
+            failure = outcome.failure
+            raise ShardFaultError(f"{failure.error_type}: {failure.message}")
         _add(result, outcome)
         return result
 

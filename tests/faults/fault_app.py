@@ -85,6 +85,7 @@ class Control:
 
 _local = threading.local()
 _process_seq = itertools.count(1)
+RECORDER_NAME = "fault-recorder"  # application_name of the handlers' recording connections
 _seq_lock = threading.Lock()
 _control = Control()
 _control_lock = threading.Lock()
@@ -101,7 +102,10 @@ def _connection() -> psycopg.Connection[tuple[object, ...]]:
     """This thread's own connection (autocommit), opened again after a failure."""
     conn: psycopg.Connection[tuple[object, ...]] | None = getattr(_local, "conn", None)
     if conn is None or conn.closed or conn.broken:
-        conn = psycopg.connect(_database_url(), autocommit=True, connect_timeout=5)
+        # Named apart from the worker's own connections, which a scenario may terminate.
+        conn = psycopg.connect(
+            _database_url(), autocommit=True, connect_timeout=5, application_name=RECORDER_NAME
+        )
         _local.conn = conn
     return conn
 

@@ -381,6 +381,9 @@ class Verdict:
     # For each process, how many duplicates repeated one of its calls (the latest call that
     # had covered the repeated rows): after kill -9, what each kill cost.
     repeats_by_pid: Counter[int] = field(default_factory=Counter)
+    # The duplicate calls themselves (when each started tells which fault cost it, see
+    # repeats_per_fault).
+    repeat_calls: list[CallRow] = field(default_factory=list)
     # More duplicates than the ceiling, or (when the killed processes are known) a repeat of
     # a call whose process was never killed.
     excess_duplicates: list[str] = field(default_factory=list)
@@ -578,6 +581,7 @@ def _repeat(
     """Describe a call that covered rows that ``earlier`` calls had covered already."""
     repeated = ", ".join(f"call {c.seq} (pid {c.pid})" for c in earlier)
     verdict.repeats_by_pid[earlier[-1].pid] += 1
+    verdict.repeat_calls.append(call)
     verdict.repeats.append(
         f"call {call.seq} (pid {call.pid}) of row {row.id} in group {row.group} of shard "
         f"{row.shard} repeated {repeated}"
@@ -590,6 +594,24 @@ def _repeat(
                 f"call {call.seq} (pid {call.pid}) of row {row.id} repeated call "
                 f"{previous.seq} of pid {previous.pid}, which was not killed"
             )
+
+
+def repeats_per_fault(
+    repeats: Sequence[CallRow], faults_at: Sequence[float]
+) -> tuple[list[int], int]:
+    """How many of the duplicate calls ``repeats`` each fault cost (``faults_at``: when each
+    fault struck, by ``time.time()``, ascending), and how many no fault explains. A repeat is
+    the cost of the last fault before it started: the worker runs again what that fault kept
+    it from deleting, as soon as it can."""
+    counts = [0] * len(faults_at)
+    unexplained = 0
+    for call in repeats:
+        index = bisect.bisect_right(faults_at, call.started) - 1
+        if index >= 0:
+            counts[index] += 1
+        else:
+            unexplained += 1
+    return counts, unexplained
 
 
 def _compare(

@@ -8,7 +8,7 @@ slowest fast variants run only with the full ones (:func:`variants`).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from tests.faults.history import (
     hung_in,
     prepare_fault_table,
     read_history,
+    repeats_per_fault,
 )
 from tests.harness import wait_until
 
@@ -150,6 +151,8 @@ class Scenario:
         max_duplicates: int,
         repeats_only_after_kills: bool = False,
         max_repeats_per_kill: int | None = None,
+        faults_at: Sequence[float] = (),
+        max_repeats_per_fault: int | None = None,
         pending_ok: Iterable[int] = (),
         redacted: bool = False,
         settle: bool = True,
@@ -159,13 +162,16 @@ class Scenario:
         of the design contract (docs/explanation/contract.md), check that no payload (and,
         when ``redacted``, no error message) reached Temporal and that no worker printed the
         database password, and record the scenario's figures. ``faults`` may name the number
-        of failed handler calls as ``{failed}``, and the spread of the repeats per killed
-        process as ``{per_kill}``.
+        of failed handler calls as ``{failed}``, the spread of the repeats per killed process
+        as ``{per_kill}``, and per fault of ``faults_at`` as ``{per_fault}``.
 
         ``max_duplicates`` is the most repeated calls that the scenario's faults can explain;
         with ``repeats_only_after_kills``, every repeat must repeat a call of a worker process
         that was killed (the scenario's only fault that can repeat a call), and at most
-        ``max_repeats_per_kill`` may repeat the calls of any one killed process."""
+        ``max_repeats_per_kill`` may repeat the calls of any one killed process. With
+        ``faults_at`` (when each fault struck, by ``time.time()``) and
+        ``max_repeats_per_fault``, every repeat must follow one of those faults, at most that
+        many per fault (:func:`~tests.faults.history.repeats_per_fault`)."""
         if settle:
             await self.settled(client)
         for worker in self.workers:
@@ -190,6 +196,18 @@ class Scenario:
             max_repeats_per_pid=max_repeats_per_kill,
             visible_to=visible,
         )
+        per_fault, unexplained = repeats_per_fault(verdict.repeat_calls, faults_at)
+        if max_repeats_per_fault is not None:
+            if unexplained:
+                verdict.excess_duplicates.append(
+                    f"{unexplained} duplicate calls started before the first fault"
+                )
+            for number, count in enumerate(per_fault, 1):
+                if count > max_repeats_per_fault:
+                    verdict.excess_duplicates.append(
+                        f"fault {number} cost {count} repeated calls, more than the "
+                        f"{max_repeats_per_fault} allowed per fault"
+                    )
         record(
             Figures(
                 scenario=self.name,
@@ -197,6 +215,7 @@ class Scenario:
                 faults=faults.format(
                     failed=verdict.failed_calls,
                     per_kill=spread([verdict.repeats_by_pid.get(pid, 0) for pid in killed]),
+                    per_fault=spread(per_fault),
                 ),
                 lost=len(verdict.lost),
                 order_violations=len(verdict.order_violations),

@@ -4,7 +4,7 @@ fail would make every scenario pass)."""
 from __future__ import annotations
 
 from tests.faults.fault_app import payload_digest
-from tests.faults.history import CallRow, History, Shard, TruthRow, check
+from tests.faults.history import CallRow, History, Shard, TruthRow, check, repeats_per_fault
 
 SHARD, OTHER_SHARD = (1, 7), (1, 8)
 A, B, C = (2, 1), (2, 2), (3, 1)  # coalescing groups: category, object
@@ -136,6 +136,18 @@ def test_repeats_are_counted_against_the_process_whose_calls_they_repeat() -> No
     assert verdict.excess_duplicates == [
         "2 duplicate calls repeated calls of pid 1, more than the 1 allowed per process"
     ]
+
+
+def test_repeats_are_counted_against_the_last_fault_before_they_started() -> None:
+    """Faults that the worker survives (its connections terminated) leave no killed process to
+    blame: each repeat is the cost of the last fault before it, and one before any fault is
+    unexplained. The repeats here start at 3 and 4."""
+    truth = rows((1, A), (2, B), (3, C))
+    verdict = check(crash_before_the_delete().history(truth), rolled_back=[], max_duplicates=2)
+    assert [call.seq for call in verdict.repeat_calls] == [3, 4]
+    assert repeats_per_fault(verdict.repeat_calls, [2.5]) == ([2], 0)
+    assert repeats_per_fault(verdict.repeat_calls, [2.5, 3.5]) == ([1, 1], 0)
+    assert repeats_per_fault(verdict.repeat_calls, [3.5, 9.0]) == ([1, 0], 1)
 
 
 def test_a_row_deleted_before_its_handler_succeeded_is_lost() -> None:

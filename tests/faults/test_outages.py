@@ -1,21 +1,27 @@
 """Outages of the servers under a running worker: the Temporal dev server killed and restarted
-on its database file, and PostgreSQL stopped and started again. The worker keeps running and
-recovers by itself (the design contract, section 1: nothing is lost because a server went
-away; docs/explanation/contract.md)."""
+on its database file, PostgreSQL stopped and started again, and every connection of the worker
+terminated by the server. The worker keeps running and recovers by itself (the design
+contract, section 1: nothing is lost because a server went away;
+docs/explanation/contract.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge.config import sqlalchemy_url
-from tests.faults.harness import with_password
+from outbox_bridge.runtime.rounds import MAX_UNDELETED_GROUPS
+from tests.faults.harness import outbox_count, with_password
 from tests.faults.scenario import variants
-from tests.faults.test_crashes import mixed_shards
+from tests.faults.test_crashes import calls_of, calls_over, mixed_shards
 from tests.harness import wait_until
 
 
@@ -179,3 +185,84 @@ async def listening(engine, table: str) -> bool:
             return bool(result.scalar_one())
     except Exception:
         return False
+
+
+@dataclass(frozen=True)
+class Terminations:
+    rows: int  # kept waiting before each termination
+    terminations: int
+    shards: int
+
+
+@pytest.mark.parametrize(
+    "size",
+    variants(
+        Terminations(rows=5_000, terminations=3, shards=100),
+        Terminations(rows=20_000, terminations=5, shards=200),
+    ),
+)
+async def test_the_worker_s_connections_terminated_mid_drain_repeat_few_groups(
+    size: Terminations, new_scenario, engine, fault_client, record_figures
+) -> None:
+    """``pg_terminate_backend`` of every connection of the worker (a failover, a pooler or an
+    idle timeout closing them), again and again while it drains a backlog at full speed. The
+    worker stays up, and a termination repeats no more calls than a ``kill -9`` may: a round
+    that lost its connection deletes what it had handled from a new one, under the shards'
+    locks taken again."""
+    scenario = new_scenario("worker's connections terminated mid-drain")
+    await scenario.prepare()
+    workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 7, objects=10_000)
+    name = f"outbox-worker-{scenario.table}"
+    url = make_url(scenario.database_url).update_query_dict({"application_name": name})
+    worker = scenario.worker(OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False))
+    moments = random.Random(size.terminations + 7)
+    struck: list[float] = []
+    worker.start()
+    await worker.ready()
+    for _ in range(size.terminations):
+        before = await calls_of(engine, scenario.table, worker.pid)
+        written = size.rows - await outbox_count(engine, scenario.table)
+        await workload.write(written)
+        # Mid-drain: the worker has handled part of this backlog.
+        handled = moments.randrange(written // 10, written // 2)
+        await wait_until(
+            partial(calls_over, engine, scenario.table, worker.pid, before + handled),
+            timeout=120,
+            interval=0.01,
+            what="the drain under way",
+        )
+        assert await outbox_count(engine, scenario.table), "drained before the termination"
+        struck.append(time.time())
+        assert await terminate(engine, name), "no connection of the worker to terminate"
+        scenario.clock.fault()
+    recovery = await scenario.drained(timeout=900)
+    assert worker.running, "the worker stopped when its connections were terminated"
+    await scenario.finish(
+        workload,
+        faults=f"{size.terminations} terminations of every worker connection; repeats per "
+        "termination: {per_fault}",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+        max_duplicates=size.terminations * REPEATS_PER_TERMINATION,
+        faults_at=struck,
+        max_repeats_per_fault=REPEATS_PER_TERMINATION,
+    )
+
+
+# Repeated calls allowed per termination: the groups a kill -9 may leave handled and not
+# deleted (only a shard another execution took before the lost round's delete runs again).
+REPEATS_PER_TERMINATION = MAX_UNDELETED_GROUPS
+
+
+async def terminate(engine, application_name: str) -> int:
+    """Terminate every connection named ``application_name``; how many there were."""
+    async with engine.connect() as conn:
+        result = await conn.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = :name"
+            ),
+            {"name": application_name},
+        )
+        return int(result.scalar_one())

@@ -9,14 +9,10 @@ the worker goes on running while a test blocks, and the tests' own event loops a
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import uuid
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
-from threading import Thread
-from typing import Any, TypeVar
 
 from sqlalchemy import Engine, MetaData, create_engine
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -27,8 +23,7 @@ from outbox_bridge.db.schema import create_outbox_tables
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
-
-T = TypeVar("T")
+from outbox_bridge.runtime.loop_thread import EventLoopThread as EventLoopThread  # re-exported
 
 
 def load_app(spec: str) -> OutboxApp:
@@ -40,38 +35,6 @@ def load_app(spec: str) -> OutboxApp:
     if not isinstance(app, OutboxApp):
         raise ConfigurationError(f"outbox_app {spec!r} is not an OutboxApp (got {app!r})")
     return app
-
-
-class EventLoopThread:
-    """An event loop running in a daemon thread of its own."""
-
-    def __init__(self, name: str = "outbox-testing") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coroutine`` in the loop and wait for its result."""
-        return self.submit(coroutine).result(timeout)
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.run(_cancel_tasks())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-
-async def _cancel_tasks() -> None:
-    current = asyncio.current_task()
-    tasks = [task for task in asyncio.all_tasks() if task is not current]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------------

@@ -27,15 +27,16 @@ skipped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
@@ -54,6 +55,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.loop_thread import EventLoopThread, settle_native_threads_at_exit
 from outbox_bridge.runtime.shards import WORKFLOW, start_arguments, static_skip, static_skips
 from outbox_bridge.runtime.temporal import (
     PROBE_TIMEOUT,
@@ -65,8 +67,6 @@ from outbox_bridge.sessions import CONTEXTS, LISTENING, session_info, sync_targe
 from outbox_bridge.workflows.models import FlushInput, FlushOutcome, FlushResult, ShardRef
 
 log = logging.getLogger("outbox_bridge.flush")
-
-T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 10.0
 # Temporal did not answer: the rows are handled asynchronously (see the detail).
@@ -144,7 +144,9 @@ class Flusher:
 
     Configured like the worker (``OutboxSettings``: Temporal address, namespace, TLS or API
     key, task queue and shard settings, which must match the worker's). Async callers may pass
-    their own ``client``; sync callers get a client on a background event loop.
+    their own ``client``; sync callers get a client on a background event loop, which
+    :meth:`close` stops (at interpreter exit at the latest: a process that flushed exits with
+    its own exit code, whether Temporal answered, was down or was slow).
     """
 
     def __init__(
@@ -161,7 +163,7 @@ class Flusher:
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Client] = (
             weakref.WeakKeyDictionary()
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: EventLoopThread | None = None
         self._loop_lock = threading.Lock()
         # Task queue -> until when it is trusted to have pollers (time.monotonic()).
         self._polled_until: dict[str, float] = {}
@@ -180,7 +182,7 @@ class Flusher:
             raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
         deadline = time.monotonic() + timeout
         try:
-            client = await self._client_for_loop()
+            client = await self._client_for_loop(deadline)
             await self._check_pollers(client, deadline)
         except _Unavailable as exc:
             log.log(
@@ -195,15 +197,22 @@ class Flusher:
         ]
         return list(await asyncio.gather(*flushes))
 
-    async def _client_for_loop(self) -> Client:
+    async def _client_for_loop(self, deadline: float) -> Client:
         if self._client is not None:
             return self._client
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
             settings = self._settings
+            # The SDK's threads may call back into Python after the flush gave up on them.
+            settle_native_threads_at_exit()
+            left = max(deadline - time.monotonic(), 0.0)
             try:
-                client = await connect(settings, temporal_address(settings))
+                # A server that accepts connections and never answers must not hold the flush
+                # past its timeout.
+                client = await asyncio.wait_for(connect(settings, temporal_address(settings)), left)
+            except TimeoutError:
+                raise _Unavailable(self._no_answer(f"no answer within {left:.1f} s")) from None
             except ConfigurationError as exc:  # cannot connect, or a TLS file is unreadable
                 raise _Unavailable(str(exc)) from None
             self._clients[loop] = client
@@ -351,16 +360,32 @@ class Flusher:
         self, targets: Mapping[ShardRef, int], timeout: float = DEFAULT_TIMEOUT
     ) -> list[FlushResult]:
         """:meth:`flush` for sync code: runs on this flusher's background event loop."""
-        return self._run(self.flush(targets, timeout), timeout + 2 * ANSWER_GRACE)
+        if not targets:
+            return []
+        wait = timeout + 2 * ANSWER_GRACE
+        work = self._background().submit(self.flush(targets, timeout))
+        try:
+            return work.result(wait)
+        except concurrent.futures.TimeoutError:  # a backstop: every step has its deadline
+            work.cancel()
+            detail = self._no_answer(f"no answer within {wait:.0f} s")
+            log.warning("flush of shard(s) %s: %s", ", ".join(s.key for s in targets), detail)
+            return [FlushResult(shard.key, UNAVAILABLE, detail=detail) for shard in targets]
 
-    def _run(self, work: Coroutine[Any, Any, T], timeout: float) -> T:
+    def _background(self) -> EventLoopThread:
         with self._loop_lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="outbox-flush", daemon=True)
-                thread.start()
-                self._loop = loop
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
+            if self._loop_thread is None:
+                self._loop_thread = EventLoopThread(name="outbox-flush")
+            return self._loop_thread
+
+    def close(self) -> None:
+        """Stop the background event loop of sync flushes, if one runs, and forget its Temporal
+        client; a later sync flush starts them again."""
+        with self._loop_lock:
+            loop_thread, self._loop_thread = self._loop_thread, None
+        if loop_thread is not None:
+            loop_thread.close()
+            self._clients.pop(loop_thread.loop, None)
 
 
 def _retrieve_start_outcome(operation: WithStartWorkflowOperation[Any, Any]) -> None:

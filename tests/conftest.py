@@ -15,6 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from outbox_bridge.testing import PostgresServer, TemporalServer
+from outbox_bridge.testing.plugin import watch_server
+from outbox_bridge.testing.server_folder import ServerFolder
+from outbox_bridge.testing.servers import log_tail
 from tests.django_support import point_django_at
 from tests.faults.harness import FIGURES, Figures, summary_lines
 from tests.harness import (
@@ -54,6 +57,7 @@ SERVER_FIXTURES = frozenset(
         "fault_client",
         "own_postgres",
         "own_temporal",
+        "server_dir",
         # pytest-django's, on the test PostgreSQL
         "django_db_setup",
         "db",
@@ -156,8 +160,30 @@ LOG_TAIL_LINES = 30
 
 
 @pytest.fixture(scope="session")
-async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Servers]:
-    started = await start_servers(tmp_path_factory.mktemp("servers"))
+def server_folder() -> Iterator[ServerFolder]:
+    """Where the servers of this session (of this pytest-xdist process) keep their data: a
+    folder of its own under the system's temporary directory. Not pytest's temporary directory,
+    which a new pytest session resets to mode 0700, cutting the embedded PostgreSQL (which runs
+    as a system user of its own under root) off from its files."""
+    folder = ServerFolder()
+    yield folder
+    folder.remove()
+
+
+@pytest.fixture
+def server_dir(server_folder: ServerFolder) -> Path:
+    """A new folder for the data of a server that a test starts for itself."""
+    return server_folder.new("own")
+
+
+@pytest.fixture(scope="session")
+async def servers(
+    server_folder: ServerFolder, pytestconfig: pytest.Config
+) -> AsyncIterator[Servers]:
+    started = await start_servers(server_folder.new("servers"))
+    if started.postgres is not None:
+        # A test that needs it fails first thing, saying why, once it stopped.
+        watch_server(pytestconfig, "servers", started.postgres.why_stopped)
     SESSION_SERVERS.append(started)
     try:
         yield started
@@ -179,8 +205,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if code is None:
             continue
         log_file = temporal.data_dir / "temporal.log"
-        lines = log_file.read_text(errors="replace").splitlines() if log_file.exists() else []
-        tail = "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty)"
+        tail = log_tail(log_file, LOG_TAIL_LINES)
         with ThreadPoolExecutor(1) as pool:  # outside the session's event loop
             pool.submit(asyncio.run, temporal.start(timeout=60)).result()
         warnings.warn(

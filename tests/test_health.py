@@ -150,9 +150,9 @@ async def test_a_running_worker_is_live_and_ready(servers) -> None:
         await http(port, LIVENESS_PATH)
 
 
-async def test_readyz_reports_a_postgresql_outage(servers, tmp_path) -> None:
+async def test_readyz_reports_a_postgresql_outage(servers, server_dir) -> None:
     """The worker's own PostgreSQL stops: /readyz turns 503 and says why; /healthz stays 200."""
-    postgres = EmbeddedPostgres(tmp_path / "postgres")
+    postgres = EmbeddedPostgres(server_dir / "postgres")
     url = make_url(await asyncio.to_thread(postgres.start))
     own = dataclasses.replace(servers, database_url=url.render_as_string(hide_password=False))
     port = free_port()

@@ -16,6 +16,12 @@ Fixtures (see the documentation's "Test your handlers" page):
   ``outbox_database_url`` ini option, else an embedded one.
 - ``outbox_temporal`` (session): the Temporal server, at ``OUTBOX_TEST_TEMPORAL_ADDRESS`` or the
   ``outbox_temporal_address`` ini option, else a dev server in memory.
+
+Embedded servers keep their data in a folder of the session's own under the system's temporary
+directory, not under pytest's (which every new pytest session of the user resets to mode 0700),
+removed when the session ends. Once a server the session started has stopped, a test that needs
+it fails before it starts, saying why (the end of the server's log, and the likely cause); the
+test that was running when it stopped has the same explanation in its report.
 - ``outbox_database``: a database of the test's own, cloned from a template; dropped after it.
 - ``outbox_session_database`` (session): one such database for the whole session.
 - ``outbox_settings``: the settings of the test's worker (short timers, a task queue of its own).
@@ -25,7 +31,9 @@ Fixtures (see the documentation's "Test your handlers" page):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -37,6 +45,7 @@ if TYPE_CHECKING:
     from outbox_bridge.config import OutboxSettings
     from outbox_bridge.registry import OutboxApp
     from outbox_bridge.testing.inprocess_worker import OutboxWorker
+    from outbox_bridge.testing.server_folder import ServerFolder
     from outbox_bridge.testing.servers import (
         DatabaseTemplate,
         EventLoopThread,
@@ -81,6 +90,75 @@ def _worker() -> ModuleType:
     return inprocess_worker
 
 
+# -- servers that stopped --------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    fixture: str
+    why_stopped: Callable[[], str | None]
+    first_failure: str | None = None  # the test whose failure explained it
+
+
+_WATCHES = pytest.StashKey[list[_Watch]]()
+
+
+def watch_server(
+    config: pytest.Config, fixture: str, why_stopped: Callable[[], str | None]
+) -> None:
+    """Before each test that uses ``fixture`` (directly or not), and after each such test that
+    failed, ask ``why_stopped()`` whether the server behind it stopped: the test then fails
+    before it starts, or its report gets the answer. The first failure says why in full, the
+    later ones name it."""
+    config.stash.setdefault(_WATCHES, []).append(_Watch(fixture, why_stopped))
+
+
+def _stopped(item: pytest.Item) -> list[tuple[_Watch, str]]:
+    watches = item.config.stash.get(_WATCHES, [])
+    if not watches:
+        return []
+    uses = set(getattr(item, "fixturenames", ()))
+    found = []
+    for watch in watches:
+        if watch.fixture in uses and (why := watch.why_stopped()) is not None:
+            found.append((watch, why))
+    return found
+
+
+def _explain(item: pytest.Item, stopped: list[tuple[_Watch, str]]) -> str:
+    lines = []
+    for watch, why in stopped:
+        if watch.first_failure is None:
+            watch.first_failure = item.nodeid
+            lines.append(why)
+        else:
+            first_line = why.splitlines()[0]
+            lines.append(f"{first_line} (the failure of {watch.first_failure} says why)")
+    return "\n\n".join(lines)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    stopped = _stopped(item)
+    if stopped:
+        pytest.fail(_explain(item, stopped), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and report.when == "call":
+        stopped = _stopped(item)
+        if stopped:
+            report.sections.append(("outbox-bridge: a server stopped", _explain(item, stopped)))
+    return report
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+
 def _setting(config: pytest.Config, env: str, ini: str) -> str | None:
     value = os.environ.get(env) or config.getini(ini)
     return str(value) if value else None
@@ -115,17 +193,31 @@ def _outbox_loop() -> Iterator[EventLoopThread]:
 
 
 @pytest.fixture(scope="session")
+def _outbox_server_folder() -> Iterator[ServerFolder]:
+    """Where the embedded servers keep their data (see the module)."""
+    folder: ServerFolder = _servers().ServerFolder()
+    yield folder
+    folder.remove()
+
+
+def _new_server_folder(request: pytest.FixtureRequest, name: str) -> Path:
+    folder: ServerFolder = request.getfixturevalue("_outbox_server_folder")
+    return folder.new(name)
+
+
+@pytest.fixture(scope="session")
 def outbox_postgres(
-    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+    pytestconfig: pytest.Config, request: pytest.FixtureRequest
 ) -> Iterator[PostgresServer]:
     """The PostgreSQL server of the test databases (``.url``)."""
     url = _setting(pytestconfig, DATABASE_URL_ENV, "outbox_database_url")
     servers = _servers()
-    server: PostgresServer = (
-        servers.PostgresServer(url)
-        if url is not None
-        else servers.PostgresServer.embedded(tmp_path_factory.mktemp("outbox-postgres") / "data")
-    )
+    server: PostgresServer
+    if url is not None:
+        server = servers.PostgresServer(url)
+    else:
+        server = servers.PostgresServer.embedded(_new_server_folder(request, "postgres") / "data")
+        watch_server(pytestconfig, "outbox_postgres", server.why_stopped)
     yield server
     server.stop()
 
@@ -133,19 +225,19 @@ def outbox_postgres(
 @pytest.fixture(scope="session")
 def outbox_temporal(
     pytestconfig: pytest.Config,
-    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
     _outbox_loop: EventLoopThread,
 ) -> Iterator[TemporalServer]:
     """The Temporal server of the test workers (``.address``)."""
     address = _setting(pytestconfig, TEMPORAL_ADDRESS_ENV, "outbox_temporal_address")
     servers = _servers()
-    server: TemporalServer = (
-        servers.TemporalServer(address)
-        if address is not None
-        else servers.TemporalServer.embedded(
-            tmp_path_factory.mktemp("outbox-temporal"), _outbox_loop
-        )
-    )
+    server: TemporalServer
+    if address is not None:
+        server = servers.TemporalServer(address)
+    else:
+        folder = _new_server_folder(request, "temporal")
+        server = servers.TemporalServer.embedded(folder, _outbox_loop)
+        watch_server(pytestconfig, "outbox_temporal", server.why_stopped)
     yield server
     server.stop()
 

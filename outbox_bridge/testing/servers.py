@@ -1,6 +1,7 @@
 """Real servers for an application's integration tests: a PostgreSQL server with a database per
 test cloned from a template, and a Temporal dev server (the app's worker is in
-:mod:`outbox_bridge.testing.inprocess_worker`).
+:mod:`outbox_bridge.testing.inprocess_worker`). Embedded ones keep their data in a
+:class:`~outbox_bridge.testing.server_folder.ServerFolder`, and say why they stopped if they did.
 
 The pytest plugin (:mod:`outbox_bridge.testing.plugin`) builds its fixtures from these; they
 work without pytest too. Everything asynchronous runs in an :class:`EventLoopThread`, so that
@@ -9,14 +10,13 @@ the worker goes on running while a test blocks, and the tests' own event loops a
 
 from __future__ import annotations
 
-import asyncio
 import importlib
+import os
+import stat
+import sys
 import uuid
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
-from threading import Thread
-from typing import Any, TypeVar
 
 from sqlalchemy import Engine, MetaData, create_engine
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -27,8 +27,14 @@ from outbox_bridge.db.schema import create_outbox_tables
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.runtime.loop_thread import EventLoopThread as EventLoopThread  # re-exported
+from outbox_bridge.testing.server_folder import ServerFolder as ServerFolder  # re-exported
 
-T = TypeVar("T")
+if sys.platform != "win32":
+    import pwd
+
+# Lines of a server's log that a report of its death shows.
+LOG_TAIL_LINES = 20
 
 
 def load_app(spec: str) -> OutboxApp:
@@ -40,38 +46,6 @@ def load_app(spec: str) -> OutboxApp:
     if not isinstance(app, OutboxApp):
         raise ConfigurationError(f"outbox_app {spec!r} is not an OutboxApp (got {app!r})")
     return app
-
-
-class EventLoopThread:
-    """An event loop running in a daemon thread of its own."""
-
-    def __init__(self, name: str = "outbox-testing") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coroutine`` in the loop and wait for its result."""
-        return self.submit(coroutine).result(timeout)
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.run(_cancel_tasks())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-
-async def _cancel_tasks() -> None:
-    current = asyncio.current_task()
-    tasks = [task for task in asyncio.all_tasks() if task is not current]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------------
@@ -88,6 +62,7 @@ class PostgresServer:
 
     def __init__(self, url: str, *, embedded: EmbeddedPostgres | None = None) -> None:
         self._embedded = embedded
+        self._pid = None if embedded is None else _postmaster_pid(embedded.data_dir)
         self.url = sqlalchemy_url(url)
         self._admin = create_engine(self.url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
 
@@ -96,6 +71,23 @@ class PostgresServer:
         """Start a PostgreSQL server with its data in ``data_dir`` (the ``embedded`` extra)."""
         server = EmbeddedPostgres(data_dir)
         return cls(server.start(), embedded=server)
+
+    def why_stopped(self) -> str | None:
+        """Why the embedded server stopped, or None while it runs (and for a server that is not
+        embedded): that it stopped (the first line), the end of its log, and the likely cause
+        when it could not reach its files."""
+        if self._embedded is None or self._pid is None or _running(self._pid):
+            return None
+        data_dir = self._embedded.data_dir
+        log_file = data_dir / "log"
+        tail = log_tail(log_file)
+        why = (
+            f"the embedded PostgreSQL with its data in {data_dir} has stopped\n"
+            f"the end of its log ({log_file}):\n{tail}"
+        )
+        if "Permission denied" in tail:
+            why += "\n" + _permission_cause(data_dir)
+        return why
 
     def database_url(self, name: str) -> str:
         """The SQLAlchemy URL of database ``name`` on this server, password included."""
@@ -115,9 +107,15 @@ class PostgresServer:
 
     def stop(self) -> None:
         self._admin.dispose()
-        if self._embedded is not None:
-            self._embedded.stop()
-            self._embedded = None
+        embedded, self._embedded = self._embedded, None
+        if embedded is None:
+            return
+        died = self._pid is not None and not _running(self._pid)
+        try:
+            embedded.stop()
+        except Exception:
+            if not died:  # a server that died has nothing left to stop
+                raise
 
 
 class OutboxDatabase:
@@ -202,7 +200,73 @@ class TemporalServer:
         server = EmbeddedTemporal(data_dir, port=free_port(), ui_port=None, in_memory=True)
         return cls(loop.run(server.start()), embedded=server)
 
+    def why_stopped(self) -> str | None:
+        """Why the dev server exited, or None while it runs (and for a server that is not
+        embedded): its exit code (the first line) and the end of its log."""
+        code = None if self._embedded is None else self._embedded.exit_code()
+        if self._embedded is None or code is None:
+            return None
+        log_file = self._embedded.data_dir / "temporal.log"
+        return (
+            f"the Temporal dev server at {self.address} has exited with code {code}\n"
+            f"the end of its log ({log_file}):\n{log_tail(log_file)}"
+        )
+
     def stop(self) -> None:
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
+
+
+# -- why a server stopped --------------------------------------------------------------------------
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the log file ``path``, indented."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"    (unreadable: {exc})"
+    return "\n".join(f"    {line}" for line in text.splitlines()[-lines:]) or "    (empty)"
+
+
+def _postmaster_pid(data_dir: Path) -> int | None:
+    try:
+        return int((data_dir / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    import psutil  # the embedded extra, which started the server
+
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _permission_cause(data_dir: Path) -> str:
+    """The likely cause of a server that could not open its own files."""
+    advice = (
+        "Every new pytest session resets pytest's temporary folder (pytest-of-<user>) to mode "
+        "0700: keep the servers' data out of it, in a folder no other session changes (as "
+        "outbox-bridge's fixtures do, under the system's temporary directory)."
+    )
+    if sys.platform == "win32":
+        return f"Likely cause: it lost access to its files. {advice}"
+    server_uid = data_dir.stat().st_uid
+    if server_uid == os.getuid():
+        return f"Likely cause: it lost access to its files. {advice}"
+    user = pwd.getpwuid(server_uid).pw_name
+    for folder in reversed(data_dir.parents):  # from the root down
+        mode = folder.stat().st_mode
+        if folder.stat().st_uid != server_uid and not mode & stat.S_IXOTH:
+            return (
+                f"Likely cause: the server runs as the system user {user!r}, and {folder} "
+                f"(mode {stat.S_IMODE(mode):04o}) no longer lets other users in. {advice}"
+            )
+    return (
+        f"Likely cause: the server runs as the system user {user!r}, and a folder above "
+        f"{data_dir} did not let it in when it needed its files. {advice}"
+    )

@@ -75,9 +75,9 @@ def fault_database(servers: Servers) -> tuple[str, str]:
 
 
 @pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[tuple[EmbeddedPostgres, str]]:
+def own_postgres(server_dir: Path) -> Iterator[tuple[EmbeddedPostgres, str]]:
     """A PostgreSQL of this test alone, which it may stop and start again."""
-    postgres = EmbeddedPostgres(tmp_path / "pg")
+    postgres = EmbeddedPostgres(server_dir / "pg")
     url = postgres.start()
     try:
         yield postgres, url

@@ -1,0 +1,109 @@
+"""An event loop in a thread of its own, for sync code that runs async code (the flush of a sync
+session, the testing toolkit), and a clean exit for a process that used Temporal's client.
+
+Temporal's SDK runs its client in native (Rust) threads that call into Python to hand back the
+result of every call, also of a call that was cancelled. One that does so while the interpreter
+finalizes aborts the process (``Fatal Python error: PyGILState_Release``, SIGABRT) instead of
+letting it exit with its own code. So before the interpreter finalizes, :class:`EventLoopThread`
+cancels what runs on its loop and stops its thread, and :func:`settle_native_threads` waits,
+with the GIL released, until no thread that Python did not start is still running Python code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+CLOSE_TIMEOUT = 10.0
+# How long a process at exit waits at most for native threads to leave Python, and how long none
+# may have run Python code before it goes on.
+SETTLE_TIMEOUT = 2.0
+SETTLE_QUIET = 0.03
+SETTLE_STEP = 0.01
+
+
+class EventLoopThread:
+    """An event loop running in a daemon thread of its own.
+
+    :meth:`close` cancels its tasks and stops the thread; it runs at interpreter exit at the
+    latest (an ``atexit`` hook registered when the thread starts), followed by
+    :func:`settle_native_threads`. A daemon thread, so that a loop that is never closed cannot
+    keep the process from exiting.
+    """
+
+    def __init__(self, name: str = "outbox-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        atexit.register(self._close_at_exit)
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coroutine`` in the loop and wait for its result."""
+        return self.submit(coroutine).result(timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Cancel the loop's tasks (waiting up to ``timeout`` for them to end), stop the loop and
+        its thread. Idempotent."""
+        atexit.unregister(self._close_at_exit)
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive():
+            with contextlib.suppress(TimeoutError):  # a task that ignores its cancellation
+                self.run(_cancel_tasks(), timeout)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def _close_at_exit(self) -> None:
+        self.close()
+        settle_native_threads()
+
+
+async def _cancel_tasks() -> None:
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def settle_native_threads(timeout: float = SETTLE_TIMEOUT) -> None:
+    """Wait, with the GIL released, until no thread that Python did not start (Temporal's native
+    threads) has run Python code for a moment, or ``timeout`` passed.
+
+    A native thread that hands back a result calls into Python; at interpreter exit one that is
+    still doing so, or waits for the GIL to do so, aborts the process. Sleeping lets them finish;
+    what they hand back then goes nowhere (its loop is closed), which is harmless.
+    """
+    deadline = time.monotonic() + timeout
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        if _native_threads_in_python():
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= SETTLE_QUIET:
+            return
+        time.sleep(SETTLE_STEP)
+
+
+def _native_threads_in_python() -> bool:
+    started_by_python = {thread.ident for thread in threading.enumerate()}
+    return any(ident not in started_by_python for ident in sys._current_frames())
+
+
+def settle_native_threads_at_exit() -> None:
+    """Run :func:`settle_native_threads` when the interpreter exits (registered once)."""
+    atexit.unregister(settle_native_threads)
+    atexit.register(settle_native_threads)

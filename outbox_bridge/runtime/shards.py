@@ -79,7 +79,8 @@ def split_shard_name(name: str, *, regional: bool, table: str) -> tuple[str | No
     (``eu:west:USER:7`` is region ``eu:west``)."""
     expected = 3 if regional else 2
     parts = name.rsplit(":", expected - 1)
-    if len(parts) != expected or not all(part.strip() for part in parts):
+    # A region is any text the table accepts (even blank); scope and id are never blank.
+    if len(parts) != expected or not all(part.strip() for part in parts[-2:]) or not parts[0]:
         form = "REGION:SCOPE:ID" if regional else "SCOPE:ID"
         raise ShardNameError(
             f"shard {name!r} is not {form} (table {table}); e.g. ORGANIZATION:42, or 9:6003 "

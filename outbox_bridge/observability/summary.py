@@ -13,10 +13,12 @@ next line: the summary never stops the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -82,6 +84,22 @@ class FailureTally(logging.Filter):
         return taken
 
 
+@contextlib.contextmanager
+def failures_tallied(*, show: bool) -> Iterator[FailureTally]:
+    """Count failed handler calls, and keep their lines off the log unless ``show``, for as
+    long as the block lasts: the whole life of the worker, whose calls fail also before the
+    first summary line and while it stops."""
+    tally = FailureTally(show=show)
+    handler = installed_handler()
+    if handler is not None:
+        handler.addFilter(tally)
+    try:
+        yield tally
+    finally:
+        if handler is not None:
+            handler.removeFilter(tally)
+
+
 def failures_line(calls: list[FailedCall]) -> str:
     """``  handler failures: ORGANIZATION:7 ×4, ORGANIZATION:14 ×2 (PROJECT_UPDATE:
     ReplicaUnavailable)``: the most failing shards, and what failed."""
@@ -107,7 +125,7 @@ class WorkerSummary:
         *,
         console: Console | None = None,
         interval: float = SUMMARY_INTERVAL,
-        log_failures: bool = False,
+        tally: FailureTally | None = None,
     ) -> None:
         self._app = app
         self._engine = engine
@@ -116,26 +134,19 @@ class WorkerSummary:
         self._console = console or Console(highlight=False)
         self._interval = interval
         self._lines = 0
-        self._tally = FailureTally(show=log_failures)
+        self._tally = tally or FailureTally(show=True)
 
     async def run(self, stop: asyncio.Event) -> None:
-        handler = installed_handler()
-        if handler is not None:
-            handler.addFilter(self._tally)
-        try:
-            previous = await self._read()
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), self._interval)
-                    return
-                except TimeoutError:
-                    pass
-                reading = await self._read()
-                self._print(previous, reading)
-                previous = reading
-        finally:
-            if handler is not None:
-                handler.removeFilter(self._tally)
+        previous = await self._read()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self._interval)
+                return
+            except TimeoutError:
+                pass
+            reading = await self._read()
+            self._print(previous, reading)
+            previous = reading
 
     async def _read(self) -> _Reading:
         counters = pending = None

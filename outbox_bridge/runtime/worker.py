@@ -27,7 +27,13 @@ from outbox_bridge import demo
 from outbox_bridge.config import OutboxSettings, retired_variables, safe_url, sqlalchemy_url
 from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime
-from outbox_bridge.observability.summary import LEGEND, SUMMARY_INTERVAL, WorkerSummary
+from outbox_bridge.observability.summary import (
+    LEGEND,
+    SUMMARY_INTERVAL,
+    FailureTally,
+    WorkerSummary,
+    failures_tallied,
+)
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.assembly import RunningOutbox
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
@@ -61,10 +67,14 @@ async def serve(
             temporal_address,
             runtime=temporal_runtime(),  # the SDK's metrics, when metrics are on
         )
-        async with plugin.running(client) as outbox:
-            health.attach(client=outbox.client, worker=outbox.worker, bridge=outbox.bridge)
-            with startup_objects_frozen():
-                await _run_until_stopped(settings, app, outbox, stop, ready, summary)
+        tallied = (
+            failures_tallied(show=settings.log_failures) if summary else contextlib.nullcontext()
+        )
+        with tallied as tally:
+            async with plugin.running(client) as outbox:
+                health.attach(client=outbox.client, worker=outbox.worker, bridge=outbox.bridge)
+                with startup_objects_frozen():
+                    await _run_until_stopped(settings, app, outbox, stop, ready, tally)
     finally:
         await health.close()
 
@@ -75,22 +85,16 @@ async def _run_until_stopped(
     outbox: RunningOutbox,
     stop: asyncio.Event,
     ready: asyncio.Event | None,
-    summary: bool,
+    tally: FailureTally | None,
 ) -> None:
     """Until ``stop`` is set or a part of the outbox stops, with the demo's traffic and the
-    summary lines when asked for."""
+    summary lines when asked for (``tally``: the failures they count)."""
     tasks = []
     if settings.demo:
         traffic = demo.write_traffic(outbox.engine, stop, outage_seconds=settings.demo_outage)
         tasks.append(asyncio.create_task(traffic, name="demo"))
-    if summary:
-        view = WorkerSummary(
-            app,
-            outbox.engine,
-            outbox.client,
-            settings.task_queue,
-            log_failures=settings.log_failures,
-        )
+    if tally is not None:
+        view = WorkerSummary(app, outbox.engine, outbox.client, settings.task_queue, tally=tally)
         tasks.append(asyncio.create_task(view.run(stop), name="summary"))
     announcer = asyncio.create_task(_announce(outbox.ready, ready))
     stopper = asyncio.create_task(stop.wait())

@@ -138,6 +138,17 @@ async def test_two_region_scoped_bridges_on_one_table(servers, engine, client: C
 # -- a flush whose run completes before it takes the update --------------------------------------
 
 
+async def past_the_head(client: Client, workflow_id: str) -> bool:
+    """The shard's run completed a workflow task after its category activity completed."""
+    kinds = [
+        e.event_type async for e in client.get_workflow_handle(workflow_id).fetch_history_events()
+    ]
+    done = EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+    return (
+        done in kinds and EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in kinds[kinds.index(done) :]
+    )
+
+
 async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
     servers, engine, client: Client
 ) -> None:
@@ -179,8 +190,14 @@ async def test_a_flush_is_sent_again_when_its_run_completes_before_taking_it(
                         object_identifier=1,
                     )
                     await session.commit()
-                    # The shard's run has retried the head: it drains the slow row now.
+                    # The shard's run has retried the head, and taken in the success (its
+                    # state no longer blocked): it drains the slow row now.
                     await wait_until(partial(handled, head), what="the head's retry")
+                    ref = parse_shard(f"ORGANIZATION:{shard}", app)
+                    await wait_until(
+                        partial(past_the_head, client, ref.workflow_id),
+                        what="the run past its head",
+                    )
                     await asyncio.sleep(0.2 * n)
             outcomes.append(outbox.report.results[0].outcome)
             runs = [

@@ -4,6 +4,7 @@ sweeps and signals have spans; exporters follow the settings. No payload ever en
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
@@ -17,13 +18,19 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode, Tracer
 from sqlalchemy import select, text
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
+from outbox_bridge.db.store import lock_key
 from outbox_bridge.observability.sdk import build_tracer_provider
 from outbox_bridge.runtime.hub import ShardKey, partition_of
+from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
     Category,
     Recorder,
+    Scope,
     create_tables,
     fast_settings,
     fresh_app,
@@ -270,7 +277,7 @@ async def test_a_coalesced_group_links_to_every_producer(servers, engine, spans,
 @MODES
 @pytest.mark.parametrize("redact", [False, True], ids=["messages", "redacted"])
 async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
-    servers, engine, spans, redact: bool, mode: str
+    servers, engine, spans, client: Client, redact: bool, mode: str
 ) -> None:
     recorder, table, app = await fresh_app(engine)
     failed: list[int] = []
@@ -299,13 +306,85 @@ async def test_a_failing_handler_s_span_records_the_exception_with_error_status(
     # The first attempt ran in a drain: the partition's (under the producer) or the shard's.
     expected = "outbox.write PROJECT_UPDATE" if mode == "on-demand" else "RunActivity:drain_shard"
     assert parent_of(first, spans).name == expected
-    # The retry is the category activity's first attempt: the head's second.
+    # The retry runs in the category activity: its attempt + 1 (the drain made the head's first).
+    # That is 2, unless the activity's first attempt found the shard locked and ran no handler:
+    # a partition's round also locks the shards it finds held (it learns they are held under
+    # their lock), and keeps them locked until the round ends.
+    attempt = await category_activity_attempt(
+        client, f"outbox:{table}:ORGANIZATION:4", "PROJECT_UPDATE"
+    )
     assert retry.status.status_code is StatusCode.UNSET
-    assert retry.attributes is not None and retry.attributes["outbox.attempt"] == 2
+    assert retry.attributes is not None and retry.attributes["outbox.attempt"] == attempt + 1
     assert first.attributes["outbox.attempt"] == 1
     assert parent_of(retry, spans).name == "RunActivity:PROJECT_UPDATE"
     assert first.links and retry.links and first.links[0].context == retry.links[0].context
     assert_no_payload(spans.get_finished_spans())
+
+
+@MODES
+async def test_an_attempt_that_found_the_shard_locked_counts_in_the_retry_s_attempt(
+    servers, engine, spans, client: Client, mode: str
+) -> None:
+    """``outbox.attempt`` of a retry is the category activity's attempt + 1, also when an
+    attempt ran no handler: here the shard's lock is held from the moment the drain's round
+    lets it go until the category activity has been retried once."""
+    recorder, table, app = await fresh_app(engine)
+    workflow_id = f"outbox:{table}:ORGANIZATION:4"
+    key = lock_key(ShardRef(table, Scope.ORGANIZATION, Scope.ORGANIZATION.name, 4))
+    holders: list[asyncio.Task[None]] = []
+
+    async def retried_once() -> bool:
+        try:
+            described = await client.get_workflow_handle(workflow_id).describe()
+        except RPCError:
+            return False  # not started yet
+        pending = described.raw_description.pending_activities
+        return any(a.activity_type.name == "PROJECT_UPDATE" and a.attempt >= 2 for a in pending)
+
+    async def hold_the_lock() -> None:
+        async with engine.connect() as conn:
+            # Waits for the round that ran the failing call to unlock the shard.
+            await conn.execute(text("SELECT pg_advisory_lock(hashtextextended(:k, 0))"), {"k": key})
+            await wait_until(retried_once, what="the category activity retried")
+            await conn.execute(
+                text("SELECT pg_advisory_unlock(hashtextextended(:k, 0))"), {"k": key}
+            )
+
+    async def fail_once(message: OutboxMessage) -> None:
+        if not holders:
+            holders.append(asyncio.create_task(hold_the_lock()))
+            raise RuntimeError("the downstream service said no")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = fail_once
+    async with running_worker(servers, app, fast_settings(shard_workflows=mode)):
+        await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 4, 1)])
+        await wait_until(lambda: table_empty(engine, app), what="the row handled on retry")
+        await holders[0]
+    first, retry = of_table(spans, table, HANDLE_PROJECT)
+    attempt = await category_activity_attempt(client, workflow_id, "PROJECT_UPDATE")
+    assert attempt >= 2  # its first attempt found the shard locked
+    assert first.attributes is not None and first.attributes["outbox.attempt"] == 1
+    assert retry.attributes is not None and retry.attributes["outbox.attempt"] == attempt + 1
+    assert len(recorder.calls) == 1  # the one that succeeded: the locked attempt ran nothing
+
+
+async def category_activity_attempt(client: Client, workflow_id: str, category: str) -> int:
+    """The attempt of the shard workflow's ``category`` activity that completed (the server
+    records the attempt that started last when the activity completes)."""
+    history = await client.get_workflow_handle(workflow_id).fetch_history()
+    scheduled = {
+        event.event_id
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and event.activity_task_scheduled_event_attributes.activity_type.name == category
+    }
+    [started] = [
+        event.activity_task_started_event_attributes
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+        and event.activity_task_started_event_attributes.scheduled_event_id in scheduled
+    ]
+    return int(started.attempt)
 
 
 @MODES

@@ -175,6 +175,18 @@ def test_a_nondeterministic_history_fails_naming_the_file_and_the_event(tmp_path
     assert drain.stem not in message
 
 
+def test_among_many_histories_the_one_that_does_not_replay_is_named(tmp_path: Path) -> None:
+    """Histories are replayed several at a time: a failure is reported for its own history."""
+    corpus = latest_corpus(HISTORIES)
+    bad = tampered(tmp_path)
+    with pytest.raises(AssertionError) as raised:
+        assert_replays(*corpus[:5], bad, *corpus[5:])
+    message = str(raised.value)
+    assert message.startswith(f"1 of {len(corpus) + 1} histories do not replay"), message
+    [failure] = message.splitlines()[1:]
+    assert failure.startswith(f"  {bad}: [TMPRL1100] Nondeterminism error"), failure
+
+
 def test_assert_replays_refuses_what_is_no_history(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no history file matches"):
         assert_replays(f"{tmp_path}/*.json")

@@ -55,8 +55,9 @@ class EventLoopThread:
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Cancel the loop's tasks (waiting up to ``timeout`` for them to end), stop the loop and
-        its thread. Idempotent."""
+        its thread; :func:`settle_native_threads` still runs at exit. Idempotent."""
         atexit.unregister(self._close_at_exit)
+        settle_native_threads_at_exit()
         if self.loop.is_closed():
             return
         if self._thread.is_alive():
@@ -69,7 +70,7 @@ class EventLoopThread:
 
     def _close_at_exit(self) -> None:
         self.close()
-        settle_native_threads()
+        settle_native_threads()  # now: the hook close() registers may have run already
 
 
 async def _cancel_tasks() -> None:

@@ -9,10 +9,11 @@ fails is replayed again cut short, to find the first event the code disagrees wi
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,15 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowHistory
 from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
-from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, WorkflowRunner
+from temporalio.worker import (
+    Replayer,
+    UnsandboxedWorkflowRunner,
+    WorkflowReplayResult,
+    WorkflowRunner,
+)
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
+from outbox_bridge.runtime.loop_thread import settle_native_threads_at_exit
 from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
@@ -32,6 +39,8 @@ WORKFLOWS = (OutboxShard, OutboxPartition)
 
 UNSANDBOXED = "unsandboxed"
 SANDBOXED = "sandboxed"
+# Replay workers a runner replays histories in at once (see HistoryReplayer.replay_all).
+REPLAY_WORKERS = 4
 
 
 def _runner(name: str) -> WorkflowRunner:
@@ -127,6 +136,8 @@ class HistoryReplayer:
     with ``sandboxed``, under the sandbox as well."""
 
     def __init__(self, *, sandboxed: bool = True) -> None:
+        # The SDK's threads of the replay workers may still call into Python at exit.
+        settle_native_threads_at_exit()
         names = [UNSANDBOXED, SANDBOXED] if sandboxed else [UNSANDBOXED]
         self._replayers = [
             (
@@ -150,16 +161,63 @@ class HistoryReplayer:
 
     async def replay(self, history: WorkflowHistory, *, source: str) -> ReplayFailure | None:
         """Replay ``history`` under each runner in turn; None if it replays under every one."""
-        try:
-            check_history(history)
-        except HistoryError as exc:
-            return ReplayFailure(source, str(exc))
+        [failure] = await self.replay_all([(source, history)])
+        return failure
+
+    async def replay_all(
+        self, histories: Sequence[tuple[str, WorkflowHistory]]
+    ) -> list[ReplayFailure | None]:
+        """Replay each history (named by its source) under each runner in turn; per history, in
+        order, None if it replays under every runner, or why it does not under the first one
+        it fails under.
+
+        A replay is a long chain of hand-offs between Python and the SDK's core threads, which
+        a loaded machine makes slow to come: each runner replays the histories in a few replay
+        workers at once (not one worker per history, whose start costs more hand-offs than most
+        replays, and a validation of the workflows by the sandbox), so that their waits overlap.
+        """
+        failures: list[ReplayFailure | None] = []
+        for source, history in histories:
+            try:
+                check_history(history)
+                failures.append(None)
+            except HistoryError as exc:
+                failures.append(ReplayFailure(source, str(exc)))
         for name, replayer in self._replayers:
-            result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
-            if result.replay_failure is not None:
-                event = await _first_failing_event(replayer, history)
-                return ReplayFailure(source, _reason(result.replay_failure), name, event)
-        return None
+            todo = [index for index, failure in enumerate(failures) if failure is None]
+            results = await _replay_in_workers(replayer, [histories[i][1] for i in todo])
+            for index, result in zip(todo, results, strict=True):
+                if result.replay_failure is not None:
+                    source, history = histories[index]
+                    event = await _first_failing_event(replayer, history)
+                    failures[index] = ReplayFailure(
+                        source, _reason(result.replay_failure), name, event
+                    )
+        return failures
+
+
+async def _replay_in_workers(
+    replayer: Replayer, histories: Sequence[WorkflowHistory]
+) -> list[WorkflowReplayResult]:
+    """The result of each history, in order, replayed in up to ``REPLAY_WORKERS`` workers
+    (history ``i`` in worker ``i % REPLAY_WORKERS``)."""
+    shares = [histories[start::REPLAY_WORKERS] for start in range(REPLAY_WORKERS)]
+    replayed = await asyncio.gather(*(_replay_in_one_worker(replayer, s) for s in shares))
+    return [replayed[i % REPLAY_WORKERS][i // REPLAY_WORKERS] for i in range(len(histories))]
+
+
+async def _replay_in_one_worker(
+    replayer: Replayer, histories: Sequence[WorkflowHistory]
+) -> list[WorkflowReplayResult]:
+    if not histories:
+        return []
+
+    async def each() -> AsyncIterator[WorkflowHistory]:
+        for history in histories:
+            yield history
+
+    async with replayer.workflow_replay_iterator(each()) as results:
+        return [result async for result in results]
 
 
 async def _first_failing_event(replayer: Replayer, history: WorkflowHistory) -> HistoryEvent | None:

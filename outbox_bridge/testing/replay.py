@@ -12,7 +12,12 @@ from typing import Any, TypeVar
 
 from temporalio.client import WorkflowHistory
 
-from outbox_bridge.runtime.replayer import HistoryReplayer, ReplayFailure
+from outbox_bridge.runtime.replayer import (
+    HistoryError,
+    HistoryReplayer,
+    ReplayFailure,
+    load_history,
+)
 
 T = TypeVar("T")
 
@@ -41,16 +46,23 @@ def _files(source: str | os.PathLike[str]) -> list[Path]:
 async def _replay_all(
     histories: list[Path | WorkflowHistory], sandboxed: bool
 ) -> list[ReplayFailure]:
-    replayer = HistoryReplayer(sandboxed=sandboxed)
-    failures = []
+    """Why each history that does not replay does not, in the order given."""
+    failures: list[ReplayFailure | None] = []
+    readable: dict[int, tuple[str, WorkflowHistory]] = {}  # by position in ``histories``
     for history in histories:
         if isinstance(history, WorkflowHistory):
-            failure = await replayer.replay(history, source=f"history of {history.workflow_id}")
-        else:
-            failure = await replayer.replay_file(history)
-        if failure is not None:
-            failures.append(failure)
-    return failures
+            readable[len(failures)] = (f"history of {history.workflow_id}", history)
+            failures.append(None)
+            continue
+        try:
+            readable[len(failures)] = (str(history), load_history(history))
+            failures.append(None)
+        except HistoryError as exc:
+            failures.append(ReplayFailure(str(history), str(exc)))
+    replayed = await HistoryReplayer(sandboxed=sandboxed).replay_all(list(readable.values()))
+    for index, failure in zip(readable, replayed, strict=True):
+        failures[index] = failure
+    return [failure for failure in failures if failure is not None]
 
 
 def _apart(coroutine: Coroutine[Any, Any, T]) -> T:

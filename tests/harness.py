@@ -253,6 +253,18 @@ async def sql(engine: AsyncEngine, statement: str, **params: Any) -> None:
         await conn.execute(text(statement), params)
 
 
+async def record_holder(engine: AsyncEngine, table: str, shard: int, held_for: str) -> None:
+    """Record in the owners table that a workflow holds scope 1's ``shard`` (as a worker that
+    died before its handover reached Temporal leaves it)."""
+    await sql(
+        engine,
+        f"INSERT INTO {table}_owners (shard_scope, shard_identifier, held_for) "
+        "VALUES (1, :shard, :held_for)",
+        shard=shard,
+        held_for=held_for,
+    )
+
+
 async def lock_holders(engine: Any, key: str) -> list[int]:
     """The backends holding the advisory lock of ``key`` (a shard's lock_key)."""
     async with engine.connect() as conn:

@@ -31,8 +31,8 @@ from tests.harness import (
     count_rows,
     fast_settings,
     fresh_app,
+    record_holder,
     running_worker,
-    sql,
     table_empty,
     wait_until,
     write_rows,
@@ -157,11 +157,7 @@ async def test_a_shard_held_with_no_workflow_is_drained_by_a_workflow_the_sweep_
     next sweep makes Temporal match it."""
     recorder, table, app = await fresh_app(engine)
     await one_row(engine, app)
-    await sql(
-        engine,
-        f"INSERT INTO {table}_owners (shard_scope, shard_identifier, held_for) "
-        f"VALUES (1, {SHARD_ID}, '{held_for.value}')",
-    )
+    await record_holder(engine, table, SHARD_ID, held_for.value)
     async with running_worker(servers, app):
         await wait_until(lambda: table_empty(engine, app), what="the held shard drained")
         await wait_until(
@@ -177,11 +173,7 @@ async def _given_back(engine: AsyncEngine, table: str) -> bool:
 async def test_a_skip_recorded_with_no_workflow_comes_back_skipped(servers, engine, client) -> None:
     recorder, table, app = await fresh_app(engine)
     await one_row(engine, app)
-    await sql(
-        engine,
-        f"INSERT INTO {table}_owners (shard_scope, shard_identifier, held_for) "
-        f"VALUES (1, {SHARD_ID}, 'skipped')",
-    )
+    await record_holder(engine, table, SHARD_ID, "skipped")
     shard = shard_of(table)
 
     async def skipped() -> bool:
@@ -214,11 +206,7 @@ async def test_partitions_and_shards_left_on_a_task_queue_nobody_polls_are_taken
         await client.start_workflow(
             "OutboxPartition", PartitionInput(ref), id=ref.workflow_id, task_queue=gone
         )
-    await sql(
-        engine,
-        f"INSERT INTO {table}_owners (shard_scope, shard_identifier, held_for) "
-        f"VALUES (1, {SHARD_ID}, 'failed')",
-    )
+    await record_holder(engine, table, SHARD_ID, "failed")
     await client.start_workflow(
         WORKFLOW, ShardInput(shard_of(table)), id=shard_of(table).workflow_id, task_queue=gone
     )

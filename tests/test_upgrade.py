@@ -13,8 +13,8 @@ from outbox_bridge.workflows.models import MEMO_CODE_KEY, WORKFLOW_CODE, ShardIn
 from tests.harness import (
     Category,
     fresh_app,
+    record_holder,
     running_worker,
-    sql,
     table_empty,
     wait_until,
     write_rows,
@@ -33,11 +33,7 @@ async def test_runs_of_older_code_are_found_ended_and_started_again(
     )
     # A shard its workflow holds, as an older worker left it: held in the table, its run
     # started without the code generation in its memo, on a task queue nobody polls now.
-    await sql(
-        engine,
-        f"INSERT INTO {table}_owners (shard_scope, shard_identifier, held_for) "
-        "VALUES (1, 31, 'failed')",
-    )
+    await record_holder(engine, table, 31, "failed")
     shard = ShardRef(table, 1, "ORGANIZATION", 31)
     old = await client.start_workflow(
         WORKFLOW, ShardInput(shard), id=shard.workflow_id, task_queue=f"gone-{table}"

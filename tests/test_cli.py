@@ -536,6 +536,9 @@ async def test_demo_logs_each_failure_with_log_failures(servers, engine) -> None
     assert failures and all("handler failed: " in line for line in failures), str(output)
     assert "Traceback" not in output.stdout + output.stderr, str(output)
     assert "--log-failures logs each" not in output.stdout
+    # The banner explains the summary lines that follow it (stdout is a pipe: --demo turns
+    # them on).
+    assert "Every 5 s a line follows" in " ".join(output.stdout.split()), str(output)
 
 
 # -- python -m outbox_bridge --------------------------------------------------------------------

@@ -22,6 +22,7 @@ from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxT
 from outbox_bridge.db.store import lock_key
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.embedded import temporal_cli as temporal_binary
+from outbox_bridge.runtime.hub import key_of, partition_of
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.workflows.models import (
     FlushResult,
@@ -225,6 +226,66 @@ async def test_rows_written_while_the_handler_runs_are_kept_for_the_next_round(
         release.set()
         await wait_until(lambda: table_empty(engine, app), what="both rounds handled")
     assert [(c.id, c.coalesced) for c in recorder.calls] == [(first[-1], 5), (late[-1], 2)]
+
+
+async def partition_histories(client: Client, table: str, partitions: int) -> list[int]:
+    """The history length of each partition workflow of ``table``; 0 for one whose drain
+    activity is not pending yet."""
+    lengths = []
+    for n in range(partitions):
+        try:
+            description = await client.get_workflow_handle(
+                f"outbox:{table}:partition:{n}"
+            ).describe()
+        except RPCError:
+            lengths.append(0)
+            continue
+        raw = description.raw_description
+        draining = any(a.activity_type.name == "drain_partition" for a in raw.pending_activities)
+        lengths.append(raw.workflow_execution_info.history_length if draining else 0)
+    return lengths
+
+
+async def test_steady_traffic_on_healthy_shards_costs_no_history_event_per_row(
+    servers, engine, client
+) -> None:
+    """Rows that come one by one, to shards of every partition, are drained by the partitions'
+    running drain activities: no partition's history grows (no signal, activity or workflow
+    task per row), and no shard gets a workflow of its own."""
+    recorder, _, app = await fresh_app(engine)
+    settings = fast_settings()
+    table = app.table().name
+    async with running_worker(servers, app, settings):
+
+        async def all_draining() -> bool:
+            return all(await partition_histories(client, table, settings.partitions))
+
+        await wait_until(all_draining, what="every partition's drain activity")
+        before = await partition_histories(client, table, settings.partitions)
+        written: list[int] = []
+
+        def handled(row_id: int) -> bool:
+            return row_id in recorder.ids()
+
+        for n in range(1, 31):
+            [new] = await write_rows(engine, app, [row(Category.PROJECT_UPDATE, n, n)])
+            written.append(new)
+            await wait_until(partial(handled, new), what=f"row {n}")
+        after = await partition_histories(client, table, settings.partitions)
+        shard_runs = [
+            w.id
+            async for w in client.list_workflows(
+                f"WorkflowType = 'OutboxShard' AND TaskQueue = '{settings.task_queue}'"
+            )
+        ]
+    partitions = {
+        partition_of(key_of(parse_shard(f"ORGANIZATION:{n}", app)), settings.partitions)
+        for n in range(1, 31)
+    }
+    assert partitions == set(range(settings.partitions))  # the rows reached every partition
+    assert after == before, (before, after)
+    assert recorder.ids() == written
+    assert shard_runs == []
 
 
 async def test_a_failing_handler_blocks_only_its_shard_and_loses_nothing(

@@ -518,17 +518,13 @@ def _delete_statement(table: Table, ids: Sequence[int]) -> Any:
 
 class DriverWrites:
     """A drain round's deletes and unlocks on one table (as :func:`delete_handled` and
-    :func:`unlock_shards`), compiled once and run straight on the psycopg connection under a
-    SQLAlchemy one: a round runs them every few groups, and SQLAlchemy's share of each
-    (compiling, a greenlet, building result rows) was most of their cost.
+    :func:`unlock_shards`), compiled once and run straight on the psycopg connection:
+    SQLAlchemy's share of each (compiling, a greenlet, result rows) was most of their cost.
 
-    The round's connection is in autocommit, so each delete is a transaction of its own, and
-    it is committed asynchronously: it is visible to every session once it returns, and a
-    crash of the worker cannot undo it; only a crash of PostgreSQL itself within the WAL
-    writer's delay (a fraction of a second) can, and then the rows run again, as the
-    at-least-once contract allows. Ownership changes are never written this way: they commit
-    synchronously (which also makes durable every delete before them on the connection). It
-    saves the WAL flush of every delete, about 40% of its time on these machines.
+    Each delete is a transaction of its own, committed asynchronously (saving the WAL flush,
+    about 40% of its time): a crash of the worker cannot undo it, only a crash of PostgreSQL
+    within the WAL writer's delay can, and then the rows run again, as at-least-once allows.
+    Ownership changes commit synchronously, which makes every delete before them durable too.
     """
 
     def __init__(self, table: Table, dialect: Dialect) -> None:
@@ -594,10 +590,9 @@ async def lacks_statistics(
     """Whether ``table`` holds at least ``min_rows`` rows and PostgreSQL has no statistics on
     its shard columns (never analyzed, or analyzed while empty).
 
-    Without them the planner guesses a shard holds a row or two, and the shard index and the
-    group index cost the same to it: a lookup of one coalescing group may then range-scan the
-    whole rest of a deep shard, once per group of every round (a 20,000-row shard drained at
-    about 420 rows/s instead of 11,000 on this project's measurements)."""
+    Without them the planner may look a coalescing group up by range-scanning the rest of a
+    deep shard, once per group of every round (a 20,000-row shard drained at about 420 rows/s
+    instead of 11,000)."""
     result = await conn.execute(
         text(
             f"""

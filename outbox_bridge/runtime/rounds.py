@@ -515,8 +515,7 @@ class DrainEngine:
 
     It knows which shards have a handler call running in this process: a round whose lock was
     lost may still be running one (a thread cannot be stopped), and no other round of this
-    worker starts a second call of that shard until it returns.
-    """
+    worker calls that shard until it returns."""
 
     def __init__(
         self,
@@ -697,8 +696,8 @@ class DrainEngine:
     async def _unreadable(
         self, batch: LockedShards, shard: ShardRef, exc: BaseException
     ) -> ShardHead:
-        """The head of a shard whose rows cannot be read: its first group (an index lookup
-        that reads no payload), if it has one and that can be read, failing with why."""
+        """The head of a shard whose rows cannot be read: its first group (read without its
+        payload) if that can be read, failing with why."""
         failure = self.calls.fault(shard, "its rows cannot be read", exc)
         head = ShardHead(shard, [], 0, fault=failure)
         try:
@@ -726,11 +725,9 @@ class DrainEngine:
         partition: str | None = None,
     ) -> list[ShardOutcome]:
         """Handle every shard's head groups, the shards concurrently, each in order; a shard
-        stops at its first failure, or when the deadline passed (after at least one group).
-
-        With ``unlock_each``, each shard is unlocked as soon as it is done (its handled rows
-        deleted), after ``settle`` queued what else must be written under its lock.
-        """
+        stops at its first failure, or at the deadline (after at least one group). With
+        ``unlock_each``, each shard is unlocked once done, after ``settle`` queued what else
+        must be written under its lock."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         batch.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
         # Every shard's calls end before the round does, also when it is cancelled: a plain-def
@@ -784,8 +781,7 @@ class DrainEngine:
         attempt: int,
         partition: str | None,
     ) -> None:
-        """Run one shard's head groups. Whatever fails in it (its head unread, a call that
-        cannot be prepared or observed, a handler) fails this shard alone."""
+        """Run one shard's head groups; whatever fails in it fails this shard alone."""
         shard = head.shard
         if head.fault is not None:
             outcome.failure = head.fault
@@ -851,7 +847,7 @@ class DrainEngine:
         partition: str | None,
     ) -> BatchObserver:
         """The shard's observer; with tracing on, given the producer trace context of every row
-        the calls cover (the handled rows' came with them; the others take one statement)."""
+        the calls cover."""
         observer = BatchObserver(shard, redact_errors=self._redact, partition=partition)
         if observer.traced and calls:
             contexts = {
@@ -894,12 +890,10 @@ async def read_shard_heads(
     rows, in a few statements for all of them: the shards' windows, then the rest of the head
     groups that go on past a full window, then the rows their handlers get.
 
-    Shared by every drain of the worker and by :func:`outbox_bridge.testing.drain_outbox`. With
-    ``deferred_as_due`` (the testing drain's ``run_deferred``), rows not yet due count as due
-    in the windows; a head group read on past a full window still stops before the shard's
-    first row not yet due, and its later rows come in a later read. With ``max_bytes``, each
-    shard keeps the prefix of its head groups whose newest rows fit that many payload bytes in
-    all (their stored sizes are read first), and only those rows are read.
+    Shared with :func:`outbox_bridge.testing.drain_outbox`, whose ``run_deferred`` is
+    ``deferred_as_due``: rows not yet due count as due in the windows (a head group read on
+    past a full window still stops before the first one). With ``max_bytes``, each shard keeps
+    the prefix of its head groups whose newest rows fit that many payload bytes in all.
     """
     window = max(2 * max_groups, 16)
     windows = await execute(
@@ -948,10 +942,10 @@ async def read_shard_heads(
 
 
 def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int) -> bool:
-    """Keep, of each shard's groups, the prefix whose newest rows' payloads fit ``budget``
-    bytes in all (``sizes``: by row id): every shard's first group before any shard's second,
-    and so on; a shard stops at its first group that does not fit (a later one would run out
-    of order). At least one group is kept. True if any group was left for a later round."""
+    """Keep, of each shard's groups, the prefix whose newest rows' payloads (``sizes``, by row
+    id) fit ``budget`` bytes in all: every shard's first group before any shard's second; a
+    shard stops at its first group that does not fit (a later one would run out of order). At
+    least one group is kept. True if any group was left for a later round."""
     kept = [0] * len(heads)
     used = taken = 0
     open_ = [index for index, head in enumerate(heads) if head.groups]
@@ -982,12 +976,8 @@ def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int)
 
 def head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:
     """Coalescing groups of the window, ordered by their first id, up to the first row not yet
-    due (the barrier: order within a shard waits for it).
-
-    ``size`` is the window's size as read: a full window without a barrier is open-ended (the
-    head groups may go on past it). At most ``max_groups`` groups are taken; later rows of the
-    groups taken still coalesce into them.
-    """
+    due (the barrier: order within a shard waits for it). A full window (``size`` rows)
+    without a barrier is open-ended: the head groups may go on past it."""
     groups: dict[tuple[int, int], GroupRows] = {}
     head = ShardHead(shard, [], window.highest_id)
     barrier: WindowRow | None = None

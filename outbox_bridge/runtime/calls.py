@@ -102,7 +102,6 @@ class HandlerCalls:
         # stopped: its shard stays locked until it returns).
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
-        self._regional: dict[str, bool] = {}  # table name -> whether it has a region column
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -124,7 +123,7 @@ class HandlerCalls:
         that cannot be handled (its category unknown or in another scope, its payload
         undecodable) gives a call that fails with why, like a handler would."""
         payload, undecodable = _decode_payload(shard, row)
-        message = self._message(group, row, payload, self._has_region(shard.table))
+        message = self._message(group, row, payload, "region" in self._app.table(shard.table).c)
         category = self._app.category_name(group.category)
         try:
             handler = self._resolve(shard, group.category)
@@ -154,12 +153,6 @@ class HandlerCalls:
         if handler is None:  # the worker checks this at start; kept for apps built by hand
             raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
         return handler
-
-    def _has_region(self, table: str) -> bool:
-        regional = self._regional.get(table)
-        if regional is None:
-            regional = self._regional[table] = "region" in self._app.table(table).c
-        return regional
 
     def _message(
         self, group: GroupRows, row: Row[Any], payload: Any, regional: bool

@@ -43,7 +43,6 @@ from outbox_bridge.db.store import (
     GroupTail,
     ShardWindow,
     WindowRow,
-    delete_handled,
     driver_writes,
     hold_free_shards,
     hold_shard,
@@ -494,16 +493,12 @@ class LockedShards:
                 self.locked.pop(shard, None)
 
     async def _delete(self, ids: list[int]) -> list[int]:
-        if self._socket is None:  # not attached to a psycopg connection (tests build these)
-            return await delete_handled(self.conn, self.table, ids)
-        writes = driver_writes(self.table, self.conn.dialect)
-        return await writes.delete_handled(self._socket, ids)
+        assert self._socket is not None  # attached by DrainEngine.locked
+        return await driver_writes(self.table, self.conn.dialect).delete_handled(self._socket, ids)
 
     async def _unlock(self, shards: list[ShardRef]) -> None:
-        if self._socket is None:
-            await unlock_shards(self.conn, shards)
-        else:
-            await driver_writes(self.table, self.conn.dialect).unlock_shards(self._socket, shards)
+        assert self._socket is not None
+        await driver_writes(self.table, self.conn.dialect).unlock_shards(self._socket, shards)
 
 
 # Queues, under a shard's lock, what a round writes about its outcome (a hold, a release).

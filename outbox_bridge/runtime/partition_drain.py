@@ -304,13 +304,13 @@ class PartitionDrain:
             for outcome in outcomes
             if outcome.shard in held and (handover := _handover(outcome)) is not None
         ]
+        handed = {key_of(shard) for shard, _ in handovers}
         if lost:
-            handed = {key_of(shard) for shard, _ in handovers}
             for shard in shards:  # nothing else this round wrote can be trusted: read them again
                 if key_of(shard) not in handed:
                     self._enqueue(key_of(shard))
         else:
-            self._count(outcomes, handovers)
+            self._count(outcomes, handed)
         if handovers:
             await asyncio.gather(
                 *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
@@ -353,11 +353,8 @@ class PartitionDrain:
         if handover is not None and not outcome.lock_lost:
             batch.hold(outcome.shard, handover.held_for, if_free=True)
 
-    def _count(
-        self, outcomes: list[ShardOutcome], handovers: list[tuple[ShardRef, HandoverInput]]
-    ) -> None:
+    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardKey]) -> None:
         stats = self._stats
-        handed = {key_of(shard) for shard, _ in handovers}
         for outcome in outcomes:
             key = key_of(outcome.shard)
             stats.rows_handled += outcome.rows_handled
@@ -366,7 +363,7 @@ class PartitionDrain:
                 self._drained.add(key)
             if outcome.more and key not in handed:
                 self._enqueue(key)
-        stats.handed_over += len(handovers)
+        stats.handed_over += len(handed)
 
     # -- reporting -----------------------------------------------------------------------------
 

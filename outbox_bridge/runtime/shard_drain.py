@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -110,13 +110,7 @@ class ShardDrainer:
 
     # -- a blocked head --------------------------------------------------------------------
 
-    async def handle_head(
-        self,
-        request: HandleHeadInput,
-        *,
-        heartbeat: Callable[[], None] | None = None,
-        attempt: int = 1,
-    ) -> HandleHeadResult:
+    async def handle_head(self, request: HandleHeadInput, *, attempt: int = 1) -> HandleHeadResult:
         """Handle the shard's head group if it is still the given group (it may have been
         handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`.
         ``attempt`` is the activity's; the calls are numbered on from the group's earlier
@@ -134,8 +128,6 @@ class ShardDrainer:
             ):
                 return HandleHeadResult(handled=False)
             group = groups[0]
-            if heartbeat is not None:
-                heartbeat()
             [outcome] = await self._engine.run(
                 batch, heads, deadline=math.inf, attempt=calls_before + attempt, unlock_each=False
             )

@@ -85,9 +85,7 @@ class OutboxActivities:
         with log_context(shard=request.shard.key, category=activity.info().activity_type):
             async with _heartbeating():
                 try:
-                    return await self._drainer.handle_head(
-                        request, heartbeat=activity.heartbeat, attempt=activity.info().attempt
-                    )
+                    return await self._drainer.handle_head(request, attempt=activity.info().attempt)
                 except HandlerFailed as failed:
                     raise ApplicationError(
                         failed.failure.message or failed.failure.error_type,

@@ -34,7 +34,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of, shard_columns
+from outbox_bridge.db.timestamps import LATEST
 from outbox_bridge.workflows.models import ShardRef
 
 
@@ -56,13 +57,6 @@ class GroupRows:
 
 
 @dataclass(frozen=True)
-class ShardHeadInfo:
-    highest_id: int | None
-    barrier_id: int | None
-    deferred_until: datetime | None
-
-
-@dataclass(frozen=True)
 class ShardRange:
     """A shard with pending rows, as seen by a sweep."""
 
@@ -79,14 +73,18 @@ def _any_id(ids: Sequence[int]) -> ColumnElement[Any]:
     return any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
 
 
+def _shard_values(table: Table, shard: ShardRef) -> dict[str, Any]:
+    """``shard``'s values of ``table``'s shard columns (an outbox or an owner table)."""
+    values = {
+        "region": shard.region,
+        "shard_scope": shard.scope,
+        "shard_identifier": shard.shard_identifier,
+    }
+    return {name: values[name] for name in shard_columns("region" in table.c)}
+
+
 def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
-    clauses = [
-        table.c.shard_scope == shard.scope,
-        table.c.shard_identifier == shard.shard_identifier,
-    ]
-    if "region" in table.c:
-        clauses.insert(0, table.c.region == shard.region)
-    return and_(*clauses)
+    return and_(*(table.c[name] == value for name, value in _shard_values(table, shard).items()))
 
 
 # held_for of a shard held because it is skipped (no drain takes it, not even its workflow's).
@@ -101,7 +99,8 @@ def lock_key(shard: ShardRef) -> str:
 
 async def try_lock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> list[bool]:
     """Take the advisory lock of each of ``shards`` that is free, in one statement; says which
-    were taken, in order. Like :func:`try_lock_shard`, the locks belong to the connection."""
+    were taken, in order. The locks belong to the connection, not a transaction (none stays
+    open while a handler runs); closing the connection (a crashed worker) releases them."""
     if not shards:
         return []
     result = await conn.execute(
@@ -144,47 +143,6 @@ async def lock_shard_waiting(conn: AsyncConnection, shard: ShardRef, seconds: fl
     finally:
         await conn.execute(text("SELECT set_config('lock_timeout', '0', false)"))
     return True
-
-
-async def try_lock_shard(conn: AsyncConnection, shard: ShardRef) -> bool:
-    """Take the session-level advisory lock of ``shard`` if it is free.
-
-    It is held by the connection, not a transaction, so no transaction stays open while a
-    handler runs; it is released on unlock or when the connection closes (a crashed worker).
-    """
-    result = await conn.execute(
-        text("SELECT pg_try_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
-    )
-    return bool(result.scalar_one())
-
-
-async def unlock_shard(conn: AsyncConnection, shard: ShardRef) -> bool:
-    result = await conn.execute(
-        text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
-    )
-    return bool(result.scalar_one())
-
-
-async def read_shard_head_info(
-    conn: AsyncConnection, table: Table, shard: ShardRef
-) -> ShardHeadInfo:
-    """The shard's highest id, and its first row not yet due (the barrier that keeps order)."""
-    where = shard_where(table, shard)
-    stats = (
-        await conn.execute(
-            select(
-                func.max(table.c.id),
-                func.min(table.c.id).filter(table.c.scheduled_for > func.now()),
-            ).where(where)
-        )
-    ).one()
-    highest, barrier = stats
-    deferred_until = None
-    if barrier is not None:
-        deferred_until = (
-            await conn.execute(select(table.c.scheduled_for).where(table.c.id == barrier))
-        ).scalar_one_or_none()
-    return ShardHeadInfo(highest_id=highest, barrier_id=barrier, deferred_until=deferred_until)
 
 
 async def read_pending_up_to(
@@ -242,52 +200,23 @@ async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef
     return int(value) if value is not None else None
 
 
-async def read_head(
-    conn: AsyncConnection, table: Table, shard: ShardRef, *, barrier_id: int | None, limit: int
-) -> tuple[list[GroupRows], dict[int, Row[Any]]]:
-    """The first ``limit`` coalescing groups of the shard, ordered by their lowest pending id,
-    with every due id below the barrier, and the newest row of each (the one its handler gets),
-    in one statement."""
-    where = shard_where(table, shard)
-    if barrier_id is not None:
-        where = and_(where, table.c.id < barrier_id)
-    first_id = func.min(table.c.id).label("first_id")
-    head = (
-        select(
-            first_id,
-            func.max(table.c.id).label("last_id"),
-            func.array_agg(table.c.id).label("group_ids"),
-        )
-        .where(where)
-        .group_by(table.c.category, table.c.object_identifier)
-        .order_by(first_id)
-        .limit(limit)
-        .subquery("head")
-    )
-    query = (
-        select(head.c.group_ids, table)
-        .join_from(head, table, table.c.id == head.c.last_id)
-        .order_by(head.c.first_id)
-    )
-    groups, rows = [], {}
-    for row in await conn.execute(query):
-        groups.append(GroupRows(row.category, row.object_identifier, sorted(row.group_ids)))
-        rows[row.id] = row
-    return groups, rows
-
-
 async def read_trace_contexts(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, Any]:
     """The stored producer trace context of each of ``ids`` that has one (read only when
     tracing is on)."""
+    column = table.c[TRACE_CONTEXT_COLUMN]
+    return await _by_id(conn, table, column, ids, column.is_not(None))
+
+
+async def _by_id(
+    conn: AsyncConnection, table: Table, value: Any, ids: Sequence[int], *where: Any
+) -> dict[int, Any]:
+    """``value`` of each of ``ids`` still there (and matching ``where``), by id."""
     if not ids:
         return {}
-    column = table.c[TRACE_CONTEXT_COLUMN]
-    result = await conn.execute(
-        select(table.c.id, column).where(table.c.id == _any_id(ids), column.is_not(None))
-    )
-    return {row_id: carrier for row_id, carrier in result}
+    result = await conn.execute(select(table.c.id, value).where(table.c.id == _any_id(ids), *where))
+    return {row_id: value for row_id, value in result}
 
 
 async def read_oldest_ages(
@@ -311,27 +240,18 @@ async def read_row_ages(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, float]:
     """The age in seconds (by the database's clock) of each of ``ids`` still there."""
-    if not ids:
-        return {}
     age = func.extract("epoch", func.now() - table.c.date_added)
-    result = await conn.execute(select(table.c.id, age).where(table.c.id == _any_id(ids)))
-    return {int(row_id): float(seconds) for row_id, seconds in result}
-
-
-async def delete_rows(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> int:
-    """Delete exactly the rows a handler covered: rows committed meanwhile survive, even with a
-    lower id (a late commit), and are handled next round."""
-    if not ids:
-        return 0
-    result = await conn.execute(delete(table).where(table.c.id == _any_id(ids)))
-    return int(result.rowcount)
+    return {row_id: float(age) for row_id, age in (await _by_id(conn, table, age, ids)).items()}
 
 
 def _shard_key_columns(table: Table) -> list[Any]:
-    cols = [table.c.shard_scope, table.c.shard_identifier]
-    if "region" in table.c:
-        cols.insert(0, table.c.region)
-    return cols
+    return [table.c[name] for name in shard_columns("region" in table.c)]
+
+
+def _with_region(table: Table, row: Sequence[Any]) -> tuple[Any, ...]:
+    """``row``'s values, led by its region: None in a table without one."""
+    values: tuple[Any, ...] = tuple(row)
+    return values if "region" in table.c else (None, *values)
 
 
 async def read_shard_ranges(
@@ -350,13 +270,7 @@ async def read_shard_ranges(
         query = query.where(
             table.c.region == any_(bindparam("regions", list(regions), type_=ARRAY(Text)))
         )
-    ranges = []
-    for row in await conn.execute(query):
-        values = tuple(row)
-        region = values[0] if "region" in table.c else None
-        scope, ident, lo, hi, rows = values[-5:]
-        ranges.append(ShardRange(region, scope, ident, lo, hi, rows))
-    return ranges
+    return [ShardRange(*_with_region(table, row)) for row in await conn.execute(query)]
 
 
 @dataclass(frozen=True)
@@ -388,15 +302,7 @@ async def read_shard_depths(
     if scope is not None:
         query = query.where(table.c.shard_scope == scope)
     query = query.order_by(oldest.asc() if oldest_first else rows.desc()).limit(limit)
-    depths = []
-    for row in await conn.execute(query):
-        region = row.region if "region" in table.c else None
-        depths.append(
-            ShardDepth(
-                region, row.shard_scope, row.shard_identifier, row.rows, row.groups, row.oldest
-            )
-        )
-    return depths
+    return [ShardDepth(*_with_region(table, row)) for row in await conn.execute(query)]
 
 
 # -- many shards at once ---------------------------------------------------------------------
@@ -502,12 +408,9 @@ async def read_windows(
     return list(windows.values())
 
 
-# The latest a deferred row can be due: 'infinity' in scheduled_for reads as the end of 9999.
-LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
-
-
 def _finite(seconds: float | None) -> float | None:
-    """Seconds until a row is due, at most until :data:`LATEST` (``infinity`` in the table)."""
+    """Seconds until a row is due, at most until :data:`LATEST` (``infinity`` in the table
+    reads as that)."""
     if seconds is None:
         return None
     latest = (LATEST - datetime.now(UTC)).total_seconds()
@@ -597,16 +500,12 @@ async def read_payload_sizes(
 ) -> dict[int, int]:
     """The payload size in bytes of each of ``ids`` still there, as stored
     (``pg_column_size``: compressed if it was, and read without loading the payload)."""
-    if not ids:
-        return {}
-    size = func.coalesce(func.pg_column_size(table.c.payload), 0)
-    result = await conn.execute(select(table.c.id, size).where(table.c.id == _any_id(ids)))
-    return {int(row_id): int(size) for row_id, size in result}
+    return await _by_id(conn, table, func.coalesce(func.pg_column_size(table.c.payload), 0), ids)
 
 
 async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> list[int]:
-    """:func:`delete_rows`, returning the ids that were deleted (a drain counts them per
-    shard). Committed with the caller's transaction, as the caller's transaction commits."""
+    """Delete exactly the rows ``ids`` a handler covered (rows committed meanwhile survive,
+    even with a lower id: a late commit runs next round); returns the ids deleted."""
     if not ids:
         return []
     result = await conn.execute(_delete_statement(table, ids))
@@ -619,17 +518,13 @@ def _delete_statement(table: Table, ids: Sequence[int]) -> Any:
 
 class DriverWrites:
     """A drain round's deletes and unlocks on one table (as :func:`delete_handled` and
-    :func:`unlock_shards`), compiled once and run straight on the psycopg connection under a
-    SQLAlchemy one: a round runs them every few groups, and SQLAlchemy's share of each
-    (compiling, a greenlet, building result rows) was most of their cost.
+    :func:`unlock_shards`), compiled once and run straight on the psycopg connection:
+    SQLAlchemy's share of each (compiling, a greenlet, result rows) was most of their cost.
 
-    The round's connection is in autocommit, so each delete is a transaction of its own, and
-    it is committed asynchronously: it is visible to every session once it returns, and a
-    crash of the worker cannot undo it; only a crash of PostgreSQL itself within the WAL
-    writer's delay (a fraction of a second) can, and then the rows run again, as the
-    at-least-once contract allows. Ownership changes are never written this way: they commit
-    synchronously (which also makes durable every delete before them on the connection). It
-    saves the WAL flush of every delete, about 40% of its time on these machines.
+    Each delete is a transaction of its own, committed asynchronously (saving the WAL flush,
+    about 40% of its time): a crash of the worker cannot undo it, only a crash of PostgreSQL
+    within the WAL writer's delay can, and then the rows run again, as at-least-once allows.
+    Ownership changes commit synchronously, which makes every delete before them durable too.
     """
 
     def __init__(self, table: Table, dialect: Dialect) -> None:
@@ -695,10 +590,9 @@ async def lacks_statistics(
     """Whether ``table`` holds at least ``min_rows`` rows and PostgreSQL has no statistics on
     its shard columns (never analyzed, or analyzed while empty).
 
-    Without them the planner guesses a shard holds a row or two, and the shard index and the
-    group index cost the same to it: a lookup of one coalescing group may then range-scan the
-    whole rest of a deep shard, once per group of every round (a 20,000-row shard drained at
-    about 420 rows/s instead of 11,000 on this project's measurements)."""
+    Without them the planner may look a coalescing group up by range-scanning the rest of a
+    deep shard, once per group of every round (a 20,000-row shard drained at about 420 rows/s
+    instead of 11,000)."""
     result = await conn.execute(
         text(
             f"""
@@ -724,16 +618,6 @@ async def analyze(conn: AsyncConnection, table: Table) -> None:
 # -- shard ownership ------------------------------------------------------------------------------
 
 
-def _owner_values(table: Table, shard: ShardRef) -> dict[str, Any]:
-    values: dict[str, Any] = {
-        "shard_scope": shard.scope,
-        "shard_identifier": shard.shard_identifier,
-    }
-    if "region" in table.c:
-        values["region"] = shard.region
-    return values
-
-
 async def hold_shard(
     conn: AsyncConnection, table: Table, shard: ShardRef, held_for: str, *, over_skip: bool = False
 ) -> None:
@@ -743,7 +627,7 @@ async def hold_shard(
     only by another skip, or with ``over_skip`` (the workflow's own skip and resume): a drain
     that started before the skip was recorded never undoes it."""
     owners = owners_of(table)
-    insert = pg_insert(owners).values(**_owner_values(table, shard), held_for=held_for)
+    insert = pg_insert(owners).values(**_shard_values(table, shard), held_for=held_for)
     keeps_skip = held_for != SKIPPED_HOLD and not over_skip
     await conn.execute(
         insert.on_conflict_do_update(
@@ -762,27 +646,22 @@ async def hold_free_shards(
     if not shards:
         return []
     owners = owners_of(table)
-    columns = _owner_columns("region" in table.c)
     insert = (
         pg_insert(owners)
-        .values([{**_owner_values(table, shard), "held_for": held_for} for shard in shards])
+        .values([{**_shard_values(table, shard), "held_for": held_for} for shard in shards])
         .on_conflict_do_nothing(index_elements=list(owners.primary_key.columns))
-        .returning(*(owners.c[c] for c in columns))
+        .returning(*_shard_key_columns(owners))
     )
     held = {tuple(row) for row in await conn.execute(insert)}
-    return [s for s in shards if tuple(_owner_values(table, s)[c] for c in columns) in held]
+    return [s for s in shards if tuple(_shard_values(table, s).values()) in held]
 
 
 async def release_shard(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """Give ``shard`` back to its partition (under the shard's lock). False if it was not
     held, or held because it is skipped (only a resume ends a skip)."""
     owners = owners_of(table)
-    values = _owner_values(table, shard)
     result = await conn.execute(
-        delete(owners).where(
-            *(owners.c[name] == value for name, value in values.items()),
-            owners.c.held_for != SKIPPED_HOLD,
-        )
+        delete(owners).where(shard_where(owners, shard), owners.c.held_for != SKIPPED_HOLD)
     )
     return bool(result.rowcount)
 
@@ -803,29 +682,24 @@ async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShar
     """Every shard of ``table`` that a workflow holds, with its head row: one statement, one
     index lookup per held shard."""
     owners = owners_of(table)
-    regional = "region" in table.c
     head = (
         select(*_first_row_columns(table))
-        .where(*(table.c[c] == owners.c[c] for c in _owner_columns(regional)))
+        .where(*(table.c[c.name] == c for c in _shard_key_columns(owners)))
         .order_by(table.c.id)
         .limit(1)
         .lateral("head")
     )
     query = select(
-        *(owners.c[c] for c in _owner_columns(regional)),
+        *_shard_key_columns(owners),
         owners.c.held_for,
         owners.c.since,
         *head.c,
     ).select_from(owners.outerjoin(head, text("true")))
     held = []
     for row in await conn.execute(query):
-        values = tuple(row)
-        region = values[0] if regional else None
-        scope, ident, held_for, since, head_id, category, obj, due = values[-8:]
+        region, scope, ident, held_for, since, head_id, category, obj, due = _with_region(
+            table, row
+        )
         first = None if head_id is None else FirstRow(head_id, category, obj, bool(due))
         held.append(HeldShard(region, scope, ident, held_for, since, first))
     return held
-
-
-def _owner_columns(regional: bool) -> list[str]:
-    return (["region"] if regional else []) + ["shard_scope", "shard_identifier"]

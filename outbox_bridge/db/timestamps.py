@@ -1,16 +1,12 @@
 """PostgreSQL's ``infinity`` and ``-infinity`` timestamps, read as Python datetimes.
 
-A ``timestamptz`` column accepts both, and any producer writing plain SQL may store them in
-``scheduled_for``; psycopg cannot load them (a ``datetime`` cannot be infinite) and raises
-``DataError``, so every drain of the row's shard would fail. The worker reads them as the
-latest and earliest aware datetimes instead: a row due at ``infinity`` defers its shard like a
-row due in year 9999 (until an operator deletes it or skips the shard), and a row due since
-``-infinity`` is due now.
+A producer writing plain SQL may store them in ``scheduled_for``, and psycopg cannot load them
+(a ``datetime`` cannot be infinite), which would fail every drain of the row's shard. The worker
+reads them as the latest and earliest aware datetimes instead: a row due at ``infinity`` defers
+its shard like a row due in year 9999, and a row due since ``-infinity`` is due now.
 
-Every other value goes to psycopg's own loader: its C implementation when psycopg's binary
-package is installed (a compiled loader cannot be subclassed, so it is wrapped), about 25 times
-faster than the pure-Python one, which a drain would otherwise run twice for every group it
-hands to a handler (``date_added`` and ``scheduled_for``).
+Every other value goes to psycopg's own loader, its C implementation when installed (wrapped:
+a compiled loader cannot be subclassed), about 25 times faster than the pure-Python one.
 """
 
 from __future__ import annotations

@@ -102,7 +102,6 @@ class HandlerCalls:
         # stopped: its shard stays locked until it returns).
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
-        self._regional: dict[str, bool] = {}  # table name -> whether it has a region column
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -110,7 +109,6 @@ class HandlerCalls:
     # -- preparing -------------------------------------------------------------------------
 
     def head(self, group: GroupRows) -> HeadGroup:
-        """``group`` as the workflow sees it (ids and counts, no payload)."""
         return HeadGroup(
             category=group.category,
             category_name=self._app.category_name(group.category),
@@ -121,12 +119,11 @@ class HandlerCalls:
         )
 
     def prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> Call:
-        """The call of ``group`` with its newest ``row`` (as :func:`read_rows` reads it, the
-        payload still JSON text). A row that cannot be handled (its category unknown or in
-        another scope, its payload undecodable) gives a call that fails with why, like a
-        handler would: only its shard stops."""
+        """The call of ``group`` with its newest ``row`` (its payload still JSON text). A row
+        that cannot be handled (its category unknown or in another scope, its payload
+        undecodable) gives a call that fails with why, like a handler would."""
         payload, undecodable = _decode_payload(shard, row)
-        message = self._message(group, row, payload, self._has_region(shard.table))
+        message = self._message(group, row, payload, "region" in self._app.table(shard.table).c)
         category = self._app.category_name(group.category)
         try:
             handler = self._resolve(shard, group.category)
@@ -156,12 +153,6 @@ class HandlerCalls:
         if handler is None:  # the worker checks this at start; kept for apps built by hand
             raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
         return handler
-
-    def _has_region(self, table: str) -> bool:
-        regional = self._regional.get(table)
-        if regional is None:
-            regional = self._regional[table] = "region" in self._app.table(table).c
-        return regional
 
     def _message(
         self, group: GroupRows, row: Row[Any], payload: Any, regional: bool
@@ -202,11 +193,9 @@ class HandlerCalls:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
 
         Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``
-        (asked before every call: whether the shard lock still stands) or the deadline (after
-        the first call) stopped it early. Runs of consecutive sync handlers go to a worker
-        thread in one hop (at most ``pace.hop`` of them), so a backlog of cheap handlers does
-        not pay a thread switch per row. Each call gets its own span from ``observer`` (a child
-        of the activity's).
+        (asked before every call) or the deadline (after the first call) stopped it early.
+        Consecutive sync handlers go to a worker thread in one hop (at most ``pace.hop``), so
+        cheap handlers do not pay a thread switch each.
         """
         index = 0
         clock: _CallClock | None = None  # the handler timeout of the async calls
@@ -271,7 +260,7 @@ class HandlerCalls:
         # SystemExit or KeyboardInterrupt raised in a task stop the whole event loop.
         clock.start()
         try:
-            returned = await running  # type: ignore[misc]
+            return await running  # type: ignore[misc]
         except asyncio.CancelledError:
             if clock.stop(cancelled=True):
                 raise HandlerTimeoutError(
@@ -279,11 +268,8 @@ class HandlerCalls:
                     "it was cancelled and will be retried"
                 ) from None
             raise
-        except BaseException:
-            clock.stop(cancelled=False)
-            raise
-        clock.stop(cancelled=False)
-        return returned
+        finally:
+            clock.stop(cancelled=False)  # a second stop after the first does nothing
 
     async def _in_thread(
         self,
@@ -407,11 +393,9 @@ class HandlerCalls:
 
 class _CallClock:
     """The handler timeout of one run of async calls: like ``asyncio.timeout`` around each
-    call (the running task is cancelled once a call has run ``timeout`` seconds, and the
-    cancellation becomes the call's timeout), but with one timer for the whole run instead of
-    one per call, a cost a backlog of cheap handlers felt. The timer is set for the deadline
-    of the call that armed it; when it fires while a later call runs, it moves on to that
-    call's deadline."""
+    call, but one timer for the whole run instead of one per call (a cost cheap handlers
+    felt). When the timer fires while a later call runs, it moves on to that call's
+    deadline."""
 
     # A timer may fire a hair before its time; this close to the deadline it has passed.
     TOLERANCE = 0.001

@@ -7,10 +7,8 @@ The drain learns of shards with new rows from this worker's notifications (throu
 interval), and from a scan of every shard (every rescan interval, and when it starts), which
 catches late commits and lost notifications.
 
-It drains in *rounds*: up to ``max_shards`` shards locked on one connection, their heads read
-in a few statements, their handlers run concurrently (each shard in order), what was handled
-deleted in small chunks, each shard unlocked as soon as it is done. Several rounds run at
-once, so a slow handler holds back only its own shard.
+It drains in *rounds* (:mod:`outbox_bridge.runtime.rounds`) of up to ``max_shards`` shards;
+several rounds run at once, so a slow handler holds back only its own shard.
 
 A shard that needs attention leaves the partition for its own ``OutboxShard`` workflow: its
 handler failed, its head is deferred, or it is on the skip list. Under the shard's lock the
@@ -241,37 +239,28 @@ class PartitionDrain:
             return
         if full:
             self._overflowed = False  # this scan finds every shard the queue left out
-        for shard_range in ranges:
-            self._watermark = max(self._watermark, shard_range.max_id)
-            key = ShardKey(
-                self._table.name,
-                shard_range.region,
-                shard_range.scope,
-                shard_range.shard_identifier,
-            )
-            if partition_of(key, self._ref.partitions) == self._ref.partition:
-                self._enqueue(key)
+        self._watermark = max([self._watermark, *(r.max_id for r in ranges)])
+        for shard_range in self._mine(ranges):
+            self._enqueue(self._key(shard_range))
+
+    def _key(self, r: ShardRange) -> ShardKey:
+        return ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)
+
+    def _mine(self, ranges: Sequence[ShardRange]) -> list[ShardRange]:
+        """Those of ``ranges`` whose shards hash to this partition."""
+        partitions = self._ref.partitions
+        return [r for r in ranges if partition_of(self._key(r), partitions) == self._ref.partition]
 
     async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
         """The deepest and the oldest shards of this partition, for its details."""
-        mine = [
-            r
-            for r in ranges
-            if partition_of(
-                ShardKey(self._table.name, r.region, r.scope, r.shard_identifier),
-                self._ref.partitions,
-            )
-            == self._ref.partition
-        ]
+        mine = self._mine(ranges)
         deepest = heapq.nlargest(BACKLOG_SHOWN, mine, key=lambda r: r.rows)
         oldest = heapq.nsmallest(BACKLOG_SHOWN, mine, key=lambda r: r.min_id)
         ages = await read_row_ages(conn, self._table, [r.min_id for r in {*deepest, *oldest}])
 
         def shown(r: ShardRange) -> ShardBacklog:
-            key = ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)
-            return ShardBacklog(
-                ref_of(key, self._app).key, r.rows, round(ages.get(r.min_id, 0.0), 1)
-            )
+            age = round(ages.get(r.min_id, 0.0), 1)
+            return ShardBacklog(ref_of(self._key(r), self._app).key, r.rows, age)
 
         self._stats.deepest = [shown(r) for r in deepest]
         self._stats.oldest = [shown(r) for r in oldest]
@@ -315,13 +304,13 @@ class PartitionDrain:
             for outcome in outcomes
             if outcome.shard in held and (handover := _handover(outcome)) is not None
         ]
+        handed = {key_of(shard) for shard, _ in handovers}
         if lost:
-            handed = {key_of(shard) for shard, _ in handovers}
             for shard in shards:  # nothing else this round wrote can be trusted: read them again
                 if key_of(shard) not in handed:
                     self._enqueue(key_of(shard))
         else:
-            self._count(outcomes, handovers)
+            self._count(outcomes, handed)
         if handovers:
             await asyncio.gather(
                 *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
@@ -345,8 +334,6 @@ class PartitionDrain:
         """Shards on the skip list that nobody holds go to their workflow, skipped, before
         anything runs (returned). A listed shard its workflow holds is left to it: an operator
         may have resumed it, and skipping it again would undo the resume."""
-        if not self._skip:
-            return []
         listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
         if not listed:
             return []
@@ -366,11 +353,8 @@ class PartitionDrain:
         if handover is not None and not outcome.lock_lost:
             batch.hold(outcome.shard, handover.held_for, if_free=True)
 
-    def _count(
-        self, outcomes: list[ShardOutcome], handovers: list[tuple[ShardRef, HandoverInput]]
-    ) -> None:
+    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardKey]) -> None:
         stats = self._stats
-        handed = {key_of(shard) for shard, _ in handovers}
         for outcome in outcomes:
             key = key_of(outcome.shard)
             stats.rows_handled += outcome.rows_handled
@@ -379,7 +363,7 @@ class PartitionDrain:
                 self._drained.add(key)
             if outcome.more and key not in handed:
                 self._enqueue(key)
-        stats.handed_over += len(handovers)
+        stats.handed_over += len(handed)
 
     # -- reporting -----------------------------------------------------------------------------
 

@@ -2,24 +2,19 @@
 delete what was handled, unlock them.
 
 Everything a round changes in the table goes through the one connection that holds the round's
-shard locks. Session advisory locks live as long as their connection: if it dies (a network
-cut, a failover, ``pg_terminate_backend``), the locks are gone, and so is every later delete or
-ownership change of the round. That fence keeps a round that lost its locks from deleting
-anything another execution may now be handling; its handled rows stay and run again (at least
-once). The round also notices the lost connection before each handler call and takes no further
-groups.
+shard locks. Session advisory locks live as long as their connection: if it dies, the locks are
+gone, and so is every later delete or ownership change of the round. That fence keeps a round
+that lost its locks from deleting anything another execution may now be handling; its handled
+rows run again (at least once).
 
-Handled rows are deleted while the round runs: a round deletes whatever it has handled as soon
-as its connection is free (while one delete runs, the next groups are handled and wait for the
-next delete), and no round takes a further group while the worker's rounds together have
-MAX_UNDELETED_GROUPS handled and not deleted (the worker's ``max_undeleted_groups`` setting). A
-crash repeats only those few groups (and the calls under way); a shard's lock is released once
-its last group is deleted, so a slow shard never holds the others back.
+Handled rows are deleted while the round runs, as soon as its connection is free, and no round
+takes a further group while the worker's rounds together have ``max_undeleted_groups`` handled
+and not deleted: a crash repeats only those few (and the calls under way). A shard is unlocked
+once its last group is deleted, so a slow shard never holds the others back.
 
-A round reads the payloads of its groups' newest rows at once, so it is bounded by their bytes
-as well as by the number of groups: the sizes are read first, and each shard keeps a prefix of
-its groups that fits the round's budget (the first groups of every shard before the second of
-any); the others wait for the next round.
+A round is bounded by the payload bytes of its groups' newest rows as well as by their number:
+each shard keeps the prefix of its groups that fits the budget; the others wait for the next
+round.
 """
 
 from __future__ import annotations
@@ -48,7 +43,6 @@ from outbox_bridge.db.store import (
     GroupTail,
     ShardWindow,
     WindowRow,
-    delete_handled,
     driver_writes,
     hold_free_shards,
     hold_shard,
@@ -71,28 +65,22 @@ from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, S
 
 log = logging.getLogger(__name__)
 
-# No round takes a further group while the worker's rounds together have this many handled and
-# not deleted yet (what a kill -9 now would run again): the default of the worker's
-# max_undeleted_groups setting.
+# What a kill -9 may run again: the default of the worker's max_undeleted_groups setting.
 MAX_UNDELETED_GROUPS = 10
-# poll() events of a socket the peer has closed (POLLRDHUP: Linux only); none where poll() is
-# missing.
+# poll() events of a socket the peer has closed (POLLRDHUP: Linux only).
 HANGUP = (
     getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
     if hasattr(select, "poll")
     else 0
 )
-# Payload bytes (as stored) one round reads at most; a round takes at least one group, however
-# large its payload.
+# Payload bytes (as stored) one round reads at most (at least one group, however large).
 ROUND_MAX_BYTES = 64 * 2**20
 
 
 class Undeleted:
-    """Groups handled and not deleted yet, in every round of one worker (also those that
-    handler threads handled and the event loop has not heard of yet), and the calls waiting
-    for room under ``limit`` (:data:`MAX_UNDELETED_GROUPS` unless the worker's settings say
-    otherwise), first come first served: a delete that makes room wakes as many waiters as
-    there is room, not every shard of every round."""
+    """Groups handled and not deleted yet in every round of one worker (handler threads
+    included), and the calls waiting for room under ``limit``, first come first served: a
+    delete wakes as many waiters as there is room, not every shard of every round."""
 
     def __init__(self, limit: int = MAX_UNDELETED_GROUPS) -> None:
         if limit < 1:
@@ -104,12 +92,10 @@ class Undeleted:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def ahead(self) -> bool:
-        """Whether the rounds should let deletes catch up before they take further groups
-        (also asked from handler threads)."""
+        """Whether deletes should catch up first (also asked from handler threads)."""
         return self.groups + self._unreported >= self.limit
 
     def unreported(self, groups: int) -> None:
-        """A handler thread handled ``groups`` more (or the event loop heard of them)."""
         with self._lock:
             self._unreported += groups
 
@@ -185,14 +171,13 @@ class ShardOutcome:
 
 
 class LockedShards:
-    """Shards locked on one connection for one round, and the round's writes: deleted groups,
-    held and released shards, unlocks, all in that order and all on that connection.
+    """Shards locked on one connection for one round, and the round's writes on it, in order:
+    deletes, holds, releases, unlocks.
 
-    A write that fails for one shard's reason (a trigger refusing to delete its rows, say) is
-    done again shard by shard, and only the shards whose own write fails stop: each is held
-    for its workflow with why (see :meth:`fault`), while it is still locked. A lost connection
-    stops every write of the round (the fence); what it had handled and not deleted is kept in
-    :attr:`unwritten`."""
+    A write that fails for one shard's reason (a trigger refusing its delete, say) is done
+    again shard by shard; only the shards whose own write fails stop, held for their workflow
+    with why (:meth:`fault`). A lost connection stops every write of the round (the fence);
+    what was handled and not deleted is kept in :attr:`unwritten`."""
 
     def __init__(
         self,
@@ -204,8 +189,7 @@ class LockedShards:
     ) -> None:
         self.conn = conn
         self.table = table
-        # The shards still locked, in the order they were locked (a dict: a round unlocks its
-        # shards one by one, and a list's membership tests made that quadratic).
+        # The shards still locked, in locking order (a dict: membership tests stay cheap).
         self.locked: dict[ShardRef, None] = dict.fromkeys(locked)
         self.lost = False
         self.suspect = False  # something arrived between statements: take no further group
@@ -213,15 +197,13 @@ class LockedShards:
         self._socket: psycopg.AsyncConnection[Any] | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the connection
         self._pending: list[tuple[GroupRows, ShardOutcome]] = []
-        # Handled and not deleted when the connection was lost: a new connection may still
-        # delete them (DrainEngine.locked).
+        # Handled and not deleted when the connection was lost (DrainEngine.locked retries).
         self.unwritten: list[tuple[GroupRows, ShardOutcome]] = []
         self.outcomes: dict[ShardRef, ShardOutcome] = {}  # of the shards the round runs
         self.held: set[ShardRef] = set()  # shards whose hold this round wrote
         self._calls = calls
         self._unlocks: dict[ShardRef, None] = {}
-        # Unlocks under way: still locked until their statement returns, not to queue again
-        # (a second unlock made PostgreSQL warn "you don't own a lock" once per round).
+        # Unlocks under way: not to queue again (PostgreSQL warns of a second unlock).
         self._unlocking: set[ShardRef] = set()
         self._holds: list[tuple[ShardRef, str, bool]] = []  # shard, why, only if free
         self._faulted: list[ShardRef] = []  # shards a write failed for: held next
@@ -237,15 +219,13 @@ class LockedShards:
         self._socket = driver if isinstance(driver, psycopg.AsyncConnection) else None
 
     def alive(self) -> bool:
-        """Whether the connection (and with it every lock of the round) still seems to stand;
-        asked before each handler call, also from handler threads.
+        """Whether the connection (and every lock of the round) still seems to stand; asked
+        before each handler call, also from handler threads.
 
         An idle connection that is not listening receives nothing unless the server is closing
-        it, so a readable socket between statements means the locks are likely gone: the round
-        takes no further group. It only polls the socket, never reads it (psycopg may be
-        waiting for a statement's answer on it), and it fences nothing by itself: the next
-        statement on the connection fails if the connection is really gone, and that fences
-        the round's deletes.
+        it, so a readable socket between statements means the locks are likely gone. It only
+        polls the socket, never reads it (psycopg may be awaiting an answer on it), and fences
+        nothing by itself: the next statement fails if the connection is really gone.
         """
         if self.lost or self.suspect:
             return False
@@ -284,24 +264,23 @@ class LockedShards:
     def _suspect(self, seen: str) -> None:
         if not self.suspect:
             self.suspect = True
-            log.warning(
-                "the connection holding %s shard lock(s) of %s %s: this round takes no "
-                "further group",
-                len(self.locked),
-                self.table.name,
-                seen,
-            )
+            self._warn(f"{seen}: this round takes no further group")
 
     def _lose(self, why: str) -> None:
         if not self.lost:
             self.lost = True
-            log.warning(
-                "the connection holding %s shard lock(s) of %s is gone (%s): no further groups "
-                "or deletes in this round; its handled rows stay and run again",
-                len(self.locked),
-                self.table.name,
-                why,
+            self._warn(
+                f"is gone ({why}): no further groups or deletes in this round; its handled "
+                "rows stay and run again"
             )
+
+    def _warn(self, what: str) -> None:
+        log.warning(
+            "the connection holding %s shard lock(s) of %s %s",
+            len(self.locked),
+            self.table.name,
+            what,
+        )
 
     async def execute(self, work: Any) -> Any:
         """Run ``work(conn)`` on the round's connection, after every write queued before."""
@@ -326,7 +305,7 @@ class LockedShards:
 
     def gone(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a statement of this round, means its connection (and every
-        lock of the round) is gone, rather than the statement failing on a live connection."""
+        lock of the round) is gone."""
         if self.lost or isinstance(exc, OSError) or self.conn.invalidated:
             return True
         if isinstance(exc, DBAPIError) and exc.connection_invalidated:
@@ -338,9 +317,8 @@ class LockedShards:
         self, shard: ShardRef, group: GroupRows | None, what: str, exc: BaseException
     ) -> None:
         """A step of the round failed for ``shard`` alone (``what`` it could not do): it
-        stops as if its handler had failed on ``group`` (its first group not handled, if
-        known), keeps its rows, and is held for its workflow with why. The first failure of
-        a shard is the one reported."""
+        stops as if its handler had failed on ``group``, keeps its rows, and is held for its
+        workflow with why. A shard's first failure is the one reported."""
         if self._calls is None:  # a round built by hand (tests): no isolation
             raise exc
         outcome = self.outcomes.setdefault(shard, ShardOutcome(shard))
@@ -349,23 +327,20 @@ class LockedShards:
             outcome.failed = None if group is None else self._calls.head(group)
 
     def may_continue(self, outcome: ShardOutcome) -> bool:
-        """Whether ``outcome``'s shard may take a further group: the connection stands and no
-        step of the round failed for the shard (asked from handler threads too)."""
+        """Whether ``outcome``'s shard may take a further group (asked from handler threads)."""
         return outcome.failure is None and self.alive()
 
     # -- queued writes -----------------------------------------------------------------------
 
     def deleted(self, group: GroupRows, outcome: ShardOutcome) -> None:
-        """Rows of a handled group: deleted at once if the connection is free, else with
-        whatever else was handled meanwhile, as soon as the delete under way returns."""
+        """Rows of a handled group: deleted once the connection is free, with whatever else was
+        handled meanwhile."""
         self._pending.append((group, outcome))
         self.undeleted.added()
         self._kick()
 
     async def pace(self) -> None:
-        """Wait while the worker's rounds are too far ahead of their deletes: what a crash
-        would run again stays within the limit of undeleted groups however slow the deletes
-        are and however many rounds run."""
+        """Wait while the worker's rounds are too far ahead of their deletes."""
         if not self.lost and self._error is None:
             await self.undeleted.room()
 
@@ -396,8 +371,7 @@ class LockedShards:
         """Write everything queued; raises what a write raised."""
         while self._flusher is not None and not self._flusher.done():
             await asyncio.shield(self._flusher)
-        if self._pending or self._unlocks or self._holds or self._releases:
-            await self._flush_loop()
+        await self._flush_loop()
         if self._error is not None:
             raise self._error
 
@@ -416,14 +390,10 @@ class LockedShards:
                     await self._statement(
                         functools.partial(self._write, pending, holds, releases, unlocks)
                     )
-            except Exception as exc:
-                # The connection is gone, or a write failed for no one shard's reason: nothing
-                # more is written in this round, and its connection is dropped.
+            except Exception as exc:  # no one shard's reason: the round writes nothing more
                 self._error = exc
                 self.unwritten += pending
-                if self.gone(exc):
-                    self._lose(type(exc).__name__)
-                else:  # raised again by flush(): the round's owner reports it
+                if not self.gone(exc):  # raised again by flush(): the round's owner reports it
                     self.lost = True
                     log.warning(
                         "a write of a round of %s failed (%s): nothing more is written in this "
@@ -432,9 +402,7 @@ class LockedShards:
                         type(exc).__qualname__,
                         len(self.locked),
                     )
-            finally:
-                # Deleted, or never to be deleted by this round (they run again): either
-                # way no longer ahead.
+            finally:  # deleted, or never by this round (they run again)
                 self.undeleted.done(len(pending))
                 self._unlocking.difference_update(unlocks)
 
@@ -454,28 +422,43 @@ class LockedShards:
         if unlocks:
             await self._unlock_each(list(unlocks))
 
-    async def _delete_handled(self, pending: list[tuple[GroupRows, ShardOutcome]]) -> None:
-        """Delete the handled groups; if that fails on a live connection, shard by shard."""
-        owner = {row_id: outcome for group, outcome in pending for row_id in group.ids}
+    async def _apart(
+        self, write: Callable[[list[ShardRef]], Awaitable[None]], shards: list[ShardRef]
+    ) -> dict[ShardRef, Exception]:
+        """``write(shards)``; if that fails on a live connection, shard by shard. Returns the
+        shards whose own write failed, with why (a lost connection raises)."""
         try:
-            deleted = await self._delete(list(owner))
+            await write(shards)
+            return {}
         except Exception as exc:
             if self.gone(exc):
                 raise
-            deleted = []
-            shards: dict[ShardRef, list[GroupRows]] = {}
-            for group, outcome in pending:
-                shards.setdefault(outcome.shard, []).append(group)
-            for shard, groups in shards.items():
-                try:
-                    deleted += await self._delete([i for group in groups for i in group.ids])
-                except Exception as failed:
-                    if self.gone(failed):
-                        raise
-                    # Its handled groups stay and run again, after the shard's workflow
-                    # took it over.
-                    self.fault(shard, groups[0], "its handled rows cannot be deleted", failed)
-                    self._faulted.append(shard)
+        failed: dict[ShardRef, Exception] = {}
+        for shard in shards:
+            try:
+                await write([shard])
+            except Exception as exc:
+                if self.gone(exc):
+                    raise
+                failed[shard] = exc
+        return failed
+
+    async def _delete_handled(self, pending: list[tuple[GroupRows, ShardOutcome]]) -> None:
+        groups: dict[ShardRef, list[GroupRows]] = {}
+        for group, outcome in pending:
+            groups.setdefault(outcome.shard, []).append(group)
+        deleted: list[int] = []
+
+        async def delete(shards: list[ShardRef]) -> None:
+            deleted.extend(
+                await self._delete([i for s in shards for g in groups[s] for i in g.ids])
+            )
+
+        for shard, exc in (await self._apart(delete, list(groups))).items():
+            # Its handled groups stay and run again, after the shard's workflow took it over.
+            self.fault(shard, groups[shard][0], "its handled rows cannot be deleted", exc)
+            self._faulted.append(shard)
+        owner = {row_id: outcome for group, outcome in pending for row_id in group.ids}
         for row_id in deleted:
             owner[row_id].rows_handled += 1
 
@@ -496,38 +479,26 @@ class LockedShards:
             self.held.update(await hold_free_shards(self.conn, self.table, shards, held_for))
 
     async def _unlock_each(self, shards: list[ShardRef]) -> None:
-        """Unlock ``shards``; if that fails on a live connection, shard by shard. A shard that
-        cannot be unlocked is held and stays locked until the round closes its connection."""
-        try:
-            await self._unlock(shards)
-        except Exception as exc:
-            if self.gone(exc):
-                raise
-            for shard in shards:
-                try:
-                    await self._unlock([shard])
-                except Exception as failed:
-                    if self.gone(failed):
-                        raise
-                    self.fault(shard, None, "its lock cannot be released", failed)
-                    self.stuck.add(shard)
-                    self._faulted.append(shard)
+        """Unlock ``shards``. A shard that cannot be unlocked is held and stays locked until
+        the round closes its connection."""
+        failed = await self._apart(self._unlock, shards)
+        for shard, exc in failed.items():
+            self.fault(shard, None, "its lock cannot be released", exc)
+            self.stuck.add(shard)
+            self._faulted.append(shard)
+        if failed:
             await self._write_holds([])
         for shard in shards:
             if shard not in self.stuck:
                 self.locked.pop(shard, None)
 
     async def _delete(self, ids: list[int]) -> list[int]:
-        if self._socket is None:  # not attached to a psycopg connection (tests build these)
-            return await delete_handled(self.conn, self.table, ids)
-        writes = driver_writes(self.table, self.conn.dialect)
-        return await writes.delete_handled(self._socket, ids)
+        assert self._socket is not None  # attached by DrainEngine.locked
+        return await driver_writes(self.table, self.conn.dialect).delete_handled(self._socket, ids)
 
     async def _unlock(self, shards: list[ShardRef]) -> None:
-        if self._socket is None:
-            await unlock_shards(self.conn, shards)
-        else:
-            await driver_writes(self.table, self.conn.dialect).unlock_shards(self._socket, shards)
+        assert self._socket is not None
+        await driver_writes(self.table, self.conn.dialect).unlock_shards(self._socket, shards)
 
 
 # Queues, under a shard's lock, what a round writes about its outcome (a hold, a release).
@@ -539,8 +510,7 @@ class DrainEngine:
 
     It knows which shards have a handler call running in this process: a round whose lock was
     lost may still be running one (a thread cannot be stopped), and no other round of this
-    worker starts a second call of that shard until it returns.
-    """
+    worker calls that shard until it returns."""
 
     def __init__(
         self,
@@ -580,13 +550,13 @@ class DrainEngine:
         wait_seconds: float = 0.0,
         recover: bool = True,
     ) -> AsyncIterator[LockedShards]:
-        """Lock the free ones of ``shards`` (waiting up to ``wait_seconds`` for each that is
-        taken, when given) on a connection of their own; everything is written and unlocked
-        when the block ends, and the connection is dropped if it may still hold a lock.
+        """Lock the free ones of ``shards`` (waiting up to ``wait_seconds`` for each taken one)
+        on a connection of their own; everything is written and unlocked when the block ends,
+        and the connection is dropped if it may still hold a lock.
 
-        If the connection was lost with groups handled and not deleted, a new connection
-        deletes them in the shards whose locks it gets (with ``recover``): a lost connection
-        then repeats no more than a crash does."""
+        With ``recover``, groups handled and not deleted when the connection was lost are
+        deleted from a new one where it gets their locks: a lost connection then repeats no
+        more than a crash does."""
         conn = await self.engine.connect()
         batch: LockedShards | None = None
         try:
@@ -619,9 +589,8 @@ class DrainEngine:
                 await self._delete_unwritten(batch)
 
     async def _delete_unwritten(self, lost: LockedShards) -> None:
-        """Delete what a round that lost its connection had handled, from a new connection, in
-        the shards whose locks it gets: no other execution is in those, so the delete is as
-        safe as the round's own. The others' groups run again."""
+        """Delete what a round that lost its connection had handled, in the shards whose locks
+        a new connection gets (no other execution is in those). The others' groups run again."""
         groups = lost.unwritten
         shards = list(dict.fromkeys(outcome.shard for _, outcome in groups))
         mine = []
@@ -688,13 +657,11 @@ class DrainEngine:
         skip_held: bool,
         skip_paused: bool = False,
     ) -> list[ShardHead]:
-        """The head groups of every locked shard (at most ``max_groups`` each, and within the
-        round's payload budget) and their newest rows, in a few statements for the whole
-        round.
+        """The head groups of every locked shard (at most ``max_groups`` each, within the
+        round's payload budget) and their newest rows, in a few statements for the round.
 
-        If those fail on a live connection, the round reads each shard alone: a shard whose
-        own read fails gets a head that carries why (:attr:`ShardHead.fault`), with its first
-        group if that can be read, and the others are read as usual."""
+        If those fail on a live connection, each shard is read alone: one whose own read fails
+        gets a head that carries why (:attr:`ShardHead.fault`)."""
         read = functools.partial(
             read_shard_heads,
             batch.execute,
@@ -724,8 +691,8 @@ class DrainEngine:
     async def _unreadable(
         self, batch: LockedShards, shard: ShardRef, exc: BaseException
     ) -> ShardHead:
-        """The head of a shard whose rows cannot be read: its first group (an index lookup
-        that reads no payload), if it has one and that can be read, failing with why."""
+        """The head of a shard whose rows cannot be read: its first group (read without its
+        payload) if that can be read, failing with why."""
         failure = self.calls.fault(shard, "its rows cannot be read", exc)
         head = ShardHead(shard, [], 0, fault=failure)
         try:
@@ -753,11 +720,9 @@ class DrainEngine:
         partition: str | None = None,
     ) -> list[ShardOutcome]:
         """Handle every shard's head groups, the shards concurrently, each in order; a shard
-        stops at its first failure, or when the deadline passed (after at least one group).
-
-        With ``unlock_each``, each shard is unlocked as soon as it is done (its handled rows
-        deleted), after ``settle`` queued what else must be written under its lock.
-        """
+        stops at its first failure, or at the deadline (after at least one group). With
+        ``unlock_each``, each shard is unlocked once done, after ``settle`` queued what else
+        must be written under its lock."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         batch.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
         # Every shard's calls end before the round does, also when it is cancelled: a plain-def
@@ -811,8 +776,7 @@ class DrainEngine:
         attempt: int,
         partition: str | None,
     ) -> None:
-        """Run one shard's head groups. Whatever fails in it (its head unread, a call that
-        cannot be prepared or observed, a handler) fails this shard alone."""
+        """Run one shard's head groups; whatever fails in it fails this shard alone."""
         shard = head.shard
         if head.fault is not None:
             outcome.failure = head.fault
@@ -878,7 +842,7 @@ class DrainEngine:
         partition: str | None,
     ) -> BatchObserver:
         """The shard's observer; with tracing on, given the producer trace context of every row
-        the calls cover (the handled rows' came with them; the others take one statement)."""
+        the calls cover."""
         observer = BatchObserver(shard, redact_errors=self._redact, partition=partition)
         if observer.traced and calls:
             contexts = {
@@ -921,12 +885,10 @@ async def read_shard_heads(
     rows, in a few statements for all of them: the shards' windows, then the rest of the head
     groups that go on past a full window, then the rows their handlers get.
 
-    Shared by every drain of the worker and by :func:`outbox_bridge.testing.drain_outbox`. With
-    ``deferred_as_due`` (the testing drain's ``run_deferred``), rows not yet due count as due
-    in the windows; a head group read on past a full window still stops before the shard's
-    first row not yet due, and its later rows come in a later read. With ``max_bytes``, each
-    shard keeps the prefix of its head groups whose newest rows fit that many payload bytes in
-    all (their stored sizes are read first), and only those rows are read.
+    Shared with :func:`outbox_bridge.testing.drain_outbox`, whose ``run_deferred`` is
+    ``deferred_as_due``: rows not yet due count as due in the windows (a head group read on
+    past a full window still stops before the first one). With ``max_bytes``, each shard keeps
+    the prefix of its head groups whose newest rows fit that many payload bytes in all.
     """
     window = max(2 * max_groups, 16)
     windows = await execute(
@@ -975,10 +937,10 @@ async def read_shard_heads(
 
 
 def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int) -> bool:
-    """Keep, of each shard's groups, the prefix whose newest rows' payloads fit ``budget``
-    bytes in all (``sizes``: by row id): every shard's first group before any shard's second,
-    and so on; a shard stops at its first group that does not fit (a later one would run out
-    of order). At least one group is kept. True if any group was left for a later round."""
+    """Keep, of each shard's groups, the prefix whose newest rows' payloads (``sizes``, by row
+    id) fit ``budget`` bytes in all: every shard's first group before any shard's second; a
+    shard stops at its first group that does not fit (a later one would run out of order). At
+    least one group is kept. True if any group was left for a later round."""
     kept = [0] * len(heads)
     used = taken = 0
     open_ = [index for index, head in enumerate(heads) if head.groups]
@@ -1009,12 +971,8 @@ def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int)
 
 def head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:
     """Coalescing groups of the window, ordered by their first id, up to the first row not yet
-    due (the barrier: order within a shard waits for it).
-
-    ``size`` is the window's size as read: a full window without a barrier is open-ended (the
-    head groups may go on past it). At most ``max_groups`` groups are taken; later rows of the
-    groups taken still coalesce into them.
-    """
+    due (the barrier: order within a shard waits for it). A full window (``size`` rows)
+    without a barrier is open-ended: the head groups may go on past it."""
     groups: dict[tuple[int, int], GroupRows] = {}
     head = ShardHead(shard, [], window.highest_id)
     barrier: WindowRow | None = None

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -86,9 +86,9 @@ class ShardDrainer:
         empty (and give it back to its partition), a handler fails, the head is deferred, or
         the call's limits are reached. A shard held because it is skipped is left alone."""
         shard = request.shard
-        result = DrainResult()
         deadline = time.monotonic() + request.time_budget_seconds
         outcome = ShardOutcome(shard)
+        released = False
         async with self._locked(shard) as batch:
             batch.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
             heads = await self._engine.read_heads(
@@ -100,24 +100,17 @@ class ShardDrainer:
                 )
             if outcome.emptied:
                 batch.release(shard)
-                result.released = True
+                released = True
         if outcome.failure is not None and outcome.failed is None:
             # Failed before any group could be named (its rows cannot be read, its unlock
             # failed): the activity fails, and is retried with backoff, saying why.
             failure = outcome.failure
             raise ShardFaultError(f"{failure.error_type}: {failure.message}")
-        _add(result, outcome)
-        return result
+        return _result(outcome, released)
 
     # -- a blocked head --------------------------------------------------------------------
 
-    async def handle_head(
-        self,
-        request: HandleHeadInput,
-        *,
-        heartbeat: Callable[[], None] | None = None,
-        attempt: int = 1,
-    ) -> HandleHeadResult:
+    async def handle_head(self, request: HandleHeadInput, *, attempt: int = 1) -> HandleHeadResult:
         """Handle the shard's head group if it is still the given group (it may have been
         handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`.
         ``attempt`` is the activity's; the calls are numbered on from the group's earlier
@@ -135,8 +128,6 @@ class ShardDrainer:
             ):
                 return HandleHeadResult(handled=False)
             group = groups[0]
-            if heartbeat is not None:
-                heartbeat()
             [outcome] = await self._engine.run(
                 batch, heads, deadline=math.inf, attempt=calls_before + attempt, unlock_each=False
             )
@@ -188,17 +179,18 @@ class ShardDrainer:
             pause = min(pause * 1.5, FLUSH_POLL_MAX)
 
 
-def _add(result: DrainResult, outcome: ShardOutcome) -> None:
-    """Fold one round's outcome into the call's result."""
-    result.groups_handled += outcome.groups_handled
-    result.rows_handled += outcome.rows_handled
-    result.highest_seen_id = max(result.highest_seen_id, outcome.highest_seen_id)
-    result.more = outcome.more
-    result.deferred_until = None
-    result.deferred_seconds = None
+def _result(outcome: ShardOutcome, released: bool) -> DrainResult:
+    result = DrainResult(
+        groups_handled=outcome.groups_handled,
+        rows_handled=outcome.rows_handled,
+        highest_seen_id=outcome.highest_seen_id,
+        more=outcome.more,
+        released=released,
+    )
     if outcome.failed is not None:
         result.failed = outcome.failed
         result.failure = outcome.failure
     elif not outcome.more and outcome.deferred_until is not None:
         result.deferred_until = iso_utc(outcome.deferred_until)
         result.deferred_seconds = outcome.deferred_seconds
+    return result

@@ -49,8 +49,9 @@ class OrderWorkflow:
 
 def page_program() -> str:
     """The page's first Python block: the program a reader copies."""
-    [program, *_] = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
-    return program
+    found = re.search(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
+    assert found, f"{PAGE} has no Python block"
+    return found.group(1)
 
 
 def write_project(folder: Path, servers: Servers) -> Path:

@@ -1,17 +1,11 @@
 """Outbox rows from Django models.
 
 A model that inherits :class:`OutboxModel` writes one outbox row each time an instance is
-saved or deleted, in the same transaction as the change: ``save()`` runs in
-``transaction.atomic()``, and the rows are written by ``post_save`` and ``post_delete``
-receivers connected to each such model (so that ``QuerySet.delete()`` and cascades, which send
-``post_delete`` for every object, write theirs too). The declaration is the SQLAlchemy mixin's
-(:mod:`outbox_bridge.declarations`): ``__outbox_app__``, ``__outbox_category__`` and the
-optional ``__outbox_shard__``, ``__outbox_object__`` and ``__outbox_table__``, resolved when
-the class is defined, where a declaration that does not fit raises
-:class:`~outbox_bridge.OutboxModelError`.
-
-``bulk_create()``, ``bulk_update()``, ``QuerySet.update()`` and raw SQL send no signal and
-write no row: :func:`write_outbox_rows` writes them.
+saved or deleted, in the same transaction: ``save()`` runs in ``transaction.atomic()``, and the
+rows are written by ``post_save`` and ``post_delete`` receivers (so ``QuerySet.delete()`` and
+cascades write theirs too). The declaration is the SQLAlchemy mixin's
+(:mod:`outbox_bridge.declarations`). Bulk operations and raw SQL send no signal:
+:func:`write_outbox_rows` writes their rows.
 """
 
 from __future__ import annotations

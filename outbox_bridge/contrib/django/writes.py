@@ -1,10 +1,6 @@
-"""Writing outbox rows with Django's connections.
-
-:func:`write_row` is ``app.write`` for Django: the same checks against the registry (the same
-errors), the same INSERT (built by SQLAlchemy, compiled for PostgreSQL and run on the Django
-connection's cursor), the same producer span and ``trace_context``. It runs inside
-``transaction.atomic()`` and never commits: the row commits, or rolls back, with the change it
-describes. :func:`write_row_async` serves async views.
+"""Writing outbox rows with Django's connections: :func:`write_row` is ``app.write`` for
+Django, with the same checks, the same INSERT (built by SQLAlchemy, run on the Django
+connection's cursor) and the same producer span.
 """
 
 from __future__ import annotations

@@ -180,13 +180,35 @@ def flush_report(response: HttpResponseBase) -> FlushReport | None:
     return report if isinstance(report, FlushReport) else None
 
 
-def _attach(response: Any, report: FlushReport) -> Any:
-    if isinstance(response, HttpResponseBase):
-        setattr(response, REPORT_ATTRIBUTE, report)
-        for result in report:
-            if not result.handled:
-                log.info("flush of shard %s answered %s", result.shard, result.outcome)
-    return response
+def _flushing(view: View, timeout: Callable[[], float]) -> View:
+    """``view`` (sync or async) run in ``outbox_context(flush=True)``, its response carrying
+    the report."""
+
+    def attach(response: Any, report: FlushReport) -> Any:
+        if isinstance(response, HttpResponseBase):
+            setattr(response, REPORT_ATTRIBUTE, report)
+            for result in report:
+                if not result.handled:
+                    log.info("flush of shard %s answered %s", result.shard, result.outcome)
+        return response
+
+    if iscoroutinefunction(view):
+
+        @functools.wraps(view)
+        async def async_view(*args: Any, **kwargs: Any) -> Any:
+            async with outbox_context(flush=True, timeout=timeout()) as outbox:
+                response = await view(*args, **kwargs)
+            return attach(response, outbox.report)
+
+        return cast(View, async_view)
+
+    @functools.wraps(view)
+    def sync_view(*args: Any, **kwargs: Any) -> Any:
+        with outbox_context(flush=True, timeout=timeout()) as outbox:
+            response = view(*args, **kwargs)
+        return attach(response, outbox.report)
+
+    return cast(View, sync_view)
 
 
 @overload
@@ -210,30 +232,13 @@ def flush_outbox(
     ``transaction.non_atomic_requests``).
     """
 
+    def timeout_now() -> float:
+        return timeout if timeout is not None else flush_timeout(DEFAULT_TIMEOUT)
+
     def decorate(fn: View) -> View:
-        if iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def async_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-                async with outbox_context(flush=True, timeout=_timeout(timeout)) as outbox:
-                    response = await fn(request, *args, **kwargs)
-                return _attach(response, outbox.report)
-
-            return cast(View, async_view)
-
-        @functools.wraps(fn)
-        def sync_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-            with outbox_context(flush=True, timeout=_timeout(timeout)) as outbox:
-                response = fn(request, *args, **kwargs)
-            return _attach(response, outbox.report)
-
-        return cast(View, sync_view)
+        return _flushing(fn, timeout_now)
 
     return decorate(view) if view is not None else decorate
-
-
-def _timeout(given: float | None) -> float:
-    return given if given is not None else flush_timeout(DEFAULT_TIMEOUT)
 
 
 class OutboxFlushMiddleware:
@@ -247,23 +252,13 @@ class OutboxFlushMiddleware:
     async_capable = True
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
-        self.get_response = get_response
         self.timeout = flush_timeout(DEFAULT_TIMEOUT)
-        self._async = iscoroutinefunction(get_response)
-        if self._async:
+        self._respond = _flushing(get_response, lambda: self.timeout)
+        if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
-        if self._async:
-            return self._acall(request)
-        with outbox_context(flush=True, timeout=self.timeout) as outbox:
-            response = self.get_response(request)
-        return _attach(response, outbox.report)
-
-    async def _acall(self, request: HttpRequest) -> Any:
-        async with outbox_context(flush=True, timeout=self.timeout) as outbox:
-            response = await self.get_response(request)
-        return _attach(response, outbox.report)
+        return self._respond(request)
 
 
 __all__ = [

@@ -133,14 +133,7 @@ def _row_of(instance: Any, operation: Operation) -> ModelRow:
 
 def _write_row(session: Session, row: ModelRow) -> int:
     # With the Session itself, not its connection: outbox_context finds its rows through it.
-    return row.declaration.app.write(
-        session,
-        category=row.declaration.category,
-        shard_identifier=row.shard_identifier,
-        object_identifier=row.object_identifier,
-        payload=row.payload,
-        table=row.declaration.table,
-    )
+    return row.app.write(session, **row.fields)
 
 
 # -- events --------------------------------------------------------------------------------------

@@ -32,15 +32,8 @@ DJANGO_KEYS = frozenset({DATABASE_KEY, FLUSH_TIMEOUT_KEY})
 # OPTIONS of a DATABASES entry that Django's PostgreSQL backend reads itself; every other
 # option is a libpq connection parameter (sslmode, sslrootcert, options, service, ...).
 DJANGO_ONLY_OPTIONS = frozenset(
-    {
-        "assume_role",
-        "context",
-        "cursor_factory",
-        "isolation_level",
-        "pool",
-        "prepare_threshold",
-        "server_side_binding",
-    }
+    """assume_role context cursor_factory isolation_level pool prepare_threshold
+    server_side_binding""".split()
 )
 
 

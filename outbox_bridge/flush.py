@@ -152,7 +152,6 @@ class Flusher:
         *,
         client: Client | None = None,
     ) -> None:
-        self._app = app
         self._settings = settings if settings is not None else settings_from_environment()
         self._skips = static_skips(app, self._settings.skip_shards)
         self._client = client

@@ -5,10 +5,9 @@ connection's cursor) and the same producer span.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -22,8 +21,6 @@ from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import RowSpec
 from outbox_bridge.registry import OutboxApp
-
-T = TypeVar("T")
 
 # Django's PostgreSQL backend runs on psycopg 3 next to outbox-bridge (which requires it), and
 # psycopg takes the dialect's pyformat parameters and its adapted values (Jsonb) as they are.
@@ -104,11 +101,6 @@ def write_row(
     return row_id
 
 
-def _atomic(using: str | None, work: Callable[[], T]) -> T:
-    with transaction.atomic(using=using):
-        return work()
-
-
 async def write_row_async(
     app: OutboxApp,
     *,
@@ -134,17 +126,18 @@ async def write_row_async(
     """
 
     def write() -> int:
-        return write_row(
-            app,
-            category=category,
-            shard_identifier=shard_identifier,
-            object_identifier=object_identifier,
-            payload=payload,
-            shard_scope=shard_scope,
-            region=region,
-            scheduled_for=scheduled_for,
-            table=table,
-            using=using,
-        )
+        with transaction.atomic(using=using):
+            return write_row(
+                app,
+                category=category,
+                shard_identifier=shard_identifier,
+                object_identifier=object_identifier,
+                payload=payload,
+                shard_scope=shard_scope,
+                region=region,
+                scheduled_for=scheduled_for,
+                table=table,
+                using=using,
+            )
 
-    return await sync_to_async(_atomic, thread_sensitive=True)(using, write)
+    return await sync_to_async(write, thread_sensitive=True)()

@@ -9,6 +9,7 @@ client and worker, the OpenTelemetry SDK, the command line) nor anything the wor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -222,12 +223,9 @@ class OutboxApp:
         for scope in self._scopes.values():
             if scope.name.upper() == wanted:
                 return scope
-        try:
-            value = int(name)
-        except ValueError:
-            value = None
-        if value is not None and value in self._scopes:
-            return self._scopes[value]
+        with contextlib.suppress(ValueError):
+            if int(name) in self._scopes:
+                return self._scopes[int(name)]
         known = ", ".join(s.name for s in self._scopes.values())
         raise RegistryError(f"unknown scope {name!r}; known scopes: {known}")
 

@@ -140,12 +140,9 @@ def outbox_context(
     *, flush: bool = False, timeout: float = DEFAULT_TIMEOUT, flusher: Flusher | None = None
 ) -> OutboxContext:
     """Track the outbox rows written inside the block with ``write_row`` (and by
-    ``OutboxModel`` saves and deletes), on any database.
-
-    With ``flush=True``, when the block ends, wait (at most ``timeout`` seconds) until every
-    shard written to has handled the rows that committed inside the block; ``.report`` says,
-    per shard, ``handled``, ``blocked``, ``skipped``, ``deferred``, ``timed_out`` or
-    ``unavailable``. End the transaction inside the block::
+    ``OutboxModel`` saves and deletes), on any database: :func:`outbox_bridge.outbox_context`
+    for Django, with the same ``flush``, ``timeout``, ``flusher``, nesting and ``.report``.
+    End the transaction inside the block::
 
         with outbox_context(flush=True) as outbox:
             with transaction.atomic():
@@ -154,11 +151,8 @@ def outbox_context(
             ...
 
     A row counts as committed when its ``transaction.on_commit`` callback runs, after every
-    callback registered before it. Rows of a transaction or savepoint that rolled back are not
-    waited for. Contexts nest like ``outbox_bridge.outbox_context``: rows written in an inner
-    ``flush=False`` context are not waited for; rows that commit only after an inner context
-    ended are waited for by the enclosing one; rows still uncommitted when the outermost
-    context ends are listed in ``report.not_committed``. ``flusher`` defaults to the app's.
+    callback registered before it; rows of a transaction or savepoint that rolled back are not
+    waited for.
     """
     return OutboxContext(flush=flush, timeout=timeout, flusher=flusher)
 

@@ -160,10 +160,10 @@ class Flusher:
         )
         self._loop_thread: EventLoopThread | None = None
         self._loop_lock = threading.Lock()
-        # Task queue -> until when it is trusted to have pollers (time.monotonic()).
-        self._polled_until: dict[str, float] = {}
-        # Task queues whose absence of pollers was logged (until a worker polls them again).
-        self._unpolled: set[str] = set()
+        # Until when the task queue is trusted to have pollers (time.monotonic()).
+        self._polled_until = 0.0
+        # Whether the absence of pollers was logged (until a worker polls the task queue).
+        self._absence_logged = False
 
     # -- async ---------------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class Flusher:
         """Return once some worker polls the flusher's task queue; raise :class:`_NoWorker`
         when none does, :class:`_Unavailable` when Temporal does not answer by the deadline."""
         queue = self._settings.task_queue
-        if time.monotonic() < self._polled_until.get(queue, 0.0):
+        if time.monotonic() < self._polled_until:
             return
         try:
             polled = await task_queue_polled(client, queue, deadline)
@@ -230,8 +230,8 @@ class Flusher:
                 f"{client.namespace!r}: the flusher's task queue (OUTBOX_TASK_QUEUE) must "
                 "be the worker's. The shard's workflow was not started there"
             )
-            if queue not in self._unpolled:
-                self._unpolled.add(queue)
+            if not self._absence_logged:
+                self._absence_logged = True
                 log.warning(
                     "%s; flushes answer unavailable and their rows are handled asynchronously "
                     "(logged once, until a worker polls the task queue)",
@@ -239,8 +239,8 @@ class Flusher:
                 )
             raise _NoWorker(detail)
         if polled:
-            self._unpolled.discard(queue)
-            self._polled_until[queue] = time.monotonic() + POLLERS_TRUSTED_FOR
+            self._absence_logged = False
+            self._polled_until = time.monotonic() + POLLERS_TRUSTED_FOR
 
     def _no_answer(self, why: str) -> str:
         return f"Temporal at {temporal_address(self._settings)} did not answer: {why}"

@@ -1,13 +1,7 @@
-"""The rules that turn a model class into the outbox rows of its instances, shared by the
-model integrations: SQLAlchemy's :class:`~outbox_bridge.orm.OutboxModel` and Django's
-(:mod:`outbox_bridge.contrib.django.models`).
-
-A class declares its app and category (``__outbox_app__``, ``__outbox_category__``) and may
-name its shard and object identifier attributes and its table (``__outbox_shard__``,
-``__outbox_object__``, ``__outbox_table__``); what it leaves out is inferred once, from the
-class, and a declaration that does not fit raises :class:`~outbox_bridge.OutboxModelError`
-right there. The integrations only say what the ORM knows: the attribute of a single integer
-primary key, and how to describe the primary key in a message.
+"""The rules that turn a model class into the outbox rows of its instances, shared by
+SQLAlchemy's :class:`~outbox_bridge.orm.OutboxModel` and Django's
+(:mod:`outbox_bridge.contrib.django.models`). The integrations only say what the ORM knows: the
+attribute of a single integer primary key, and how to describe the primary key in a message.
 """
 
 from __future__ import annotations
@@ -37,12 +31,11 @@ class Declaration:
 
 @dataclass(frozen=True)
 class ModelRow:
-    """The outbox row of one instance, checked and ready to write."""
+    """The outbox row of one instance, checked: its app, and the keyword arguments that write
+    it (``app.write``'s)."""
 
-    declaration: Declaration
-    shard_identifier: int
-    object_identifier: int
-    payload: Any
+    app: OutboxApp
+    fields: dict[str, Any]
 
 
 def _camel(name: str) -> str:
@@ -141,26 +134,29 @@ def declare(cls: type[Any], *, primary_key: str | None, primary_key_columns: str
 Describe = Callable[[Any], str]
 
 
-def identifier(instance: Any, attribute: str, what: str, describe: Describe, when: str) -> int:
-    """The integer in ``instance.<attribute>``, or :class:`OutboxModelError` naming the
-    instance and when the value must be set (``when``: "before the flush")."""
-    value = getattr(instance, attribute)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OutboxModelError(
-            f"cannot write the outbox row of {describe(instance)}: its {what} ({attribute}) is "
-            f"{value!r}, not an integer; set it {when}"
-        )
-    return value
-
-
 def model_row(
     declaration: Declaration, instance: Any, operation: Operation, describe: Describe, when: str
 ) -> ModelRow:
-    """The row of ``instance`` for ``operation``: its identifiers checked, its payload from
-    ``instance.outbox_payload(operation)``."""
+    """The row of ``instance`` for ``operation``: its identifiers checked (else
+    :class:`OutboxModelError` naming the instance and ``when`` the value must be set, such as
+    "before the flush"), its payload from ``instance.outbox_payload(operation)``."""
+
+    def identifier(attribute: str, what: str) -> int:
+        value = getattr(instance, attribute)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OutboxModelError(
+                f"cannot write the outbox row of {describe(instance)}: its {what} ({attribute}) "
+                f"is {value!r}, not an integer; set it {when}"
+            )
+        return value
+
     return ModelRow(
-        declaration,
-        identifier(instance, declaration.shard_attribute, "shard identifier", describe, when),
-        identifier(instance, declaration.object_attribute, "object identifier", describe, when),
-        instance.outbox_payload(operation),
+        declaration.app,
+        {
+            "category": declaration.category,
+            "shard_identifier": identifier(declaration.shard_attribute, "shard identifier"),
+            "object_identifier": identifier(declaration.object_attribute, "object identifier"),
+            "payload": instance.outbox_payload(operation),
+            "table": declaration.table,
+        },
     )

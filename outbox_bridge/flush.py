@@ -1,27 +1,19 @@
 """Synchronous flush: after a transaction commits, wait until its rows are handled.
 
 ``outbox_context(session, flush=True)`` records the rows written with ``app.write`` inside it.
-When the block ends, for every shard whose rows committed, it sends the shard's workflow the
-``flush`` update with start (starting the workflow if it is not running) and waits until the
-shard handled every row up to the highest id written, or says why it cannot: blocked behind a
-failing head, skipped, deferred, timed out, or unavailable. Nothing is lost either way: rows
-that are not handled in time stay in the table and are handled asynchronously.
+When the block ends, every shard whose rows committed gets the ``flush`` update with start
+(starting its workflow if it is not running), which answers once the shard handled every row
+up to the highest id written, or says why it cannot. Rows not handled in time stay in the
+table and are handled asynchronously. Once the transaction committed, a flush never raises:
+when Temporal cannot be reached, every shard is answered ``unavailable`` with a ``detail``.
 
-Once the transaction committed, a flush never raises: when Temporal cannot be reached (the
-client cannot connect on first use, or the server went away later) every shard is answered
-``unavailable``, with a ``detail`` that says why.
-
-Before it starts anything, a flush checks that some worker polls its task queue
-(``describe_task_queue``; a task queue seen with pollers is trusted for
-:data:`POLLERS_TRUSTED_FOR` seconds). A producer configured with another task queue than the
-worker's would otherwise start the shard's workflow on a queue nobody polls, where it would stay
-stuck: the worker's bridge only signals a running workflow, it never moves it. Such a flush
-starts nothing and answers ``unavailable`` at once, naming the task queue (an answer without
-pollers is asked again for a second, for a worker that is starting); the worker's bridge then
-handles the rows asynchronously. The absence is logged once, as a warning, until a worker polls
-the task queue; every later flush asks again, so one that comes after a worker appeared sees
-it. Where the flusher may not describe task queues (or the server lacks the call), the check is
-skipped.
+Before it starts anything, a flush checks that some worker polls its task queue: a producer
+configured with another task queue than the worker's would start the shard's workflow where
+nobody polls it, and the worker's bridge only signals a running workflow, it never moves it.
+Such a flush starts nothing and answers ``unavailable`` at once, naming the task queue; the
+absence is logged once, until a worker polls it. A task queue seen with pollers is trusted for
+:data:`POLLERS_TRUSTED_FOR` seconds; where the flusher may not describe task queues, the check
+is skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
@@ -69,8 +61,6 @@ from outbox_bridge.workflows.models import FlushInput, FlushOutcome, FlushResult
 log = logging.getLogger("outbox_bridge.flush")
 
 DEFAULT_TIMEOUT = 10.0
-# Temporal did not answer: the rows are handled asynchronously (see the detail).
-UNAVAILABLE = FlushOutcome.UNAVAILABLE
 # How much longer than the flush's own timeout the client waits for the update's answer.
 ANSWER_GRACE = 5.0
 # Errors that sending the update again cannot cure.
@@ -87,15 +77,21 @@ POLLERS_TRUSTED_FOR = 10.0
 
 
 class _Unavailable(Exception):
-    """Temporal cannot take the flush now (``detail`` says why): answered ``unavailable``."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+    """Temporal cannot take the flush now (the message says why): answered ``unavailable``."""
 
 
 class _NoWorker(_Unavailable):
     """No worker polls the flusher's task queue (logged once per absence, not per flush)."""
+
+
+def check_timeout(timeout: float) -> None:
+    if not 0 < timeout <= 3600:
+        raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
+
+
+def unavailable(targets: Mapping[ShardRef, int], detail: str) -> list[FlushResult]:
+    """Every shard of ``targets`` answered ``unavailable``, for ``detail``."""
+    return [FlushResult(shard.key, FlushOutcome.UNAVAILABLE, detail=detail) for shard in targets]
 
 
 @dataclass
@@ -156,7 +152,6 @@ class Flusher:
         *,
         client: Client | None = None,
     ) -> None:
-        self._app = app
         self._settings = settings if settings is not None else settings_from_environment()
         self._skips = static_skips(app, self._settings.skip_shards)
         self._client = client
@@ -165,10 +160,10 @@ class Flusher:
         )
         self._loop_thread: EventLoopThread | None = None
         self._loop_lock = threading.Lock()
-        # Task queue -> until when it is trusted to have pollers (time.monotonic()).
-        self._polled_until: dict[str, float] = {}
-        # Task queues whose absence of pollers was logged (until a worker polls them again).
-        self._unpolled: set[str] = set()
+        # Until when the task queue is trusted to have pollers (time.monotonic()).
+        self._polled_until = 0.0
+        # Whether the absence of pollers was logged (until a worker polls the task queue).
+        self._absence_logged = False
 
     # -- async ---------------------------------------------------------------------------------
 
@@ -178,8 +173,7 @@ class Flusher:
         """Flush every shard of ``targets`` (shard → highest id to wait for) concurrently."""
         if not targets:
             return []
-        if not 0 < timeout <= 3600:
-            raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
+        check_timeout(timeout)
         deadline = time.monotonic() + timeout
         try:
             client = await self._client_for_loop(deadline)
@@ -189,9 +183,9 @@ class Flusher:
                 logging.DEBUG if isinstance(exc, _NoWorker) else logging.WARNING,
                 "flush of shard(s) %s not sent: %s; their rows are handled asynchronously",
                 ", ".join(shard.key for shard in targets),
-                exc.detail,
+                exc,
             )
-            return [FlushResult(shard.key, UNAVAILABLE, detail=exc.detail) for shard in targets]
+            return unavailable(targets, str(exc))
         flushes = [
             self._flush_one(client, shard, up_to, deadline) for shard, up_to in targets.items()
         ]
@@ -220,10 +214,9 @@ class Flusher:
 
     async def _check_pollers(self, client: Client, deadline: float) -> None:
         """Return once some worker polls the flusher's task queue; raise :class:`_NoWorker`
-        when none does (at once: see the module's docstring), :class:`_Unavailable` when
-        Temporal does not answer by the deadline."""
+        when none does, :class:`_Unavailable` when Temporal does not answer by the deadline."""
         queue = self._settings.task_queue
-        if time.monotonic() < self._polled_until.get(queue, 0.0):
+        if time.monotonic() < self._polled_until:
             return
         try:
             polled = await task_queue_polled(client, queue, deadline)
@@ -237,8 +230,8 @@ class Flusher:
                 f"{client.namespace!r}: the flusher's task queue (OUTBOX_TASK_QUEUE) must "
                 "be the worker's. The shard's workflow was not started there"
             )
-            if queue not in self._unpolled:
-                self._unpolled.add(queue)
+            if not self._absence_logged:
+                self._absence_logged = True
                 log.warning(
                     "%s; flushes answer unavailable and their rows are handled asynchronously "
                     "(logged once, until a worker polls the task queue)",
@@ -246,26 +239,11 @@ class Flusher:
                 )
             raise _NoWorker(detail)
         if polled:
-            self._unpolled.discard(queue)
-            self._polled_until[queue] = time.monotonic() + POLLERS_TRUSTED_FOR
+            self._absence_logged = False
+            self._polled_until = time.monotonic() + POLLERS_TRUSTED_FOR
 
     def _no_answer(self, why: str) -> str:
         return f"Temporal at {temporal_address(self._settings)} did not answer: {why}"
-
-    async def _unreachable(self, client: Client) -> str | None:
-        """Why the server does not answer now, or None when it does."""
-        try:
-            await asyncio.wait_for(
-                client.workflow_service.get_system_info(
-                    GetSystemInfoRequest(), timeout=timedelta(seconds=PROBE_TIMEOUT)
-                ),
-                PROBE_TIMEOUT + 0.5,
-            )
-        except RPCError as exc:
-            return self._no_answer(exc.message)
-        except TimeoutError:
-            return self._no_answer(f"no answer within {PROBE_TIMEOUT:.1f} s")
-        return None
 
     async def _flush_one(
         self, client: Client, shard: ShardRef, up_to: int, deadline: float
@@ -279,23 +257,25 @@ class Flusher:
             result: FlushResult = await asyncio.wait_for(handle.result(), left + ANSWER_GRACE)
         except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
             return await self._timed_out(client, shard)
-        except _Unavailable as exc:
-            log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, exc.detail)
-            return FlushResult(shard.key, UNAVAILABLE, detail=exc.detail)
-        except (RPCError, WorkflowUpdateFailedError) as exc:
-            detail = getattr(exc, "message", None) or str(exc)
-            log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, detail)
-            return FlushResult(shard.key, UNAVAILABLE, detail=detail)
+        except (_Unavailable, RPCError, WorkflowUpdateFailedError) as exc:
+            return _unanswered(shard, getattr(exc, "message", None) or str(exc))
         return result
 
     async def _timed_out(self, client: Client, shard: ShardRef) -> FlushResult:
         """``timed_out``, or ``unavailable`` when the server does not answer any more (the
         client retries calls to an unreachable server until they are cancelled)."""
-        why = await self._unreachable(client)
-        if why is None:
-            return FlushResult(shard.key, FlushOutcome.TIMED_OUT)
-        log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, why)
-        return FlushResult(shard.key, UNAVAILABLE, detail=why)
+        try:
+            await asyncio.wait_for(
+                client.workflow_service.get_system_info(
+                    GetSystemInfoRequest(), timeout=timedelta(seconds=PROBE_TIMEOUT)
+                ),
+                PROBE_TIMEOUT + 0.5,
+            )
+        except RPCError as exc:
+            return _unanswered(shard, self._no_answer(exc.message))
+        except TimeoutError:
+            return _unanswered(shard, self._no_answer(f"no answer within {PROBE_TIMEOUT:.1f} s"))
+        return FlushResult(shard.key, FlushOutcome.TIMED_OUT)
 
     async def _accepted(
         self, client: Client, shard: ShardRef, up_to: int, deadline: float
@@ -370,7 +350,7 @@ class Flusher:
             work.cancel()
             detail = self._no_answer(f"no answer within {wait:.0f} s")
             log.warning("flush of shard(s) %s: %s", ", ".join(s.key for s in targets), detail)
-            return [FlushResult(shard.key, UNAVAILABLE, detail=detail) for shard in targets]
+            return unavailable(targets, detail)
 
     def _background(self) -> EventLoopThread:
         with self._loop_lock:
@@ -388,12 +368,15 @@ class Flusher:
             self._clients.pop(loop_thread.loop, None)
 
 
+def _unanswered(shard: ShardRef, detail: str) -> FlushResult:
+    log.warning("flush of shard %s got no answer from Temporal: %s", shard.key, detail)
+    return FlushResult(shard.key, FlushOutcome.UNAVAILABLE, detail=detail)
+
+
 def _retrieve_start_outcome(operation: WithStartWorkflowOperation[Any, Any]) -> None:
-    """Retrieve the outcome of the operation's start once the SDK sets it. The flush never
-    asks for the started workflow's handle, and an attempt that failed (or that the flush's
-    deadline cancelled) leaves an exception on the operation's future; unretrieved, asyncio
-    logs it at ERROR when the future is collected ("Future exception was never
-    retrieved"): retrieved here, since the flush reports the failure itself."""
+    """Retrieve the outcome of the operation's start once the SDK sets it: the flush never
+    asks for the started workflow's handle and reports a failed start itself, and asyncio logs
+    an unretrieved exception at ERROR ("Future exception was never retrieved")."""
     future = getattr(operation, "_workflow_handle", None)
     if isinstance(future, asyncio.Future):
 
@@ -408,39 +391,30 @@ def _retrieve_start_outcome(operation: WithStartWorkflowOperation[Any, Any]) -> 
 
 
 @dataclass
-class _Written:
+class Written:
     app: OutboxApp
     up_to: int
     flush: bool
 
 
-class OutboxContext:
-    """See :func:`outbox_context`. Use with ``with`` (a ``Session`` or ``Connection``) or
-    ``async with`` (an ``AsyncSession`` or ``AsyncConnection``); ``report`` holds the answer
-    once the block has ended."""
+class FlushingContext:
+    """What this module's :class:`OutboxContext` and Django's share: the rows that committed
+    inside the block, by shard, and their flush when the block ends."""
 
-    def __init__(
-        self, session: Any, *, flush: bool, timeout: float, flusher: Flusher | None
-    ) -> None:
-        if not 0 < timeout <= 3600:
-            raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
-        self._session = session
+    _log = log
+    # How the warning about rows that had not committed tells the user to wait for them.
+    _commit_hint = "commit inside the block to wait for them"
+
+    def __init__(self, *, flush: bool, timeout: float, flusher: Flusher | None) -> None:
+        check_timeout(timeout)
         self._flush = flush
         self._timeout = timeout
         self._flusher = flusher
-        self._pending: dict[ShardRef, _Written] = {}
-        self._committed: dict[ShardRef, _Written] = {}
-        self._parent: OutboxContext | None = None
+        self._committed: dict[ShardRef, Written] = {}
         self.report = FlushReport()
 
-    # -- recording (called by app.write and the session's events) ------------------------------
-
-    def record_row(self, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
-        """Note a row written in this context (called by ``app.write``)."""
-        self._add(self._pending, shard, _Written(app, row_id, self._flush))
-
     @staticmethod
-    def _add(into: dict[ShardRef, _Written], shard: ShardRef, written: _Written) -> None:
+    def _add(into: dict[ShardRef, Written], shard: ShardRef, written: Written) -> None:
         known = into.get(shard)
         if known is None:
             into[shard] = written
@@ -448,17 +422,93 @@ class OutboxContext:
             known.up_to = max(known.up_to, written.up_to)
             known.flush = known.flush or written.flush
 
+    def _enter(self) -> Self:
+        raise NotImplementedError
+
+    def _close(self, failed: bool) -> list[str]:
+        """Close the block; the shards of its rows that have not committed, when no enclosing
+        context takes them over."""
+        raise NotImplementedError
+
+    def _flusher_for(self, app: OutboxApp) -> Flusher | str:
+        """The flusher of ``app``, or why there is none (every shard answers unavailable)."""
+        return self._flusher if self._flusher is not None else app_flusher(app)
+
+    def _targets(self, failed: bool) -> dict[OutboxApp, dict[ShardRef, int]]:
+        not_committed = self._close(failed)
+        if failed:
+            return {}
+        if not_committed:
+            self.report.not_committed = not_committed
+            self._log.warning(
+                "outbox_context ended before its rows committed (shards %s): they are "
+                "handled asynchronously; %s",
+                ", ".join(not_committed),
+                self._commit_hint,
+            )
+        targets: dict[OutboxApp, dict[ShardRef, int]] = {}
+        for shard, written in self._committed.items():
+            if written.flush:
+                targets.setdefault(written.app, {})[shard] = written.up_to
+        return targets
+
+    def _flushes(self, failed: bool) -> Iterator[tuple[Flusher, dict[ShardRef, int]]]:
+        """Close the block; each flusher with the shards it flushes now."""
+        for app, targets in self._targets(failed).items():
+            flusher = self._flusher_for(app)
+            if isinstance(flusher, str):
+                self.report.results += unavailable(targets, flusher)
+            else:
+                yield flusher, targets
+
+    def __enter__(self) -> Self:
+        return self._enter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for flusher, targets in self._flushes(exc_type is not None):
+            self.report.results += flusher.flush_sync(targets, self._timeout)
+
+    async def __aenter__(self) -> Self:
+        return self._enter()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for flusher, targets in self._flushes(exc_type is not None):
+            self.report.results += await flusher.flush(targets, self._timeout)
+
+
+class OutboxContext(FlushingContext):
+    """See :func:`outbox_context`. Use with ``with`` (a ``Session`` or ``Connection``) or
+    ``async with`` (an ``AsyncSession`` or ``AsyncConnection``); ``report`` holds the answer
+    once the block has ended."""
+
+    def __init__(
+        self, session: Any, *, flush: bool, timeout: float, flusher: Flusher | None
+    ) -> None:
+        super().__init__(flush=flush, timeout=timeout, flusher=flusher)
+        self._session = session
+        self._pending: dict[ShardRef, Written] = {}
+        self._parent: OutboxContext | None = None
+
+    def record_row(self, app: OutboxApp, shard: ShardRef, row_id: int) -> None:
+        """Note a row written in this context (called by ``app.write``)."""
+        self._add(self._pending, shard, Written(app, row_id, self._flush))
+
     def _on_commit(self) -> None:
         for shard, written in self._pending.items():
             self._add(self._committed, shard, written)
         self._pending.clear()
 
-    def _on_rollback(self) -> None:
-        self._pending.clear()
-
-    # -- entering and leaving ------------------------------------------------------------------
-
-    def _enter(self) -> OutboxContext:
+    def _enter(self) -> Self:
         info = session_info(self._session)
         stack: list[OutboxContext] = info.setdefault(CONTEXTS, [])
         self._parent = stack[-1] if stack else None
@@ -468,53 +518,18 @@ class OutboxContext:
             info[LISTENING] = True
         return self
 
-    def _leave(self, failed: bool) -> dict[ShardRef, _Written]:
-        """Pop this context; return what to flush now."""
+    def _close(self, failed: bool) -> list[str]:
         stack: list[OutboxContext] = session_info(self._session).get(CONTEXTS, [])
         if stack and stack[-1] is self:
             stack.pop()
-        if failed:
-            return {}
-        if self._pending:
-            if self._parent is not None:
-                # Commits with the enclosing transaction: the enclosing context waits for them.
-                for shard, written in self._pending.items():
-                    self._add(self._parent._pending, shard, written)
-            else:
-                self.report.not_committed = [shard.key for shard in self._pending]
-                log.warning(
-                    "outbox_context ended before its rows committed (shards %s): they are "
-                    "handled asynchronously; commit inside the block to wait for them",
-                    ", ".join(self.report.not_committed),
-                )
-        return {shard: w for shard, w in self._committed.items() if w.flush}
-
-    def _flusher_for(self, app: OutboxApp) -> Flusher:
-        return self._flusher if self._flusher is not None else app_flusher(app)
-
-    def __enter__(self) -> OutboxContext:
-        return self._enter()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for app, targets in _by_app(self._leave(exc_type is not None)).items():
-            self.report.results += self._flusher_for(app).flush_sync(targets, self._timeout)
-
-    async def __aenter__(self) -> OutboxContext:
-        return self._enter()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for app, targets in _by_app(self._leave(exc_type is not None)).items():
-            self.report.results += await self._flusher_for(app).flush(targets, self._timeout)
+        if failed or not self._pending:
+            return []
+        if self._parent is None:
+            return [shard.key for shard in self._pending]
+        # Commits with the enclosing transaction: the enclosing context waits for them.
+        for shard, written in self._pending.items():
+            self._add(self._parent._pending, shard, written)
+        return []
 
 
 def outbox_context(
@@ -559,13 +574,6 @@ def settings_from_environment() -> OutboxSettings:
     return OutboxSettings(**nothing_given)
 
 
-def _by_app(targets: dict[ShardRef, _Written]) -> dict[OutboxApp, dict[ShardRef, int]]:
-    grouped: dict[OutboxApp, dict[ShardRef, int]] = {}
-    for shard, written in targets.items():
-        grouped.setdefault(written.app, {})[shard] = written.up_to
-    return grouped
-
-
 def _listen(session: Any) -> None:
     """Move the contexts' rows to committed on commit, forget them on rollback."""
     target = sync_target(session)
@@ -577,7 +585,7 @@ def _listen(session: Any) -> None:
 
     def rolled_back(*_: Any) -> None:
         for context in info.get(CONTEXTS, []):
-            context._on_rollback()
+            context._pending.clear()
 
     if isinstance(target, Connection):
         event.listen(target, "commit", committed)

@@ -7,12 +7,12 @@ each be handled, so each needs an object identifier of its own.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from sqlalchemy import Select, func, select
 
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.sessions import sync_result
 
 
 def _next_value(app: OutboxApp, table: str | None) -> Select[tuple[int]]:
@@ -33,15 +33,7 @@ def next_object_identifier(session: Any, app: OutboxApp, table: str | None = Non
     skip it (ids only order rows; the gaps are harmless). The database role needs ``USAGE`` on
     the sequence (``pg_get_serial_sequence('<table>', 'id')``).
     """
-    result = session.execute(_next_value(app, table))
-    if inspect.isawaitable(result):  # an AsyncSession / AsyncConnection: nothing ran
-        close = getattr(result, "close", None)
-        if close is not None:
-            close()
-        raise TypeError(
-            "next_object_identifier() got an async session; use await "
-            "next_object_identifier_async()"
-        )
+    result = sync_result(session.execute(_next_value(app, table)), "next_object_identifier")
     return int(result.scalar_one())
 
 

@@ -1,10 +1,4 @@
-"""Outbox rows from SQLAlchemy ORM models.
-
-A mapped class that mixes in :class:`OutboxModel` writes one outbox row for every instance that
-a flush inserts, updates or deletes, in that same flush: the row commits or rolls back with the
-change it describes. The scope follows from the category; the shard identifier and the object
-identifier are inferred from the class once, when it is mapped, and a declaration that does
-not fit raises :class:`~outbox_bridge.OutboxModelError` right there.
+"""Outbox rows from SQLAlchemy ORM models (:class:`OutboxModel`).
 
 Mapper events note exactly the instances that the unit of work wrote: an update with no net
 change is in ``session.dirty`` but writes nothing, and an orphan deleted by ``delete-orphan`` is
@@ -139,14 +133,7 @@ def _row_of(instance: Any, operation: Operation) -> ModelRow:
 
 def _write_row(session: Session, row: ModelRow) -> int:
     # With the Session itself, not its connection: outbox_context finds its rows through it.
-    return row.declaration.app.write(
-        session,
-        category=row.declaration.category,
-        shard_identifier=row.shard_identifier,
-        object_identifier=row.object_identifier,
-        payload=row.payload,
-        table=row.declaration.table,
-    )
+    return row.app.write(session, **row.fields)
 
 
 # -- events --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ client and worker, the OpenTelemetry SDK, the command line) nor anything the wor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -23,8 +24,7 @@ from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import PreparedRow, RowSpec, bigint, build_insert
-from outbox_bridge.sessions import record_write
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.sessions import record_write, sync_result
 
 if TYPE_CHECKING:
     from temporalio.client import Client
@@ -223,12 +223,9 @@ class OutboxApp:
         for scope in self._scopes.values():
             if scope.name.upper() == wanted:
                 return scope
-        try:
-            value = int(name)
-        except ValueError:
-            value = None
-        if value is not None and value in self._scopes:
-            return self._scopes[value]
+        with contextlib.suppress(ValueError):
+            if int(name) in self._scopes:
+                return self._scopes[int(name)]
         known = ", ".join(s.name for s in self._scopes.values())
         raise RegistryError(f"unknown scope {name!r}; known scopes: {known}")
 
@@ -362,14 +359,10 @@ class OutboxApp:
             )
         )
         with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
-            result = session.execute(seen.statement)
-            if inspect.isawaitable(result):  # an AsyncSession / AsyncConnection: nothing ran
-                close = getattr(result, "close", None)
-                if close is not None:
-                    close()
-                raise TypeError("app.write() got an async session; use await app.write_async()")
+            result = sync_result(session.execute(seen.statement), "app.write")
             row_id = seen.written(int(result.scalar_one()))
-        return self._written(session, row.shard, row_id)
+        record_write(session, self, row.shard, row_id)
+        return row_id
 
     async def write_async(
         self,
@@ -400,7 +393,8 @@ class OutboxApp:
         with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
             result = await session.execute(seen.statement)
             row_id = seen.written(int(result.scalar_one()))
-        return self._written(session, row.shard, row_id)
+        record_write(session, self, row.shard, row_id)
+        return row_id
 
     def prepare(self, spec: RowSpec) -> PreparedRow:
         """Check ``spec`` against the registry and build its INSERT ... RETURNING id, without
@@ -423,10 +417,6 @@ class OutboxApp:
             )
         regional = self.tables[table.name].regional
         return build_insert(table, spec, regional=regional, category=category, scope=scope)
-
-    def _written(self, session: Any, shard: ShardRef, row_id: int) -> int:
-        record_write(session, self, shard, row_id)
-        return row_id
 
     # -- flushing ------------------------------------------------------------------------------
 

@@ -1,12 +1,11 @@
 """What outbox-bridge keeps in a SQLAlchemy session's ``info``: the open outbox contexts that
-``app.write`` reports its rows to.
-
-This sits below the registry, which reports every row it writes here; the contexts themselves,
-which flush through Temporal once their block ends, are :mod:`outbox_bridge.flush`'s.
+``app.write`` reports its rows to (the contexts, which flush through Temporal, are
+:mod:`outbox_bridge.flush`'s).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 from outbox_bridge.workflows.models import ShardRef
@@ -51,3 +50,14 @@ def record_write(session: Any, app: Any, shard: ShardRef, row_id: int) -> None:
         return
     if stack:
         stack[-1].record_row(app, shard, row_id)
+
+
+def sync_result(result: Any, call: str) -> Any:
+    """``result`` of ``session.execute`` in ``call`` (``app.write``, ...); :class:`TypeError`
+    when the session is async, and nothing ran."""
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()
+        raise TypeError(f"{call}() got an async session; use await {call}_async()")
+    return result

@@ -1,6 +1,5 @@
-"""The Django app of outbox-bridge: ``"outbox_bridge.contrib.django"`` in ``INSTALLED_APPS``
-brings the ``outbox_worker`` management command, the system checks of ``OUTBOX_BRIDGE``, and
-``flush`` and ``sqlflush`` commands that empty the outbox tables with the model tables."""
+"""The Django app of outbox-bridge: the ``outbox_worker`` command, the system checks of
+``OUTBOX_BRIDGE``, and ``flush`` and ``sqlflush`` commands that empty the outbox tables too."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""System checks of the ``OUTBOX_BRIDGE`` setting (``manage.py check``, and before
-``migrate``, ``runserver`` and the other commands): what the ``outbox_worker`` command and the
-flushes configured from Django settings would refuse, found at start-up. Nothing connects."""
+"""System checks of the ``OUTBOX_BRIDGE`` setting: what the ``outbox_worker`` command and
+the flushes configured from Django settings would refuse, found at start-up."""
 
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
 """outbox-bridge's settings in a Django project: the ``OUTBOX_BRIDGE`` dict of the Django
-settings, and the ``DATABASES`` entry of the outbox's database.
-
-::
-
-    OUTBOX_BRIDGE = {
-        "APP": "shop.outbox:app",          # the OutboxApp, as module:attribute
-        "DATABASE": "default",             # the DATABASES alias of the outbox tables
-        "TEMPORAL_ADDRESS": "temporal:7233",
-        "TASK_QUEUE": "outbox",
-        "FLUSH_TIMEOUT": 10,               # flush_outbox and OutboxFlushMiddleware, seconds
-    }
-
-Every other key is an :class:`~outbox_bridge.OutboxSettings` field, named like its environment
-variable without the prefix (``TASK_QUEUE``, ``TEMPORAL_API_KEY``, ``HEALTH_PORT``,
-``PARTITIONS``, ...; any letter case). A setting the dict does not give comes from the
-environment (``OUTBOX_*``, ``TEMPORAL_*``), else its default, as for ``outbox-bridge worker``.
-The database URL is built from the ``DATABASES`` entry (``NAME``, ``USER``, ``PASSWORD``,
-``HOST``, ``PORT`` and the libpq ``OPTIONS``) unless the dict gives ``DATABASE_URL``.
+settings (``APP``, ``DATABASE``, ``FLUSH_TIMEOUT`` and any :class:`~outbox_bridge.OutboxSettings`
+field, named like its environment variable without the prefix), then the environment, and the
+``DATABASES`` entry of the outbox's database for the database URL.
 
 This module reads settings only: it connects to nothing and loads nothing of the worker.
 """
@@ -47,15 +32,8 @@ DJANGO_KEYS = frozenset({DATABASE_KEY, FLUSH_TIMEOUT_KEY})
 # OPTIONS of a DATABASES entry that Django's PostgreSQL backend reads itself; every other
 # option is a libpq connection parameter (sslmode, sslrootcert, options, service, ...).
 DJANGO_ONLY_OPTIONS = frozenset(
-    {
-        "assume_role",
-        "context",
-        "cursor_factory",
-        "isolation_level",
-        "pool",
-        "prepare_threshold",
-        "server_side_binding",
-    }
+    """assume_role context cursor_factory isolation_level pool prepare_threshold
+    server_side_binding""".split()
 )
 
 

@@ -1,24 +1,13 @@
 """Waiting after the commit until a request's rows are handled, for Django.
 
-:func:`outbox_context` is ``outbox_bridge.outbox_context`` for Django's connections: the rows
-written inside it with :func:`~outbox_bridge.contrib.django.writes.write_row` (models declared
-with :class:`~outbox_bridge.contrib.django.models.OutboxModel` included) are recorded, each
-with a ``transaction.on_commit`` callback on its database. A row counts once that callback ran:
-its transaction committed. A transaction or savepoint that rolls back drops its callbacks, and
-its rows are not waited for. With ``flush=True``, when the block ends, every shard written to
-is flushed through :class:`~outbox_bridge.Flusher` (the same ``flush`` update with start as for
-SQLAlchemy) and :attr:`OutboxContext.report` says, per shard, ``handled``, ``blocked``,
-``skipped``, ``deferred``, ``timed_out`` or ``unavailable``. Once the rows committed, a flush
-never raises.
-
-For views: :func:`flush_outbox` wraps one view, :class:`OutboxFlushMiddleware` every request
-(the one that also works with ``ATOMIC_REQUESTS``, whose transaction commits after the view
-returns). Both let the response leave once the rows are handled, or the outcome is known, and
-attach the report to the response (:func:`flush_report`).
-
-The flush reaches Temporal with the app's flush settings (:meth:`OutboxApp.configure_flush
-<outbox_bridge.OutboxApp.configure_flush>`); for the app that ``OUTBOX_BRIDGE["APP"]`` names,
-they come from the Django settings when it was not configured otherwise.
+:func:`outbox_context` is ``outbox_bridge.outbox_context`` for Django's connections: each row
+written inside it with :func:`~outbox_bridge.contrib.django.writes.write_row` (or by an
+``OutboxModel``) counts once its ``transaction.on_commit`` callback ran; a rollback drops the
+callback, and the row is not waited for. The flush itself is :class:`~outbox_bridge.Flusher`'s,
+with the app's flush settings (from the Django settings for the app ``OUTBOX_BRIDGE["APP"]``
+names, unless configured otherwise). :func:`flush_outbox` wraps one view,
+:class:`OutboxFlushMiddleware` every request (also with ``ATOMIC_REQUESTS``, whose transaction
+commits after the view returns); both attach the report to the response (:func:`flush_report`).
 """
 
 from __future__ import annotations
@@ -28,8 +17,7 @@ import logging
 from collections.abc import Callable
 from contextvars import Token
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, TypeVar, cast, overload
+from typing import Any, Self, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.db import transaction
@@ -41,10 +29,10 @@ from outbox_bridge.contrib.django.conf import (
     outbox_app,
     outbox_settings,
 )
-from outbox_bridge.contrib.django.contexts import Stack, open_contexts, pop, push
-from outbox_bridge.flush import DEFAULT_TIMEOUT, Flusher, FlushReport, app_flusher
+from outbox_bridge.contrib.django.contexts import OPEN, Stack
+from outbox_bridge.flush import DEFAULT_TIMEOUT, Flusher, FlushingContext, FlushReport, Written
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.workflows.models import FlushOutcome, FlushResult, ShardRef
+from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger("outbox_bridge.contrib.django.flush")
 
@@ -60,7 +48,6 @@ class _Row:
     ``on_commit``) or the context that holds it ends."""
 
     app: OutboxApp
-    using: str
     connection: Any
     shard: ShardRef
     row_id: int
@@ -72,37 +59,34 @@ class _Row:
             self.owner._commit(self)
 
     def still_pending(self) -> bool:
-        """Its transaction is still open: its ``on_commit`` callback is queued. (A rollback
-        drops the callbacks of what it rolled back.) The queue is the connection's
-        ``run_on_commit`` list of ``(savepoint ids, callback, robust)``, which Django's own
-        ``TestCase.captureOnCommitCallbacks`` reads too."""
+        """Its transaction is still open: its ``on_commit`` callback is queued (a rollback
+        drops it) in the connection's ``run_on_commit`` list of ``(savepoint ids, callback,
+        robust)``, which Django's ``TestCase.captureOnCommitCallbacks`` reads too."""
         queued = getattr(self.connection, "run_on_commit", None) or []
         return any(entry[1] == self.committed for entry in queued)
 
 
-class OutboxContext:
+class OutboxContext(FlushingContext):
     """See :func:`outbox_context`. Use with ``with`` in sync code, ``async with`` in async code;
     ``report`` holds the answer once the block has ended."""
 
+    _log = log
+    _commit_hint = (
+        "end the transaction inside the block to wait for them (with ATOMIC_REQUESTS, use "
+        "OutboxFlushMiddleware)"
+    )
+
     def __init__(self, *, flush: bool, timeout: float, flusher: Flusher | None) -> None:
-        if not 0 < timeout <= 3600:
-            raise ValueError(f"flush timeout must be between 0 and 3600 seconds, got {timeout}")
-        self._flush = flush
-        self._timeout = timeout
-        self._flusher = flusher
+        super().__init__(flush=flush, timeout=timeout, flusher=flusher)
         self._pending: list[_Row] = []
-        self._committed: dict[ShardRef, tuple[OutboxApp, int]] = {}
         self._parent: OutboxContext | None = None
         self._token: Token[Stack] | None = None
-        self.report = FlushReport()
-
-    # -- recording (called by write_row and the on_commit callbacks) ---------------------------
 
     def record_row(
         self, app: OutboxApp, using: str, connection: Any, shard: ShardRef, row_id: int
     ) -> None:
         """Note a row written in this context (called by ``write_row``)."""
-        row = _Row(app, using, connection, shard, row_id, self._flush, self)
+        row = _Row(app, connection, shard, row_id, self._flush, self)
         self._pending.append(row)
         transaction.on_commit(row.committed, using=using)
 
@@ -110,100 +94,55 @@ class OutboxContext:
         if row in self._pending:
             self._pending.remove(row)
         if row.flush:
-            known = self._committed.get(row.shard)
-            up_to = row.row_id if known is None else max(known[1], row.row_id)
-            self._committed[row.shard] = (row.app, up_to)
+            self._add(self._committed, row.shard, Written(row.app, row.row_id, flush=True))
 
-    # -- entering and leaving ------------------------------------------------------------------
-
-    def _enter(self) -> OutboxContext:
-        from_stack = _innermost()
-        self._parent = from_stack
-        self._token = push(self)
+    def _enter(self) -> Self:
+        stack = OPEN.get()
+        self._parent = cast(OutboxContext, stack[-1]) if stack else None
+        self._token = OPEN.set((*stack, self))
         return self
 
-    def _leave(self, failed: bool) -> dict[OutboxApp, dict[ShardRef, int]]:
-        """Close this context; return what to flush now, by app."""
+    def _close(self, failed: bool) -> list[str]:
         if self._token is not None:
-            pop(self._token)
+            OPEN.reset(self._token)
             self._token = None
         pending, self._pending = self._pending, []
-        if failed:
-            for row in pending:
-                row.owner = None
-            return {}
-        waiting = [row for row in pending if row.still_pending()]
+        waiting = [] if failed else [row for row in pending if row.still_pending()]
         for row in pending:
             row.owner = None
-        if waiting:
-            if self._parent is not None:
-                # Commits with an enclosing transaction: the enclosing context waits for it.
-                for row in waiting:
-                    row.owner = self._parent
-                    self._parent._pending.append(row)
-            else:
-                self.report.not_committed = list(dict.fromkeys(row.shard.key for row in waiting))
-                log.warning(
-                    "outbox_context ended before its rows committed (shards %s): they are "
-                    "handled asynchronously; end the transaction inside the block to wait for "
-                    "them (with ATOMIC_REQUESTS, use OutboxFlushMiddleware)",
-                    ", ".join(self.report.not_committed),
-                )
-        targets: dict[OutboxApp, dict[ShardRef, int]] = {}
-        for shard, (app, up_to) in self._committed.items():
-            targets.setdefault(app, {})[shard] = up_to
-        return targets
+        if not waiting:
+            return []
+        if self._parent is None:
+            return list(dict.fromkeys(row.shard.key for row in waiting))
+        # Commits with an enclosing transaction: the enclosing context waits for it.
+        for row in waiting:
+            row.owner = self._parent
+        self._parent._pending += waiting
+        return []
 
-    def __enter__(self) -> OutboxContext:
-        return self._enter()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for app, targets in self._leave(exc_type is not None).items():
-            flusher = _flusher_for(app, self._flusher)
-            if isinstance(flusher, str):
-                self.report.results += _unavailable(targets, flusher)
-            else:
-                self.report.results += flusher.flush_sync(targets, self._timeout)
-
-    async def __aenter__(self) -> OutboxContext:
-        return self._enter()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for app, targets in self._leave(exc_type is not None).items():
-            flusher = _flusher_for(app, self._flusher)
-            if isinstance(flusher, str):
-                self.report.results += _unavailable(targets, flusher)
-            else:
-                self.report.results += await flusher.flush(targets, self._timeout)
-
-
-def _innermost() -> OutboxContext | None:
-    for context in reversed(open_contexts()):
-        if isinstance(context, OutboxContext):
-            return context
-    return None
+    def _flusher_for(self, app: OutboxApp) -> Flusher | str:
+        """The app's flusher, configured from the Django settings when ``app`` is the one
+        ``OUTBOX_BRIDGE`` names and nothing configured it; or why there is none."""
+        route = app.flush_route
+        unconfigured = route.settings is None and route.client is None and route.flusher is None
+        if self._flusher is None and unconfigured:
+            try:
+                if _configured_app() is app:
+                    app.configure_flush(outbox_settings())
+            except OutboxConfigurationError as exc:
+                detail = f"the flush is not configured: {exc}"
+                log.warning("outbox rows not flushed: %s; they are handled asynchronously", detail)
+                return detail
+        return super()._flusher_for(app)
 
 
 def outbox_context(
     *, flush: bool = False, timeout: float = DEFAULT_TIMEOUT, flusher: Flusher | None = None
 ) -> OutboxContext:
     """Track the outbox rows written inside the block with ``write_row`` (and by
-    ``OutboxModel`` saves and deletes), on any database.
-
-    With ``flush=True``, when the block ends, wait (at most ``timeout`` seconds) until every
-    shard written to has handled the rows that committed inside the block; ``.report`` says,
-    per shard, ``handled``, ``blocked``, ``skipped``, ``deferred``, ``timed_out`` or
-    ``unavailable``. End the transaction inside the block::
+    ``OutboxModel`` saves and deletes), on any database: :func:`outbox_bridge.outbox_context`
+    for Django, with the same ``flush``, ``timeout``, ``flusher``, nesting and ``.report``.
+    End the transaction inside the block::
 
         with outbox_context(flush=True) as outbox:
             with transaction.atomic():
@@ -212,39 +151,10 @@ def outbox_context(
             ...
 
     A row counts as committed when its ``transaction.on_commit`` callback runs, after every
-    callback registered before it. Rows of a transaction or savepoint that rolled back are not
-    waited for. Contexts nest like ``outbox_bridge.outbox_context``: rows written in an inner
-    ``flush=False`` context are not waited for; rows that commit only after an inner context
-    ended are waited for by the enclosing one; rows still uncommitted when the outermost
-    context ends are listed in ``report.not_committed``. ``flusher`` defaults to the app's.
+    callback registered before it; rows of a transaction or savepoint that rolled back are not
+    waited for.
     """
     return OutboxContext(flush=flush, timeout=timeout, flusher=flusher)
-
-
-# -- which flusher -------------------------------------------------------------------------------
-
-
-def _flusher_for(app: OutboxApp, given: Flusher | None) -> Flusher | str:
-    """The flusher of ``app``, with its flush settings from the Django settings when ``app`` is
-    the one ``OUTBOX_BRIDGE`` names and nothing configured them; or why there is none: a
-    configuration that does not fit answers every shard ``unavailable`` (the rows committed,
-    and a flush never raises)."""
-    if given is not None:
-        return given
-    route = app.flush_route
-    if route.settings is None and route.client is None and route.flusher is None:
-        try:
-            if _configured_app() is app:
-                app.configure_flush(outbox_settings())
-        except OutboxConfigurationError as exc:
-            detail = f"the flush is not configured: {exc}"
-            log.warning("outbox rows not flushed: %s; they are handled asynchronously", detail)
-            return detail
-    return app_flusher(app)
-
-
-def _unavailable(targets: dict[ShardRef, int], detail: str) -> list[FlushResult]:
-    return [FlushResult(shard.key, FlushOutcome.UNAVAILABLE, detail=detail) for shard in targets]
 
 
 def _configured_app() -> OutboxApp | None:
@@ -264,13 +174,35 @@ def flush_report(response: HttpResponseBase) -> FlushReport | None:
     return report if isinstance(report, FlushReport) else None
 
 
-def _attach(response: Any, report: FlushReport) -> Any:
-    if isinstance(response, HttpResponseBase):
-        setattr(response, REPORT_ATTRIBUTE, report)
-        for result in report:
-            if not result.handled:
-                log.info("flush of shard %s answered %s", result.shard, result.outcome)
-    return response
+def _flushing(view: View, timeout: Callable[[], float]) -> View:
+    """``view`` (sync or async) run in ``outbox_context(flush=True)``, its response carrying
+    the report."""
+
+    def attach(response: Any, report: FlushReport) -> Any:
+        if isinstance(response, HttpResponseBase):
+            setattr(response, REPORT_ATTRIBUTE, report)
+            for result in report:
+                if not result.handled:
+                    log.info("flush of shard %s answered %s", result.shard, result.outcome)
+        return response
+
+    if iscoroutinefunction(view):
+
+        @functools.wraps(view)
+        async def async_view(*args: Any, **kwargs: Any) -> Any:
+            async with outbox_context(flush=True, timeout=timeout()) as outbox:
+                response = await view(*args, **kwargs)
+            return attach(response, outbox.report)
+
+        return cast(View, async_view)
+
+    @functools.wraps(view)
+    def sync_view(*args: Any, **kwargs: Any) -> Any:
+        with outbox_context(flush=True, timeout=timeout()) as outbox:
+            response = view(*args, **kwargs)
+        return attach(response, outbox.report)
+
+    return cast(View, sync_view)
 
 
 @overload
@@ -294,30 +226,13 @@ def flush_outbox(
     ``transaction.non_atomic_requests``).
     """
 
+    def timeout_now() -> float:
+        return timeout if timeout is not None else flush_timeout(DEFAULT_TIMEOUT)
+
     def decorate(fn: View) -> View:
-        if iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def async_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-                async with outbox_context(flush=True, timeout=_timeout(timeout)) as outbox:
-                    response = await fn(request, *args, **kwargs)
-                return _attach(response, outbox.report)
-
-            return cast(View, async_view)
-
-        @functools.wraps(fn)
-        def sync_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-            with outbox_context(flush=True, timeout=_timeout(timeout)) as outbox:
-                response = fn(request, *args, **kwargs)
-            return _attach(response, outbox.report)
-
-        return cast(View, sync_view)
+        return _flushing(fn, timeout_now)
 
     return decorate(view) if view is not None else decorate
-
-
-def _timeout(given: float | None) -> float:
-    return given if given is not None else flush_timeout(DEFAULT_TIMEOUT)
 
 
 class OutboxFlushMiddleware:
@@ -331,23 +246,13 @@ class OutboxFlushMiddleware:
     async_capable = True
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
-        self.get_response = get_response
         self.timeout = flush_timeout(DEFAULT_TIMEOUT)
-        self._async = iscoroutinefunction(get_response)
-        if self._async:
+        self._respond = _flushing(get_response, lambda: self.timeout)
+        if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
-        if self._async:
-            return self._acall(request)
-        with outbox_context(flush=True, timeout=self.timeout) as outbox:
-            response = self.get_response(request)
-        return _attach(response, outbox.report)
-
-    async def _acall(self, request: HttpRequest) -> Any:
-        async with outbox_context(flush=True, timeout=self.timeout) as outbox:
-            response = await self.get_response(request)
-        return _attach(response, outbox.report)
+        return self._respond(request)
 
 
 __all__ = [

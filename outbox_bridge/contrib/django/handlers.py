@@ -1,17 +1,9 @@
 """Handlers that use Django's ORM, in the worker.
 
-A handler runs in the worker, outside any request, so nothing closes its database connections
-the way Django does around a request (``close_old_connections`` on ``request_started`` and
-``request_finished``): a connection broken by a database restart would stay broken in its
-thread, and the handler would fail at every retry. :func:`with_django_connections` wraps a
-handler so that each call starts and ends like a request: connections that are broken, or
-older than ``CONN_MAX_AGE``, are closed (and opened again on next use). The ``outbox_worker``
-management command wraps every handler of the app with it.
-
-Plain ``def`` handlers may use the ORM directly: each runs in one of the worker's handler
-threads (``HANDLER_THREADS``), each thread with its own connection. ``async def`` handlers use
-the async ORM (``aget``, ``asave``, ...), which Django runs with ``sync_to_async`` in one
-thread for all of them: prefer plain handlers for ORM work.
+A handler runs outside any request, so nothing closes its database connections the way Django
+does around a request: a connection broken by a database restart would stay broken in its
+thread, and the handler would fail at every retry. :func:`with_django_connections` makes each
+call start and end like a request.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Outbox rows from Django models.
 
 A model that inherits :class:`OutboxModel` writes one outbox row each time an instance is
-saved or deleted, in the same transaction as the change: ``save()`` runs in
-``transaction.atomic()``, and the rows are written by ``post_save`` and ``post_delete``
-receivers connected to each such model (so that ``QuerySet.delete()`` and cascades, which send
-``post_delete`` for every object, write theirs too). The declaration is the SQLAlchemy mixin's
-(:mod:`outbox_bridge.declarations`): ``__outbox_app__``, ``__outbox_category__`` and the
-optional ``__outbox_shard__``, ``__outbox_object__`` and ``__outbox_table__``, resolved when
-the class is defined, where a declaration that does not fit raises
-:class:`~outbox_bridge.OutboxModelError`.
-
-``bulk_create()``, ``bulk_update()``, ``QuerySet.update()`` and raw SQL send no signal and
-write no row: :func:`write_outbox_rows` writes them.
+saved or deleted, in the same transaction: ``save()`` runs in ``transaction.atomic()``, and the
+rows are written by ``post_save`` and ``post_delete`` receivers (so ``QuerySet.delete()`` and
+cascades write theirs too). The declaration is the SQLAlchemy mixin's
+(:mod:`outbox_bridge.declarations`). Bulk operations and raw SQL send no signal:
+:func:`write_outbox_rows` writes their rows.
 """
 
 from __future__ import annotations
@@ -38,20 +32,12 @@ _WHEN = "before saving it"
 class OutboxModel(models.Model):
     """An abstract model whose instances write an outbox row when they are saved or deleted.
 
-    Declare on the model (or on an abstract base of your replicated models):
-
-    - ``__outbox_app__``: the :class:`~outbox_bridge.OutboxApp` (required).
-    - ``__outbox_category__``: the category of the rows (required). Its scope comes from the
-      app's registry.
-    - ``__outbox_shard__``: the attribute holding the shard identifier. When omitted, it is
-      ``<scope>_id`` (``organization_id`` for ``ORGANIZATION``: a foreign key named
-      ``organization``, say) if the model has one, else the primary key if the model is the
-      scope's own (``Organization`` for ``ORGANIZATION``, ``AuditLog`` for ``AUDIT_LOG``).
-    - ``__outbox_object__``: the attribute holding the object identifier; the primary key (an
-      integer field) when omitted.
-    - ``__outbox_table__``: the app's table to write to; the app's first when omitted.
-      Regional tables are refused: they need one row per target region, written with
-      :func:`~outbox_bridge.contrib.django.writes.write_row`.
+    Declared like SQLAlchemy's :class:`~outbox_bridge.OutboxModel`, on the model or on an
+    abstract base: ``__outbox_app__`` and ``__outbox_category__`` (required),
+    ``__outbox_shard__`` (default: ``<scope>_id``, such as a foreign key named after the scope,
+    else the primary key of the scope's own model), ``__outbox_object__`` (default: the
+    integer primary key) and ``__outbox_table__`` (default: the app's first; not a regional
+    one).
 
     Every ``save()`` writes a row (operation ``"insert"`` when it created the object, else
     ``"update"``: Django does not know whether anything changed), and so does every deleted
@@ -148,15 +134,7 @@ def _row_of(instance: Any, operation: Operation) -> ModelRow:
 
 
 def _write(row: ModelRow, using: str | None) -> int:
-    return write_row(
-        row.declaration.app,
-        category=row.declaration.category,
-        shard_identifier=row.shard_identifier,
-        object_identifier=row.object_identifier,
-        payload=row.payload,
-        table=row.declaration.table,
-        using=using,
-    )
+    return write_row(row.app, **row.fields, using=using)
 
 
 def _saved(sender: type[Any], instance: Any, created: bool, using: str, **kwargs: Any) -> None:

@@ -1,24 +1,10 @@
 """Django migration operations that create and drop the outbox tables.
 
-::
-
-    from django.db import migrations
-
-    from outbox_bridge.contrib.django.operations import CreateOutbox
-
-
-    class Migration(migrations.Migration):
-        dependencies = []
-        operations = [CreateOutbox("shop.outbox:app", tables=["outbox"])]
-
-The statements are the ones ``outbox-bridge init-db``, the worker and the Alembic operations
-run (:func:`outbox_bridge.db.migrations.create_statements`), compiled for PostgreSQL: the
-tables, their indexes, the NOTIFY trigger, the ``trace_context`` column and the
-``<table>_owners`` tables. The outbox tables are not Django models (an identity column, covering
-indexes, a statement-level trigger): the operations change no model state, ``sqlmigrate`` prints
-their SQL, and they are reversible (``CreateOutbox`` backwards drops, ``DropOutbox`` backwards
-creates). Like ``RunSQL``, they run on a database when the routers allow the migration's app
-there (``allow_migrate(db, app_label, **hints)``).
+The statements are those of ``outbox-bridge init-db`` and the Alembic operations
+(:func:`outbox_bridge.db.migrations.create_statements`), compiled for PostgreSQL. The outbox
+tables are not Django models (an identity column, covering indexes, a statement-level trigger):
+the operations change no model state, and like ``RunSQL`` they run on a database when the
+routers allow the migration's app there.
 """
 
 from __future__ import annotations
@@ -86,6 +72,9 @@ class _OutboxOperation(Operation):
     def drop_sql(self) -> list[str]:
         return [sql_of(s) for s in drop_statements(self.outbox_app(), tables=self.tables)]
 
+    # Whether the operation creates the tables forwards (and drops them backwards).
+    creates: bool
+
     def _run(self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, create: bool) -> None:
         connection = schema_editor.connection
         if not router.allow_migrate(connection.alias, app_label, **self.hints):
@@ -99,68 +88,45 @@ class _OutboxOperation(Operation):
         for sql in self.create_sql() if create else self.drop_sql():
             schema_editor.execute(sql, params=None)
 
-    def _names(self) -> str:
-        return ", ".join(self.tables) if self.tables is not None else f"every table of {self.app}"
+    def database_forwards(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        from_state: ProjectState,
+        to_state: ProjectState,
+    ) -> None:
+        self._run(app_label, schema_editor, create=self.creates)
+
+    def database_backwards(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        from_state: ProjectState,
+        to_state: ProjectState,
+    ) -> None:
+        self._run(app_label, schema_editor, create=not self.creates)
+
+    def describe(self) -> str:
+        tables = ", ".join(self.tables) if self.tables is not None else f"every table of {self.app}"
+        return f"{'Create' if self.creates else 'Drop'} the outbox tables ({tables})"
+
+    @property
+    def migration_name_fragment(self) -> str:
+        return "create_outbox" if self.creates else "drop_outbox"
 
 
 class CreateOutbox(_OutboxOperation):
     """Create the outbox tables of the app that ``app`` names (``"module:attribute"``): all of
     them, or those named in ``tables``. Backwards, drop them, and every row in them."""
 
-    def database_forwards(
-        self,
-        app_label: str,
-        schema_editor: BaseDatabaseSchemaEditor,
-        from_state: ProjectState,
-        to_state: ProjectState,
-    ) -> None:
-        self._run(app_label, schema_editor, create=True)
-
-    def database_backwards(
-        self,
-        app_label: str,
-        schema_editor: BaseDatabaseSchemaEditor,
-        from_state: ProjectState,
-        to_state: ProjectState,
-    ) -> None:
-        self._run(app_label, schema_editor, create=False)
-
-    def describe(self) -> str:
-        return f"Create the outbox tables ({self._names()})"
-
-    @property
-    def migration_name_fragment(self) -> str:
-        return "create_outbox"
+    creates = True
 
 
 class DropOutbox(_OutboxOperation):
     """Drop the outbox tables of ``app`` (all, or those named in ``tables``) and every row in
     them. Backwards, create them again, empty."""
 
-    def database_forwards(
-        self,
-        app_label: str,
-        schema_editor: BaseDatabaseSchemaEditor,
-        from_state: ProjectState,
-        to_state: ProjectState,
-    ) -> None:
-        self._run(app_label, schema_editor, create=False)
-
-    def database_backwards(
-        self,
-        app_label: str,
-        schema_editor: BaseDatabaseSchemaEditor,
-        from_state: ProjectState,
-        to_state: ProjectState,
-    ) -> None:
-        self._run(app_label, schema_editor, create=True)
-
-    def describe(self) -> str:
-        return f"Drop the outbox tables ({self._names()})"
-
-    @property
-    def migration_name_fragment(self) -> str:
-        return "drop_outbox"
+    creates = False
 
 
 __all__ = ["CreateOutbox", "DropOutbox"]

@@ -1,18 +1,12 @@
-"""The outbox tables of a Django database, for Django's ``flush``: emptied with the model
-tables, so that a ``TransactionTestCase`` (``django_db(transaction=True)``) leaves no outbox row
-to the next test.
+"""The outbox tables of a Django database, for Django's ``flush`` (after every transactional
+test, and ``manage.py flush``): they are not Django models, so Django's own flush leaves their
+rows. The tables are those that ``CreateOutbox`` operations in the project's migrations create
+on the database, and those of the ``OUTBOX_BRIDGE`` app on the outbox's database (a worker
+creates them where no migration did), as far as they exist there.
 
-The outbox tables are not Django models, so Django's own flush (after every transactional test,
-and ``manage.py flush``) leaves their rows. The app's ``flush`` and ``sqlflush`` commands
-(:mod:`outbox_bridge.contrib.django.management.commands.flush`) add the tables found here to
-Django's ``TRUNCATE``: the tables that ``CreateOutbox`` operations in the project's migrations
-create on the database, and the tables of the app that ``OUTBOX_BRIDGE["APP"]`` names on the
-outbox's database (a worker creates them where no migration did), as far as they exist there.
-
-The owner tables (``<table>_owners``) are kept: they say which workflow holds a shard, which a
-worker that outlives the flush still needs, and a shard found empty is handed back. The
-identity of the outbox tables is not restarted, even when Django resets its sequences: a row id
-is the order within a shard, and a running worker may have seen the old ones.
+The owner tables are kept: a worker that outlives the flush still needs to know which workflow
+holds a shard. The identity is not restarted: a row id is the order within a shard, and a
+running worker may have seen the old ones.
 """
 
 from __future__ import annotations

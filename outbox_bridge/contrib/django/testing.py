@@ -1,18 +1,10 @@
-"""The outbox in a Django test: drained in the test without a worker or Temporal, or handled
-by the app's worker on the test database.
+"""The outbox in a Django test: drained in the test without a worker or Temporal
+(:func:`drain_outbox_django`, :func:`drain_outbox_django_async`), or handled by the app's worker
+on the test database (:func:`outbox_worker_django`).
 
-:func:`drain_outbox_django` runs the testing toolkit's in-process drain
-(:func:`outbox_bridge.testing.drain_outbox`) against a Django database: it builds a SQLAlchemy
-engine for the same database (the test database, in a test) and hands it over.
-:func:`drain_outbox_django_async` does the same in an async test. :func:`outbox_worker_django`
-runs the app's worker in this process, on the test database, for end-to-end tests.
-
-The rows must have committed, as for a worker: run the test with
-``@pytest.mark.django_db(transaction=True)`` (or a ``TransactionTestCase``). A test in a
-transaction that never commits (the ``db`` fixture, ``TestCase``) keeps its rows where no other
-connection sees them: the drain refuses to run there, with :class:`UncommittedTransactionError`.
-With ``"outbox_bridge.contrib.django"`` installed, Django empties the outbox tables after each
-transactional test, as it does the model tables (:mod:`outbox_bridge.contrib.django.tables`).
+The rows must have committed, as for a worker: a test in a transaction that never commits (the
+``db`` fixture, ``TestCase``) keeps its rows where no other connection sees them, and the drain
+refuses to run there (:class:`UncommittedTransactionError`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Writing outbox rows with Django's connections.
-
-:func:`write_row` is ``app.write`` for Django: the same checks against the registry (the same
-errors), the same INSERT (built by SQLAlchemy, compiled for PostgreSQL and run on the Django
-connection's cursor), the same producer span and ``trace_context``. It runs inside
-``transaction.atomic()`` and never commits: the row commits, or rolls back, with the change it
-describes. :func:`write_row_async` serves async views.
+"""Writing outbox rows with Django's connections: :func:`write_row` is ``app.write`` for
+Django, with the same checks, the same INSERT (built by SQLAlchemy, run on the Django
+connection's cursor) and the same producer span.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -26,8 +21,6 @@ from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import RowSpec
 from outbox_bridge.registry import OutboxApp
-
-T = TypeVar("T")
 
 # Django's PostgreSQL backend runs on psycopg 3 next to outbox-bridge (which requires it), and
 # psycopg takes the dialect's pyformat parameters and its adapted values (Jsonb) as they are.
@@ -108,11 +101,6 @@ def write_row(
     return row_id
 
 
-def _atomic(using: str | None, work: Callable[[], T]) -> T:
-    with transaction.atomic(using=using):
-        return work()
-
-
 async def write_row_async(
     app: OutboxApp,
     *,
@@ -138,17 +126,18 @@ async def write_row_async(
     """
 
     def write() -> int:
-        return write_row(
-            app,
-            category=category,
-            shard_identifier=shard_identifier,
-            object_identifier=object_identifier,
-            payload=payload,
-            shard_scope=shard_scope,
-            region=region,
-            scheduled_for=scheduled_for,
-            table=table,
-            using=using,
-        )
+        with transaction.atomic(using=using):
+            return write_row(
+                app,
+                category=category,
+                shard_identifier=shard_identifier,
+                object_identifier=object_identifier,
+                payload=payload,
+                shard_scope=shard_scope,
+                region=region,
+                scheduled_for=scheduled_for,
+                table=table,
+                using=using,
+            )
 
-    return await sync_to_async(_atomic, thread_sensitive=True)(using, write)
+    return await sync_to_async(write, thread_sensitive=True)()

@@ -1,8 +1,5 @@
-"""``manage.py flush`` with the outbox tables: Django's command, whose statements also empty
-the outbox tables of the database (:mod:`outbox_bridge.contrib.django.tables`).
-
-Django runs this command after every ``TransactionTestCase`` (``django_db(transaction=True)``)
-to empty the model tables; with the outbox tables in it, a transactional test leaves no outbox
+"""``manage.py flush`` with the outbox tables (:mod:`outbox_bridge.contrib.django.tables`):
+Django runs it after every ``TransactionTestCase``, so a transactional test leaves no outbox
 row to the next one. Installing ``"outbox_bridge.contrib.django"`` puts it in place of
 Django's, as ``django.contrib.staticfiles`` does with ``runserver``.
 """

@@ -1,12 +1,6 @@
-"""``manage.py outbox_worker``: run the outbox-bridge worker of a Django project.
-
-The worker is ``outbox-bridge worker``'s (the bridge and the Temporal worker, on SQLAlchemy and
-psycopg), with its settings from the Django settings: the database from the ``DATABASES``
-entry of the outbox's alias, the app and everything else from ``OUTBOX_BRIDGE``, then the
-environment (:mod:`outbox_bridge.contrib.django.conf`). Every handler of the app runs with
-:func:`~outbox_bridge.contrib.django.handlers.with_django_connections`. The worker serves its
-health endpoints (``/healthz``, ``/readyz``) on ``HEALTH_PORT`` itself, and stops gracefully on
-SIGTERM or SIGINT. Its banner shows the database with the password masked.
+"""``manage.py outbox_worker``: ``outbox-bridge worker`` with its settings from the Django
+settings (:mod:`outbox_bridge.contrib.django.conf`) and every handler wrapped with
+:func:`~outbox_bridge.contrib.django.handlers.with_django_connections`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from types import TracebackType
 from typing import Any
 
 from pydantic import SecretStr
@@ -19,9 +18,10 @@ from temporalio.service import RPCError
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import shard_where
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.shards import parse_shard, shard_status
+from outbox_bridge.runtime.shards import shard_status
 from outbox_bridge.runtime.temporal import connect
 from outbox_bridge.runtime.worker import serve
+from outbox_bridge.testing.drain import shard_targets
 from outbox_bridge.testing.servers import EventLoopThread, OutboxDatabase
 from outbox_bridge.workflows.models import PartitionRef, ShardRef
 
@@ -178,12 +178,7 @@ class OutboxWorker:
     def __enter__(self) -> OutboxWorker:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.stop()
 
     # -- waiting --------------------------------------------------------------------------------
@@ -238,18 +233,9 @@ class OutboxWorker:
         if isinstance(target, int) and not isinstance(target, bool):
             outbox = app.table(table)
             return [(outbox, outbox.c.id == target)]
-        names = [app.table(table).name] if table is not None else list(app.tables)
-        wanted: list[tuple[Table, ShardRef | None]] = []
-        if target is None:
-            wanted = [(app.table(name), None) for name in names]
-        elif isinstance(target, str):
-            for name in names:
-                if (target.count(":") >= 2) == app.table_spec(name).regional:
-                    wanted.append((app.table(name), parse_shard(target, app, table=name)))
-            if not wanted:
-                parse_shard(target, app, table=table)  # raises, saying which form is needed
-        else:
+        if target is not None and not isinstance(target, str):
             raise TypeError(f"wait_handled() takes a row id or a shard, not {target!r}")
+        wanted = shard_targets(app, target, table)
         waits: list[tuple[Table, ColumnElement[bool]]] = []
         with self.database.engine.connect() as conn:
             for outbox, shard in wanted:

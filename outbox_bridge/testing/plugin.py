@@ -1,31 +1,11 @@
-"""outbox-bridge's pytest plugin: fixtures for an application's integration tests, with a
-PostgreSQL database per test, a Temporal dev server and the app's worker running in-process.
+"""outbox-bridge's pytest plugin (the ``pytest11`` entry point ``outbox_bridge``; ``-p
+no:outbox_bridge`` leaves it out): a PostgreSQL database per test, a Temporal server and the
+app's worker in-process. docs/how-to/testing.md lists the fixtures.
 
-pytest loads it in every run where outbox-bridge is installed (the ``pytest11`` entry point
-``outbox_bridge``; ``-p no:outbox_bridge`` leaves it out). Loading it costs nothing: it declares
-its ini options and fixtures, and imports the worker's side of the package (Temporal's client
-and worker, the embedded servers) only when a test uses one of its fixtures; nothing starts
-before that.
-
-Fixtures (see the documentation's "Test your handlers" page):
-
-- ``outbox_app`` (session): the app under test, from the ``outbox_app`` ini option
-  (``module:attribute``); override the fixture to build it yourself.
-- ``outbox_metadata`` (session): the tables every test database has (the app's).
-- ``outbox_postgres`` (session): the PostgreSQL server, at ``OUTBOX_TEST_DATABASE_URL`` or the
-  ``outbox_database_url`` ini option, else an embedded one.
-- ``outbox_temporal`` (session): the Temporal server, at ``OUTBOX_TEST_TEMPORAL_ADDRESS`` or the
-  ``outbox_temporal_address`` ini option, else a dev server in memory.
-
-Embedded servers keep their data in a folder of the session's own under the system's temporary
-directory, not under pytest's (which every new pytest session of the user resets to mode 0700),
-removed when the session ends. Once a server the session started has stopped, a test that needs
-it fails before it starts, saying why (the end of the server's log, and the likely cause); the
-test that was running when it stopped has the same explanation in its report.
-- ``outbox_database``: a database of the test's own, cloned from a template; dropped after it.
-- ``outbox_session_database`` (session): one such database for the whole session.
-- ``outbox_settings``: the settings of the test's worker (short timers, a task queue of its own).
-- ``outbox_worker``: the app's worker on ``outbox_database``, running for the test.
+Loading it costs nothing: the worker's side of the package (Temporal's client and worker, the
+embedded servers) is imported only when a test uses a fixture. Once an embedded server has
+stopped, a test that needs it fails before it starts, saying why (the end of the server's log,
+and the likely cause); so does the report of the test that was running when it stopped.
 """
 
 from __future__ import annotations
@@ -84,7 +64,6 @@ def _servers() -> ModuleType:
 
 
 def _worker() -> ModuleType:
-    # Imported when a fixture is used, as _servers.
     from outbox_bridge.testing import inprocess_worker
 
     return inprocess_worker

@@ -85,8 +85,6 @@ def stale_folders(parent: Path) -> list[Path]:
 
 
 def _abandoned(folder: Path) -> bool:
-    if sys.platform == "win32":
-        return False
     try:
         owner = open(folder / OWNER_FILE)  # closed below, and its lock with it
     except FileNotFoundError:

@@ -253,10 +253,8 @@ def _permission_cause(data_dir: Path) -> str:
         "0700: keep the servers' data out of it, in a folder no other session changes (as "
         "outbox-bridge's fixtures do, under the system's temporary directory)."
     )
-    if sys.platform == "win32":
-        return f"Likely cause: it lost access to its files. {advice}"
     server_uid = data_dir.stat().st_uid
-    if server_uid == os.getuid():
+    if sys.platform == "win32" or server_uid == os.getuid():
         return f"Likely cause: it lost access to its files. {advice}"
     user = pwd.getpwuid(server_uid).pw_name
     for folder in reversed(data_dir.parents):  # from the root down

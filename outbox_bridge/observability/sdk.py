@@ -212,13 +212,9 @@ def temporal_runtime() -> Runtime | None:
         if _runtime is None or _runtime[0] is not provider:
             buffer = MetricBuffer(100_000, MetricBufferDurationFormat.SECONDS)
             runtime = Runtime(telemetry=TelemetryConfig(metrics=buffer, attach_service_name=False))
-            exporter = MetricsExporter(buffer, provider)
-            thread = threading.Thread(
-                target=asyncio.run,
-                args=(exporter.run(),),
-                name="temporal-metrics",
-                daemon=True,
-            )
-            thread.start()
+            exporting = MetricsExporter(buffer, provider).run()
+            threading.Thread(
+                target=asyncio.run, args=(exporting,), name="temporal-metrics", daemon=True
+            ).start()
             _runtime = (provider, runtime)
         return _runtime[1]

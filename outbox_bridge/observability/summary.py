@@ -1,13 +1,11 @@
-"""A running worker's summary for a person watching it: every few seconds, one line with the rows
-written and handled per second, the rows pending and the shards they are in, and how many shard
-workflows are running, and blocked, skipped or deferred among them; then, if handlers failed
-since the last line, one line that counts the failures by shard. The failures' own log lines
-are left out meanwhile (a line a second would bury the summary), unless ``log_failures``.
+"""A running worker's summary for a person watching it: every few seconds, one line of figures
+(:data:`LEGEND`), then a line that counts the handler failures since the last one by shard. The
+failures' own log lines are left out meanwhile (a line a second would bury the summary), unless
+``log_failures``.
 
 Rates come from PostgreSQL's statistics (:mod:`outbox_bridge.db.stats`), pending rows and shards
-from the same aggregate a sweep reads, states from Temporal's visibility store (the
-``OutboxState`` search attribute). A reading that fails leaves a blank and is tried again at the
-next line: the summary never stops the worker.
+from the same aggregate a sweep reads, states from the ``OutboxState`` search attribute. A
+reading that fails leaves a blank: the summary never stops the worker.
 """
 
 from __future__ import annotations

@@ -109,11 +109,10 @@ class OutboxWorker:
         await asyncio.wait(
             [self._task, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
+        waiter.cancel()
         if self._task.done():
-            waiter.cancel()
             self._task.result()  # raises why the worker stopped
         if not ready.is_set():
-            waiter.cancel()
             await self._stop_worker()
             raise TimeoutError(f"the worker did not become ready within {timeout:g} s")
 

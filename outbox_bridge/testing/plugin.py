@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
@@ -25,12 +24,12 @@ if TYPE_CHECKING:
     from outbox_bridge.config import OutboxSettings
     from outbox_bridge.registry import OutboxApp
     from outbox_bridge.testing.inprocess_worker import OutboxWorker
-    from outbox_bridge.testing.server_folder import ServerFolder
     from outbox_bridge.testing.servers import (
         DatabaseTemplate,
         EventLoopThread,
         OutboxDatabase,
         PostgresServer,
+        ServerFolder,
         TemporalServer,
     )
 
@@ -54,19 +53,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"outbox-bridge: a Temporal server for the test workers (the environment's "
         f"{TEMPORAL_ADDRESS_ENV} comes first; default: a dev server in memory)",
     )
-
-
-def _servers() -> ModuleType:
-    # Imported when a fixture is used, not when pytest loads the plugin (see the module).
-    from outbox_bridge.testing import servers
-
-    return servers
-
-
-def _worker() -> ModuleType:
-    from outbox_bridge.testing import inprocess_worker
-
-    return inprocess_worker
 
 
 # -- servers that stopped --------------------------------------------------------------------------
@@ -146,6 +132,8 @@ def _setting(config: pytest.Config, env: str, ini: str) -> str | None:
 @pytest.fixture(scope="session")
 def outbox_app(pytestconfig: pytest.Config) -> OutboxApp:
     """The app under test: the ``outbox_app`` ini option, as ``module:attribute``."""
+    from outbox_bridge.testing.servers import load_app  # in fixtures: see the module
+
     spec = pytestconfig.getini("outbox_app")
     if not spec:
         pytest.fail(
@@ -153,8 +141,7 @@ def outbox_app(pytestconfig: pytest.Config) -> OutboxApp:
             "in pytest's configuration, or define an `outbox_app` fixture that returns it",
             pytrace=False,
         )
-    app: OutboxApp = _servers().load_app(str(spec))
-    return app
+    return load_app(str(spec))
 
 
 @pytest.fixture(scope="session")
@@ -166,7 +153,9 @@ def outbox_metadata(outbox_app: OutboxApp) -> Sequence[MetaData]:
 
 @pytest.fixture(scope="session")
 def _outbox_loop() -> Iterator[EventLoopThread]:
-    loop: EventLoopThread = _servers().EventLoopThread()
+    from outbox_bridge.testing.servers import EventLoopThread
+
+    loop = EventLoopThread()
     yield loop
     loop.close()
 
@@ -174,7 +163,9 @@ def _outbox_loop() -> Iterator[EventLoopThread]:
 @pytest.fixture(scope="session")
 def _outbox_server_folder() -> Iterator[ServerFolder]:
     """Where the embedded servers keep their data (see the module)."""
-    folder: ServerFolder = _servers().ServerFolder()
+    from outbox_bridge.testing.servers import ServerFolder
+
+    folder = ServerFolder()
     yield folder
     folder.remove()
 
@@ -189,13 +180,13 @@ def outbox_postgres(
     pytestconfig: pytest.Config, request: pytest.FixtureRequest
 ) -> Iterator[PostgresServer]:
     """The PostgreSQL server of the test databases (``.url``)."""
+    from outbox_bridge.testing.servers import PostgresServer
+
     url = _setting(pytestconfig, DATABASE_URL_ENV, "outbox_database_url")
-    servers = _servers()
-    server: PostgresServer
     if url is not None:
-        server = servers.PostgresServer(url)
+        server = PostgresServer(url)
     else:
-        server = servers.PostgresServer.embedded(_new_server_folder(request, "postgres") / "data")
+        server = PostgresServer.embedded(_new_server_folder(request, "postgres") / "data")
         watch_server(pytestconfig, "outbox_postgres", server.why_stopped)
     yield server
     server.stop()
@@ -208,14 +199,14 @@ def outbox_temporal(
     _outbox_loop: EventLoopThread,
 ) -> Iterator[TemporalServer]:
     """The Temporal server of the test workers (``.address``)."""
+    from outbox_bridge.testing.servers import TemporalServer
+
     address = _setting(pytestconfig, TEMPORAL_ADDRESS_ENV, "outbox_temporal_address")
-    servers = _servers()
-    server: TemporalServer
     if address is not None:
-        server = servers.TemporalServer(address)
+        server = TemporalServer(address)
     else:
         folder = _new_server_folder(request, "temporal")
-        server = servers.TemporalServer.embedded(folder, _outbox_loop)
+        server = TemporalServer.embedded(folder, _outbox_loop)
         watch_server(pytestconfig, "outbox_temporal", server.why_stopped)
     yield server
     server.stop()
@@ -227,9 +218,9 @@ def _outbox_template(
     outbox_metadata: Sequence[MetaData],
     _outbox_loop: EventLoopThread,
 ) -> Iterator[DatabaseTemplate]:
-    template: DatabaseTemplate = _servers().DatabaseTemplate(
-        outbox_postgres, outbox_metadata, _outbox_loop
-    )
+    from outbox_bridge.testing.servers import DatabaseTemplate
+
+    template = DatabaseTemplate(outbox_postgres, outbox_metadata, _outbox_loop)
     yield template
     template.drop()
 
@@ -255,8 +246,9 @@ def outbox_session_database(_outbox_template: DatabaseTemplate) -> Iterator[Outb
 def outbox_settings() -> OutboxSettings:
     """The settings of the test's worker: short timers and a task queue of its own. Override
     it to change a setting (``return worker_settings(partitions=2)``)."""
-    settings: OutboxSettings = _worker().worker_settings()
-    return settings
+    from outbox_bridge.testing.inprocess_worker import worker_settings
+
+    return worker_settings()
 
 
 @pytest.fixture
@@ -270,7 +262,9 @@ def outbox_worker(
     """The app's worker, running on ``outbox_database`` for the test (in a thread of its own),
     with ``wait_handled(row id or shard, timeout=...)``; stopped after the test, and its
     workflows terminated."""
-    worker: OutboxWorker = _worker().OutboxWorker(
+    from outbox_bridge.testing.inprocess_worker import OutboxWorker
+
+    worker = OutboxWorker(
         outbox_app, outbox_database, outbox_temporal.address, _outbox_loop, outbox_settings
     )
     worker.start()

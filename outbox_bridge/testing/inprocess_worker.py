@@ -264,20 +264,13 @@ class OutboxWorker:
         lines = [f"{what} not handled within {timeout:g} s"]
         with self.database.engine.connect() as conn:
             for outbox, where in left:
-                columns = [
-                    c for c in ("region", "shard_scope", "shard_identifier") if c in outbox.c
-                ]
-                query = (
-                    select(*(outbox.c[c] for c in columns), func.count(), func.min(outbox.c.id))
-                    .where(where)
-                    .group_by(*(outbox.c[c] for c in columns))
-                    .order_by(func.min(outbox.c.id))
-                    .limit(5)
-                )
-                for found in conn.execute(query):
-                    values = tuple(found)
-                    region = values[0] if "region" in outbox.c else None
-                    scope, ident, rows, first = values[-4:]
+                names = ("region", "shard_scope", "shard_identifier")
+                keys = [outbox.c[name] for name in names if name in outbox.c]
+                first_id = func.min(outbox.c.id)
+                query = select(*keys, func.count(), first_id).where(where).group_by(*keys)
+                for *key, rows, first in conn.execute(query.order_by(first_id).limit(5)):
+                    region = key[0] if len(key) == 3 else None
+                    scope, ident = key[-2:]
                     shard = ShardRef(outbox.name, scope, self.app.scope_name(scope), ident, region)
                     lines.append(
                         f"  shard {shard.key} of {outbox.name}: {rows} row(s) left from id "

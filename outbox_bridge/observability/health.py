@@ -100,13 +100,8 @@ class HealthServer:
                 exc.strerror or exc,
             )
             return
-        log.info(
-            "health endpoints on http://%s:%s%s and %s",
-            self._host,
-            self._port,
-            LIVENESS_PATH,
-            READINESS_PATH,
-        )
+        where = f"http://{self._host}:{self._port}"
+        log.info("health endpoints on %s%s and %s", where, LIVENESS_PATH, READINESS_PATH)
 
     async def close(self) -> None:
         if self._remote is not None:

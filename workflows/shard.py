@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import UTC, datetime, timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributeUpdate
+from temporalio.common import RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
@@ -58,7 +58,6 @@ with workflow.unsafe.imports_passed_through():
     )
 
 T = TypeVar("T")
-V = TypeVar("V", str, datetime)
 
 # Tries of the local drain before it falls back to a normal (visible, server-retried) one.
 LOCAL_DRAIN_ATTEMPTS = 3
@@ -588,18 +587,16 @@ class OutboxShard:
         category = r.head.category_name if r.head is not None else None
         since = datetime.fromisoformat(r.blocked_since) if r.blocked_since else None
         current = workflow.info().typed_search_attributes
-        updates = [
-            STATE_ATTRIBUTE.value_set(state.value)
-            if current.get(STATE_ATTRIBUTE) != state
-            else None,
-            _set_or_unset(BLOCKED_CATEGORY_ATTRIBUTE, category)
-            if current.get(BLOCKED_CATEGORY_ATTRIBUTE) != category
-            else None,
-            _set_or_unset(BLOCKED_SINCE_ATTRIBUTE, since)
-            if current.get(BLOCKED_SINCE_ATTRIBUTE) != since
-            else None,
+        wanted: list[tuple[SearchAttributeKey[Any], Any]] = [
+            (STATE_ATTRIBUTE, state.value),
+            (BLOCKED_CATEGORY_ATTRIBUTE, category),
+            (BLOCKED_SINCE_ATTRIBUTE, since),
         ]
-        changed = [update for update in updates if update is not None]
+        changed = [
+            key.value_unset() if value is None else key.value_set(value)
+            for key, value in wanted
+            if current.get(key) != value
+        ]
         if changed:
             workflow.upsert_search_attributes(changed)
 
@@ -648,7 +645,3 @@ def _when(iso: str | None) -> str:
     if moment.tzinfo is not None:
         moment = moment.astimezone(UTC)
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _set_or_unset(key: SearchAttributeKey[V], value: V | None) -> SearchAttributeUpdate[V]:
-    return key.value_unset() if value is None else key.value_set(value)

@@ -1,22 +1,10 @@
-"""What an orchestrator expects of the worker: health endpoints, and a bounded graceful stop.
+"""The worker's health endpoints, ``/healthz`` and ``/readyz`` (docs/how-to/deploy.md says what
+each one checks).
 
-- ``GET /healthz`` (liveness) answers 200 whenever the worker's event loop does. It checks
-  nothing outside the process on purpose: an outage of PostgreSQL or Temporal must not get
-  every worker restarted, because restarting fixes neither.
-- ``GET /readyz`` (readiness) answers 200 when PostgreSQL answers ``SELECT 1`` on a new
-  connection, Temporal answers ``GetSystemInfo``, each within :data:`CHECK_TIMEOUT` seconds,
-  and the Temporal worker is running; otherwise 503. It is 503 while the worker starts and
-  from the moment it is asked to stop.
-
-Both answer JSON: ``status`` and, for ``/readyz``, one entry per check with ``ok`` and
-``detail`` (the reason, when a check fails) and the ``bridge`` role (``active`` or
-``standby``). No detail carries a password or an API key.
-
-A tiny HTTP/1.1 responder on asyncio streams serves them (GET and HEAD, one request per
-connection), so that no web framework is needed.
-
-:class:`ShutdownGrace` bounds a stop: handler calls in flight get ``shutdown_grace`` seconds,
-then they are cancelled and their rows are left for another worker.
+``/healthz`` checks nothing outside the process on purpose: an outage of PostgreSQL or Temporal
+must not get every worker restarted, because restarting fixes neither. A tiny HTTP/1.1 responder
+on asyncio streams serves both endpoints (GET and HEAD, one request per connection), so that no
+web framework is needed. No detail carries a password or an API key.
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -51,15 +40,6 @@ REUSE_SECONDS = 1.0
 """Probes within this time share one check, so that frequent probes (or a probe flood: the
 port is often reachable from the network) cost at most one database connection a second."""
 READ_TIMEOUT = 5.0
-SELECT_ONE = "SELECT 1"
-
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    503: "Service Unavailable",
-}
 
 
 @dataclass(frozen=True)
@@ -120,13 +100,8 @@ class HealthServer:
                 exc.strerror or exc,
             )
             return
-        log.info(
-            "health endpoints on http://%s:%s%s and %s",
-            self._host,
-            self._port,
-            LIVENESS_PATH,
-            READINESS_PATH,
-        )
+        where = f"http://{self._host}:{self._port}"
+        log.info("health endpoints on %s%s and %s", where, LIVENESS_PATH, READINESS_PATH)
 
     async def close(self) -> None:
         if self._remote is not None:
@@ -182,7 +157,7 @@ class HealthServer:
         # by drains is ready, and a fresh connection is what proves PostgreSQL reachable.
         conn = await psycopg.AsyncConnection.connect(self._libpq_url, autocommit=True)
         async with conn:
-            await conn.execute(SELECT_ONE)
+            await conn.execute("SELECT 1")
         return Check(True, "PostgreSQL answered SELECT 1")
 
     async def _check_temporal(self) -> Check:
@@ -229,7 +204,7 @@ class HealthServer:
                 while (await reader.readline()).strip():
                     pass  # headers: none is needed
             method, code, headers, body = await self._answer(request)
-            head = f"HTTP/1.1 {code} {_REASONS[code]}\r\n" + "".join(
+            head = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n" + "".join(
                 f"{name}: {value}\r\n" for name, value in headers.items()
             )
             writer.write(head.encode("latin-1") + b"\r\n" + (b"" if method == "HEAD" else body))

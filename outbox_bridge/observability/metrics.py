@@ -80,9 +80,7 @@ class OutboxMetrics:
             meter.create_observable_gauge(
                 name, callbacks=[self._observer(name)], unit=unit, description=description
             )
-        self._attributes: dict[tuple[str, ...], dict[str, Any]] = {}
-
-    # -- values computed elsewhere (the bridge's sweep), reported by observable gauges ---------
+        self._attributes: dict[tuple[str | None, ...], dict[str, Any]] = {}
 
     def report(self, owner: object, name: str, values: Mapping[Attributes, float]) -> None:
         """Set ``owner``'s observations of gauge ``name`` for the given attribute sets."""
@@ -105,24 +103,17 @@ class OutboxMetrics:
 
         return observe
 
-    # -- attribute sets, built once per key ----------------------------------------------------
-
-    def category_attributes(self, table: str, scope: str, category: str) -> dict[str, Any]:
-        """``outbox.table``, ``outbox.scope`` and ``outbox.category``."""
-        return self._cached(("category", table, scope, category))
-
-    def outcome_attributes(
-        self, table: str, scope: str, category: str, outcome: str
+    def category_attributes(
+        self, table: str, scope: str, category: str, outcome: str | None = None
     ) -> dict[str, Any]:
-        """:meth:`category_attributes` and ``outbox.outcome`` (success or failure)."""
-        return self._cached(("outcome", table, scope, category, outcome))
-
-    def _cached(self, key: tuple[str, ...]) -> dict[str, Any]:
+        """``outbox.table``, ``outbox.scope``, ``outbox.category`` and, when given,
+        ``outbox.outcome`` (success or failure): built once per key."""
+        key = (table, scope, category, outcome)
         found = self._attributes.get(key)
         if found is None:
-            found = {"outbox.table": key[1], "outbox.scope": key[2], "outbox.category": key[3]}
-            if key[0] == "outcome":
-                found["outbox.outcome"] = key[4]
+            found = {"outbox.table": table, "outbox.scope": scope, "outbox.category": category}
+            if outcome is not None:
+                found["outbox.outcome"] = outcome
             self._attributes[key] = found
         return found
 

@@ -187,7 +187,7 @@ class ObservedCall:
         if isinstance(exc, asyncio.CancelledError):
             return  # a skip or a shutdown: neither a success nor a failure of the handler
         outcome = "success" if exc is None else "failure"
-        attributes = metrics.outcome_attributes(
+        attributes = metrics.category_attributes(
             shard.table, shard.scope_name, self._category, outcome
         )
         metrics.handler_duration.record(time.perf_counter() - self._start, attributes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -22,30 +23,22 @@ from outbox_bridge.observability.telemetry import active_tracer, carrier_of_curr
 from outbox_bridge.producer import PreparedRow
 
 
+@dataclass(slots=True)
 class RowWrite:
     """The telemetry of one row write: its INSERT (with the trace context when there is one),
     and what to record once it ran (see :func:`observed_write`)."""
 
-    __slots__ = ("_attributes", "_metrics", "span", "statement")
-
-    def __init__(
-        self,
-        span: trace.Span | None,
-        statement: Insert,
-        metrics: OutboxMetrics | None,
-        attributes: dict[str, Any],
-    ) -> None:
-        self.span = span
-        self.statement = statement
-        self._metrics = metrics
-        self._attributes = attributes
+    span: trace.Span | None
+    statement: Insert
+    metrics: OutboxMetrics | None
+    attributes: dict[str, Any]
 
     def written(self, row_id: int) -> int:
         """Record the new row (its id on the span, the ``outbox.rows.written`` counter)."""
         if self.span is not None:
             self.span.set_attribute("outbox.id", row_id)
-        if self._metrics is not None:
-            self._metrics.rows_written.add(1, self._attributes)
+        if self.metrics is not None:
+            self.metrics.rows_written.add(1, self.attributes)
         return row_id
 
 

@@ -20,7 +20,6 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
     MetricExporter,
-    MetricReader,
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -56,7 +55,7 @@ class Telemetry:
 
 
 def setup_telemetry(settings: OutboxSettings) -> Telemetry:
-    """Install the tracer and meter providers the settings ask for.
+    """Install the tracer and meter providers the settings ask for, as the process-wide ones.
 
     ``OTEL_SDK_DISABLED`` (``otel_sdk_disabled``) wins over everything: nothing is installed and
     no scrape endpoint is opened, as the SDK would export nothing anyway.
@@ -69,39 +68,39 @@ def setup_telemetry(settings: OutboxSettings) -> Telemetry:
                 settings.metrics_exporter,
             )
         return Telemetry()
-    tracing = setup_tracing(settings.otel_exporter)
-    return Telemetry(
-        tracing,
-        setup_metrics(
-            settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
-        ),
+    tracing = build_tracer_provider(settings.otel_exporter)
+    if tracing is not None:
+        trace.set_tracer_provider(tracing)
+        log.info("spans are exported to %s", settings.otel_exporter)
+    setup = build_meter_provider(
+        settings.metrics_exporter, host=settings.metrics_host, port=settings.metrics_port
     )
+    if setup is not None:
+        metrics.set_meter_provider(setup.provider)
+        log.info("metrics are exported to %s", setup.endpoint or settings.metrics_exporter)
+    return Telemetry(tracing, setup)
 
 
-# -- traces -------------------------------------------------------------------------------------
-
-
-def otlp_protocol(signal: str) -> str:
-    """The OTLP protocol for ``signal`` (TRACES, METRICS), as the OTEL_* variables set it."""
-    return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or os.environ.get(
+def _otlp_over_http(signal: str) -> bool:
+    """Whether ``signal`` (TRACES, METRICS) is exported over HTTP rather than gRPC, as the
+    OTEL_* variables set it. The OTLP exporters read the other OTEL_EXPORTER_OTLP_* ones."""
+    protocol = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or os.environ.get(
         "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
     )
+    return protocol.startswith("http")
 
 
 def telemetry_resource() -> Resource:
     """``service.name`` is ``outbox-bridge`` unless ``OTEL_SERVICE_NAME`` or
-    ``OTEL_RESOURCE_ATTRIBUTES`` name the service; other resource attributes come from
-    ``OTEL_RESOURCE_ATTRIBUTES``."""
+    ``OTEL_RESOURCE_ATTRIBUTES`` name the service (Resource.create() reads both)."""
     named = "OTEL_SERVICE_NAME" in os.environ or "service.name=" in os.environ.get(
         "OTEL_RESOURCE_ATTRIBUTES", ""
     )
-    # Resource.create() reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES itself.
     return Resource.create({} if named else {SERVICE_NAME: "outbox-bridge"})
 
 
 def _otlp_span_exporter() -> SpanExporter:
-    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
-    if otlp_protocol("TRACES").startswith("http"):
+    if _otlp_over_http("TRACES"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
         return Http()
@@ -124,15 +123,6 @@ def build_tracer_provider(exporter: str) -> TracerProvider | None:
     return provider
 
 
-def setup_tracing(exporter: str) -> TracerProvider | None:
-    """Install :func:`build_tracer_provider`'s provider as the process-wide one."""
-    provider = build_tracer_provider(exporter)
-    if provider is not None:
-        trace.set_tracer_provider(provider)
-        log.info("spans are exported to %s", exporter)
-    return provider
-
-
 def tracing_interceptor() -> TracingInterceptor:
     """Temporal's interceptor: client calls, workflows and activities get spans, and the trace
     context crosses Temporal in headers (never in payloads). Not the experimental
@@ -141,12 +131,13 @@ def tracing_interceptor() -> TracingInterceptor:
     return TracingInterceptor(trace.get_tracer(TRACER_NAME))
 
 
-# -- metrics --------------------------------------------------------------------------------
-
-
-def _otlp_metric_exporter() -> MetricExporter:
-    # The OTLP exporters read OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,...} themselves.
-    if otlp_protocol("METRICS").startswith("http"):
+def metric_exporter(exporter: str) -> MetricExporter:
+    """The push exporter of ``exporter`` (console or otlp)."""
+    if exporter == "console":
+        return ConsoleMetricExporter()
+    if exporter != "otlp":
+        raise ValueError(f"unknown metric exporter {exporter!r}")
+    if _otlp_over_http("METRICS"):
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
             OTLPMetricExporter as Http,
         )
@@ -155,15 +146,6 @@ def _otlp_metric_exporter() -> MetricExporter:
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
 
     return Grpc()
-
-
-def metric_exporter(exporter: str) -> MetricExporter:
-    """The push exporter of ``exporter`` (console or otlp)."""
-    if exporter == "console":
-        return ConsoleMetricExporter()
-    if exporter == "otlp":
-        return _otlp_metric_exporter()
-    raise ValueError(f"unknown metric exporter {exporter!r}")
 
 
 @dataclass
@@ -189,35 +171,22 @@ def build_meter_provider(exporter: str, *, host: str, port: int) -> MetricsSetup
     """
     if exporter == "none":
         return None
-    server = None
-    endpoint = None
-    reader: MetricReader
-    if exporter == "prometheus":
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
-
-        try:
-            server, _ = start_http_server(port, addr=host)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another "
-                "--metrics-port"
-            ) from None
-        reader = PrometheusMetricReader()
-        endpoint = f"http://{host}:{server.server_port}/metrics"
-    else:
+    if exporter != "prometheus":
         reader = PeriodicExportingMetricReader(metric_exporter(exporter))
-    provider = MeterProvider(metric_readers=[reader], resource=telemetry_resource())
-    return MetricsSetup(provider, endpoint, server)
+        return MetricsSetup(MeterProvider(metric_readers=[reader], resource=telemetry_resource()))
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import start_http_server
 
-
-def setup_metrics(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
-    """Install :func:`build_meter_provider`'s provider as the process-wide one."""
-    setup = build_meter_provider(exporter, host=host, port=port)
-    if setup is not None:
-        metrics.set_meter_provider(setup.provider)
-        log.info("metrics are exported to %s", setup.endpoint or exporter)
-    return setup
+    try:
+        server, _ = start_http_server(port, addr=host)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another --metrics-port"
+        ) from None
+    provider = MeterProvider(
+        metric_readers=[PrometheusMetricReader()], resource=telemetry_resource()
+    )
+    return MetricsSetup(provider, f"http://{host}:{server.server_port}/metrics", server)
 
 
 # -- the Temporal SDK's metrics ----------------------------------------------------------------
@@ -243,13 +212,9 @@ def temporal_runtime() -> Runtime | None:
         if _runtime is None or _runtime[0] is not provider:
             buffer = MetricBuffer(100_000, MetricBufferDurationFormat.SECONDS)
             runtime = Runtime(telemetry=TelemetryConfig(metrics=buffer, attach_service_name=False))
-            exporter = MetricsExporter(buffer, provider)
-            thread = threading.Thread(
-                target=asyncio.run,
-                args=(exporter.run(),),
-                name="temporal-metrics",
-                daemon=True,
-            )
-            thread.start()
+            exporting = MetricsExporter(buffer, provider).run()
+            threading.Thread(
+                target=asyncio.run, args=(exporting,), name="temporal-metrics", daemon=True
+            ).start()
             _runtime = (provider, runtime)
         return _runtime[1]

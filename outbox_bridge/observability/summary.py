@@ -1,13 +1,11 @@
-"""A running worker's summary for a person watching it: every few seconds, one line with the rows
-written and handled per second, the rows pending and the shards they are in, and how many shard
-workflows are running, and blocked, skipped or deferred among them; then, if handlers failed
-since the last line, one line that counts the failures by shard. The failures' own log lines
-are left out meanwhile (a line a second would bury the summary), unless ``log_failures``.
+"""A running worker's summary for a person watching it: every few seconds, one line of figures
+(:data:`LEGEND`), then a line that counts the handler failures since the last one by shard. The
+failures' own log lines are left out meanwhile (a line a second would bury the summary), unless
+``log_failures``.
 
 Rates come from PostgreSQL's statistics (:mod:`outbox_bridge.db.stats`), pending rows and shards
-from the same aggregate a sweep reads, states from Temporal's visibility store (the
-``OutboxState`` search attribute). A reading that fails leaves a blank and is tried again at the
-next line: the summary never stops the worker.
+from the same aggregate a sweep reads, states from the ``OutboxState`` search attribute. A
+reading that fails leaves a blank: the summary never stops the worker.
 """
 
 from __future__ import annotations
@@ -112,9 +110,8 @@ def failures_line(calls: list[FailedCall]) -> str:
 
 
 class WorkerSummary:
-    """Prints one line every ``interval`` seconds until stopped (a header every few lines),
-    and a line of the handler failures since the last one; the failures' own log lines are
-    left out meanwhile unless ``log_failures``."""
+    """Prints one line every :data:`SUMMARY_INTERVAL` seconds until stopped (a header every few
+    lines), and a line of the handler failures ``tally`` counted since the last one."""
 
     def __init__(
         self,
@@ -123,27 +120,22 @@ class WorkerSummary:
         client: Client,
         task_queue: str,
         *,
-        console: Console | None = None,
-        interval: float = SUMMARY_INTERVAL,
-        tally: FailureTally | None = None,
+        tally: FailureTally,
     ) -> None:
         self._app = app
         self._engine = engine
         self._client = client
         self._task_queue = task_queue
-        self._console = console or Console(highlight=False)
-        self._interval = interval
+        self._console = Console(highlight=False)
         self._lines = 0
-        self._tally = tally or FailureTally(show=True)
+        self._tally = tally
 
     async def run(self, stop: asyncio.Event) -> None:
         previous = await self._read()
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), self._interval)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SUMMARY_INTERVAL)
                 return
-            except TimeoutError:
-                pass
             reading = await self._read()
             self._print(previous, reading)
             previous = reading

@@ -23,10 +23,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 TRACER_NAME = "outbox_bridge"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
-# The W3C carrier stored on a row: {"traceparent": ..., "tracestate": ...} (tracestate optional).
-TraceCarrier = Mapping[str, str]
-
-
 _active: tuple[object, Tracer] | None = None
 
 
@@ -46,9 +42,6 @@ def active_tracer() -> Tracer | None:
     if _active is None or _active[0] is not provider:
         _active = (provider, provider.get_tracer(TRACER_NAME))
     return _active[1]
-
-
-# -- the trace context of a row -----------------------------------------------------------------
 
 
 def carrier_of_current() -> dict[str, str] | None:
@@ -82,14 +75,9 @@ def links_to(carriers: Iterable[object]) -> list[Link]:
     """One link per distinct producer span among ``carriers`` (many rows of one transaction
     share a span). The SDK's span limits (``OTEL_SPAN_LINK_COUNT_LIMIT``, 128 by default) cap
     the links of a very large coalescing group."""
-    seen: dict[str, Link] = {}
+    seen: dict[tuple[int, int], Link] = {}
     for carrier in carriers:
-        if not isinstance(carrier, Mapping):
-            continue
-        traceparent = carrier.get("traceparent")
-        if not isinstance(traceparent, str) or traceparent in seen:
-            continue
         span_context = span_context_of(carrier)
         if span_context is not None:
-            seen[traceparent] = Link(span_context)
+            seen.setdefault((span_context.trace_id, span_context.span_id), Link(span_context))
     return list(seen.values())

@@ -28,22 +28,14 @@ if TYPE_CHECKING:
     )
     from outbox_bridge.testing.servers import OutboxDatabase, PostgresServer, TemporalServer
 
-_EXPORTS = {
-    "DrainFailure": "outbox_bridge.testing.report",
-    "DrainReport": "outbox_bridge.testing.report",
-    "HandlerFailedError": "outbox_bridge.testing.report",
-    "OutboxRunner": "outbox_bridge.testing.drain",
-    "ShardReport": "outbox_bridge.testing.report",
-    "drain_outbox": "outbox_bridge.testing.drain",
-    "drain_outbox_async": "outbox_bridge.testing.drain",
-    "outbox_runner": "outbox_bridge.testing.drain",
-    "assert_replays": "outbox_bridge.testing.replay",
-    "OutboxDatabase": "outbox_bridge.testing.servers",
-    "OutboxWorker": "outbox_bridge.testing.inprocess_worker",
-    "PostgresServer": "outbox_bridge.testing.servers",
-    "TemporalServer": "outbox_bridge.testing.servers",
-    "worker_settings": "outbox_bridge.testing.inprocess_worker",
+_MODULES = {
+    "drain": ("OutboxRunner", "drain_outbox", "drain_outbox_async", "outbox_runner"),
+    "inprocess_worker": ("OutboxWorker", "worker_settings"),
+    "replay": ("assert_replays",),
+    "report": ("DrainFailure", "DrainReport", "HandlerFailedError", "ShardReport"),
+    "servers": ("OutboxDatabase", "PostgresServer", "TemporalServer"),
 }
+_EXPORTS = {name: f"outbox_bridge.testing.{m}" for m, names in _MODULES.items() for name in names}
 
 __all__ = [
     "DrainFailure",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, Row, Table
@@ -54,19 +53,6 @@ class _UsageError(TypeError):
     """The drain was called where it cannot run a handler: not the handler's failure."""
 
 
-class _Progress:
-    def __init__(self) -> None:
-        self.reads = 0
-
-    def read(self) -> None:
-        self.reads += 1
-        if self.reads > MAX_READS:
-            raise OutboxError(
-                f"the outbox was not empty after {MAX_READS} reads: do the handlers write a "
-                "new row for each row they handle?"
-            )
-
-
 class _Drain:
     """One drain over ``conn``: shard after shard, each up to its end, its first failure or
     its first row not yet due; then again, for rows the handlers wrote meanwhile."""
@@ -90,7 +76,7 @@ class _Drain:
         self.calls = HandlerCalls(app, redact_errors=False, threads=1)
         self.report = DrainReport()
         self._reports: dict[tuple[str, str], ShardReport] = {}
-        self._progress = _Progress()
+        self._reads = 0
 
     async def run(self) -> DrainReport:
         try:
@@ -130,17 +116,12 @@ class _Drain:
     async def _pending(self, table: Table, only: ShardRef | None) -> list[ShardRef]:
         """The shards of ``table`` with rows, the one with the oldest row first."""
         ranges = sorted(await read_shard_ranges(self.conn, table), key=lambda r: r.min_id)
+        scope_name = self.app.scope_name
         refs = [
-            ShardRef(
-                table.name,
-                found.scope,
-                self.app.scope_name(found.scope),
-                found.shard_identifier,
-                found.region,
-            )
-            for found in ranges
+            ShardRef(table.name, r.scope, scope_name(r.scope), r.shard_identifier, r.region)
+            for r in ranges
         ]
-        return [ref for ref in refs if only is None or ref == only]
+        return [ref for ref in refs if only in (None, ref)]
 
     async def _shard(self, table: Table, ref: ShardRef, report: ShardReport) -> None:
         conn = self.conn
@@ -149,7 +130,12 @@ class _Drain:
             return await work(conn)
 
         while True:
-            self._progress.read()
+            self._reads += 1
+            if self._reads > MAX_READS:
+                raise OutboxError(
+                    f"the outbox was not empty after {MAX_READS} reads: do the handlers write a "
+                    "new row for each row they handle?"
+                )
             heads = await read_shard_heads(
                 execute,
                 table,
@@ -198,7 +184,7 @@ class _Drain:
         return True
 
 
-def _targets(
+def shard_targets(
     app: OutboxApp, shard: str | ShardRef | None, table: str | None
 ) -> list[tuple[Table, ShardRef | None]]:
     """The tables to drain, each with the one shard to drain in it (None: every shard)."""
@@ -323,7 +309,7 @@ def drain_outbox(
     workflow holds for any other reason is drained (no workflow runs in a test). Sync
     handlers run in the calling thread, async ones on an event loop of the drain's own.
     """
-    targets = _targets(app, shard, table)
+    targets = shard_targets(app, shard, table)
     calls = _SyncCalls()
     try:
         with _sync_connection(bind) as conn:
@@ -383,7 +369,7 @@ async def drain_outbox_async(
     """:func:`drain_outbox` in the running event loop, with an ``AsyncEngine``,
     ``AsyncConnection`` or ``AsyncSession``. Async handlers run in this loop; plain-def
     handlers in a thread, one at a time, as the worker runs them."""
-    targets = _targets(app, shard, table)
+    targets = shard_targets(app, shard, table)
     async with _async_connection(bind) as conn:
         drain = _Drain(
             app,
@@ -422,24 +408,14 @@ class OutboxRunner:
     def __enter__(self) -> OutboxRunner:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.drain()
 
     async def __aenter__(self) -> OutboxRunner:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             await self.drain_async()
 

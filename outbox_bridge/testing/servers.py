@@ -1,11 +1,8 @@
-"""Real servers for an application's integration tests: a PostgreSQL server with a database per
-test cloned from a template, and a Temporal dev server (the app's worker is in
-:mod:`outbox_bridge.testing.inprocess_worker`). Embedded ones keep their data in a
-:class:`~outbox_bridge.testing.server_folder.ServerFolder`, and say why they stopped if they did.
-
-The pytest plugin (:mod:`outbox_bridge.testing.plugin`) builds its fixtures from these; they
-work without pytest too. Everything asynchronous runs in an :class:`EventLoopThread`, so that
-the worker goes on running while a test blocks, and the tests' own event loops are left alone.
+"""Real servers for an application's integration tests, behind the pytest plugin's fixtures: a
+PostgreSQL server with a database per test cloned from a template, and a Temporal dev server.
+Embedded ones say why they stopped if they did. Everything asynchronous runs in an
+:class:`EventLoopThread`, so that the worker goes on running while a test blocks, and the tests'
+own event loops are left alone.
 """
 
 from __future__ import annotations
@@ -253,10 +250,8 @@ def _permission_cause(data_dir: Path) -> str:
         "0700: keep the servers' data out of it, in a folder no other session changes (as "
         "outbox-bridge's fixtures do, under the system's temporary directory)."
     )
-    if sys.platform == "win32":
-        return f"Likely cause: it lost access to its files. {advice}"
     server_uid = data_dir.stat().st_uid
-    if server_uid == os.getuid():
+    if sys.platform == "win32" or server_uid == os.getuid():
         return f"Likely cause: it lost access to its files. {advice}"
     user = pwd.getpwuid(server_uid).pw_name
     for folder in reversed(data_dir.parents):  # from the root down

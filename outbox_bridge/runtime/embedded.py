@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sysconfig
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,14 +126,12 @@ class EmbeddedTemporal:
         ui_port: int | None = 8233,
         namespace: str = "default",
         in_memory: bool = False,
-        extra_args: Sequence[str] = (),
     ) -> None:
         self.data_dir = data_dir.resolve()
         self.port = port
         self.ui_port = ui_port
         self.namespace = namespace
         self.in_memory = in_memory
-        self.extra_args = list(extra_args)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -173,7 +170,7 @@ class EmbeddedTemporal:
                 "--sqlite-pragma",
                 "synchronous=normal",
             ]
-        return args + self.extra_args
+        return args
 
     async def start(self, timeout: float = 30.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -109,9 +109,6 @@ class ShardHub:
                 inbox.rescan = True
                 inbox.event.set()
 
-    def partitions_open(self) -> int:
-        return len(self._partitions)
-
     def offer_to_partition(self, key: ShardKey, max_id: int) -> bool:
         """Queue news of ``key`` for the partition of this worker that drains it; False if that
         partition's drain runs elsewhere (it finds the rows by its own scan)."""

@@ -39,11 +39,6 @@ class ScopeDirectory:
         self._by_name: dict[str, int] = {}
         self._complete = False
 
-    @property
-    def known(self) -> dict[str, int]:
-        """The pairs learned so far, name → number."""
-        return dict(self._by_name)
-
     async def number(self, name: str) -> tuple[str, int] | None:
         """The scope called ``name`` (any case) as the worker names it, and its number."""
         wanted = {name, name.upper()}
@@ -69,7 +64,7 @@ class ScopeDirectory:
         for _ in range(MAX_SCOPES):
             if not await self._learn_another():
                 break
-        return self.known
+        return dict(self._by_name)
 
     async def seen(self) -> str:
         """Every scope learned, for a message: ``ORGANIZATION (1), USER (2)``, or ``none``."""

@@ -24,7 +24,7 @@ from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.observability.sdk import tracing_interceptor
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
+from outbox_bridge.runtime.bridge import Bridge
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.partition_drain import PartitionDrain
@@ -205,12 +205,7 @@ def build_bridge(
         app=app,
         engine=engine,
         listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
-        options=BridgeOptions(
-            task_queue=settings.task_queue,
-            sweep_interval=settings.sweep_interval,
-            listen=settings.listen,
-            regions=settings.regions,
-        ),
+        settings=settings,
         supervisor=supervisor,
         hub=hub,
     )

@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 
 def run_or_exit(work: Coroutine[Any, Any, T], *, shard: str | None = None) -> T:
-    """Run ``work``; on a known failure print one line and exit (see the module)."""
+    """Run ``work``; on a known failure print one line and exit."""
     try:
         return asyncio.run(work)
     except OutboxError as exc:

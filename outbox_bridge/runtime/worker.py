@@ -136,14 +136,12 @@ def print_banner(
     ]
     if ui:
         query = quote('WorkflowType="OutboxShard"')
-        lines.append(
-            f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}"
-        )
-        lines.append("  Look at the OutboxShard workflows: one per active shard, named")
-        lines.append(
-            "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity"
-        )
-        lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
+        lines += [
+            f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}",
+            "  Look at the OutboxShard workflows: one per active shard, named",
+            "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity",
+            "  of a blocked head, and its rows handled; signal `skip` to pause it.",
+        ]
     if settings.demo:
         for line in demo.banner(settings, ui):
             lines.append(

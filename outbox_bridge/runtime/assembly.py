@@ -143,19 +143,12 @@ def build_worker(
     )
 
 
-def build_flush_worker(
-    client: Client,
-    settings: OutboxSettings,
-    drains: Drains,
-    *,
-    interceptors: Sequence[Interceptor] = (),
-) -> Worker:
+def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains) -> Worker:
     """The worker of the flush queue: waiting flushes in slots of their own, never a drain's."""
     activities = OutboxActivities(drains.shards, _no_partitions)
     return Worker(
         client,
         task_queue=flush_queue(settings.task_queue),
-        interceptors=interceptors,
         activities=activities.flush(),
         build_id=build_id(),
         max_concurrent_activities=settings.max_concurrent_flushes,

@@ -142,12 +142,9 @@ class OutboxPlugin(temporalio.worker.Plugin):
         outbox = asyncio.create_task(self._run_beside(worker, worker_stopped), name="outbox")
         try:
             await next(worker)
-        except BaseException:
+        finally:
             worker_stopped.set()
-            await _finished(outbox)
-            raise
-        worker_stopped.set()
-        failure = await _finished(outbox)
+            failure = await _finished(outbox)
         if failure is not None:
             raise failure
 

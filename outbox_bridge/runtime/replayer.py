@@ -32,14 +32,8 @@ from outbox_bridge.workflows.shard import OutboxShard
 # Every workflow a worker runs: exported histories are of either.
 WORKFLOWS = (OutboxShard, OutboxPartition)
 
-UNSANDBOXED = "unsandboxed"
-SANDBOXED = "sandboxed"
 # Replay workers a runner replays histories in at once (see HistoryReplayer.replay_all).
 REPLAY_WORKERS = 4
-
-
-def _runner(name: str) -> WorkflowRunner:
-    return UnsandboxedWorkflowRunner() if name == UNSANDBOXED else SandboxedWorkflowRunner()
 
 
 @functools.cache
@@ -128,17 +122,15 @@ class HistoryReplayer:
     def __init__(self, *, sandboxed: bool = True) -> None:
         # The SDK's threads of the replay workers may still call into Python at exit.
         settle_native_threads_at_exit()
-        names = [UNSANDBOXED, SANDBOXED] if sandboxed else [UNSANDBOXED]
+        runners: list[tuple[str, WorkflowRunner]] = [("unsandboxed", UnsandboxedWorkflowRunner())]
+        if sandboxed:
+            runners.append(("sandboxed", SandboxedWorkflowRunner()))
         self._replayers = [
             (
                 name,
-                Replayer(
-                    workflows=list(WORKFLOWS),
-                    workflow_runner=_runner(name),
-                    runtime=_quiet_runtime(),
-                ),
+                Replayer(workflows=list(WORKFLOWS), workflow_runner=run, runtime=_quiet_runtime()),
             )
-            for name in names
+            for name, run in runners
         ]
 
     async def replay_file(self, path: Path) -> ReplayFailure | None:

@@ -262,10 +262,9 @@ class OutboxSettings(BaseSettings):
     )
 
     # -- telemetry and logs -------------------------------------------------------------------
-    # OpenTelemetry's standard variables are read too, with OpenTelemetry's precedence: like an
-    # exporter's constructor argument over its OTEL_* variable, a setting given explicitly (a
-    # flag, then an OUTBOX_* variable) wins over the OTEL_* variable, which wins over the
-    # default. OTEL_SDK_DISABLED turns everything off, as it does in the SDK itself.
+    # OpenTelemetry's precedence: a setting given explicitly (a flag, then OUTBOX_*) wins over
+    # the OTEL_* variable, as an exporter's argument does, which wins over the default.
+    # OTEL_SDK_DISABLED turns everything off, as in the SDK.
     otel_exporter: Literal["none", "console", "otlp"] = Field(
         "none",
         validation_alias=_or_otel("otel_exporter", "OTEL_TRACES_EXPORTER"),
@@ -427,9 +426,8 @@ def libpq_url(url: URL) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-# libpq connection parameters whose value is a secret (see "Parameter Key Words" in libpq's
-# documentation): the password, the passphrase of the client's SSL key, and the OAuth client
-# secret (PostgreSQL 18). Paths to files holding secrets (passfile, sslkey) are not secrets.
+# libpq connection parameters whose value is a secret (libpq's "Parameter Key Words"); paths
+# to files holding secrets (passfile, sslkey) are not.
 SECRET_QUERY_PARAMETERS = frozenset({"password", "sslpassword", "oauth_client_secret"})
 
 

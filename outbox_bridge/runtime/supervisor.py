@@ -220,10 +220,8 @@ class PartitionSupervisor:
                 for shard in held
                 if shard.head is not None and self._wanted(shard)
             ]
-        # At once, a few at a time: a status query may wait out its timeout (a workflow whose
-        # task stays open while it drains answers no query), and one after another those held
-        # up the restart of every shard after them. Shards with no running workflow first: they
-        # are the ones nobody drains.
+        # A few at a time: a status query may wait out its timeout (a draining workflow answers
+        # none), which would hold up every shard after it. Shards nobody drains first.
         checks.sort(key=lambda check: check[0].workflow_id in running)
         room = asyncio.Semaphore(CHECK_CONCURRENCY)
 
@@ -253,9 +251,8 @@ class PartitionSupervisor:
             self.restarted += 1
             skip = None
             if shard.held_for == HeldFor.SKIPPED:
-                # The table keeps the skip, not who took it or why: that was the workflow's,
-                # unless the skip_shards setting lists the shard (a partition may hold a listed
-                # shard and this sweep see it before the partition's handover starts it).
+                # The table keeps the skip, not who took it or why, unless skip_shards lists it
+                # (this sweep may see a listed shard before its partition's handover starts it).
                 skip = static_skip(ref, self._starter.skip_shards) or SkipInfo(
                     reason="skipped before its workflow ended (the skip is kept in the "
                     "owner table); resume the shard to drain it",

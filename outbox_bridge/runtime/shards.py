@@ -219,37 +219,18 @@ class ShardStarter:
         self.options = options
         self.skip_shards = skip_shards
 
-    def _arguments(
-        self, shard: ShardRef, max_id: int, *, skip: SkipInfo | None = None, pending: bool = True
-    ) -> dict[str, Any]:
-        return start_arguments(
-            shard,
-            self.options,
-            self.task_queue,
-            max_id=max_id,
-            skip=skip or static_skip(shard, self.skip_shards),
-            pending=pending,
-        )
-
     async def notify(
         self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None
     ) -> bool:
         """Tell the shard's workflow of rows up to ``max_id``, starting it if it is not
         running (skipped, if ``skip`` is given). False if Temporal did not take it."""
-        return await self._signal_with_start(
-            shard,
-            "notify",
-            NotifyInput(max_id=max_id, late=late),
-            self._arguments(shard, max_id, skip=skip),
-        )
+        notice = NotifyInput(max_id=max_id, late=late)
+        return await self._signal_with_start(shard, "notify", notice, max_id, skip=skip)
 
     async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
         """Give the shard to its workflow (the caller holds it for the workflow already)."""
         return await self._signal_with_start(
-            shard,
-            "handover",
-            handover,
-            self._arguments(shard, handover.max_id, pending=False),
+            shard, "handover", handover, handover.max_id, pending=False
         )
 
     async def recheck(self, shard: ShardRef, reason: str) -> bool:
@@ -263,8 +244,19 @@ class ShardStarter:
         return True
 
     async def _signal_with_start(
-        self, shard: ShardRef, signal: str, argument: object, arguments: dict[str, Any]
+        self,
+        shard: ShardRef,
+        signal: str,
+        argument: object,
+        max_id: int,
+        *,
+        skip: SkipInfo | None = None,
+        pending: bool = True,
     ) -> bool:
+        skip = skip or static_skip(shard, self.skip_shards)
+        arguments = start_arguments(
+            shard, self.options, self.task_queue, max_id=max_id, skip=skip, pending=pending
+        )
         try:
             await self.client.start_workflow(
                 WORKFLOW, **arguments, start_signal=signal, start_signal_args=[argument]

@@ -189,10 +189,7 @@ def build_bridge(
         engine=engine,
         client=client,
         starter=_starter(client, settings, skip_shards),
-        task_queue=settings.task_queue,
-        partitions=settings.partitions,
-        options=settings.partition_options(skip_shards),
-        regions=settings.regions,
+        settings=settings,
     )
     return Bridge(
         app=app,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -27,6 +26,7 @@ from temporalio.client import (
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
@@ -44,7 +44,6 @@ from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
     PartitionInput,
-    PartitionOptions,
     PartitionRef,
     ShardRef,
     ShardState,
@@ -67,19 +66,16 @@ class PartitionSupervisor:
         engine: AsyncEngine,
         client: Client,
         starter: ShardStarter,
-        task_queue: str,
-        partitions: int,
-        options: PartitionOptions,
-        regions: Sequence[str] | None = None,
+        settings: OutboxSettings,
     ) -> None:
         self._app = app
         self._engine = engine
         self.client = client
         self._starter = starter
-        self._task_queue = task_queue
-        self._partitions = partitions
-        self._options = options
-        self._regions = tuple(sorted(regions)) if regions else None
+        self._task_queue = settings.task_queue
+        self._partitions = settings.partitions
+        self._options = settings.partition_options(starter.skip_shards)
+        self._regions = tuple(sorted(settings.regions)) if settings.regions else None
         self._configured = False
         self.restarted = 0  # held shards whose workflow the sweep started again
 

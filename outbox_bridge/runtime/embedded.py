@@ -213,9 +213,8 @@ class EmbeddedTemporal:
         try:
             pid = int(self.pid_file.read_text())
             process = psutil.Process(pid)
-            if "temporal" in " ".join(process.cmdline()) and str(self.data_dir) in " ".join(
-                process.cmdline()
-            ):
+            command = " ".join(process.cmdline())
+            if "temporal" in command and str(self.data_dir) in command:
                 log.info("stopping a Temporal dev server left over by a previous run (pid %s)", pid)
                 process.terminate()
                 process.wait(10)

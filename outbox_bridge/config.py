@@ -1,11 +1,5 @@
-"""All configuration in one settings model, read from environment variables and flags.
-
-Every field is an environment variable (``OUTBOX_*``, or ``TEMPORAL_*`` for the Temporal
-connection) and a flag of ``outbox-bridge worker`` of the same name in kebab case; the other
-commands offer the flags of the groups they use (:class:`SettingGroup`) and read the rest from
-the environment. Nothing else reads the environment; the settings object is passed down
-explicitly.
-"""
+"""All configuration in one settings model, read from environment variables (``OUTBOX_*``,
+``TEMPORAL_*``) and flags; nothing else reads the environment."""
 
 from __future__ import annotations
 
@@ -35,8 +29,7 @@ class SettingGroup(StrEnum):
 
 
 def _in(group: SettingGroup, *, tools: str | None = None) -> dict[str, Any]:
-    """A field's group, and what its flag means to the other commands than the worker when that
-    differs from its description (``tools``)."""
+    """A field's group, and what it means to the tools when that differs from its description."""
     return {"group": group.value} | ({"tools": tools} if tools else {})
 
 
@@ -59,8 +52,7 @@ def _temporal(name: str) -> AliasChoices:
 
 
 def _or_otel(name: str, otel: str) -> AliasChoices:
-    """``OUTBOX_<NAME>``, else OpenTelemetry's own variable ``otel`` (see the telemetry
-    settings for why the project's variable comes first)."""
+    """``OUTBOX_<NAME>``, else OpenTelemetry's own variable ``otel``."""
     return AliasChoices(f"OUTBOX_{name.upper()}", otel)
 
 
@@ -270,10 +262,9 @@ class OutboxSettings(BaseSettings):
     )
 
     # -- telemetry and logs -------------------------------------------------------------------
-    # OpenTelemetry's standard variables are read too, with OpenTelemetry's precedence: like an
-    # exporter's constructor argument over its OTEL_* variable, a setting given explicitly (a
-    # flag, then an OUTBOX_* variable) wins over the OTEL_* variable, which wins over the
-    # default. OTEL_SDK_DISABLED turns everything off, as it does in the SDK itself.
+    # OpenTelemetry's precedence: a setting given explicitly (a flag, then OUTBOX_*) wins over
+    # the OTEL_* variable, as an exporter's argument does, which wins over the default.
+    # OTEL_SDK_DISABLED turns everything off, as in the SDK.
     otel_exporter: Literal["none", "console", "otlp"] = Field(
         "none",
         validation_alias=_or_otel("otel_exporter", "OTEL_TRACES_EXPORTER"),
@@ -397,7 +388,6 @@ RETIRED_VARIABLES = (
 
 
 def retired_variables(environ: Mapping[str, str]) -> list[str]:
-    """The retired settings (:data:`RETIRED_VARIABLES`) that ``environ`` still sets."""
     return [name for name in RETIRED_VARIABLES if name in environ]
 
 
@@ -436,16 +426,13 @@ def libpq_url(url: URL) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-# libpq connection parameters whose value is a secret (see "Parameter Key Words" in libpq's
-# documentation): the password, the passphrase of the client's SSL key, and the OAuth client
-# secret (PostgreSQL 18). Paths to files holding secrets (passfile, sslkey) are not secrets.
+# libpq connection parameters whose value is a secret (libpq's "Parameter Key Words"); paths
+# to files holding secrets (passfile, sslkey) are not.
 SECRET_QUERY_PARAMETERS = frozenset({"password", "sslpassword", "oauth_client_secret"})
 
 
 def safe_url(url: URL) -> str:
-    """The URL with every secret masked, for logs and status output: the password, and the
-    libpq parameters that carry a secret in the query string (:data:`SECRET_QUERY_PARAMETERS`,
-    in any letter case, e.g. ``?password=...`` or ``?sslpassword=...``)."""
+    """The URL with the password and the secret query parameters (any letter case) masked."""
     hidden = {k: "***" for k in url.query if k.lower() in SECRET_QUERY_PARAMETERS}
     if hidden:
         url = url.update_query_dict(hidden)

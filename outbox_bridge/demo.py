@@ -37,9 +37,7 @@ class ReplicaUnavailable(ConnectionError):
 
 
 class IntendedFailures(logging.Filter):
-    """Keeps the line but drops the traceback of a log record about an intended failure
-    (:class:`ReplicaUnavailable`). ``--demo`` installs it on the log handler; any other
-    failure keeps its traceback."""
+    """Drops the traceback (not the line) of a log record about a :class:`ReplicaUnavailable`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info is not None and isinstance(record.exc_info[1], ReplicaUnavailable):
@@ -141,8 +139,7 @@ async def provision_organization(message: OutboxMessage) -> None:
 
 
 def demo_settings(settings: OutboxSettings) -> OutboxSettings:
-    """``settings`` for the demo: retries capped at :data:`RETRY_CAP_SECONDS` unless the retry
-    cap was given."""
+    """``settings`` with retries capped at :data:`RETRY_CAP_SECONDS`, unless a cap was given."""
     if "max_retry_interval" in settings.model_fields_set:
         return settings
     return settings.model_copy(update={"max_retry_interval": RETRY_CAP_SECONDS})

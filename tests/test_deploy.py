@@ -30,7 +30,7 @@ from temporalio.common import SearchAttributeKey
 
 import outbox_bridge.workflows.models
 from outbox_bridge.cli import main as cli
-from outbox_bridge.cli.apps import app_from_settings
+from outbox_bridge.cli.apps import command_app
 from outbox_bridge.config import OutboxSettings, env_name, env_names
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
 from outbox_bridge.runtime.embedded import temporal_cli
@@ -591,7 +591,7 @@ def test_compose_worker_env_is_valid_settings(monkeypatch) -> None:
     assert not unknown, f"not settings of OutboxSettings: {unknown}"
     settings = settings_from(env, monkeypatch)
     assert settings.database_url is not None and settings.temporal_address is not None
-    app_from_settings(settings.demo, settings.app)  # runs out of the box (the demo app)
+    command_app(settings)  # runs out of the box (the demo app)
 
 
 def test_compose_worker_reaches_postgres_and_temporal() -> None:

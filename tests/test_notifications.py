@@ -15,7 +15,8 @@ from unittest.mock import MagicMock
 import pytest
 from sqlalchemy import text
 
-from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
+from outbox_bridge.config import OutboxSettings
+from outbox_bridge.runtime.bridge import Bridge
 from outbox_bridge.runtime.hub import ShardHub, ShardKey, partition_of
 from outbox_bridge.runtime.notifications import (
     MAX_PAYLOAD_BYTES,
@@ -214,7 +215,7 @@ def test_refusals_are_logged_as_warnings_with_the_message_cut_short(
         app=app,
         engine=MagicMock(),
         listen_url="",
-        options=BridgeOptions(task_queue="tq"),
+        settings=OutboxSettings(task_queue="tq"),
         supervisor=MagicMock(),
         hub=hub,
     )

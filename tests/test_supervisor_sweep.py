@@ -17,13 +17,13 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge import OutboxApp, OutboxTable
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import FirstRow, HeldShard
 from outbox_bridge.runtime import supervisor as supervisor_module
 from outbox_bridge.runtime.supervisor import CHECK_CONCURRENCY, PartitionSupervisor
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
-    PartitionOptions,
     ShardRef,
     ShardState,
 )
@@ -118,9 +118,7 @@ async def test_a_status_query_that_waits_out_its_timeout_holds_up_no_restart(
         engine=Engine(),  # type: ignore[arg-type]
         client=client,  # type: ignore[arg-type]
         starter=starter,  # type: ignore[arg-type]
-        task_queue="sweep",
-        partitions=1,
-        options=PartitionOptions(),
+        settings=OutboxSettings(task_queue="sweep", partitions=1),
     )
     sweep = asyncio.create_task(supervisor.check_held())
     try:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from outbox_bridge import demo
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import RegistryError
 from outbox_bridge.registry import OutboxApp
 
@@ -38,19 +39,19 @@ def _import_from_working_directory() -> None:
         sys.path.insert(0, here)
 
 
-def app_from_settings(demo_app: bool, spec: str | None) -> OutboxApp | None:
+def command_app(settings: OutboxSettings) -> OutboxApp | None:
     """The app named by ``--app`` (``module:attribute``), the demo app with ``--demo``, or None
     when neither is given."""
-    if demo_app and spec:
+    if settings.demo and settings.app:
         raise RegistryError("--demo runs the demo app; do not also give --app")
-    if demo_app:
+    if settings.demo:
         return demo.app
-    return load_app(spec) if spec else None
+    return load_app(settings.app) if settings.app else None
 
 
-def worker_app(demo_app: bool, spec: str | None) -> OutboxApp:
-    """The app the worker runs: :func:`app_from_settings`, which must name one."""
-    app = app_from_settings(demo_app, spec)
+def worker_app(settings: OutboxSettings) -> OutboxApp:
+    """The app the worker runs: :func:`command_app`, which must name one."""
+    app = command_app(settings)
     if app is None:
         raise RegistryError(
             "no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo"

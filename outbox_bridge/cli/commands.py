@@ -7,13 +7,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from outbox_bridge import __version__, demo
-from outbox_bridge.cli.apps import worker_app
-from outbox_bridge.cli.connections import command_app, database, tables_of
+from outbox_bridge.cli.apps import command_app, worker_app
+from outbox_bridge.cli.connections import database, tables_of
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.listing import shards
@@ -33,16 +33,18 @@ from outbox_bridge.runtime.worker import run as run_worker
 
 
 def run() -> None:
-    """Entry point: run the command line, then leave without interpreter teardown.
-
-    A process that used a Temporal client can crash while the interpreter finalizes (the SDK's
-    runtime threads), turning a success into a failure exit code: flush and exit explicitly.
-    """
+    """Entry point: run the command line, then :func:`leave`."""
     code = 0
     try:
         main.main(prog_name="outbox-bridge")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit without interpreter teardown, in which a process that used a Temporal client can
+    crash (the SDK's runtime threads), turning a success into a failure exit code."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -76,7 +78,7 @@ def worker(**overrides: Any) -> None:
             handler.addFilter(demo.IntendedFailures())
             settings = demo.demo_settings(settings)
         quiet_sdk_loggers()
-        app = worker_app(settings.demo, settings.app)
+        app = worker_app(settings)
         asyncio.run(run_worker(settings, app))
     except OutboxError as exc:
         print(f"outbox-bridge: error: {exc}", file=sys.stderr)
@@ -84,11 +86,7 @@ def worker(**overrides: Any) -> None:
     except Exception:
         logging.getLogger("outbox_bridge").exception("outbox-bridge stopped on an unexpected error")
         code = 1
-    # A process that ran a Temporal worker can crash in interpreter teardown after the work is
-    # done: flush and leave explicitly.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 async def _init_db(settings: OutboxSettings) -> list[str]:

@@ -1,5 +1,4 @@
-"""What the tools (every command but the worker) connect to: the app, if one is given, the
-database and Temporal, with their failures turned into one line that says what to do."""
+"""What the tools (every command but the worker) connect to: the database and Temporal."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from temporalio.client import Client
 
-from outbox_bridge.cli.apps import app_from_settings
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp, OutboxTable
@@ -19,11 +17,6 @@ from outbox_bridge.runtime.temporal import connect, temporal_address
 
 # SQLSTATE of a table that does not exist.
 UNDEFINED_TABLE = "42P01"
-
-
-def command_app(settings: OutboxSettings) -> OutboxApp | None:
-    """The app given with ``--app`` (or ``OUTBOX_APP``) or ``--demo``; None without one."""
-    return app_from_settings(settings.demo, settings.app)
 
 
 def tables_of(app: OutboxApp | None, table: str | None, *, regional: bool = False) -> OutboxApp:

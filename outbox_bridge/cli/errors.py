@@ -17,21 +17,10 @@ from outbox_bridge.errors import OutboxError
 T = TypeVar("T")
 
 
-class CommandFailed(Exception):
-    """A command cannot go on: ``message`` is its one line, ``code`` its exit status."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
 def run_or_exit(work: Coroutine[Any, Any, T], *, shard: str | None = None) -> T:
-    """Run ``work``; on a known failure print one line and exit (see the module)."""
+    """Run ``work``; on a known failure print one line and exit."""
     try:
         return asyncio.run(work)
-    except CommandFailed as exc:
-        fail(exc.message, exc.code)
     except OutboxError as exc:
         fail(f"error: {exc}", 2)
     except WorkflowUpdateFailedError as exc:

@@ -1,6 +1,5 @@
-"""Command-line flags generated from :class:`OutboxSettings`, so that every setting is both an
-environment variable and a flag, documented once. Each command offers the flags of the setting
-groups it uses; the other settings still come from the environment."""
+"""Command-line flags generated from :class:`OutboxSettings`: every setting is an environment
+variable and a flag, documented once; each command offers the flags of the groups it uses."""
 
 from __future__ import annotations
 

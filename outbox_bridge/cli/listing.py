@@ -1,10 +1,4 @@
-"""``outbox-bridge shards``: the shards with pending rows and the state of their workflows.
-
-The table holds scope numbers; the workflows are named after scope names. With the app, the
-names come from its registry; without it, from the table's shard workflows
-(:class:`~outbox_bridge.runtime.scope_directory.ScopeDirectory`), and a scope none of whose
-shards has had a workflow is shown by its number (it has no workflow to show either).
-"""
+"""``outbox-bridge shards``: the shards with pending rows and the state of their workflows."""
 
 from __future__ import annotations
 
@@ -20,8 +14,8 @@ from sqlalchemy import func, select
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from outbox_bridge.cli.apps import command_app
 from outbox_bridge.cli.connections import (
-    command_app,
     database,
     reading,
     tables_of,
@@ -149,8 +143,8 @@ async def _list(
         found, blocked = await _workflow_state(client, ref)
         if state is not None and found != state:
             continue
-        listing.shards.append(_entry(ref, depth, (now - depth.oldest).total_seconds(), found))
-        listing.shards[-1]["blocked_category"] = blocked
+        age = (now - depth.oldest).total_seconds()
+        listing.shards.append(_entry(ref, depth, age, found) | {"blocked_category": blocked})
         if len(listing.shards) >= top:
             break
     return listing
@@ -170,7 +164,8 @@ def _entry(ref: ShardRef, depth: ShardDepth, age: float, state: str) -> dict[str
 
 @dataclass
 class _ScopeNames:
-    """Scope names and numbers from the app, or without it from the shard workflows."""
+    """Scope names and numbers from the app, or without it from the shard workflows (a scope
+    none of whose shards had a workflow is shown by its number)."""
 
     app: OutboxApp | None
     directory: ScopeDirectory

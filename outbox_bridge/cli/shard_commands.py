@@ -1,10 +1,5 @@
-"""The commands that steer one shard: ``status``, ``skip``, ``resume``, ``flush``, and ``history
-export``.
-
-A shard is named as the worker names it (``SCOPE:ID``, ``REGION:SCOPE:ID``); SCOPE is a name or
-a number. With the app (``--app``, ``--demo``) names come from its registry; without it, from
-the table's shard workflows (:mod:`outbox_bridge.runtime.scope_directory`).
-"""
+"""The commands that steer one shard (``SCOPE:ID``, ``REGION:SCOPE:ID``, as the worker names
+it): ``status``, ``skip``, ``resume``, ``flush``, and ``history export``."""
 
 from __future__ import annotations
 
@@ -25,8 +20,8 @@ from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecut
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 
+from outbox_bridge.cli.apps import command_app
 from outbox_bridge.cli.connections import (
-    command_app,
     database,
     reading,
     tables_of,

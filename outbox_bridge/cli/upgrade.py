@@ -1,9 +1,6 @@
-"""``outbox-bridge upgrade-check``: find the shard workflow runs that this version's workflow
-code cannot run (started by an older generation of it), and end them on request.
-
-The table is the source of truth: ending such a run loses no row and no ownership. The shard
-stays held in ``<table>_owners``, and the active bridge's next sweep starts its workflow again
-on the current code (skipped again if it was skipped).
+"""``outbox-bridge upgrade-check``: find the shard workflow runs of an older generation of the
+workflow code, and end them on request. That loses no row and no ownership: the shard stays
+held in ``<table>_owners``, and the next sweep starts its workflow again on the current code.
 """
 
 from __future__ import annotations
@@ -18,11 +15,11 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from outbox_bridge.cli.commands import main
+from outbox_bridge.cli.connections import temporal_client
 from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import SettingGroup
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.runtime.shards import WORKFLOW
-from outbox_bridge.runtime.temporal import connect, temporal_address
 from outbox_bridge.workflows.models import MEMO_CODE_KEY, WORKFLOW_CODE
 
 TERMINATE_REASON = (
@@ -58,7 +55,7 @@ async def older_runs(client: Client) -> list[OlderRun]:
 
 async def _check(overrides: dict[str, Any], terminate: bool) -> list[OlderRun]:
     settings = build_settings(overrides)
-    client = await connect(settings, temporal_address(settings))
+    client = await temporal_client(settings)
     runs = await older_runs(client)
     if terminate:
         await asyncio.gather(

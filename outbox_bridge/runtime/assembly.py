@@ -1,10 +1,5 @@
-"""The outbox's parts assembled on a Temporal client, and their lifetime: :func:`run_outbox`.
-
-The parts are the drains (one drain engine, its handler calls, one hub for the bridge's news),
-the outbox's two Temporal workers (its task queue, and the flush queue beside it) and the
-bridge. :class:`~outbox_bridge.runtime.outbox_plugin.OutboxPlugin` runs them beside a worker of
-the application's; ``outbox-bridge worker`` runs them with nothing beside.
-"""
+"""The outbox's parts (drains, its two Temporal workers, the bridge) assembled on a Temporal
+client, and their lifetime: :func:`run_outbox`, which :class:`OutboxPlugin` runs."""
 
 from __future__ import annotations
 
@@ -29,7 +24,7 @@ from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.observability.sdk import tracing_interceptor
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.bridge import Bridge, BridgeOptions
+from outbox_bridge.runtime.bridge import Bridge
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.partition_drain import PartitionDrain
@@ -65,8 +60,7 @@ def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
 
 @dataclass
 class Drains:
-    """The drains of one worker: its shard workflows' and its partitions', sharing one drain
-    engine (and its knowledge of running handler calls) and one hub for the bridge's news."""
+    """One worker's drain engine, its shard workflows' drainer and the hub of the bridge's news."""
 
     engine: DrainEngine
     shards: ShardDrainer
@@ -95,13 +89,8 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
 
 @functools.cache
 def build_id() -> str:
-    """The build id the workers report to Temporal: the package version and a digest of the
-    workflow code (the only code the workers' workflow tasks run).
-
-    Without one, the SDK computes a digest of every module loaded in the process, over a
-    thousand in a worker: about a fifth of a second of each worker's start, before its first
-    row could run.
-    """
+    """The package version and a digest of the workflow code. Without one, the SDK digests
+    every module loaded (a fifth of a second of each worker's start)."""
     digest = hashlib.sha256()
     for module in (workflow_models, partition_workflow, shard_workflow):
         try:
@@ -109,6 +98,15 @@ def build_id() -> str:
         except (OSError, TypeError):  # no source shipped: the version alone tells
             digest.update(module.__name__.encode())
     return f"outbox-bridge-{outbox_bridge.__version__}-{digest.hexdigest()[:12]}"
+
+
+def _starter(client: Client, settings: OutboxSettings, skip_shards: frozenset[str]) -> ShardStarter:
+    return ShardStarter(
+        client,
+        task_queue=settings.task_queue,
+        options=settings.shard_options(),
+        skip_shards=skip_shards,
+    )
 
 
 def build_worker(
@@ -119,12 +117,7 @@ def build_worker(
     skip_shards: frozenset[str] = frozenset(),
     interceptors: Sequence[Interceptor] = (),
 ) -> Worker:
-    starter = ShardStarter(
-        client,
-        task_queue=settings.task_queue,
-        options=settings.shard_options(),
-        skip_shards=skip_shards,
-    )
+    starter = _starter(client, settings, skip_shards)
 
     async def drain_partition(
         request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
@@ -140,9 +133,8 @@ def build_worker(
         workflows=[OutboxShard, OutboxPartition],
         build_id=build_id(),
         activities=OutboxActivities(drains.shards, drain_partition).all(),
-        # The workflows are this library's code, never the user's, and the replay tests run
-        # them under the sandbox too. Unsandboxed, a new shard run costs no module re-import
-        # (a third of the worker's CPU on a backlog of new shards).
+        # Library code that the replay tests also run sandboxed; unsandboxed, a new shard run
+        # re-imports no module (a third of the worker's CPU on a backlog of new shards).
         workflow_runner=UnsandboxedWorkflowRunner(),
         # The partitions' lingering drains mostly wait: room for them beside the busy ones.
         max_concurrent_activities=settings.max_concurrent_activities + settings.partitions * tables,
@@ -151,20 +143,12 @@ def build_worker(
     )
 
 
-def build_flush_worker(
-    client: Client,
-    settings: OutboxSettings,
-    drains: Drains,
-    *,
-    interceptors: Sequence[Interceptor] = (),
-) -> Worker:
-    """The worker of the flush task queue: the activities that wait for a flush's rows, in
-    slots of their own (a thousand waiting flushes never keep a drain from starting)."""
+def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains) -> Worker:
+    """The worker of the flush queue: waiting flushes in slots of their own, never a drain's."""
     activities = OutboxActivities(drains.shards, _no_partitions)
     return Worker(
         client,
         task_queue=flush_queue(settings.task_queue),
-        interceptors=interceptors,
         activities=activities.flush(),
         build_id=build_id(),
         max_concurrent_activities=settings.max_concurrent_flushes,
@@ -179,13 +163,9 @@ async def _no_partitions(
 
 
 def outbox_client(client: Client) -> Client:
-    """A client for the outbox's own calls and workers, on ``client``'s connection and
-    namespace, with Temporal's default data converter and the outbox's interceptors only.
-
-    The outbox's workflows carry ids and counts, which producers' flushes and the command line
-    read with the default converter: an application's own converter, codec, interceptors or
-    client plugins stay on the application's workflows.
-    """
+    """``client``'s connection and namespace with the default data converter and the outbox's
+    interceptors only: producers and the command line read the outbox's workflows with the
+    default converter, so an application's converter, codec and plugins stay on its own."""
     return Client(
         client.service_client,
         namespace=client.namespace,
@@ -204,32 +184,18 @@ def build_bridge(
 ) -> Bridge:
     database_url = settings.database_url
     assert database_url is not None
-    starter = ShardStarter(
-        client,
-        task_queue=settings.task_queue,
-        options=settings.shard_options(),
-        skip_shards=skip_shards,
-    )
     supervisor = PartitionSupervisor(
         app=app,
         engine=engine,
         client=client,
-        starter=starter,
-        task_queue=settings.task_queue,
-        partitions=settings.partitions,
-        options=settings.partition_options(skip_shards),
-        regions=settings.regions,
+        starter=_starter(client, settings, skip_shards),
+        settings=settings,
     )
     return Bridge(
         app=app,
         engine=engine,
         listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
-        options=BridgeOptions(
-            task_queue=settings.task_queue,
-            sweep_interval=settings.sweep_interval,
-            listen=settings.listen,
-            regions=settings.regions,
-        ),
+        settings=settings,
         supervisor=supervisor,
         hub=hub,
     )
@@ -273,14 +239,8 @@ class RunningOutbox:
             self._bridge_task,
         ]
 
-    @property
-    def ready(self) -> asyncio.Event:
-        """Set once the bridge has found the tables and its first sweep ran."""
-        return self.bridge.ready
-
     async def ended(self) -> None:
-        """Return when a part of the outbox (a worker, the bridge) has stopped on its own: a
-        worker's fatal error. :meth:`failure` says why."""
+        """Return when a worker or the bridge has stopped on its own (:meth:`failure` says why)."""
         await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
 
     def failure(self) -> BaseException | None:
@@ -301,9 +261,7 @@ class RunningOutbox:
         failure = self.failure()
         self._stop.set()
         self._drains.hub.close()
-        # The bridge only finds rows and starts or signals workflows: it stops now, not after
-        # the sweep under way, whose status queries would time out one after another (seconds
-        # each) once this worker stops answering them.
+        # Now, not after its sweep: its status queries would time out once this worker stops.
         if self._bridge_task is not None:
             self._bridge_task.cancel()
         workers = [task for task in self._tasks if task is not self._bridge_task]
@@ -319,10 +277,8 @@ class RunningOutbox:
         return failure
 
     async def _let_go(self) -> None:
-        """The workers' runs were cancelled from outside: asyncio.run cancels every task when
-        the program's main coroutine ends or fails, the SDK's own tasks too, and the SDK's
-        shutdown can then wait forever for what those no longer report. Each part gets a few
-        seconds, then a second cancel, which ends that wait."""
+        """The workers' runs were cancelled from outside (asyncio.run cancels the SDK's tasks
+        too, and its shutdown can then wait forever): a few seconds each, then a second cancel."""
         _done, pending = await asyncio.wait(self._tasks, timeout=LET_GO_SECONDS)
         for task in pending:
             log.warning(
@@ -341,12 +297,8 @@ async def run_outbox(
     app: OutboxApp, settings: OutboxSettings, client: Client
 ) -> AsyncIterator[RunningOutbox]:
     """Create the missing tables and search attributes, then run the outbox's workers and
-    bridge on ``client``'s connection (through :func:`outbox_client`) until the block ends.
-
-    Leaving the block stops them (the shutdown grace for handler calls in flight) and closes
-    every database connection; then it raises what stopped a part of the outbox early, if
-    something did and the block itself raised nothing.
-    """
+    bridge on ``client``'s connection until the block ends. Leaving stops them (with the
+    shutdown grace) and raises what stopped a part early, if the block itself raised nothing."""
     database_url = settings.database_url
     assert database_url is not None, "the settings name no database"
     engine = build_engine(database_url.get_secret_value(), settings)

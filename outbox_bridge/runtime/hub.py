@@ -1,10 +1,6 @@
-"""In-process hand-off from the bridge's notifications to the partition drains of this worker.
-
-Every worker listens for its tables' notifications. What they announce goes, without a round
-trip through Temporal, to the drain of this worker's partition that the shard hashes to: news
-of a shard is queued in that partition's inbox and wakes it. A partition whose drain runs in
-another worker finds the rows by its own scans. Both sides run on one event loop.
-"""
+"""In-process hand-off from the bridge's notifications to this worker's partition drains: news
+of a shard goes to the inbox of its partition's drain, if it runs here, and wakes it (one that
+runs elsewhere finds the rows by its own scans). Both sides run on one event loop."""
 
 from __future__ import annotations
 
@@ -32,7 +28,7 @@ def key_of(shard: ShardRef) -> ShardKey:
 
 
 def ref_of(key: ShardKey, app: OutboxApp) -> ShardRef:
-    """The shard of ``key``, with its scope's name from ``app`` (the inverse of :func:`key_of`)."""
+    """The inverse of :func:`key_of`, with the scope's name from ``app``."""
     return ShardRef(
         table=key.table,
         scope=key.scope,
@@ -43,8 +39,7 @@ def ref_of(key: ShardKey, app: OutboxApp) -> ShardRef:
 
 
 def partition_of(key: ShardKey, partitions: int) -> int:
-    """The partition (0 to ``partitions`` - 1) that drains a healthy shard: the same in every
-    process and every release (a CRC-32 of the shard columns)."""
+    """The partition that drains a healthy shard: a CRC-32, the same in every process."""
     text = f"{key.region or ''}:{key.scope}:{key.shard_identifier}"
     return zlib.crc32(text.encode()) % partitions
 
@@ -108,9 +103,6 @@ class ShardHub:
             if name == table:
                 inbox.rescan = True
                 inbox.event.set()
-
-    def partitions_open(self) -> int:
-        return len(self._partitions)
 
     def offer_to_partition(self, key: ShardKey, max_id: int) -> bool:
         """Queue news of ``key`` for the partition of this worker that drains it; False if that

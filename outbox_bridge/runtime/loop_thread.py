@@ -1,12 +1,10 @@
-"""An event loop in a thread of its own, for sync code that runs async code (the flush of a sync
-session, the testing toolkit), and a clean exit for a process that used Temporal's client.
+"""An event loop in a thread of its own, for sync code that runs async code, and a clean exit
+for a process that used Temporal's client.
 
-Temporal's SDK runs its client in native (Rust) threads that call into Python to hand back the
-result of every call, also of a call that was cancelled. One that does so while the interpreter
-finalizes aborts the process (``Fatal Python error: PyGILState_Release``, SIGABRT) instead of
-letting it exit with its own code. So before the interpreter finalizes, :class:`EventLoopThread`
-cancels what runs on its loop and stops its thread, and :func:`settle_native_threads` waits,
-with the GIL released, until no thread that Python did not start is still running Python code.
+The SDK's native threads call into Python to hand back every result; one that does so while
+the interpreter finalizes aborts the process (``PyGILState_Release``, SIGABRT). So at exit
+:class:`EventLoopThread` stops its loop, and :func:`settle_native_threads` waits until no
+native thread runs Python code.
 """
 
 from __future__ import annotations
@@ -32,13 +30,8 @@ SETTLE_STEP = 0.01
 
 
 class EventLoopThread:
-    """An event loop running in a daemon thread of its own.
-
-    :meth:`close` cancels its tasks and stops the thread; it runs at interpreter exit at the
-    latest (an ``atexit`` hook registered when the thread starts), followed by
-    :func:`settle_native_threads`. A daemon thread, so that a loop that is never closed cannot
-    keep the process from exiting.
-    """
+    """An event loop in a daemon thread (a loop never closed does not keep the process up);
+    :meth:`close` runs at interpreter exit at the latest, then :func:`settle_native_threads`."""
 
     def __init__(self, name: str = "outbox-loop") -> None:
         self.loop = asyncio.new_event_loop()
@@ -82,13 +75,8 @@ async def _cancel_tasks() -> None:
 
 
 def settle_native_threads(timeout: float = SETTLE_TIMEOUT) -> None:
-    """Wait, with the GIL released, until no thread that Python did not start (Temporal's native
-    threads) has run Python code for a moment, or ``timeout`` passed.
-
-    A native thread that hands back a result calls into Python; at interpreter exit one that is
-    still doing so, or waits for the GIL to do so, aborts the process. Sleeping lets them finish;
-    what they hand back then goes nowhere (its loop is closed), which is harmless.
-    """
+    """Sleep (the GIL released) until no thread that Python did not start has run Python code
+    for a moment, or ``timeout`` passed; what they hand back goes nowhere, harmlessly."""
     deadline = time.monotonic() + timeout
     quiet_since = time.monotonic()
     while time.monotonic() < deadline:

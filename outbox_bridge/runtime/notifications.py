@@ -1,10 +1,8 @@
 """Reading the notifications of an outbox table's trigger, trusting nothing in them.
 
-The trigger sends ``[[scope, shard identifier, highest id], ...]`` (with the region first for a
-regional table), or ``*`` when a statement touched too many shards to name them. Any role that
-can connect can ``NOTIFY`` on the same channel, so every message is checked against the table's
-shape and the column types before it is used; a message that does not fit is refused as a whole,
-with the reason, and the caller scans the table instead.
+The trigger sends ``[[scope, shard identifier, highest id], ...]`` (the region first in a
+regional table). Any role that can connect can ``NOTIFY``, so a message that does not fit the
+table's shape and column types is refused as a whole, with the reason.
 """
 
 from __future__ import annotations

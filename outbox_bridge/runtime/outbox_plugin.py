@@ -21,40 +21,28 @@ from outbox_bridge.workflows.models import flush_queue
 
 log = logging.getLogger(__name__)
 
-_TEMPORAL = "the outbox uses the Temporal connection and namespace of your worker's client"
-_EMBEDDED = "the command starts embedded servers; give the plugin a database_url"
-_TELEMETRY = (
-    "the outbox reports through your process's OpenTelemetry providers and logging "
-    "configuration, as your own code does"
-)
 # Settings of the `outbox-bridge worker` command that mean nothing in a worker of your own,
 # and what stands in for them there.
-COMMAND_SETTINGS: dict[str, str] = {
-    "temporal_address": _TEMPORAL,
-    "temporal_namespace": _TEMPORAL,
-    "temporal_api_key": _TEMPORAL,
-    "temporal_tls": _TEMPORAL,
-    "temporal_tls_cert": _TEMPORAL,
-    "temporal_tls_key": _TEMPORAL,
-    "temporal_tls_ca": _TEMPORAL,
-    "temporal_profile": _TEMPORAL,
-    "temporal_config_file": _TEMPORAL,
-    "data_dir": _EMBEDDED,
-    "temporal_port": _EMBEDDED,
-    "temporal_ui_port": _EMBEDDED,
-    "demo": "the demo is the command's",
-    "demo_outage": "the demo is the command's",
-    "log_failures": "the summary lines it applies to are the command's",
-    "otel_exporter": _TELEMETRY,
-    "metrics_exporter": _TELEMETRY,
-    "metrics_port": _TELEMETRY,
-    "metrics_host": _TELEMETRY,
-    "otel_sdk_disabled": _TELEMETRY,
-    "log_level": _TELEMETRY,
-    "log_format": _TELEMETRY,
-    "health_port": "the health endpoints are the command's; probe your worker as you do now",
-    "health_host": "the health endpoints are the command's; probe your worker as you do now",
+_COMMAND_ONLY = {
+    "the outbox uses the Temporal connection and namespace of your worker's client": (
+        "temporal_address temporal_namespace temporal_api_key temporal_tls temporal_tls_cert "
+        "temporal_tls_key temporal_tls_ca temporal_profile temporal_config_file"
+    ),
+    "the command starts embedded servers; give the plugin a database_url": (
+        "data_dir temporal_port temporal_ui_port"
+    ),
+    "the demo is the command's": "demo demo_outage",
+    "the summary lines it applies to are the command's": "log_failures",
+    "the outbox reports through your process's OpenTelemetry providers and logging "
+    "configuration, as your own code does": (
+        "otel_exporter metrics_exporter metrics_port metrics_host otel_sdk_disabled log_level "
+        "log_format"
+    ),
+    "the health endpoints are the command's; probe your worker as you do now": (
+        "health_port health_host"
+    ),
 }
+COMMAND_SETTINGS = {name: why for why, names in _COMMAND_ONLY.items() for name in names.split()}
 
 
 def plugin_settings(fields: dict[str, Any]) -> OutboxSettings:
@@ -154,12 +142,9 @@ class OutboxPlugin(temporalio.worker.Plugin):
         outbox = asyncio.create_task(self._run_beside(worker, worker_stopped), name="outbox")
         try:
             await next(worker)
-        except BaseException:
+        finally:
             worker_stopped.set()
-            await _finished(outbox)
-            raise
-        worker_stopped.set()
-        failure = await _finished(outbox)
+            failure = await _finished(outbox)
         if failure is not None:
             raise failure
 

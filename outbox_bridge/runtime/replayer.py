@@ -1,11 +1,6 @@
-"""Replaying exported workflow histories against the installed workflow code: for the
-``replay`` command and :func:`outbox_bridge.testing.assert_replays`.
-
-A history is replayed as the worker runs its workflows (unsandboxed, see
-:func:`outbox_bridge.runtime.assembly.build_worker`), then under Temporal's sandbox too, which
-proves that the code makes no call the sandbox refuses as nondeterministic. A history that
-fails is replayed again cut short, to find the first event the code disagrees with.
-"""
+"""Replaying exported workflow histories against the installed workflow code, unsandboxed as the
+worker runs it, then sandboxed (no call the sandbox refuses); a history that fails is replayed
+again cut short, to find the first event the code disagrees with."""
 
 from __future__ import annotations
 
@@ -37,33 +32,24 @@ from outbox_bridge.workflows.shard import OutboxShard
 # Every workflow a worker runs: exported histories are of either.
 WORKFLOWS = (OutboxShard, OutboxPartition)
 
-UNSANDBOXED = "unsandboxed"
-SANDBOXED = "sandboxed"
 # Replay workers a runner replays histories in at once (see HistoryReplayer.replay_all).
 REPLAY_WORKERS = 4
 
 
-def _runner(name: str) -> WorkflowRunner:
-    return UnsandboxedWorkflowRunner() if name == UNSANDBOXED else SandboxedWorkflowRunner()
-
-
 @functools.cache
 def _quiet_runtime() -> Runtime:
-    """A Temporal runtime that logs errors only: the SDK's core warns of every workflow task a
-    replay fails, and a failing history is replayed several times to find its event."""
+    """A runtime that logs errors only (the core warns of each workflow task a replay fails)."""
     errors_only = TelemetryFilter(core_level="ERROR", other_level="ERROR")
     return Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(filter=errors_only)))
 
 
 class HistoryError(ValueError):
-    """A file or history that cannot be replayed: not a workflow history, or one without a
-    workflow task."""
+    """A file or history that cannot be replayed."""
 
 
 def load_history(path: Path) -> WorkflowHistory:
-    """The history in ``path``: the JSON of ``outbox-bridge history export``, or the SDK's
-    (``WorkflowHistory.to_json``), which the Temporal CLI (``temporal workflow show --output
-    json``) and the UI's download write too. Raises :class:`HistoryError`."""
+    """The history in ``path``, as ``outbox-bridge history export``, the Temporal CLI and the
+    UI's download write it. Raises :class:`HistoryError`."""
     try:
         recorded = WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, json_format.Error) as exc:
@@ -86,8 +72,7 @@ def check_history(history: WorkflowHistory) -> None:
 
 
 def describe_event(event: HistoryEvent) -> str:
-    """``event 6 ActivityTaskScheduled PROJECT_UPDATE``: the event's id, its type and what it
-    names (the activity, timer, marker, signal or update), for a replay failure."""
+    """``event 6 ActivityTaskScheduled PROJECT_UPDATE``: id, type and what the event names."""
     kind = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
     name = "".join(part.capitalize() for part in kind.split("_"))
     detail = ""
@@ -117,8 +102,7 @@ def _reason(error: Exception) -> str:
 
 @dataclass(frozen=True)
 class ReplayFailure:
-    """Why a history does not replay: where it came from, the runner it failed under, the
-    failure, and the first event the workflow code disagrees with (when one was found)."""
+    """Why a history does not replay, and the first event the code disagrees with (if found)."""
 
     source: str
     reason: str
@@ -138,17 +122,15 @@ class HistoryReplayer:
     def __init__(self, *, sandboxed: bool = True) -> None:
         # The SDK's threads of the replay workers may still call into Python at exit.
         settle_native_threads_at_exit()
-        names = [UNSANDBOXED, SANDBOXED] if sandboxed else [UNSANDBOXED]
+        runners: list[tuple[str, WorkflowRunner]] = [("unsandboxed", UnsandboxedWorkflowRunner())]
+        if sandboxed:
+            runners.append(("sandboxed", SandboxedWorkflowRunner()))
         self._replayers = [
             (
                 name,
-                Replayer(
-                    workflows=list(WORKFLOWS),
-                    workflow_runner=_runner(name),
-                    runtime=_quiet_runtime(),
-                ),
+                Replayer(workflows=list(WORKFLOWS), workflow_runner=run, runtime=_quiet_runtime()),
             )
-            for name in names
+            for name, run in runners
         ]
 
     async def replay_file(self, path: Path) -> ReplayFailure | None:
@@ -157,24 +139,17 @@ class HistoryReplayer:
             recorded = load_history(path)
         except HistoryError as exc:
             return ReplayFailure(str(path), str(exc))
-        return await self.replay(recorded, source=str(path))
-
-    async def replay(self, history: WorkflowHistory, *, source: str) -> ReplayFailure | None:
-        """Replay ``history`` under each runner in turn; None if it replays under every one."""
-        [failure] = await self.replay_all([(source, history)])
+        [failure] = await self.replay_all([(str(path), recorded)])
         return failure
 
     async def replay_all(
         self, histories: Sequence[tuple[str, WorkflowHistory]]
     ) -> list[ReplayFailure | None]:
-        """Replay each history (named by its source) under each runner in turn; per history, in
-        order, None if it replays under every runner, or why it does not under the first one
-        it fails under.
+        """Per history (named by its source), in order: None if it replays under every runner,
+        else why it does not under the first it fails under.
 
-        A replay is a long chain of hand-offs between Python and the SDK's core threads, which
-        a loaded machine makes slow to come: each runner replays the histories in a few replay
-        workers at once (not one worker per history, whose start costs more hand-offs than most
-        replays, and a validation of the workflows by the sandbox), so that their waits overlap.
+        A replay is a long chain of hand-offs with the SDK's core threads: a few replay workers
+        at once overlap their waits (one per history would cost more in starts than replays).
         """
         failures: list[ReplayFailure | None] = []
         for source, history in histories:

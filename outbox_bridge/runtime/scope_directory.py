@@ -1,11 +1,9 @@
 """Naming a shard without the app: scope names and numbers learned from the shard workflows.
 
-The worker names a shard's workflow after its scope's name (``outbox:<table>:<SCOPE>:<id>``),
-which the outbox table does not hold: it holds the number. A command run without the app
-(``--app``) learns the pairs it needs from the shard workflows of the table: their
-``OutboxScope`` search attribute holds the name, their input the number too. One visibility
-query and one history event per scope; a scope none of whose shards ever had a workflow (within
-the namespace's retention) stays unknown.
+The table holds a scope's number, a shard workflow's id its name. A command run without the app
+learns the pairs from the table's shard workflows (their ``OutboxScope`` search attribute and
+their input): one visibility query and one history event per scope. A scope none of whose
+shards had a workflow within the namespace's retention stays unknown.
 """
 
 from __future__ import annotations
@@ -39,11 +37,6 @@ class ScopeDirectory:
         self._by_name: dict[str, int] = {}
         self._complete = False
 
-    @property
-    def known(self) -> dict[str, int]:
-        """The pairs learned so far, name → number."""
-        return dict(self._by_name)
-
     async def number(self, name: str) -> tuple[str, int] | None:
         """The scope called ``name`` (any case) as the worker names it, and its number."""
         wanted = {name, name.upper()}
@@ -64,16 +57,13 @@ class ScopeDirectory:
                 return None
         return None
 
-    async def learn_all(self) -> dict[str, int]:
-        """Every scope with a shard workflow in the table (at most :data:`MAX_SCOPES`)."""
+    async def seen(self) -> str:
+        """Every scope with a shard workflow in the table (at most :data:`MAX_SCOPES`), for a
+        message: ``ORGANIZATION (1), USER (2)``, or ``none``."""
         for _ in range(MAX_SCOPES):
             if not await self._learn_another():
                 break
-        return self.known
-
-    async def seen(self) -> str:
-        """Every scope learned, for a message: ``ORGANIZATION (1), USER (2)``, or ``none``."""
-        known = sorted((await self.learn_all()).items(), key=lambda pair: pair[1])
+        known = sorted(self._by_name.items(), key=lambda pair: pair[1])
         return ", ".join(f"{name} ({number})" for name, number in known) or "none"
 
     async def _learn_another(self) -> bool:
@@ -114,11 +104,9 @@ def _quoted(names: Iterable[str]) -> str:
 async def find_shard(
     client: Client, name: str, app: OutboxApp | None, *, table: str | None = None
 ) -> ShardRef:
-    """The shard called ``name``, as the worker names it (see :func:`parse_shard`). Without
-    the app, its scope's name and number come from the table's shard workflows
-    (:class:`ScopeDirectory`); raises :class:`ShardNameError`, saying what to give, when they
-    cannot tell. Without the app, a name with a region (``REGION:SCOPE:ID``) is taken for a
-    regional table."""
+    """The shard called ``name`` (see :func:`parse_shard`). Without the app, its scope comes
+    from the table's shard workflows (:class:`ShardNameError` when they cannot tell), and a
+    name with a region (``REGION:SCOPE:ID``) is taken for a regional table."""
     if app is not None:
         return parse_shard(name, app, table=table)
     table_name = table or "outbox"

@@ -44,11 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
-    """``SCOPE:ID`` (or ``REGION:SCOPE:ID`` for a regional table) as a :class:`ShardRef`, named
-    as the worker names it.
-
-    SCOPE is a scope's name (any case) or number; a number the app does not register (a row a
-    plain-SQL producer wrote) names the shard by that number, as the worker does."""
+    """``SCOPE:ID`` (``REGION:SCOPE:ID`` for a regional table) as the worker names it. SCOPE is
+    a scope's name (any case) or number; a number the app does not register names the shard."""
     spec = app.table_spec(table)
     region, scope_text, ident = split_shard_name(name, regional=spec.regional, table=spec.name)
     try:
@@ -74,9 +71,8 @@ def known_scopes(app: OutboxApp) -> str:
 
 
 def split_shard_name(name: str, *, regional: bool, table: str) -> tuple[str | None, str, int]:
-    """The region (None outside a regional table), the scope's text and the identifier of a
-    shard's name. Read from the right: scope names and ids hold no ``:``, a region may
-    (``eu:west:USER:7`` is region ``eu:west``)."""
+    """The region (None outside a regional table), scope text and identifier of a shard's name,
+    read from the right: a region may hold ``:`` (``eu:west:USER:7``), scopes and ids not."""
     expected = 3 if regional else 2
     parts = name.rsplit(":", expected - 1)
     # A region is any text the table accepts (even blank); scope and id are never blank.
@@ -138,14 +134,12 @@ class ShardReport:
 
 
 async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
-    """The workflow's ``status`` query, completed with what only the server knows: the attempt
-    count and last failure of a category activity that is being retried (neither adds history,
-    so the workflow itself sees only the first failure)."""
+    """The workflow's ``status`` query, with the attempt count and last failure of a category
+    activity being retried (they add no history: the workflow sees only the first failure)."""
     return (await shard_report(client, shard)).status
 
 
 async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
-    """:func:`shard_status`, with when the workflow started and whether it still runs."""
     handle = client.get_workflow_handle(shard.workflow_id)
     status: ShardStatus = await handle.query("status", result_type=ShardStatus)
     description = await handle.describe()
@@ -163,9 +157,8 @@ async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
 
 
 def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool:
-    """Whether a shard's workflow is blocked on a group that no longer heads the shard in the
-    table (an operator deleted the row or changed its category): it should try the head again
-    now, not at its next retry."""
+    """Whether a shard's workflow is blocked on a group that no longer heads it in the table
+    (deleted or changed by an operator): it should try the head again now."""
     head = status.head
     if status.state != ShardState.BLOCKED or head is None:
         return False
@@ -173,8 +166,7 @@ def blocked_on_another_head(status: ShardStatus, first: FirstRow | None) -> bool
 
 
 def workflow_code_memo() -> dict[str, Any]:
-    """The memo every outbox workflow starts with: which generation of the workflow code
-    started it (``outbox-bridge upgrade-check`` finds runs that this code cannot replay)."""
+    """Which generation of the workflow code started a run (``upgrade-check`` reads it)."""
     return {MEMO_CODE_KEY: WORKFLOW_CODE}
 
 
@@ -187,9 +179,8 @@ def start_arguments(
     skip: SkipInfo | None = None,
     pending: bool = True,
 ) -> dict[str, Any]:
-    """Keyword arguments that start ``shard``'s workflow, for ``Client.start_workflow`` and
-    ``WithStartWorkflowOperation`` alike: its input, id, task queue, memo and search
-    attributes. ``pending``: the run drains first (not when a handover tells it what to do)."""
+    """``Client.start_workflow``'s and ``WithStartWorkflowOperation``'s keyword arguments for
+    ``shard``'s workflow. ``pending``: the run drains first (not after a handover)."""
     return {
         "arg": ShardInput(
             shard=shard,
@@ -212,9 +203,8 @@ def start_arguments(
 
 
 class ShardStarter:
-    """Starts and signals shard workflows, for the bridge and for the partitions that hand a
-    shard over to its own workflow. Every call is one RPC; a failed one is logged and
-    reported as False (the sweep repairs what it left undone)."""
+    """Starts and signals shard workflows. Each call is one RPC; a failed one is logged and
+    returns False (the sweep repairs what it left undone)."""
 
     def __init__(
         self,
@@ -229,37 +219,18 @@ class ShardStarter:
         self.options = options
         self.skip_shards = skip_shards
 
-    def _arguments(
-        self, shard: ShardRef, max_id: int, *, skip: SkipInfo | None = None, pending: bool = True
-    ) -> dict[str, Any]:
-        return start_arguments(
-            shard,
-            self.options,
-            self.task_queue,
-            max_id=max_id,
-            skip=skip or static_skip(shard, self.skip_shards),
-            pending=pending,
-        )
-
     async def notify(
         self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None
     ) -> bool:
         """Tell the shard's workflow of rows up to ``max_id``, starting it if it is not
         running (skipped, if ``skip`` is given). False if Temporal did not take it."""
-        return await self._signal_with_start(
-            shard,
-            "notify",
-            NotifyInput(max_id=max_id, late=late),
-            self._arguments(shard, max_id, skip=skip),
-        )
+        notice = NotifyInput(max_id=max_id, late=late)
+        return await self._signal_with_start(shard, "notify", notice, max_id, skip=skip)
 
     async def hand_over(self, shard: ShardRef, handover: HandoverInput) -> bool:
         """Give the shard to its workflow (the caller holds it for the workflow already)."""
         return await self._signal_with_start(
-            shard,
-            "handover",
-            handover,
-            self._arguments(shard, handover.max_id, pending=False),
+            shard, "handover", handover, handover.max_id, pending=False
         )
 
     async def recheck(self, shard: ShardRef, reason: str) -> bool:
@@ -273,8 +244,19 @@ class ShardStarter:
         return True
 
     async def _signal_with_start(
-        self, shard: ShardRef, signal: str, argument: object, arguments: dict[str, Any]
+        self,
+        shard: ShardRef,
+        signal: str,
+        argument: object,
+        max_id: int,
+        *,
+        skip: SkipInfo | None = None,
+        pending: bool = True,
     ) -> bool:
+        skip = skip or static_skip(shard, self.skip_shards)
+        arguments = start_arguments(
+            shard, self.options, self.task_queue, max_id=max_id, skip=skip, pending=pending
+        )
         try:
             await self.client.start_workflow(
                 WORKFLOW, **arguments, start_signal=signal, start_signal_args=[argument]

@@ -1,9 +1,4 @@
-"""Stopping the worker within a grace period (SIGTERM, SIGINT).
-
-The Temporal worker's ``graceful_shutdown_timeout`` cancels the normal activities still running
-when it ends, but it waits for local activities (the drains) until their own timeout.
-:class:`ShutdownGrace` bounds that wait too.
-"""
+"""Stopping the worker within a grace period (SIGTERM, SIGINT)."""
 
 from __future__ import annotations
 
@@ -25,19 +20,17 @@ log = logging.getLogger("outbox_bridge.runtime.shutdown")
 
 
 class ShutdownGrace(Interceptor):
-    """A worker interceptor that stops the worker within ``seconds``: see :meth:`stop`.
+    """A worker interceptor that stops the worker within ``seconds`` (:meth:`stop`).
 
-    The Temporal worker's ``graceful_shutdown_timeout`` cancels the normal activities still
-    running when it ends, but it waits for local activities (the drains) until their own
-    timeout: the handler timeout, minutes. So this tracks the local activities running, and
-    cancels them when the grace ends. A cancelled drain fails without retry, so the shard
-    workflow hands its rows to a normal drain activity that another worker runs.
+    The worker's ``graceful_shutdown_timeout`` cancels normal activities, but waits for local
+    ones (the drains) until their own timeout, minutes: this cancels them when the grace ends.
+    A cancelled drain fails without retry, and the shard workflow hands its rows to a normal
+    drain activity that another worker runs.
     """
 
     def __init__(self, seconds: float, *, calls_in_flight: Callable[[], int] = lambda: 0) -> None:
         self.seconds = seconds
-        # Handler calls running in drains that are normal activities (a partition's), which
-        # the Temporal worker cancels itself when its graceful shutdown timeout ends.
+        # Handler calls in a partition's drain, which the Temporal worker cancels itself.
         self._calls_in_flight = calls_in_flight
         self._running: set[asyncio.Task[Any]] = set()
         self._abandoned = False

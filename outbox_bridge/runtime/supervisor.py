@@ -1,17 +1,12 @@
 """What the active bridge repairs at every sweep: it makes Temporal match the table.
 
 - Every table has its ``OutboxPartition`` workflows running on this worker's task queue, with
-  the current options, and no partition beyond the configured number keeps running. A
-  partition left running on another task queue that no worker polls (a renamed queue, a
-  server's data kept from an earlier setup) is ended and started again here; one that workers
-  of another queue do poll is reported at every sweep (two fleets on one table).
+  the current options, and none beyond the configured number. One left on a task queue that no
+  worker polls is ended and started again here; one that other workers poll is reported.
 - Every shard held in ``<table>_owners`` that has rows has its ``OutboxShard`` workflow running
-  (a workflow terminated by hand, a lost start, a namespace that was reset: the sweep starts it
-  again, skipped if the table says so), and a held shard that waits for a deferred head or is
-  blocked on a group notices when an operator deleted that row or changed it.
-
-It asks Temporal's visibility once per sweep for the running shard workflows, and describes
-only the few held shards that visibility does not list.
+  (skipped if the table says so), and a held shard that waits for a deferred head or is blocked
+  on a group notices when an operator deleted that row or changed it. Visibility is asked once
+  per sweep; only the held shards it does not list are described.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -32,6 +26,7 @@ from temporalio.client import (
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
@@ -49,7 +44,6 @@ from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
     PartitionInput,
-    PartitionOptions,
     PartitionRef,
     ShardRef,
     ShardState,
@@ -72,19 +66,16 @@ class PartitionSupervisor:
         engine: AsyncEngine,
         client: Client,
         starter: ShardStarter,
-        task_queue: str,
-        partitions: int,
-        options: PartitionOptions,
-        regions: Sequence[str] | None = None,
+        settings: OutboxSettings,
     ) -> None:
         self._app = app
         self._engine = engine
         self.client = client
         self._starter = starter
-        self._task_queue = task_queue
-        self._partitions = partitions
-        self._options = options
-        self._regions = tuple(sorted(regions)) if regions else None
+        self._task_queue = settings.task_queue
+        self._partitions = settings.partitions
+        self._options = settings.partition_options(starter.skip_shards)
+        self._regions = tuple(sorted(settings.regions)) if settings.regions else None
         self._configured = False
         self.restarted = 0  # held shards whose workflow the sweep started again
 
@@ -125,7 +116,7 @@ class PartitionSupervisor:
         except WorkflowAlreadyStartedError:
             ours = await self._on_this_queue(ref.workflow_id, what="partition")
             if ours is None:
-                return await self._start(ref)  # ended on the other queue: start it here
+                return await self._start(ref)  # it runs no more: start it here
             if not ours:
                 return False
             if self._configured:
@@ -145,19 +136,22 @@ class PartitionSupervisor:
         return True
 
     async def _on_this_queue(self, workflow_id: str, *, what: str) -> bool | None:
-        """Whether the running workflow ``workflow_id`` runs on this worker's task queue (False:
-        cannot tell now). One on another queue that no worker polls is terminated, and None
-        says so (the caller starts it again here: the table holds everything it needs). One
-        that workers of that queue poll raises :class:`ConfigurationError`: two fleets with
-        different task queues on one table would fight over it."""
+        """True if ``workflow_id`` runs on this worker's task queue, False if that cannot be told
+        now, None if it runs no more: not at all, or on another queue that no worker polls (it
+        is terminated; the table holds all its successor needs). One that workers of another
+        queue poll raises :class:`ConfigurationError`: two fleets would fight over it."""
         handle = self.client.get_workflow_handle(workflow_id)
         try:
             description = await handle.describe()
         except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return None
             log.warning("cannot describe %s %s: %s", what, workflow_id, exc.message)
             return False
         queue = description.task_queue
-        if description.status != WorkflowExecutionStatus.RUNNING or queue == self._task_queue:
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            return None
+        if queue == self._task_queue:
             return True
         try:
             polled = await task_queue_polled(self.client, queue, time.monotonic())
@@ -191,12 +185,8 @@ class PartitionSupervisor:
     async def _retire_extra(self, table: str) -> None:
         wanted = {ref.workflow_id for ref in self.partition_refs(table)}
         prefix = f"outbox:{table}:partition:"
-        query = (
-            f"WorkflowType = '{PARTITION_WORKFLOW}' AND ExecutionStatus = 'Running' "
-            f"AND TaskQueue = '{_escaped(self._task_queue)}'"
-        )
         try:
-            async for execution in self.client.list_workflows(query):
+            async for execution in self.client.list_workflows(self._running(PARTITION_WORKFLOW)):
                 if execution.id.startswith(prefix) and execution.id not in wanted:
                     log.info(
                         "retiring partition %s (partitions: %s)", execution.id, self._partitions
@@ -226,10 +216,8 @@ class PartitionSupervisor:
                 for shard in held
                 if shard.head is not None and self._wanted(shard)
             ]
-        # At once, a few at a time: a status query may wait out its timeout (a workflow whose
-        # task stays open while it drains answers no query), and one after another those held
-        # up the restart of every shard after them. Shards with no running workflow first: they
-        # are the ones nobody drains.
+        # A few at a time: a status query may wait out its timeout (a draining workflow answers
+        # none), which would hold up every shard after it. Shards nobody drains first.
         checks.sort(key=lambda check: check[0].workflow_id in running)
         room = asyncio.Semaphore(CHECK_CONCURRENCY)
 
@@ -246,11 +234,7 @@ class PartitionSupervisor:
         state = running.get(ref.workflow_id)
         if state is None:
             try:
-                if (
-                    await self._is_running(ref)
-                    and await self._on_this_queue(ref.workflow_id, what="shard workflow")
-                    is not None
-                ):
+                if await self._on_this_queue(ref.workflow_id, what="shard workflow") is not None:
                     return  # running here (visibility lags behind), or cannot tell now
             except ConfigurationError:
                 return  # another fleet's: its partitions' check reports it
@@ -263,9 +247,8 @@ class PartitionSupervisor:
             self.restarted += 1
             skip = None
             if shard.held_for == HeldFor.SKIPPED:
-                # The table keeps the skip, not who took it or why: that was the workflow's,
-                # unless the skip_shards setting lists the shard (a partition may hold a listed
-                # shard and this sweep see it before the partition's handover starts it).
+                # The table keeps the skip, not who took it or why, unless skip_shards lists it
+                # (this sweep may see a listed shard before its partition's handover starts it).
                 skip = static_skip(ref, self._starter.skip_shards) or SkipInfo(
                     reason="skipped before its workflow ended (the skip is kept in the "
                     "owner table); resume the shard to drain it",
@@ -290,31 +273,25 @@ class PartitionSupervisor:
             return False
         return blocked_on_another_head(status, shard.head)
 
-    async def _is_running(self, ref: ShardRef) -> bool:
-        try:
-            description = await self.client.get_workflow_handle(ref.workflow_id).describe()
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                log.warning("cannot describe shard %s: %s", ref.key, exc.message)
-                return True  # ask again next sweep
-            return False
-        return description.status == WorkflowExecutionStatus.RUNNING
-
     async def _running_shard_states(self) -> dict[str, str] | None:
         """Workflow id → OutboxState of every running shard workflow of this task queue."""
-        query = (
-            f"WorkflowType = '{WORKFLOW}' AND ExecutionStatus = 'Running' "
-            f"AND TaskQueue = '{_escaped(self._task_queue)}'"
-        )
         states: dict[str, str] = {}
         try:
-            async for execution in self.client.list_workflows(query):
+            async for execution in self.client.list_workflows(self._running(WORKFLOW)):
                 state = execution.typed_search_attributes.get(STATE_ATTRIBUTE)
                 states[execution.id] = state or ShardState.DRAINING
         except RPCError as exc:
             log.warning("cannot list the running shard workflows: %s", exc.message)
             return None
         return states
+
+    def _running(self, workflow_type: str) -> str:
+        """The visibility query of the running workflows of ``workflow_type`` on this queue."""
+        queue = self._task_queue.replace("\\", "\\\\").replace("'", "\\'")
+        return (
+            f"WorkflowType = '{workflow_type}' AND ExecutionStatus = 'Running' "
+            f"AND TaskQueue = '{queue}'"
+        )
 
     def _ref(self, table: str, shard: HeldShard) -> ShardRef:
         return ShardRef(
@@ -324,7 +301,3 @@ class PartitionSupervisor:
             shard_identifier=shard.shard_identifier,
             region=shard.region,
         )
-
-
-def _escaped(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("'", "\\'")

@@ -1,9 +1,7 @@
 """Connecting to Temporal, and the custom search attributes of shard workflows.
 
-The client's settings are outbox-bridge's (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``,
-``TEMPORAL_API_KEY``, ``TEMPORAL_TLS*``, or their flags and Django keys); what they do not set
-comes from Temporal's environment configuration, the profile ``TEMPORAL_PROFILE`` (else
-``default``) of ``temporal.toml``, as the ``temporal`` CLI and the SDKs read it.
+What outbox-bridge's settings (``TEMPORAL_*``) do not set comes from the profile
+``TEMPORAL_PROFILE`` (else ``default``) of ``temporal.toml``, as the ``temporal`` CLI reads it.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +20,7 @@ from temporalio.api.operatorservice.v1 import (
 )
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.client import Client, Interceptor
+from temporalio.client import Client
 from temporalio.envconfig import ClientConfigProfile
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
@@ -52,14 +49,6 @@ SEARCH_ATTRIBUTES: dict[str, str] = {
 }
 
 
-def dev_server_search_attribute_args() -> list[str]:
-    """``temporal server start-dev`` flags that register the search attributes."""
-    args: list[str] = []
-    for name, kind in SEARCH_ATTRIBUTES.items():
-        args += ["--search-attribute", f"{name}={kind}"]
-    return args
-
-
 # The TLS settings: any of them given turns the profile's TLS off.
 TLS_SETTINGS = ("temporal_tls", "temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca")
 
@@ -67,33 +56,21 @@ TLS_SETTINGS = ("temporal_tls", "temporal_tls_cert", "temporal_tls_key", "tempor
 def _tls(settings: OutboxSettings) -> TLSConfig | bool:
     if not (settings.temporal_tls or settings.temporal_tls_cert or settings.temporal_tls_ca):
         return False
+    files = (settings.temporal_tls_ca, settings.temporal_tls_cert, settings.temporal_tls_key)
     try:
-        return TLSConfig(
-            server_root_ca_cert=settings.temporal_tls_ca.read_bytes()
-            if settings.temporal_tls_ca
-            else None,
-            client_cert=settings.temporal_tls_cert.read_bytes()
-            if settings.temporal_tls_cert
-            else None,
-            client_private_key=settings.temporal_tls_key.read_bytes()
-            if settings.temporal_tls_key
-            else None,
-        )
+        ca, cert, key = (path.read_bytes() if path else None for path in files)
     except OSError as exc:
         raise ConfigurationError(
             f"cannot read a Temporal TLS file: {exc.strerror}: {exc.filename}"
         ) from None
+    return TLSConfig(server_root_ca_cert=ca, client_cert=cert, client_private_key=key)
 
 
 def temporal_profile(settings: OutboxSettings) -> ClientConfigProfile:
-    """The profile of Temporal's environment configuration that the settings name
-    (``temporal_profile``, else ``default``) in ``temporal_config_file`` (else Temporal's
-    default file); empty when there is no file. Its environment variables are outbox-bridge's
-    settings, read already, so only the file is read here.
-
-    The ``default`` profile is not used once an address is given: it says where Temporal is
-    when nothing else does (a test's own dev server never gets a personal profile's key).
-    """
+    """The profile ``temporal_profile`` (else ``default``) of ``temporal_config_file`` (else
+    Temporal's default file); empty without a file. Only the file is read: its variables are
+    our settings. The ``default`` profile is not used once an address is given (a test's own
+    dev server never gets a personal profile's key)."""
     if settings.temporal_profile is None and settings.temporal_address is not None:
         return ClientConfigProfile()
     source = settings.temporal_config_file
@@ -138,19 +115,13 @@ def client_options(settings: OutboxSettings) -> dict[str, Any]:
 
 
 async def connect(
-    settings: OutboxSettings,
-    address: str,
-    *,
-    interceptors: Sequence[Interceptor] = (),
-    runtime: Runtime | None = None,
+    settings: OutboxSettings, address: str, *, runtime: Runtime | None = None
 ) -> Client:
     """A client of the configured namespace at ``address``; :class:`ConfigurationError` in one
     line, with what to check, when it cannot connect."""
     options = client_options(settings)
     try:
-        return await Client.connect(
-            address, interceptors=list(interceptors), runtime=runtime, **options
-        )
+        return await Client.connect(address, runtime=runtime, **options)
     except (RuntimeError, ValueError) as exc:
         raise ConfigurationError(
             f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): "
@@ -238,13 +209,11 @@ PROBE_TIMEOUT = 2.0
 NO_POLLER_PATIENCE = 1.0
 
 
-async def task_queue_polled(
-    client: Client, task_queue: str, deadline: float, *, patience: float = NO_POLLER_PATIENCE
-) -> bool | None:
+async def task_queue_polled(client: Client, task_queue: str, deadline: float) -> bool | None:
     """Whether a worker polls ``task_queue`` for workflow tasks. An answer without pollers is
-    asked again for ``patience`` seconds, then is final; a server that does not answer is asked
-    again until the ``deadline`` (``time.monotonic()``). None when the server will not tell;
-    raises ``RPCError`` or ``TimeoutError`` when it does not answer."""
+    asked again for :data:`NO_POLLER_PATIENCE` seconds, then is final; a server that does not
+    answer is asked again until the ``deadline`` (``time.monotonic()``). None when the server
+    will not tell; raises ``RPCError`` or ``TimeoutError`` when it does not answer."""
     request = DescribeTaskQueueRequest(
         namespace=client.namespace,
         task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
@@ -281,7 +250,9 @@ async def task_queue_polled(
                 return True
             unpolled_since = unpolled_since if unpolled_since is not None else time.monotonic()
         now = time.monotonic()
-        if now >= deadline or (unpolled_since is not None and now - unpolled_since >= patience):
+        if now >= deadline or (
+            unpolled_since is not None and now - unpolled_since >= NO_POLLER_PATIENCE
+        ):
             return False
         await asyncio.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 0.5)

@@ -1,11 +1,6 @@
-"""Run outbox-bridge: ``outbox-bridge worker``, the outbox of an OutboxApp on its own.
-
-The outbox runs as :class:`~outbox_bridge.runtime.outbox_plugin.OutboxPlugin` runs it in an
-application's worker; around it, this module adds what only the command has: embedded
-PostgreSQL and a Temporal dev server under ``--data-dir`` when none is configured, telemetry
-exporters, health endpoints, the demo, the banner and the summary lines, and a graceful stop on
-SIGINT/SIGTERM.
-"""
+"""``outbox-bridge worker``: the outbox as :class:`OutboxPlugin` runs it, with what only the
+command adds (embedded servers, telemetry, health endpoints, the demo, the banner and summary
+lines, a graceful stop on SIGINT/SIGTERM)."""
 
 from __future__ import annotations
 
@@ -53,9 +48,8 @@ async def serve(
     ready: asyncio.Event | None = None,
     summary: bool = False,
 ) -> None:
-    """Run the outbox of ``app`` (:class:`OutboxPlugin`, alone on a client of its own) until
-    ``stop`` is set, with the health endpoints; with ``summary``, print a summary line every
-    few seconds (:class:`WorkerSummary`)."""
+    """Run the outbox of ``app`` until ``stop`` is set, with the health endpoints; with
+    ``summary``, a summary line every few seconds."""
     plugin = OutboxPlugin(
         app, settings=settings.model_copy(update={"database_url": SecretStr(database_url)})
     )
@@ -87,8 +81,6 @@ async def _run_until_stopped(
     ready: asyncio.Event | None,
     tally: FailureTally | None,
 ) -> None:
-    """Until ``stop`` is set or a part of the outbox stops, with the demo's traffic and the
-    summary lines when asked for (``tally``: the failures they count)."""
     tasks = []
     if settings.demo:
         traffic = demo.write_traffic(outbox.engine, stop, outage_seconds=settings.demo_outage)
@@ -96,7 +88,7 @@ async def _run_until_stopped(
     if tally is not None:
         view = WorkerSummary(app, outbox.engine, outbox.client, settings.task_queue, tally=tally)
         tasks.append(asyncio.create_task(view.run(stop), name="summary"))
-    announcer = asyncio.create_task(_announce(outbox.ready, ready))
+    announcer = asyncio.create_task(_announce(outbox.bridge.ready, ready))
     stopper = asyncio.create_task(stop.wait())
     ended = asyncio.create_task(outbox.ended())
     await asyncio.wait([stopper, ended, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -109,22 +101,13 @@ async def _run_until_stopped(
 
 @contextlib.contextmanager
 def startup_objects_frozen() -> Iterator[None]:
-    """Leave the objects that exist once the worker is up (modules, classes, the SDK's and
-    SQLAlchemy's caches) out of the garbage collector's scans while the worker runs.
-
-    They live as long as the worker, and a drain allocates fast (rows, messages, calls): each
-    full collection scanned them all again, 1.2 of the worker's 9 CPU seconds in a backlog
-    profile (0.4 with them frozen). Objects created later are collected as usual. A process
-    that froze objects of its own before is left as it is (thawing at the end would thaw those
-    too).
-    """
+    """Leave the objects that exist once the worker is up out of the garbage collector's scans:
+    full collections rescanning them took 1.2 of 9 CPU seconds in a backlog profile (0.4
+    frozen). A process that froze objects of its own is left as it is."""
     if gc.get_freeze_count():
         yield
         return
-    # Not a full collection first: it would scan every object once more (a tenth of a second
-    # in a process that holds a few hundred thousand), and what little garbage the old
-    # generation holds at start is not worth it.
-    gc.collect(1)
+    gc.collect(1)  # not a full collection: a tenth of a second for little garbage
     gc.freeze()
     try:
         yield
@@ -153,14 +136,12 @@ def print_banner(
     ]
     if ui:
         query = quote('WorkflowType="OutboxShard"')
-        lines.append(
-            f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}"
-        )
-        lines.append("  Look at the OutboxShard workflows: one per active shard, named")
-        lines.append(
-            "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity"
-        )
-        lines.append("  of a blocked head, and its rows handled; signal `skip` to pause it.")
+        lines += [
+            f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}",
+            "  Look at the OutboxShard workflows: one per active shard, named",
+            "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity",
+            "  of a blocked head, and its rows handled; signal `skip` to pause it.",
+        ]
     if settings.demo:
         for line in demo.banner(settings, ui):
             lines.append(

@@ -10,6 +10,7 @@ client and worker, the OpenTelemetry SDK, the command line) nor anything the wor
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.db.schema import outbox_table
-from outbox_bridge.errors import InvalidRowError, MissingHandlerError, RegistryError
+from outbox_bridge.errors import InvalidRowError, MissingHandlerError, OutboxError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import PreparedRow, RowSpec, bigint, build_insert
 from outbox_bridge.sessions import record_write, sync_result
@@ -429,3 +430,29 @@ class OutboxApp:
         this call, the settings come from the environment (``OutboxSettings()``). Nothing
         connects until the first flush."""
         self.flush_route = FlushRoute(settings, client)
+
+
+def load_app(
+    spec: str,
+    *,
+    given_as: str = "--app",
+    error: type[OutboxError] = RegistryError,
+    dotted: bool = False,
+) -> OutboxApp:
+    """Import the :class:`OutboxApp` that ``spec`` names, ``module:attribute`` (or, if
+    ``dotted``, also ``module.attribute``). ``given_as`` says in errors (of type ``error``)
+    where the spec came from."""
+    module_name, colon, attribute = spec.partition(":")
+    if dotted and not colon:
+        module_name, _, attribute = spec.rpartition(".")
+    if not module_name or not attribute or module_name.startswith("."):
+        raise error(f"{given_as} must look like module:attribute, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise error(f"cannot import {module_name!r} for {given_as} {spec}: {exc}") from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, OutboxApp):
+        what = type(app).__name__ if app is not None else "missing"
+        raise error(f"{spec} is {what}, not an OutboxApp")
+    return app

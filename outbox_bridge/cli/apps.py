@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-from outbox_bridge import demo
+from outbox_bridge import demo, registry
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import RegistryError
 from outbox_bridge.registry import OutboxApp
 
 
 def load_app(spec: str) -> OutboxApp:
-    """Import ``module:attribute`` and return the :class:`OutboxApp` it names."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute or module_name.startswith("."):
-        raise RegistryError(f"--app must look like module:attribute, got {spec!r}")
+    """Import ``module:attribute`` (from the working directory too) and return the
+    :class:`OutboxApp` it names."""
     _import_from_working_directory()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RegistryError(f"cannot import {module_name!r} for --app {spec}: {exc}") from exc
-    app = getattr(module, attribute, None)
-    if not isinstance(app, OutboxApp):
-        raise RegistryError(
-            f"{spec} is {type(app).__name__ if app is not None else 'missing'}, not an OutboxApp"
-        )
-    return app
+    return registry.load_app(spec)
 
 
 def _import_from_working_directory() -> None:

@@ -7,7 +7,6 @@ own event loops are left alone.
 
 from __future__ import annotations
 
-import importlib
 import os
 import stat
 import sys
@@ -19,6 +18,7 @@ from sqlalchemy import Engine, MetaData, create_engine
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from outbox_bridge import registry
 from outbox_bridge.config import sqlalchemy_url
 from outbox_bridge.db.schema import create_outbox_tables
 from outbox_bridge.errors import ConfigurationError
@@ -36,13 +36,7 @@ LOG_TAIL_LINES = 20
 
 def load_app(spec: str) -> OutboxApp:
     """The :class:`~outbox_bridge.OutboxApp` named by ``module:attribute``."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(f"outbox_app {spec!r} is not module:attribute")
-    app = getattr(importlib.import_module(module_name), attribute, None)
-    if not isinstance(app, OutboxApp):
-        raise ConfigurationError(f"outbox_app {spec!r} is not an OutboxApp (got {app!r})")
-    return app
+    return registry.load_app(spec, given_as="outbox_app", error=ConfigurationError)
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ This module reads settings only: it connects to nothing and loads nothing of the
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +18,7 @@ from django.utils.connection import ConnectionDoesNotExist
 from pydantic import ValidationError
 from sqlalchemy.engine import URL
 
+from outbox_bridge import registry
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
@@ -173,24 +173,9 @@ def outbox_settings(*, using: str | None = None) -> OutboxSettings:
 def load_app(spec: str) -> OutboxApp:
     """The :class:`~outbox_bridge.OutboxApp` that ``spec`` names: ``module:attribute`` (as for
     ``OUTBOX_APP``), or a dotted path."""
-    module_name, colon, attribute = spec.partition(":")
-    if not colon:
-        module_name, _, attribute = spec.rpartition(".")
-    if not module_name or not attribute:
-        raise OutboxConfigurationError(
-            f"{SETTING}['APP'] must look like module:attribute, got {spec!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise OutboxConfigurationError(
-            f"cannot import {module_name!r} for {SETTING}['APP'] {spec}: {exc}"
-        ) from exc
-    app = getattr(module, attribute, None)
-    if not isinstance(app, OutboxApp):
-        what = type(app).__name__ if app is not None else "missing"
-        raise OutboxConfigurationError(f"{SETTING}['APP'] {spec} is {what}, not an OutboxApp")
-    return app
+    return registry.load_app(
+        spec, given_as=f"{SETTING}['APP']", error=OutboxConfigurationError, dotted=True
+    )
 
 
 def app_spec() -> str | None:

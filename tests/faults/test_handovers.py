@@ -25,6 +25,7 @@ from functools import partial
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from outbox_bridge.runtime.shards import parse_shard, shard_status
@@ -373,10 +374,12 @@ async def test_a_shard_workflow_terminated_while_it_holds_the_shard_is_restarted
             what=f"shard {shard} blocked",
         )
     terminated = 0
+    finished_by_drain: list[int] = []
 
     async def terminate(shards: Sequence[int], *, cli_first: bool) -> None:
         """Terminate the workflows of ``shards`` (every other one with the temporal command
-        line), and wait until the sweep (every 3 s here) has started each again."""
+        line), and wait until the sweep (every 3 s here) has started each again, or the drain
+        the terminated run left under way has finished its shard's rows."""
         nonlocal terminated
         handles = [fault_client.get_workflow_handle(workflow_id(scenario.table, s)) for s in shards]
         runs = [(await handle.describe()).run_id for handle in handles]
@@ -397,8 +400,15 @@ async def test_a_shard_workflow_terminated_while_it_holds_the_shard_is_restarted
         scenario.clock.fault()
 
         async def restarted() -> bool:
-            described = [await handle.describe() for handle in handles]
-            return all(d.run_id != run for d, run in zip(described, runs, strict=True))
+            back = 0
+            for handle, run, shard in zip(handles, runs, shards, strict=True):
+                if (await handle.describe()).run_id != run:
+                    continue
+                if not await needs_no_workflow(engine, scenario.table, shard):
+                    return False
+                back += 1
+            finished_by_drain.append(back)
+            return True
 
         await wait_until(restarted, timeout=60, interval=0.2, what="the workflows restarted")
 
@@ -418,7 +428,10 @@ async def test_a_shard_workflow_terminated_while_it_holds_the_shard_is_restarted
     recovery = await scenario.drained(timeout=600)
     await scenario.finish(
         workload,
-        faults=f"{terminated} terminations of {size.owners} shard workflows (blocked, draining)",
+        faults=(
+            f"{terminated} terminations of {size.owners} shard workflows (blocked, draining); "
+            f"shards the drain under way finished: {sum(finished_by_drain)}"
+        ),
         recovery=recovery,
         client=fault_client,
         record=record_figures,
@@ -427,6 +440,23 @@ async def test_a_shard_workflow_terminated_while_it_holds_the_shard_is_restarted
         # handled again by the restarted workflow. At most one group per termination.
         max_duplicates=terminated,
     )
+
+
+async def needs_no_workflow(engine: AsyncEngine, table: str, shard: int) -> bool:
+    """Whether ORGANIZATION ``shard`` is free or has no rows: the sweep starts a workflow only
+    for a held shard with rows. A terminated run's drain may still be under way in the worker
+    and finish the shard's rows; the shard is then given back, or stays held until its next
+    row, whose sweep starts its workflow."""
+    async with engine.connect() as conn:
+        found = await conn.execute(
+            text(
+                f"SELECT EXISTS (SELECT 1 FROM {table}_owners WHERE shard_scope = :scope "
+                f"AND shard_identifier = :shard) AND EXISTS (SELECT 1 FROM {table} "
+                "WHERE shard_scope = :scope AND shard_identifier = :shard)"
+            ),
+            {"scope": ORG, "shard": shard},
+        )
+        return not found.scalar_one()
 
 
 # -- kill -9 during handovers -----------------------------------------------------------------

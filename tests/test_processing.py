@@ -652,12 +652,23 @@ async def test_continue_as_new_keeps_counting_and_loses_nothing(servers, engine,
         await wait_until(lambda: table_empty(engine, app), timeout=120, what="every row")
         summary = await handle.result()  # of the last run
         runs = [w async for w in client.list_workflows(f'WorkflowId = "{handle.id}"')]
-    assert (summary.rows_handled, summary.groups_handled) == (len(ids), len(ids))
     assert len(runs) >= 2
     first_run = min(runs, key=lambda w: w.start_time)
     history = await client.get_workflow_handle(handle.id, run_id=first_run.run_id).fetch_history()
     assert history.events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
-    assert recorder.ids() == ids
+    assert recorder.ids() == ids  # every row handled once, in order
+    # The count goes on across runs. A call the run cancelled (to continue as new, or because
+    # its head changed) may have handled its group all the same; its result, and so its
+    # count, never reaches the workflow: at most one group per cancellation goes uncounted.
+    cancelled = 0
+    for run in runs:
+        events = await client.get_workflow_handle(handle.id, run_id=run.run_id).fetch_history()
+        cancelled += sum(
+            event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED
+            for event in events.events
+        )
+    assert summary.rows_handled == summary.groups_handled
+    assert len(ids) - cancelled <= summary.rows_handled <= len(ids), (summary, cancelled)
 
 
 @pytest.mark.parametrize("late_outcome", ["raises", "returns"])

@@ -41,6 +41,7 @@ from outbox_bridge.runtime.embedded import free_port
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
 from tests.support import (
+    BANNER,
     WorkerProcess,
     clean_env,
     clear_settings,
@@ -529,8 +530,9 @@ async def test_demo_logs_each_failure_with_log_failures(servers, engine) -> None
         servers,
         engine,
         "--log-failures",
-        ready=lambda output: "ReplicaUnavailable" in output.stderr,
-        what="a log line of a failed call",
+        # The first failure can be logged before the banner is printed: wait for both.
+        ready=lambda output: "ReplicaUnavailable" in output.stderr and BANNER in output.stdout,
+        what="a log line of a failed call, and the banner",
     ) as (output, _):
         pass
     failures = [line for line in output.stderr.splitlines() if "ReplicaUnavailable" in line]

@@ -130,14 +130,17 @@ async def worker_process(
     ready: Callable[[WorkerProcess], bool] = shows_banner,
     timeout: float = 60,
     what: str = "the worker's banner",
+    script: str = "worker.py",
+    cwd: Path = ROOT,
 ) -> AsyncIterator[WorkerProcess]:
-    """Run ``python worker.py ARGS`` until the block ends, from the moment ``ready`` holds (by
-    default: it printed its banner). Killed if the block leaves it running."""
+    """Run ``python SCRIPT ARGS`` (by default the project's ``worker.py``) until the block
+    ends, from the moment ``ready`` holds (by default: it printed its banner). Killed if the
+    block leaves it running."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        "worker.py",
+        script,
         *args,
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,

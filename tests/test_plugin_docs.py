@@ -7,10 +7,8 @@ page says. Its rows are handled beside the team's own workflow, and SIGTERM stop
 
 from __future__ import annotations
 
-import asyncio
 import re
 import signal
-import sys
 import uuid
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from temporalio.client import Client
 
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
-from tests.support import ROOT, WorkerProcess, clean_env
+from tests.support import ROOT, clean_env, worker_process
 
 PAGE = ROOT / "docs" / "how-to" / "plugin.md"
 
@@ -103,17 +101,9 @@ async def test_the_plugin_page_program_runs_the_outbox_in_the_teams_worker(
         OUTBOX_DATABASE_URL=servers.database_url,  # where the sample handlers record calls
         OUTBOX_TASK_QUEUE=f"outbox-docs-{uuid.uuid4().hex[:8]}",
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(main),
-        cwd=tmp_path,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    worker = WorkerProcess(proc)
-    try:
+    async with worker_process(
+        env=env, script=str(main), cwd=tmp_path, ready=lambda _: True, what="the program"
+    ) as worker:
         await wait_until(
             lambda: table_exists(engine, table), timeout=120, what=f"the plugin's tables\n{worker}"
         )
@@ -138,12 +128,8 @@ async def test_the_plugin_page_program_runs_the_outbox_in_the_teams_worker(
             timeout=120,
             what=f"the rows handled\n{worker}",
         )
-        proc.send_signal(signal.SIGTERM)
+        worker.proc.send_signal(signal.SIGTERM)
         code = await worker.finish(timeout=60)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     assert code == 0, str(worker)
     assert "Traceback" not in worker.stderr, str(worker)
 

@@ -17,14 +17,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Unpack
 
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, OutboxError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
-from outbox_bridge.producer import PreparedRow, RowSpec, bigint, build_insert
+from outbox_bridge.producer import PreparedRow, RowFields, RowSpec, bigint, build_insert
 from outbox_bridge.sessions import record_write, sync_result
 
 if TYPE_CHECKING:
@@ -359,42 +359,20 @@ class OutboxApp:
                 table,
             )
         )
-        with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
+        with observed_write(row) as seen:
             result = sync_result(session.execute(seen.statement), "app.write")
             row_id = seen.written(int(result.scalar_one()))
         record_write(session, self, row.shard, row_id)
         return row_id
 
-    async def write_async(
-        self,
-        session: Any,
-        *,
-        category: IntEnum | int,
-        shard_identifier: int,
-        object_identifier: int,
-        payload: Any = None,
-        shard_scope: IntEnum | int | None = None,
-        region: str | None = None,
-        scheduled_for: datetime | timedelta | None = None,
-        table: str | None = None,
-    ) -> int:
-        """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
-        row = self.prepare(
-            RowSpec(
-                category,
-                shard_identifier,
-                object_identifier,
-                payload,
-                shard_scope,
-                region,
-                scheduled_for,
-                table,
-            )
-        )
-        with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
+    async def write_async(self, session: Any, **row: Unpack[RowFields]) -> int:
+        """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``, with its keyword
+        arguments."""
+        prepared = self.prepare(RowSpec(**row))
+        with observed_write(prepared) as seen:
             result = await session.execute(seen.statement)
             row_id = seen.written(int(result.scalar_one()))
-        record_write(session, self, row.shard, row_id)
+        record_write(session, self, prepared.shard, row_id)
         return row_id
 
     def prepare(self, spec: RowSpec) -> PreparedRow:

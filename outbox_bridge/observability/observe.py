@@ -36,9 +36,7 @@ class BatchObserver:
     Counters are added once per batch, by :meth:`finish`.
     """
 
-    def __init__(
-        self, shard: ShardRef, *, redact_errors: bool, partition: str | None = None
-    ) -> None:
+    def __init__(self, shard: ShardRef, *, partition: str | None = None) -> None:
         self.shard = shard
         # Drained by this partition workflow: no Temporal span per row leads from the row's
         # producer to the drain, so each handler span is the child of its row's producer span
@@ -46,7 +44,6 @@ class BatchObserver:
         self.partition = partition
         self.tracer: Tracer | None = active_tracer()
         self.metrics: OutboxMetrics | None = active_metrics()
-        self.redact_errors = redact_errors
         self.contexts: Mapping[int, Any] = {}
         self._log_fields: dict[str, dict[str, Any]] = {}
         self._handled: dict[str, list[int]] = {}  # category -> [rows, coalesced]

@@ -81,7 +81,6 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         engine,
         app,
         calls=calls,
-        redact_errors=settings.redact_errors,
         max_undeleted_groups=settings.max_undeleted_groups,
     )
     return Drains(drain_engine, ShardDrainer(drain_engine), ShardHub())

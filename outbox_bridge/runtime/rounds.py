@@ -518,7 +518,6 @@ class DrainEngine:
         app: OutboxApp,
         *,
         calls: HandlerCalls,
-        redact_errors: bool = False,
         max_round_bytes: int = ROUND_MAX_BYTES,
         max_undeleted_groups: int = MAX_UNDELETED_GROUPS,
     ) -> None:
@@ -526,7 +525,6 @@ class DrainEngine:
         self.app = app
         self.calls = calls
         self.max_round_bytes = max_round_bytes
-        self._redact = redact_errors
         self._running: dict[str, int] = {}
         self._undeleted = Undeleted(max_undeleted_groups)
 
@@ -843,7 +841,7 @@ class DrainEngine:
     ) -> BatchObserver:
         """The shard's observer; with tracing on, given the producer trace context of every row
         the calls cover."""
-        observer = BatchObserver(shard, redact_errors=self._redact, partition=partition)
+        observer = BatchObserver(shard, partition=partition)
         if observer.traced and calls:
             contexts = {
                 row_id: carrier

@@ -183,23 +183,17 @@ class ObservedCall:
         shard = self._batch.shard
         if isinstance(exc, asyncio.CancelledError):
             return  # a skip or a shutdown: neither a success nor a failure of the handler
+        key = (shard.table, shard.scope_name, self._category)
         outcome = "success" if exc is None else "failure"
-        attributes = metrics.category_attributes(
-            shard.table, shard.scope_name, self._category, outcome
-        )
-        metrics.handler_duration.record(time.perf_counter() - self._start, attributes)
+        duration = time.perf_counter() - self._start
+        metrics.handler_duration.record(duration, metrics.category_attributes(*key, outcome))
+        attributes = metrics.category_attributes(*key)
         if exc is None:
-            attributes = metrics.category_attributes(shard.table, shard.scope_name, self._category)
             metrics.queue_time.record(_age(self._message), attributes)
             self._batch.handled(self._category, len(self._group.ids))
         else:
-            metrics.handler_failures.add(
-                1,
-                {
-                    **metrics.category_attributes(shard.table, shard.scope_name, self._category),
-                    "error.type": type(exc).__qualname__,
-                },
-            )
+            error = {**attributes, "error.type": type(exc).__qualname__}
+            metrics.handler_failures.add(1, error)
 
     def _fail_span(self, exc: BaseException) -> None:
         span = trace.get_current_span()

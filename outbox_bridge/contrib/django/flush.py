@@ -96,7 +96,7 @@ class OutboxContext(FlushingContext):
         if row.flush:
             self._add(self._committed, row.shard, Written(row.app, row.row_id, flush=True))
 
-    def _enter(self) -> Self:
+    def __enter__(self) -> Self:
         stack = OPEN.get()
         self._parent = cast(OutboxContext, stack[-1]) if stack else None
         self._token = OPEN.set((*stack, self))

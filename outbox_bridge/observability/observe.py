@@ -31,8 +31,8 @@ from outbox_bridge.workflows.models import ShardRef
 class BatchObserver:
     """Observes the handler calls of one drain batch (or one category activity) of a shard.
 
-    ``traced`` says whether the caller should read the trace contexts of the batch's rows and
-    pass them to :meth:`set_trace_contexts` (one statement per batch, only when tracing is on).
+    ``traced`` says whether the caller should read the trace contexts of the batch's rows into
+    ``contexts`` (row id → carrier; one statement per batch, only when tracing is on).
     Counters are added once per batch, by :meth:`finish`.
     """
 
@@ -56,9 +56,6 @@ class BatchObserver:
     def tracing() -> bool:
         """Whether observers made now trace their calls (and want the rows' trace contexts)."""
         return active_tracer() is not None
-
-    def set_trace_contexts(self, contexts: Mapping[int, Any]) -> None:
-        self.contexts = contexts
 
     def call(
         self, group: GroupRows, message: OutboxMessage, category: str, attempt: int

@@ -858,7 +858,7 @@ class DrainEngine:
                     )
                 except (DBAPIError, psycopg.Error):
                     pass  # the calls matter more than their links; the round notices the loss
-            observer.set_trace_contexts(contexts)
+            observer.contexts = contexts
         return observer
 
 

@@ -384,6 +384,11 @@ class OutboxRunner:
     def __init__(
         self, app: OutboxApp, bind: SyncBind | AsyncBind, **options: Unpack[DrainOptions]
     ) -> None:
+        unknown = sorted(options.keys() - DrainOptions.__annotations__)
+        if unknown:  # now, not when the block ends
+            raise TypeError(
+                f"unknown drain options {unknown}; they are {list(DrainOptions.__annotations__)}"
+            )
         self.app = app
         self.bind = bind
         self.options = options

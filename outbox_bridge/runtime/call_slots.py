@@ -13,7 +13,6 @@ import asyncio
 import collections
 import contextlib
 import math
-from collections.abc import AsyncIterator, Iterable
 
 from outbox_bridge.registry import CallLimit, OutboxApp
 
@@ -80,32 +79,58 @@ class CallSlots:
         self._app = app
         self.total = Slots(total)
         self._declared: dict[CallLimit, Slots] = {}
+        self._of_category: dict[int, list[Slots]] = {}
 
     def limits(self, category: int) -> list[Slots]:
         """The limits a call of ``category`` takes a slot of, in the order it takes them."""
+        known = self._of_category.get(category)
+        if known is not None:
+            return known
         limit = self._app.call_limit(category)
         if limit is None:
-            return [self.total]
-        slots = self._declared.get(limit)
-        if slots is None:
-            slots = self._declared[limit] = Slots(limit.calls)
-        # The declared limit first: a call waiting for it holds none of the worker's slots.
-        return [slots, self.total]
+            known = [self.total]
+        else:
+            slots = self._declared.get(limit)
+            if slots is None:
+                slots = self._declared[limit] = Slots(limit.calls)
+            # The declared limit first: a call waiting for it holds none of the worker's slots.
+            known = [slots, self.total]
+        self._of_category[category] = known
+        return known
 
-    @contextlib.asynccontextmanager
-    async def held(
-        self, limits: Iterable[Slots], deadline: float = math.inf
-    ) -> AsyncIterator[bool]:
-        """Hold a slot of each of ``limits`` for the block; yields False (holding none) if one
-        did not come free by ``deadline``."""
-        taken: list[Slots] = []
+    def held(self, limits: list[Slots], deadline: float = math.inf) -> Held:
+        """A slot of each of ``limits`` for an ``async with`` block, which gets True, or False
+        (holding none) if one did not come free by ``deadline``."""
+        return Held(limits, deadline)
+
+
+class Held:
+    """Slots held for one ``async with`` block (a class, not a generator: it runs once per
+    handler call)."""
+
+    __slots__ = ("_deadline", "_limits", "_taken")
+
+    def __init__(self, limits: list[Slots], deadline: float) -> None:
+        self._limits = limits
+        self._deadline = deadline
+        self._taken = 0
+
+    async def __aenter__(self) -> bool:
         try:
-            for slots in limits:
-                if not await slots.take(deadline):
-                    yield False
-                    return
-                taken.append(slots)
-            yield True
-        finally:
-            for slots in reversed(taken):
-                slots.give()
+            for slots in self._limits:
+                if not await slots.take(self._deadline):
+                    self._give_back()
+                    return False
+                self._taken += 1
+        except BaseException:  # cancelled while waiting: no __aexit__ gives back the others
+            self._give_back()
+            raise
+        return True
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._give_back()
+
+    def _give_back(self) -> None:
+        while self._taken:
+            self._taken -= 1
+            self._limits[self._taken].give()

@@ -4,14 +4,17 @@ while other categories go on, and the checks of the value."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable, RegistryError
+from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable, RegistryError
+from outbox_bridge.workflows.models import PartitionOptions
 from tests.harness import (
     SCOPES,
     Category,
@@ -187,3 +190,59 @@ async def test_max_concurrent_calls_bounds_the_calls_of_a_worker(
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")
     assert gauge.calls == len(rows)
     assert gauge.peak == most, f"{gauge.peak} calls at once in a worker limited to {most}"
+
+
+async def test_a_round_whose_other_shards_are_done_stops_waiting_for_a_slot(
+    servers: Servers, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition runs 2 rounds of 2 shards at once here, with a time budget far longer than
+    the test. The first limited shard holds the only slot until every other shard is done;
+    the limited shards waiting for it must not keep their rounds (and the partition's two
+    places) until the budget runs out, or the other shards never get a round."""
+    original = OutboxSettings.partition_options
+
+    def small_rounds(self: OutboxSettings, *args: Any, **kwargs: Any) -> PartitionOptions:
+        return dataclasses.replace(original(self, *args, **kwargs), max_shards=2, max_rounds=2)
+
+    monkeypatch.setattr(OutboxSettings, "partition_options", small_rounds)
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
+    others_done = asyncio.Event()
+    other_shards = range(11, 17)
+    handled: set[int] = set()
+
+    @app.handler(Category.ORGANIZATION_UPDATE, max_concurrency=1)
+    async def limited(message: OutboxMessage) -> None:
+        await asyncio.wait_for(others_done.wait(), timeout=60)
+
+    @app.handler(*[c for c in Category if c is not Category.ORGANIZATION_UPDATE])
+    async def other(message: OutboxMessage) -> None:
+        handled.add(message.shard_identifier)
+        if handled == set(other_shards):
+            others_done.set()
+
+    await create_tables(engine, app)
+    # The limited shards first, in scope order and in id order alike.
+    await write_rows(
+        engine,
+        app,
+        [
+            {
+                "category": Category.ORGANIZATION_UPDATE,
+                "shard_identifier": s,
+                "object_identifier": 1,
+            }
+            for s in (1, 2, 3)
+        ],
+    )
+    await write_rows(
+        engine,
+        app,
+        [
+            {"category": Category.USER_UPDATE, "shard_identifier": s, "object_identifier": 1}
+            for s in other_shards
+        ],
+    )
+    settings = fast_settings(partitions=1, drain_time_budget=120.0)
+    async with running_worker(servers, app, settings):
+        await wait_until(others_done.is_set, timeout=30, what="the other shards' calls")
+        await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")

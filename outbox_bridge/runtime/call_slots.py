@@ -2,9 +2,10 @@
 handler that declared a ``max_concurrency``.
 
 A call takes a slot of each limit before it starts, first come first served, and gives it back
-when it returns. Only the shard whose call waits is held: the other shards of its round go on,
-and a wait ends at the round's deadline (the shard then goes back to its queue with its rows),
-so a round that holds a waiting shard still ends within its time budget.
+when it returns. Only the shard whose call waits is held: the other shards of its round go on.
+A wait ends at the round's deadline, or once every other shard of the round is done
+(:class:`RoundShards`): the shard then goes back to its queue with its rows, and the round
+ends instead of keeping its place while other shards wait for a round.
 """
 
 from __future__ import annotations
@@ -31,17 +32,21 @@ class Slots:
         self.taken = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def take(self, deadline: float = math.inf) -> bool:
-        """Take a slot, waiting until ``deadline`` (``time.monotonic``) at most; False if none
-        came free by then."""
+    async def take(self, deadline: float = math.inf, round_: RoundShards | None = None) -> bool:
+        """Take a slot, waiting until ``deadline`` (``time.monotonic``) at most, or until the
+        other shards of ``round_`` are done; False if none came free by then."""
         if self.taken < self.size and not self._waiters:
             self.taken += 1
             return True
+        if round_ is not None and round_.idle:
+            return False
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiters.append(waiter)
         # The loop's clock is time.monotonic() on every platform asyncio supports.
         timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
+        if round_ is not None:
+            round_.waiting(waiter)
         try:
             await waiter
         except asyncio.CancelledError:
@@ -53,6 +58,8 @@ class Slots:
         finally:
             if timer is not None:
                 timer.cancel()
+            if round_ is not None:
+                round_.woken(waiter)
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
         return True
@@ -70,6 +77,41 @@ class Slots:
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
+
+
+class RoundShards:
+    """The shards of one round that are busy: neither done nor waiting for a slot. Once none
+    is and one was done, the round has served what it could: its waiting shards give up (they
+    run in a later round) rather than keep it, and its place among the few rounds a partition
+    runs at once, while other shards queue. A round of waiting shards alone waits on, until
+    its deadline or a slot."""
+
+    def __init__(self, shards: int) -> None:
+        self._busy = shards
+        self._done = False
+        self._waiters: set[asyncio.Future[None]] = set()
+        self.idle = False
+
+    def done(self) -> None:
+        """A shard of the round is done."""
+        self._busy -= 1
+        self._done = True
+        self._check()
+
+    def waiting(self, waiter: asyncio.Future[None]) -> None:
+        self._busy -= 1
+        self._waiters.add(waiter)
+        self._check()
+
+    def woken(self, waiter: asyncio.Future[None]) -> None:
+        self._busy += 1
+        self._waiters.discard(waiter)
+
+    def _check(self) -> None:
+        if not self._busy and self._done:
+            self.idle = True
+            for waiter in list(self._waiters):
+                _expire(waiter)
 
 
 class CallSlots:
@@ -98,27 +140,32 @@ class CallSlots:
         self._of_category[category] = known
         return known
 
-    def held(self, limits: list[Slots], deadline: float = math.inf) -> Held:
+    def held(
+        self, limits: list[Slots], deadline: float = math.inf, round_: RoundShards | None = None
+    ) -> Held:
         """A slot of each of ``limits`` for an ``async with`` block, which gets True, or False
-        (holding none) if one did not come free by ``deadline``."""
-        return Held(limits, deadline)
+        (holding none) if one did not come free by ``deadline`` or before ``round_`` gave up."""
+        return Held(limits, deadline, round_)
 
 
 class Held:
     """Slots held for one ``async with`` block (a class, not a generator: it runs once per
     handler call)."""
 
-    __slots__ = ("_deadline", "_limits", "_taken")
+    __slots__ = ("_deadline", "_limits", "_round", "_taken")
 
-    def __init__(self, limits: list[Slots], deadline: float) -> None:
+    def __init__(
+        self, limits: list[Slots], deadline: float, round_: RoundShards | None = None
+    ) -> None:
         self._limits = limits
         self._deadline = deadline
+        self._round = round_
         self._taken = 0
 
     async def __aenter__(self) -> bool:
         try:
             for slots in self._limits:
-                if not await slots.take(self._deadline):
+                if not await slots.take(self._deadline, self._round):
                     self._give_back()
                     return False
                 self._taken += 1

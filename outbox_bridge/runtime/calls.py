@@ -34,7 +34,7 @@ from outbox_bridge.errors import (
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
-from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots
+from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, RoundShards
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger(__name__)
@@ -192,12 +192,14 @@ class HandlerCalls:
         attempt: int = 1,
         may_continue: Callable[[], bool] = lambda: True,
         pace: Pace | None = None,
+        round_: RoundShards | None = None,
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
 
         Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``
         (asked before every call), the deadline (after the first call), or a limit on
-        concurrent calls with no slot free by the deadline stopped it early. Consecutive sync
+        concurrent calls with no slot free by the deadline (or before the other shards of
+        ``round_`` were done) stopped it early. Consecutive sync
         handlers under the same limits go to a worker thread in one hop (at most ``pace.hop``),
         so cheap handlers do not pay a thread switch each.
         """
@@ -212,7 +214,7 @@ class HandlerCalls:
                 if not may_continue() or (index and time.monotonic() > deadline):
                     return False
                 limits = self.slots.limits(call.group.category)
-                async with self.slots.held(limits, deadline) as free:
+                async with self.slots.held(limits, deadline, round_) as free:
                     # A wait for a slot may have outlived the round's connection.
                     if not free or not may_continue():
                         return False

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable, RegistryError
+from outbox_bridge.runtime.call_slots import Slots
 from outbox_bridge.workflows.models import PartitionOptions
 from tests.harness import (
     SCOPES,
@@ -246,3 +248,37 @@ async def test_a_round_whose_other_shards_are_done_stops_waiting_for_a_slot(
     async with running_worker(servers, app, settings):
         await wait_until(others_done.is_set, timeout=30, what="the other shards' calls")
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")
+
+
+async def test_slots_go_first_come_first_served_and_a_wait_ends_at_its_deadline() -> None:
+    slots = Slots(1)
+    assert await slots.take()
+    assert not await slots.take(time.monotonic() - 1)  # past its deadline: no slot
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        assert await slots.take()
+        order.append(name)
+        slots.give()
+
+    waiters = [asyncio.create_task(wait(name)) for name in ("first", "second", "third")]
+    await asyncio.sleep(0)  # all three wait
+    assert order == []
+    slots.give()
+    await asyncio.gather(*waiters)
+    assert order == ["first", "second", "third"]
+    assert slots.taken == 0
+
+
+async def test_a_slot_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
+    slots = Slots(1)
+    assert await slots.take()
+    cancelled = asyncio.create_task(slots.take())
+    following = asyncio.create_task(slots.take())
+    await asyncio.sleep(0)
+    slots.give()  # handed to the first waiter, which is cancelled before it runs
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert await following
+    assert slots.taken == 1

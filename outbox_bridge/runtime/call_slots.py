@@ -50,8 +50,10 @@ class Slots:
         try:
             await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.give()  # handed a slot, then cancelled: it goes to the next waiter
+            # Handed a slot, then cancelled: it goes to the next waiter. (exception() also
+            # marks an expiry as seen, which asyncio would otherwise log.)
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.give()
             raise
         except TimeoutError:
             return False

@@ -76,6 +76,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         redact_errors=settings.redact_errors,
         threads=settings.handler_threads,
         timeout=settings.handler_timeout,
+        max_calls=settings.max_concurrent_calls,
     )
     drain_engine = DrainEngine(
         engine,

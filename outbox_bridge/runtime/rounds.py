@@ -60,6 +60,7 @@ from outbox_bridge.db.store import (
 )
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.call_slots import RoundShards
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, ShardRef
 
@@ -725,10 +726,11 @@ class DrainEngine:
         batch.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
         # Every shard's calls end before the round does, also when it is cancelled: a plain-def
         # call cannot be stopped, and its shard stays locked until it returns.
+        busy = RoundShards(len(heads))
         ended = await asyncio.gather(
             *(
                 self._run_shard(
-                    batch, head, outcome, deadline, attempt, unlock_each, settle, partition
+                    batch, head, outcome, deadline, attempt, unlock_each, settle, partition, busy
                 )
                 for head, outcome in zip(heads, outcomes, strict=True)
             ),
@@ -749,13 +751,15 @@ class DrainEngine:
         unlock_each: bool,
         settle: Settle | None,
         partition: str | None,
+        busy: RoundShards,
     ) -> None:
         shard = head.shard
         key = lock_key(shard)
         self._running[key] = self._running.get(key, 0) + 1
         try:
-            await self._handle(batch, head, outcome, deadline, attempt, partition)
+            await self._handle(batch, head, outcome, deadline, attempt, partition, busy)
         finally:
+            busy.done()
             self._running[key] -= 1
             if not self._running[key]:
                 del self._running[key]
@@ -773,6 +777,7 @@ class DrainEngine:
         deadline: float,
         attempt: int,
         partition: str | None,
+        busy: RoundShards,
     ) -> None:
         """Run one shard's head groups; whatever fails in it fails this shard alone."""
         shard = head.shard
@@ -812,6 +817,7 @@ class DrainEngine:
                     batch.undeleted.unreported,
                     batch.undeleted.limit,
                 ),
+                round_=busy,
             )
             outcome.more = head.more or len(calls) < len(head.groups) or not finished
             if not outcome.more:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from outbox_bridge.cli.connections import (
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.parked import read_parked
 from outbox_bridge.db.store import ShardDepth, read_shard_depths
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
@@ -92,7 +94,7 @@ def _unnamed_note(numbers: list[int]) -> str:
 
 def _table(listing: Listing) -> Table:
     view = Table(title="shards with pending rows")
-    for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
+    for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on", "parked"):
         view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
     for entry in listing.shards:
         view.add_row(
@@ -102,6 +104,7 @@ def _table(listing: Listing) -> Table:
             f"{entry['oldest_age_seconds']:.0f} s",
             entry["state"],
             entry["blocked_category"] or "",
+            str(entry["parked_groups"] or ""),
         )
     return view
 
@@ -131,6 +134,7 @@ async def _list(
                     limit=top if state is None else top * 20,
                 )
                 now = (await conn.execute(select(func.now()))).scalar_one()
+                parked = Counter(group.shard for group in await read_parked(conn, table))
     listing = Listing()
     for depth in depths:
         ref = ShardRef(
@@ -144,7 +148,11 @@ async def _list(
         if state is not None and found != state:
             continue
         age = (now - depth.oldest).total_seconds()
-        listing.shards.append(_entry(ref, depth, age, found) | {"blocked_category": blocked})
+        parked_groups = parked[(depth.region, depth.scope, depth.shard_identifier)]
+        listing.shards.append(
+            _entry(ref, depth, age, found)
+            | {"blocked_category": blocked, "parked_groups": parked_groups}
+        )
         if len(listing.shards) >= top:
             break
     return listing

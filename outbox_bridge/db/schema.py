@@ -88,6 +88,7 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
     )
     table.info["regional"] = regional
     owner_table(table)
+    parked_table(table)
     return table
 
 
@@ -125,6 +126,59 @@ def owners_of(outbox: Table) -> Table:
     owners = outbox.info["owners"]
     assert isinstance(owners, Table)
     return owners
+
+
+def parked_table(outbox: Table) -> Table:
+    """The table that records the coalescing groups of ``outbox`` an operator parked (set
+    aside so that their shard goes on), and when each was put back: the audit record.
+
+    A group with a row here and no ``unparked_at`` is invisible to every drain: its rows stay
+    in the outbox table, later rows of the same object included, until it is unparked. An
+    unparked group keeps its row (who parked it, when and why; who put it back, when).
+    """
+    regional = bool(outbox.info.get("regional"))
+    columns: list[Column[object]] = [
+        Column("id", BigInteger, Identity(always=False), primary_key=True)
+    ]
+    if regional:
+        columns.append(Column("region", Text, nullable=False))
+    columns += [
+        Column("shard_scope", Integer, nullable=False),
+        Column("shard_identifier", BigInteger, nullable=False),
+        Column("category", Integer, nullable=False),
+        Column("object_identifier", BigInteger, nullable=False),
+        # The group's first row when it was parked: where it stands in the shard's order.
+        Column("first_id", BigInteger, nullable=False),
+        Column("reason", Text, nullable=False),
+        Column("parked_by", Text, nullable=False),
+        Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("unparked_by", Text, nullable=True),
+        Column("unparked_at", DateTime(timezone=True), nullable=True),
+    ]
+    parked = Table(parked_name(outbox.name), outbox.metadata, *columns)
+    # One open park per group; the drains' lookups go through this index.
+    Index(
+        f"{parked.name}_group_idx",
+        *[parked.c[c] for c in shard_columns(regional)],
+        parked.c.category,
+        parked.c.object_identifier,
+        unique=True,
+        postgresql_where=parked.c.unparked_at.is_(None),
+    )
+    parked.info["parked_of"] = outbox.name
+    outbox.info["parked"] = parked
+    return parked
+
+
+def parked_name(table: str) -> str:
+    return f"{table}_parked"
+
+
+def parked_of(outbox: Table) -> Table:
+    """The parked-group table of an outbox table defined by :func:`outbox_table`."""
+    parked = outbox.info["parked"]
+    assert isinstance(parked, Table)
+    return parked
 
 
 def notify_ddl(table: Table) -> list[str]:

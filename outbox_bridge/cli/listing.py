@@ -94,8 +94,12 @@ def _unnamed_note(numbers: list[int]) -> str:
 
 def _table(listing: Listing) -> Table:
     view = Table(title="shards with pending rows")
-    for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on", "parked"):
+    # The parked column only when a shard has parked groups (`outbox-bridge parked` lists them).
+    parked = any(entry["parked_groups"] for entry in listing.shards)
+    for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
         view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
+    if parked:
+        view.add_column("parked groups", justify="right")
     for entry in listing.shards:
         view.add_row(
             entry["shard"],
@@ -104,7 +108,7 @@ def _table(listing: Listing) -> Table:
             f"{entry['oldest_age_seconds']:.0f} s",
             entry["state"],
             entry["blocked_category"] or "",
-            str(entry["parked_groups"] or ""),
+            *([str(entry["parked_groups"] or "")] if parked else []),
         )
     return view
 

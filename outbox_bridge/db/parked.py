@@ -28,11 +28,14 @@ GROUP_COLUMNS = ("category", "object_identifier")
 def not_parked(table: Table, alias: str) -> str:
     """SQL that is true when the row ``alias`` of outbox table ``table`` belongs to no parked
     group: AND it into the WHERE of each read that picks the rows a drain handles next."""
+    parked = parked_of(table).name
     columns = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
     same = " AND ".join(f"pk.{c} = {alias}.{c}" for c in columns)
+    # The first test runs once per statement (an uncorrelated subquery): while nothing is
+    # parked, no row pays for the lookup of its group.
     return (
-        f"NOT EXISTS (SELECT 1 FROM {parked_of(table).name} pk "
-        f"WHERE {same} AND pk.unparked_at IS NULL)"
+        f"((SELECT NOT EXISTS (SELECT 1 FROM {parked} WHERE unparked_at IS NULL)) "
+        f"OR NOT EXISTS (SELECT 1 FROM {parked} pk WHERE {same} AND pk.unparked_at IS NULL))"
     )
 
 

@@ -10,10 +10,17 @@ from typing import Any
 from sqlalchemy import text
 
 from outbox_bridge import OutboxMessage
+from outbox_bridge.db.parked import park_head, read_parked, unpark
+from outbox_bridge.db.store import read_pending_up_to
+from outbox_bridge.testing import drain_outbox_async
+from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
     Category,
+    Recorder,
+    create_tables,
     fast_settings,
     fresh_app,
+    make_app,
     running_worker,
     table_empty,
     unique_table,
@@ -171,3 +178,37 @@ async def test_status_of_a_shard_without_workflow_lists_its_parked_groups(server
     assert "no workflow of its own" in out and "bad payload" in out, out
     code, _, err = await cli(servers, unique_table(), "status", SHARD)
     assert code == 1 and "has no workflow of its own" in err, err
+
+
+async def test_a_parked_group_of_a_regional_table_is_left_out_of_drains_and_flushes(
+    engine,
+) -> None:
+    recorder = Recorder()
+    app = make_app(unique_table(), recorder, regional=True)
+    await create_tables(engine, app)
+    table = app.table()
+    eu = ShardRef(table.name, 1, "ORGANIZATION", 8, "eu")
+    stuck, behind, elsewhere = await write_rows(
+        engine,
+        app,
+        [
+            row(Category.PROJECT_UPDATE, 1) | {"region": "eu"},
+            row(Category.MEMBER_UPDATE, 2) | {"region": "eu"},
+            row(Category.PROJECT_UPDATE, 1) | {"region": "us"},  # the same group in another shard
+        ],
+    )
+    async with engine.begin() as conn:
+        parked = await park_head(conn, table, eu, reason="why", by="ops")
+        assert parked is not None and (parked.region, parked.first_id) == ("eu", stuck)
+        # A flush waits for the rows that are not parked, and for its own row.
+        assert (await read_pending_up_to(conn, table, eu, behind))[0]
+    await drain_outbox_async(app, engine)
+    assert sorted(recorder.ids()) == [behind, elsewhere]
+    async with engine.begin() as conn:
+        assert not (await read_pending_up_to(conn, table, eu, behind))[0]
+        assert (await read_pending_up_to(conn, table, eu, stuck))[0]
+        [back] = await unpark(conn, table, eu, by="ops")
+        assert (back.unparked_by, back.rows) == ("ops", 1)
+        assert await read_parked(conn, table) == []
+    await drain_outbox_async(app, engine)
+    assert recorder.ids()[-1] == stuck

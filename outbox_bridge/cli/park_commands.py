@@ -70,12 +70,13 @@ def _who(by: str | None) -> str:
     return (by or "").strip() or getpass.getuser()
 
 
-async def _wake(client: Client, shard: ShardRef) -> None:
-    """Tell the shard's workflow, if one runs, that its head changed in the table: a blocked
-    one tries its head again now, rather than after its backoff; another drains again."""
+async def _wake(client: Client, shard: ShardRef, why: str) -> None:
+    """Tell the shard's workflow, if one runs, that its head changed in the table (``why``,
+    shown in its history): a blocked one tries its head again now, rather than after its
+    backoff; another drains again."""
     handle = client.get_workflow_handle(shard.workflow_id)
     with contextlib.suppress(RPCError):  # no workflow runs: a partition drains the shard
-        await handle.signal("recheck", RecheckInput(reason="a group was parked or unparked"))
+        await handle.signal("recheck", RecheckInput(reason=why))
         await handle.signal("notify", NotifyInput(max_id=0, late=True))
 
 
@@ -99,7 +100,9 @@ def park(shard: str, table: str | None, reason: str, by: str | None, **overrides
     async def work() -> ParkedGroup:
         async with _shard(settings, shard, table) as found:
             parked = await _park_locked(found, reason.strip(), _who(by))
-        await _wake(found.client, found.ref)
+        app = command_app(settings)
+        why = f"parked {group_text(parked, app)} by {parked.parked_by}: {parked.reason}"
+        await _wake(found.client, found.ref, why)
         return parked
 
     group = run_or_exit(work(), shard=shard)
@@ -166,7 +169,8 @@ def unpark_command(
                 f"shard {found.ref.key} has no parked {which} in table {found.table.name}; "
                 "`outbox-bridge parked` lists the parked groups"
             )
-        await _wake(found.client, found.ref)
+        names = ", ".join(group_text(g, app) for g in groups)
+        await _wake(found.client, found.ref, f"unparked {names} by {groups[0].unparked_by}")
         return groups
 
     for unparked in run_or_exit(work(), shard=shard):

@@ -22,6 +22,7 @@ from tests.harness import (
     fresh_app,
     make_app,
     running_worker,
+    sql,
     table_empty,
     unique_table,
     wait_until,
@@ -212,3 +213,16 @@ async def test_a_parked_group_of_a_regional_table_is_left_out_of_drains_and_flus
         assert await read_parked(conn, table) == []
     await drain_outbox_async(app, engine)
     assert recorder.ids()[-1] == stuck
+
+
+async def test_shards_lists_a_table_whose_parked_group_table_is_not_there_yet(
+    servers, engine
+) -> None:
+    _, table, app = await fresh_app(engine)
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 5)])
+    await sql(engine, f"DROP TABLE {table}_parked")  # as a worker of an older version left it
+    code, out, err = await cli(servers, table, "shards", "--json")
+    assert code == 0, err
+    assert [(s["shard"], s["parked_groups"]) for s in json.loads(out)] == [(SHARD, 0)]
+    code, _, err = await cli(servers, table, "park", SHARD, "--reason", "why")
+    assert code == 2 and "init-db" in err, err

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -24,8 +23,8 @@ from outbox_bridge.cli.connections import (
 )
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.parked_view import parked_per_shard
 from outbox_bridge.config import OutboxSettings, SettingGroup
-from outbox_bridge.db.parked import read_parked
 from outbox_bridge.db.store import ShardDepth, read_shard_depths
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
@@ -138,7 +137,7 @@ async def _list(
                     limit=top if state is None else top * 20,
                 )
                 now = (await conn.execute(select(func.now()))).scalar_one()
-                parked = Counter(group.shard for group in await read_parked(conn, table))
+                parked = await parked_per_shard(conn, table)
     listing = Listing()
     for depth in depths:
         ref = ShardRef(

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import getpass
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import click
@@ -96,17 +96,17 @@ def park(shard: str, table: str | None, reason: str, by: str | None, **overrides
     if not reason.strip():
         raise click.BadParameter("a park needs a reason", param_hint="--reason")
     settings = build_settings(overrides)
+    app = command_app(settings)
 
     async def work() -> ParkedGroup:
         async with _shard(settings, shard, table) as found:
             parked = await _park_locked(found, reason.strip(), _who(by))
-        app = command_app(settings)
         why = f"parked {group_text(parked, app)} by {parked.parked_by}: {parked.reason}"
         await _wake(found.client, found.ref, why)
         return parked
 
     group = run_or_exit(work(), shard=shard)
-    name = group_text(group, command_app(settings))
+    name = group_text(group, app)
     click.echo(
         f"shard {shard}: parked {name} ({group.rows} rows from id {group.first_id}): {reason}"
     )
@@ -123,6 +123,7 @@ async def _park_locked(found: _Shard, reason: str, by: str) -> ParkedGroup:
         parked = await park_head(conn, found.table, ref, reason=reason, by=by)
         await conn.commit()
     finally:
+        await conn.rollback()  # what a failed statement left: the unlock needs a transaction
         await unlock_shards(conn, [ref])
         await conn.commit()
     if parked is None:
@@ -136,17 +137,13 @@ async def _park_locked(found: _Shard, reason: str, by: str) -> ParkedGroup:
 # -- unpark ---------------------------------------------------------------------------------------
 
 
-def _group_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
-        "--group",
-        metavar="CATEGORY:OBJECT",
-        help="Put back only this group (a category name or number, and an object id); "
-        "default: every parked group of the shard.",
-    )(fn)
-
-
 @tool_command("unpark")
-@_group_option
+@click.option(
+    "--group",
+    metavar="CATEGORY:OBJECT",
+    help="Put back only this group (a category name or number, and an object id); default: "
+    "every parked group of the shard.",
+)
 @click.option("--by", help="Who puts it back, for the record (default: the user running this).")
 @shard_options(*PARK_GROUPS)
 def unpark_command(

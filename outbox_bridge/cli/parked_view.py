@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import UTC, datetime
 
 from rich.table import Table
+from sqlalchemy import Table as SqlTable
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.cli.apps import command_app
 from outbox_bridge.cli.connections import database, reading, tables_of
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.parked import ParkedGroup, read_parked
+from outbox_bridge.db.schema import parked_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import ShardRef
@@ -75,3 +80,16 @@ async def shard_parked(settings: OutboxSettings, shard: ShardRef) -> list[Parked
                     return await read_parked(conn, app.table(shard.table), shard)
     except ConfigurationError as exc:
         return str(exc)
+
+
+async def parked_per_shard(
+    conn: AsyncConnection, table: SqlTable
+) -> Counter[tuple[str | None, int, int]]:
+    """How many groups each shard has parked (none before a worker of this version created
+    the table's parked-group table)."""
+    found = await conn.execute(
+        text("SELECT to_regclass(:name) IS NOT NULL"), {"name": parked_of(table).name}
+    )
+    if not found.scalar():
+        return Counter()
+    return Counter(group.shard for group in await read_parked(conn, table))

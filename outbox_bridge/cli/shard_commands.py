@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.cli.apps import command_app
 from outbox_bridge.cli.connections import (
@@ -29,7 +29,9 @@ from outbox_bridge.cli.connections import (
 )
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.parked_view import parked_table, shard_parked
 from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.parked import ParkedGroup
 from outbox_bridge.db.store import read_shard_max_id
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.flush import Flusher
@@ -74,25 +76,47 @@ async def _named(
 
 @tool_command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@shard_options()
+@shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
-    skip. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE a name or a number."""
+    skip, and its parked groups. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table),
+    SCOPE a name or a number."""
+    settings = build_settings(overrides)
 
-    async def work() -> ShardReport:
-        client, ref = await _named(build_settings(overrides), shard, table)
-        return await shard_report(client, ref)
+    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str]:
+        client, ref = await _named(settings, shard, table)
+        parked = await shard_parked(settings, ref)
+        try:
+            return await shard_report(client, ref), parked
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND or not isinstance(parked, list) or not parked:
+                raise
+            return None, parked  # no workflow of its own, and parked groups to show
 
-    report = run_or_exit(work(), shard=shard)
+    report, parked = run_or_exit(work(), shard=shard)
     if as_json:
-        shown = dataclasses.asdict(report.status) | {
-            "workflow_running": report.running,
-            "workflow_started": _iso(report.started),
-            "workflow_closed": _iso(report.closed),
-        }
-        click.echo(json.dumps(shown, indent=2))
-    else:
+        shown = {"shard": shard} if report is None else _status_json(report)
+        groups = [dataclasses.asdict(g) for g in parked] if isinstance(parked, list) else parked
+        click.echo(json.dumps(shown | {"parked_groups": groups}, indent=2, default=str))
+        return
+    if report is not None:
         Console().print(_status_table(report))
+    else:
+        click.echo(f"shard {shard} has no workflow of its own: a partition drains it")
+    if isinstance(parked, str):
+        click.echo(f"parked groups: unknown ({parked})", err=True)
+    elif parked:
+        app = command_app(settings)
+        title = f"parked groups of shard {shard}"
+        Console().print(parked_table(parked, app, title=title, one_shard=True))
+
+
+def _status_json(report: ShardReport) -> dict[str, Any]:
+    return dataclasses.asdict(report.status) | {
+        "workflow_running": report.running,
+        "workflow_started": _iso(report.started),
+        "workflow_closed": _iso(report.closed),
+    }
 
 
 def _iso(moment: datetime | None) -> str | None:

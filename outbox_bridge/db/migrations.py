@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from sqlalchemy import Table
 from sqlalchemy.schema import CreateIndex, CreateTable, DropTable, ExecutableDDLElement
 
-from outbox_bridge.db.schema import drop_notify_ddl, notify_ddl, owners_name, owners_of
+from outbox_bridge.db.schema import (
+    drop_notify_ddl,
+    notify_ddl,
+    owners_name,
+    owners_of,
+    parked_name,
+    parked_of,
+)
 
 if TYPE_CHECKING:
     from alembic.operations import Operations
@@ -52,7 +59,7 @@ def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
 
 def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
     """The statements that create the app's outbox tables (all of them, or those named in
-    ``tables``) with their indexes, NOTIFY triggers and owner tables, in order: what
+    ``tables``) with their indexes, NOTIFY triggers, owner and parked-group tables, in order: what
     :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
     statements: list[DDL] = []
     for table in _tables(app, tables):
@@ -62,7 +69,16 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
         ]
         statements += notify_ddl(table)
         statements.append(CreateTable(owners_of(table)))
+        statements += _create_parked(table)
     return statements
+
+
+def _create_parked(table: Table, *, if_not_exists: bool = False) -> list[DDL]:
+    parked = parked_of(table)
+    return [
+        CreateTable(parked, if_not_exists=if_not_exists),
+        *(CreateIndex(index, if_not_exists=if_not_exists) for index in parked.indexes),
+    ]
 
 
 def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
@@ -70,6 +86,7 @@ def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> l
     statements: list[DDL] = []
     for table in reversed(_tables(app, tables)):
         trigger, function = drop_notify_ddl(table)
+        statements += [DropTable(parked_of(table), if_exists=True)]
         statements += [DropTable(owners_of(table), if_exists=True), trigger, DropTable(table)]
         statements.append(function)
     return statements
@@ -97,6 +114,18 @@ def create_shard_owners(
         op.execute(CreateTable(owners_of(table), if_not_exists=True))
 
 
+def create_parked_groups(
+    op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
+) -> None:
+    """Create the parked-group tables (``<table>_parked``, with their index) that
+    ``outbox-bridge park`` records groups in, for databases migrated with
+    :func:`create_outbox` before they existed. (The worker and ``init-db`` create them too,
+    when they create missing tables.)"""
+    for table in _tables(app, tables):
+        for statement in _create_parked(table, if_not_exists=True):
+            op.execute(statement)
+
+
 def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
     """Drop what :func:`create_outbox` created: the trigger, its function, the table and its
     indexes, and every row still in the table."""
@@ -114,6 +143,7 @@ def exclude_outbox_tables(
         context.configure(..., include_name=exclude_outbox_tables(app))
     """
     names = set(app.tables) | {owners_name(name) for name in app.tables}
+    names |= {parked_name(name) for name in app.tables}
 
     def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
         return not (type_ == "table" and name in names)

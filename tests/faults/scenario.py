@@ -238,16 +238,30 @@ class Scenario:
         return verdict
 
 
+# Settings of the workers whose repeats a scenario bounds: calls at once few enough that a
+# bound broken by a few dozen groups fails the scenario (the default, 1,000, would hide it).
+COUNTED_WORKER = {"OUTBOX_MAX_CONCURRENT_CALLS": "40"}
+
+
+def repeats_per_lost_round() -> int:
+    """The groups a worker of :data:`COUNTED_WORKER` may have handled and not deleted: its
+    ``max_undeleted_groups``, by default as many calls as it can run at once (the fault app has
+    async handlers: ``max_concurrent_calls``). A kill -9 repeats them; a lost connection
+    repeats those of the shards another execution took in between."""
+    assert OutboxSettings.model_fields["max_undeleted_groups"].default is None
+    return int(COUNTED_WORKER["OUTBOX_MAX_CONCURRENT_CALLS"])
+
+
 def repeats_per_kill(shards: Iterable[Shard]) -> int:
-    """The most successful calls one ``kill -9`` of a worker can repeat, as the guarantees page
-    bounds it ("Repeats per kill"): the groups its drains had handled and not deleted yet
-    (``max_undeleted_groups``), and the calls under way, one per handler thread for the
-    plain-def handlers and one per shard for the async ones (the fault app's USER shards)."""
-    settings = OutboxSettings.model_fields
-    undeleted = settings["max_undeleted_groups"].default
-    threads = settings["handler_threads"].default
+    """The most successful calls one ``kill -9`` of a worker of :data:`COUNTED_WORKER` can
+    repeat, as the guarantees page bounds it ("Repeats per kill"): the groups its drains had
+    handled and not deleted yet (:func:`repeats_per_lost_round`), and the calls under way: at
+    most ``max_concurrent_calls``, and one per handler thread for the plain-def handlers and
+    one per shard for the async ones (the fault app's USER shards)."""
+    threads = OutboxSettings.model_fields["handler_threads"].default
     async_shards = sum(1 for scope, _ in shards if scope == FaultScope.USER)
-    return int(undeleted) + int(threads) + async_shards
+    calls = int(COUNTED_WORKER["OUTBOX_MAX_CONCURRENT_CALLS"])
+    return repeats_per_lost_round() + min(calls, int(threads) + async_shards)
 
 
 def spread(counts: list[int]) -> str:

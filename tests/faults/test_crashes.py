@@ -248,7 +248,8 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
     recovery = await scenario.drained(timeout=900)
     await scenario.finish(
         workload,
-        faults=f"{worker.kills} kill -9 mid-drain; repeats per kill: {{per_kill}}",
+        faults=f"{worker.kills} kill -9 mid-drain; repeats per kill: {{per_kill}}; calls at "
+        "once in the last second before each kill: {at_kill}",
         recovery=recovery,
         client=fault_client,
         record=record_figures,

@@ -3,8 +3,8 @@
 The worker runs in the benchmark's process, so a run can set, for itself alone:
 
 - ``max_undeleted_groups``: how many groups the worker's drain rounds may have handled and not
-  deleted before they take no further group (the worker's setting of that name, default
-  :data:`outbox_bridge.runtime.rounds.MAX_UNDELETED_GROUPS`, what a kill -9 repeats);
+  deleted before they take no further group (the worker's setting of that name, by default as
+  many as the worker can run calls at once; what a kill -9 repeats besides the calls under way);
 - ``partition_options``: fields of the :class:`~outbox_bridge.workflows.models.PartitionOptions`
   the bridge hands its partitions (``max_shards``, ``max_groups``, ``max_rounds``, ...).
 
@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-undeleted-groups",
         type=int,
         default=None,
-        help="A/B runs: groups the drains may have handled and not deleted (default 10)",
+        help="A/B runs: groups the drains may have handled and not deleted (default: as many "
+        "as the worker can run calls at once)",
     )
     parser.add_argument(
         "--partition-option",

@@ -251,13 +251,15 @@ class OutboxSettings(BaseSettings):
         "handler's own max_concurrency may lower it for its categories); further shards wait "
         "for a slot.",
     )
-    max_undeleted_groups: int = Field(
-        10,
+    max_undeleted_groups: int | None = Field(
+        None,
         ge=1,
         description=(
             "Groups the worker may have handled and not yet deleted before it starts no further "
             "handler call: what a kill -9 of the worker runs again, besides the calls under way. "
-            "Higher drains a backlog faster and repeats more after a crash."
+            "By default as many as the worker can run calls at once (max_concurrent_calls, or "
+            "handler_threads if every handler is plain def); lower repeats less after a crash "
+            "and drains more slowly where deletes take a while."
         ),
     )
     max_concurrent_activities: int = Field(

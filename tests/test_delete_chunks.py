@@ -3,9 +3,10 @@ makes run again (the design contract, invariant 5: docs/explanation/contract.md)
 
 A round deletes what it handled as soon as its connection is free (what is handled meanwhile
 goes with the next delete), and no round takes a further group while the worker's rounds
-together have MAX_UNDELETED_GROUPS handled and not deleted: a crash repeats about that many
-groups however slow the deletes are and however many rounds run (docs/explanation/processing.md,
-"Delete, on the fence").
+together have ``max_undeleted_groups`` handled and not deleted (by default as many as the
+worker can run calls at once): a crash repeats at most that many groups however slow the
+deletes are and however many rounds run (docs/explanation/processing.md, "Delete, on the
+fence").
 """
 
 from __future__ import annotations
@@ -22,11 +23,20 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.runtime.assembly import build_drains
 from outbox_bridge.runtime.calls import HandlerCalls
-from outbox_bridge.runtime.rounds import MAX_UNDELETED_GROUPS, DrainEngine
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import ShardRef
-from tests.harness import SCOPES, Category, Scope, create_tables, unique_table, write_rows
+from tests.harness import (
+    SCOPES,
+    Category,
+    Scope,
+    create_tables,
+    unique_table,
+    wait_until,
+    write_rows,
+)
 
 DELETE_SECONDS = 0.3  # each DELETE statement on the table takes this long
+LIMIT = 10  # an explicit max_undeleted_groups
 
 
 async def counting_app(engine: AsyncEngine, *, sync: bool) -> tuple[OutboxApp, list[int]]:
@@ -147,15 +157,14 @@ async def test_the_drains_handle_at_most_a_few_groups_ahead_of_their_deletes(
     handlers = HandlerCalls(app, redact_errors=False, threads=threads)
     try:
         async with most_ahead(engine, table, calls) as most:
-            await drain_in_rounds(DrainEngine(engine, app, calls=handlers), app, plan)
+            drain = DrainEngine(engine, app, calls=handlers, max_undeleted_groups=LIMIT)
+            await drain_in_rounds(drain, app, plan)
     finally:
         handlers.close()
     assert len(calls) == rounds * shards * groups
     assert await rows_left(engine, table) == 0
     # The bound, and the calls that other threads had under way when it was reached.
-    assert 0 < most[0] <= MAX_UNDELETED_GROUPS + threads - 1, (
-        f"{most[0]} groups handled ahead of their delete"
-    )
+    assert 0 < most[0] <= LIMIT + threads - 1, f"{most[0]} groups handled ahead of their delete"
 
 
 async def test_the_bound_is_the_workers_setting(engine) -> None:
@@ -175,6 +184,74 @@ async def test_the_bound_is_the_workers_setting(engine) -> None:
     assert len(calls) == 20
     assert await rows_left(engine, table) == 0
     assert 0 < most[0] <= 3, f"{most[0]} groups handled ahead of their delete"
+
+
+async def test_by_default_plain_def_drains_run_only_their_threads_ahead(engine) -> None:
+    """With every handler plain def, the calls at once are the handler threads, and so is the
+    default bound: 2 threads run at most 2 groups ahead of the deletes (and 1 call under way)."""
+    app, calls = await counting_app(engine, sync=True)
+    table = app.table().name
+    await write_groups(engine, app, 1, 30)
+    handlers = HandlerCalls(app, redact_errors=False, threads=2)
+    try:
+        drain = DrainEngine(engine, app, calls=handlers)
+        assert drain.max_undeleted_groups == 2
+        async with most_ahead(engine, table, calls) as most:
+            await drain_in_rounds(drain, app, [[1]])
+    finally:
+        handlers.close()
+    assert len(calls) == 30
+    assert await rows_left(engine, table) == 0
+    assert 0 < most[0] <= 2 + 2 - 1, f"{most[0]} groups handled ahead of their delete"
+
+
+async def test_by_default_async_calls_go_on_while_a_delete_is_under_way(engine) -> None:
+    """A delete that does not return holds no async call back below the calls the worker can
+    run at once: all 30 groups of a shard are handled while the round's first delete waits,
+    and they go out in one further statement (pipelined, not a round trip per group)."""
+    table = unique_table()
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(table)])
+    calls: list[int] = []
+
+    async def handle(message: OutboxMessage) -> None:
+        calls.append(message.id)
+
+    app.handler(*Category)(handle)
+    await create_tables(engine, app)
+    gate = (48_151, 62_342)  # an advisory lock the deletes wait for, not a shard's
+    async with engine.begin() as conn:
+        await conn.execute(text(f"CREATE SEQUENCE {table}_deletes"))
+        await conn.execute(
+            text(
+                f"CREATE FUNCTION {table}_gated() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"PERFORM nextval('{table}_deletes'); PERFORM pg_advisory_lock_shared{gate}; "
+                f"PERFORM pg_advisory_unlock_shared{gate}; RETURN NULL; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                f"CREATE TRIGGER {table}_gated BEFORE DELETE ON {table} "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {table}_gated()"
+            )
+        )
+    await write_groups(engine, app, 1, 30)
+    handlers = HandlerCalls(app, redact_errors=False, threads=2)
+    drain = DrainEngine(engine, app, calls=handlers)
+    try:
+        async with engine.connect() as holder:
+            await holder.execute(text(f"SELECT pg_advisory_lock{gate}"))
+            draining = asyncio.create_task(drain_in_rounds(drain, app, [[1]]))
+            try:
+                await wait_until(lambda: len(calls) == 30, timeout=60, what="30 calls")
+            finally:
+                await holder.execute(text(f"SELECT pg_advisory_unlock{gate}"))
+            await draining
+    finally:
+        handlers.close()
+    assert await rows_left(engine, table) == 0
+    async with engine.connect() as conn:
+        statements = (await conn.execute(text(f"SELECT last_value FROM {table}_deletes"))).scalar()
+    assert statements in (1, 2), f"{statements} delete statements for 30 groups"
 
 
 async def test_a_round_unlocks_each_shard_once(engine) -> None:

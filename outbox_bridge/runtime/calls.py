@@ -105,6 +105,13 @@ class HandlerCalls:
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
         self.slots = CallSlots(app, max_calls)
+        any_async = any(
+            OutboxApp.is_async_handler(handler)
+            for category in app.categories
+            if (handler := app.handler_for(category)) is not None
+        )
+        # How many calls the worker can have under way at once: plain-def ones wait for a thread.
+        self.at_once = max_calls if any_async else min(threads, max_calls)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -7,10 +7,13 @@ gone, and so is every later delete or ownership change of the round. That fence 
 that lost its locks from deleting anything another execution may now be handling; its handled
 rows run again (at least once).
 
-Handled rows are deleted while the round runs, as soon as its connection is free, and no round
-takes a further group while the worker's rounds together have ``max_undeleted_groups`` handled
-and not deleted: a crash repeats only those few (and the calls under way). A shard is unlocked
-once its last group is deleted, so a slow shard never holds the others back.
+Handled rows are deleted while the round runs, pipelined: one delete statement at a time per
+round, each taking every group handled while the one before was under way, never a round trip
+per group. No round takes a further group while the worker's rounds together have
+``max_undeleted_groups`` handled and not deleted, by default as many as the worker can have
+calls under way: a crash repeats at most those and the calls under way, and a slow delete never
+caps the rate below what the handlers allow. A shard is unlocked once its last group is deleted,
+so a slow shard never holds the others back.
 
 A round is bounded by the payload bytes of its groups' newest rows as well as by their number:
 each shard keeps the prefix of its groups that fits the budget; the others wait for the next
@@ -60,14 +63,12 @@ from outbox_bridge.db.store import (
 )
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import RoundShards
+from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, RoundShards
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, ShardRef
 
 log = logging.getLogger(__name__)
 
-# What a kill -9 may run again: the default of the worker's max_undeleted_groups setting.
-MAX_UNDELETED_GROUPS = 10
 # poll() events of a socket the peer has closed (POLLRDHUP: Linux only).
 HANGUP = (
     getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
@@ -83,7 +84,7 @@ class Undeleted:
     included), and the calls waiting for room under ``limit``, first come first served: a
     delete wakes as many waiters as there is room, not every shard of every round."""
 
-    def __init__(self, limit: int = MAX_UNDELETED_GROUPS) -> None:
+    def __init__(self, limit: int = MAX_CONCURRENT_CALLS) -> None:
         if limit < 1:
             raise ValueError(f"the limit of undeleted groups must be at least 1, not {limit}")
         self.limit = limit
@@ -520,14 +521,15 @@ class DrainEngine:
         *,
         calls: HandlerCalls,
         max_round_bytes: int = ROUND_MAX_BYTES,
-        max_undeleted_groups: int = MAX_UNDELETED_GROUPS,
+        max_undeleted_groups: int | None = None,
     ) -> None:
         self.engine = engine
         self.app = app
         self.calls = calls
         self.max_round_bytes = max_round_bytes
         self._running: dict[str, int] = {}
-        self._undeleted = Undeleted(max_undeleted_groups)
+        # By default the work in flight bounds the repeats: as many as the calls under way.
+        self._undeleted = Undeleted(max_undeleted_groups or calls.at_once)
 
     @property
     def max_undeleted_groups(self) -> int:

@@ -32,6 +32,7 @@ from tests.faults.harness import (
     worker_env,
 )
 from tests.faults.history import (
+    CallRow,
     Shard,
     Verdict,
     Workload,
@@ -163,7 +164,8 @@ class Scenario:
         when ``redacted``, no error message) reached Temporal and that no worker printed the
         database password, and record the scenario's figures. ``faults`` may name the number
         of failed handler calls as ``{failed}``, the spread of the repeats per killed process
-        as ``{per_kill}``, and per fault of ``faults_at`` as ``{per_fault}``.
+        as ``{per_kill}``, the most calls a killed process had under way at once in its last second
+        as ``{at_kill}``, and per fault of ``faults_at`` as ``{per_fault}``.
 
         ``max_duplicates`` is the most repeated calls that the scenario's faults can explain;
         with ``repeats_only_after_kills``, every repeat must repeat a call of a worker process
@@ -215,6 +217,9 @@ class Scenario:
                 faults=faults.format(
                     failed=verdict.failed_calls,
                     per_kill=spread([verdict.repeats_by_pid.get(pid, 0) for pid in killed]),
+                    at_kill=spread(
+                        [calls_at_once_before_end(history.calls, pid) for pid in killed]
+                    ),
                     per_fault=spread(per_fault),
                 ),
                 lost=len(verdict.lost),
@@ -238,16 +243,51 @@ class Scenario:
         return verdict
 
 
+# Settings of the workers whose repeats a scenario bounds: calls at once few enough that a
+# bound broken by a few dozen groups fails the scenario (the default, 1,000, would hide it).
+COUNTED_WORKER = {"OUTBOX_MAX_CONCURRENT_CALLS": "40"}
+
+
+def repeats_per_lost_round() -> int:
+    """The groups a worker of :data:`COUNTED_WORKER` may have handled and not deleted: its
+    ``max_undeleted_groups``, by default as many calls as it can run at once (the fault app has
+    async handlers: ``max_concurrent_calls``). A kill -9 repeats them; a lost connection
+    repeats those of the shards another execution took in between."""
+    assert OutboxSettings.model_fields["max_undeleted_groups"].default is None
+    return int(COUNTED_WORKER["OUTBOX_MAX_CONCURRENT_CALLS"])
+
+
 def repeats_per_kill(shards: Iterable[Shard]) -> int:
-    """The most successful calls one ``kill -9`` of a worker can repeat, as the guarantees page
-    bounds it ("Repeats per kill"): the groups its drains had handled and not deleted yet
-    (``max_undeleted_groups``), and the calls under way, one per handler thread for the
-    plain-def handlers and one per shard for the async ones (the fault app's USER shards)."""
-    settings = OutboxSettings.model_fields
-    undeleted = settings["max_undeleted_groups"].default
-    threads = settings["handler_threads"].default
+    """The most successful calls one ``kill -9`` of a worker of :data:`COUNTED_WORKER` can
+    repeat, as the guarantees page bounds it ("Repeats per kill"): the groups its drains had
+    handled and not deleted yet (:func:`repeats_per_lost_round`), and the calls under way: at
+    most ``max_concurrent_calls``, and one per handler thread for the plain-def handlers and
+    one per shard for the async ones (the fault app's USER shards)."""
+    threads = OutboxSettings.model_fields["handler_threads"].default
     async_shards = sum(1 for scope, _ in shards if scope == FaultScope.USER)
-    return int(undeleted) + int(threads) + async_shards
+    calls = int(COUNTED_WORKER["OUTBOX_MAX_CONCURRENT_CALLS"])
+    return repeats_per_lost_round() + min(calls, int(threads) + async_shards)
+
+
+def calls_at_once_before_end(calls: Iterable[CallRow], pid: int, window: float = 1.0) -> int:
+    """The most calls of process ``pid`` under way at once in the ``window`` seconds before its
+    last recorded call ended: for a killed process, about the concurrency at the kill (a call
+    is recorded as it returns, so those the kill cut off are not counted)."""
+    mine = [call for call in calls if call.pid == pid]
+    if not mine:
+        return 0
+    end = max(call.finished for call in mine)
+    edges = sorted(
+        edge
+        for call in mine
+        if call.finished >= end - window
+        for edge in ((call.started, 1), (call.finished, -1))
+    )
+    most = running = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return most
 
 
 def spread(counts: list[int]) -> str:

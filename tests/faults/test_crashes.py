@@ -17,7 +17,7 @@ from outbox_bridge import OutboxSettings
 from tests.faults.fault_app import FaultCategory, FaultScope
 from tests.faults.harness import WorkerProcess, outbox_count
 from tests.faults.history import Shard, Workload
-from tests.faults.scenario import Scenario, repeats_per_kill, variants
+from tests.faults.scenario import COUNTED_WORKER, Scenario, repeats_per_kill, variants
 from tests.harness import wait_until
 
 
@@ -50,7 +50,7 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
     await scenario.prepare(failure_rate=0.1)
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows)
-    worker = scenario.worker(OUTBOX_REDACT_ERRORS="true")
+    worker = scenario.worker(OUTBOX_REDACT_ERRORS="true", **COUNTED_WORKER)
     moments = random.Random(size.kills)
     per_cycle = size.rows // (size.kills + 1)
     for kill in range(size.kills):
@@ -132,7 +132,8 @@ async def test_two_workers_on_one_task_queue_one_killed_repeatedly(
     )
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows + 1)
-    steady, victim = scenario.worker("steady"), scenario.worker("victim")
+    steady = scenario.worker("steady", **COUNTED_WORKER)
+    victim = scenario.worker("victim", **COUNTED_WORKER)
     # The victim starts first, so its bridge is the active one until its first kill: shards it
     # starts run their first task in it (eager start), and after the kill in the other worker.
     victim.start()
@@ -218,14 +219,14 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
 ) -> None:
     """What one ``kill -9`` costs at full speed: a backlog of distinct groups drained as fast as
     the handlers go, nothing failing, the worker killed mid-drain again and again. A kill
-    repeats the groups handled and not deleted yet (at most MAX_UNDELETED_GROUPS across the
-    worker's drains, see outbox_bridge/runtime/rounds.py) and the calls under way."""
+    repeats the groups handled and not deleted yet (at most ``max_undeleted_groups`` across the
+    worker's drains, by default its calls at once) and the calls under way."""
     scenario = new_scenario("kill -9 mid-drain of a backlog")
     await scenario.prepare()
     # Few rows coalesce: nearly every row is a group of its own, handled by its own call.
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows + 6, objects=10_000)
-    worker = scenario.worker()
+    worker = scenario.worker(**COUNTED_WORKER)
     moments = random.Random(size.kills + 6)
     for _ in range(size.kills):
         await workload.write(size.rows - await outbox_count(engine, scenario.table))
@@ -247,7 +248,8 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
     recovery = await scenario.drained(timeout=900)
     await scenario.finish(
         workload,
-        faults=f"{worker.kills} kill -9 mid-drain; repeats per kill: {{per_kill}}",
+        faults=f"{worker.kills} kill -9 mid-drain; repeats per kill: {{per_kill}}; calls at "
+        "once in the last second before each kill: {at_kill}",
         recovery=recovery,
         client=fault_client,
         record=record_figures,

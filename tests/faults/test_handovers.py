@@ -32,7 +32,7 @@ from outbox_bridge.runtime.shards import parse_shard, shard_status
 from tests.faults.fault_app import FaultCategory, FaultScope, make_app
 from tests.faults.harness import calls_of_shard, command, temporal_command
 from tests.faults.history import Shard, Workload, set_control
-from tests.faults.scenario import repeats_per_kill, variants
+from tests.faults.scenario import COUNTED_WORKER, repeats_per_kill, variants
 from tests.faults.test_crashes import mixed_shards
 from tests.faults.test_stuck import failed_at_least
 from tests.harness import wait_until
@@ -490,7 +490,7 @@ async def test_kill_9_while_many_failing_groups_are_handed_over(
     await scenario.prepare(failure_rate=0.3)
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows + 15)
-    worker = scenario.worker()
+    worker = scenario.worker(**COUNTED_WORKER)
     per_cycle = size.rows // (size.kills + 1)
     for _ in range(size.kills):
         worker.start()

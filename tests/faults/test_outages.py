@@ -18,9 +18,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge.config import sqlalchemy_url
-from outbox_bridge.runtime.rounds import MAX_UNDELETED_GROUPS
 from tests.faults.harness import outbox_count, with_password
-from tests.faults.scenario import variants
+from tests.faults.scenario import COUNTED_WORKER, repeats_per_lost_round, variants
 from tests.faults.test_crashes import calls_of, calls_over, mixed_shards
 from tests.harness import wait_until
 
@@ -214,7 +213,9 @@ async def test_the_worker_s_connections_terminated_mid_drain_repeat_few_groups(
     workload = scenario.workload(mixed_shards(size.shards), seed=size.rows + 7, objects=10_000)
     name = f"outbox-worker-{scenario.table}"
     url = make_url(scenario.database_url).update_query_dict({"application_name": name})
-    worker = scenario.worker(OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False))
+    worker = scenario.worker(
+        OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False), **COUNTED_WORKER
+    )
     moments = random.Random(size.terminations + 7)
     struck: list[float] = []
     worker.start()
@@ -252,7 +253,7 @@ async def test_the_worker_s_connections_terminated_mid_drain_repeat_few_groups(
 
 # Repeated calls allowed per termination: the groups a kill -9 may leave handled and not
 # deleted (only a shard another execution took before the lost round's delete runs again).
-REPEATS_PER_TERMINATION = MAX_UNDELETED_GROUPS
+REPEATS_PER_TERMINATION = repeats_per_lost_round()
 
 
 async def terminate(engine, application_name: str) -> int:

@@ -29,6 +29,7 @@ from outbox_bridge.cli.connections import (
 )
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.store import read_shard_max_id
 from outbox_bridge.errors import ConfigurationError
@@ -74,32 +75,39 @@ async def _named(
 
 @tool_command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@shard_options()
+@shard_options(SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.DATABASE)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
-    skip. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE a name or a number."""
+    skip, the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE
+    a name or a number."""
+    settings = build_settings(overrides)
 
-    async def work() -> ShardReport:
-        client, ref = await _named(build_settings(overrides), shard, table)
-        return await shard_report(client, ref)
+    async def work() -> tuple[ShardReport, str | None]:
+        client, ref = await _named(settings, shard, table)
+        pause = await shard_pause(settings, ref)
+        shown = None if pause is None else describe(command_app(settings), pause)
+        return await shard_report(client, ref), shown
 
-    report = run_or_exit(work(), shard=shard)
+    report, paused = run_or_exit(work(), shard=shard)
     if as_json:
         shown = dataclasses.asdict(report.status) | {
+            # Its workflow waits for a paused row as for one scheduled later.
+            "state": report.status.state if paused is None else PAUSED,
+            "paused": paused,
             "workflow_running": report.running,
             "workflow_started": _iso(report.started),
             "workflow_closed": _iso(report.closed),
         }
         click.echo(json.dumps(shown, indent=2))
     else:
-        Console().print(_status_table(report))
+        Console().print(_status_table(report, paused))
 
 
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="seconds") if moment is not None else None
 
 
-def _status_table(report: ShardReport) -> Table:
+def _status_table(report: ShardReport, paused: str | None = None) -> Table:
     status = report.status
     view = Table(title=f"shard {status.shard}", show_header=False)
     if report.running:
@@ -107,7 +115,7 @@ def _status_table(report: ShardReport) -> Table:
     else:
         workflow = f"closed at {_iso(report.closed)}; the partition drains the shard"
     rows: list[tuple[str, str]] = [
-        ("state", status.state),
+        ("state", status.state if paused is None else PAUSED),
         ("workflow", workflow),
         (
             "handled by the workflow",
@@ -130,6 +138,8 @@ def _status_table(report: ShardReport) -> Table:
     if status.skip is not None:
         skip = status.skip
         rows.append(("skipped", f"by {skip.by or 'an operator'} at {skip.at}: {skip.reason}"))
+    if paused is not None:
+        rows.append(("paused", paused))
     for key, value in rows:
         view.add_row(key, value)
     return view

@@ -88,6 +88,7 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
     )
     table.info["regional"] = regional
     owner_table(table)
+    pause_table(table)
     return table
 
 
@@ -118,6 +119,38 @@ def owner_table(outbox: Table) -> Table:
 
 def owners_name(table: str) -> str:
     return f"{table}_owners"
+
+
+def pause_table(outbox: Table) -> Table:
+    """The table of the categories and scopes of ``outbox`` that an operator paused.
+
+    A row of a paused category, and every row of a paused scope, is not due: its shard waits at
+    it, as at a row scheduled for later (rows behind it wait too: order is per shard). Deleting
+    the pause makes them due again.
+    """
+    pauses = Table(
+        pauses_name(outbox.name),
+        outbox.metadata,
+        Column("kind", Text, primary_key=True),  # category or scope
+        Column("number", Integer, primary_key=True),  # the category's or the scope's value
+        Column("reason", Text, nullable=False),
+        Column("paused_by", Text, nullable=False),
+        Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        CheckConstraint("kind IN ('category', 'scope')", name=f"{outbox.name}_pauses_kind"),
+    )
+    outbox.info["pauses"] = pauses
+    return pauses
+
+
+def pauses_name(table: str) -> str:
+    return f"{table}_pauses"
+
+
+def pauses_of(outbox: Table) -> Table:
+    """The pause table of an outbox table defined by :func:`outbox_table`."""
+    pauses = outbox.info["pauses"]
+    assert isinstance(pauses, Table)
+    return pauses
 
 
 def owners_of(outbox: Table) -> Table:

@@ -1,0 +1,202 @@
+"""``pause``, ``unpause`` and ``pauses``: pause a whole category or scope of a table at run
+time, resume it, and list what is paused (kept in ``<table>_pauses``)."""
+
+from __future__ import annotations
+
+import getpass
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox_bridge.cli.apps import command_app
+from outbox_bridge.cli.connections import database, reading, tables_of
+from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.pauses import (
+    Pause,
+    PauseKind,
+    add_pause,
+    read_pauses,
+    read_shard_pause,
+    remove_pause,
+)
+from outbox_bridge.db.schema import pauses_of
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.scope_directory import NO_APP_HINT
+from outbox_bridge.workflows.models import ShardRef
+
+# The state `shards` and `status` show of a shard whose workflow waits for a paused row.
+PAUSED = "paused"
+
+
+def _target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = settings_options(SettingGroup.DATABASE, SettingGroup.APP)(fn)
+    fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
+    fn = click.option("--scope", help="A scope: every row of its shards (a name or a number).")(fn)
+    return click.option("--category", help="A category, in every scope (a name or a number).")(fn)
+
+
+def _target(category: str | None, scope: str | None) -> tuple[PauseKind, str]:
+    if (category is None) == (scope is None):
+        raise click.UsageError("give exactly one of --category and --scope")
+    if category is not None:
+        return PauseKind.CATEGORY, category
+    return PauseKind.SCOPE, scope or ""
+
+
+def resolve(app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str) -> int:
+    """The number of the category or scope ``text`` names (its name in ``app``, any case, or
+    a number: a value the app does not register can be named by number)."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    if app is None:
+        raise ConfigurationError(
+            f"--{kind} {text}: a {kind} is named by its number without the app; {NO_APP_HINT}"
+        )
+    members = app.categories if kind == PauseKind.CATEGORY else app.scopes
+    for member in members:
+        if member.name.upper() == text.upper():
+            return int(member)
+    which = "the demo app" if settings.demo else f"app {settings.app}"
+    known = ", ".join(f"{m.name} ({int(m)})" for m in members)
+    raise ConfigurationError(
+        f"unknown {kind} {text!r} in {which}; its {kind} names are: {known}. A {kind} the app "
+        "does not register can be given by its number"
+    )
+
+
+def _name(app: OutboxApp | None, pause: Pause) -> str:
+    if app is None:
+        return str(pause.number)
+    if pause.kind == PauseKind.CATEGORY:
+        member = app.category(pause.number)
+    else:
+        member = app.scope(pause.number)
+    return member.name if member is not None else str(pause.number)
+
+
+async def _change(
+    overrides: dict[str, Any],
+    table_name: str | None,
+    change: Callable[[Any, Any], Any],
+) -> Any:
+    settings = build_settings(overrides)
+    app = tables_of(command_app(settings), table_name)
+    table = app.table(table_name)
+    async with database(settings) as engine:
+        with reading(engine, table.name):
+            async with engine.begin() as conn:
+                await conn.run_sync(lambda sync: pauses_of(table).create(sync, checkfirst=True))
+                return await change(conn, table)
+
+
+@tool_command("pause")
+@_target_options
+@click.option("--reason", required=True, help="Why it is paused (shown by shards, status, UI).")
+def pause(
+    category: str | None, scope: str | None, table: str | None, reason: str, **overrides: Any
+) -> None:
+    """Pause a whole category (in every scope) or a whole scope at run time, until `outbox-bridge
+    unpause`. Its rows wait, kept, and so do the rows behind them in their shards (order is
+    per shard); other shards go on. The pause is kept in the database (a restart keeps it)."""
+    kind, text = _target(category, scope)
+    if not reason.strip():
+        raise click.BadParameter("a pause needs a reason", param_hint="--reason")
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    number = run_or_exit(_resolved(app, settings, kind, text))
+
+    async def change(conn: Any, outbox: Any) -> Pause:
+        return await add_pause(conn, outbox, kind, number, reason.strip(), getpass.getuser())
+
+    done: Pause = run_or_exit(_change(overrides, table, change))
+    click.echo(f"{kind} {_name(app, done)} ({number}) paused: {done.reason}")
+
+
+@tool_command("unpause")
+@_target_options
+def unpause(category: str | None, scope: str | None, table: str | None, **overrides: Any) -> None:
+    """Resume a category or a scope paused with `outbox-bridge pause`: the shards that waited
+    for it go on at once, in order."""
+    kind, text = _target(category, scope)
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    number = run_or_exit(_resolved(app, settings, kind, text))
+
+    async def change(conn: Any, outbox: Any) -> Pause | None:
+        return await remove_pause(conn, outbox, kind, number)
+
+    done: Pause | None = run_or_exit(_change(overrides, table, change))
+    if done is None:
+        click.echo(f"{kind} {text} ({number}) was not paused")
+    else:
+        click.echo(f"{kind} {_name(app, done)} ({number}) resumed (paused since {done.since})")
+
+
+@tool_command("pauses")
+@click.option("--table", help="The outbox table (default: the app's first).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@settings_options(SettingGroup.DATABASE, SettingGroup.APP)
+def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
+    """The paused categories and scopes of a table, oldest first."""
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    found: list[Pause] = run_or_exit(_change(overrides, table, read_pauses))
+    if as_json:
+        shown = [
+            {
+                "kind": p.kind.value,
+                "number": p.number,
+                "name": _name(app, p),
+                "reason": p.reason,
+                "paused_by": p.paused_by,
+                "since": p.since.isoformat(),
+            }
+            for p in found
+        ]
+        click.echo(json.dumps(shown, indent=2))
+        return
+    view = Table(title="paused categories and scopes")
+    for column in ("kind", "name", "number", "reason", "by", "since"):
+        view.add_column(column)
+    for p in found:
+        since = p.since.isoformat(timespec="seconds")
+        view.add_row(p.kind, _name(app, p), str(p.number), p.reason, p.paused_by, since)
+    Console().print(view)
+
+
+async def _resolved(
+    app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str
+) -> int:
+    return resolve(app, settings, kind, text)
+
+
+# -- what `shards` and `status` show of a shard that waits for a pause ----------------------------
+
+
+async def shard_pause(settings: OutboxSettings, ref: ShardRef) -> Pause | None:
+    """The pause ``ref`` waits for (its first row not due is paused), None when it waits for
+    none, or when the database cannot be read (the command shows the workflow's state)."""
+    app = tables_of(command_app(settings), ref.table, regional=ref.region is not None)
+    table = app.table(ref.table)
+    try:
+        async with database(settings) as engine, engine.connect() as conn:
+            return await read_shard_pause(conn, table, ref)
+    except (ConfigurationError, SQLAlchemyError):
+        return None
+
+
+def describe(app: OutboxApp | None, pause: Pause) -> str:
+    """A pause in one line: ``category PROJECT_UPDATE by ann since ...: search is down``."""
+    since = pause.since.isoformat(timespec="seconds")
+    return f"{pause.kind} {_name(app, pause)} by {pause.paused_by} since {since}: {pause.reason}"

@@ -1,0 +1,179 @@
+"""Pausing a whole category or scope at run time (`outbox-bridge pause`, `unpause`, `pauses`),
+through the command line and a real worker: the paused rows wait, kept, and so do the rows
+behind them in their shards; other shards drain; a restart keeps the pause; a resume drains
+everything in order."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from tests.harness import (
+    Category,
+    Recorder,
+    fast_settings,
+    fresh_app,
+    running_worker,
+    table_empty,
+    wait_until,
+    write_rows,
+)
+from tests.test_cli_shards import cli
+
+# A sweep only every two minutes: what ends a pause within a test's wait is the notification
+# that the resume sends (the bridge sweeps at once), not the periodic sweep.
+SLOW_SWEEP = 120.0
+
+
+def _row(category: Category, shard: int, obj: int) -> dict[str, Any]:
+    return {"category": category, "shard_identifier": shard, "object_identifier": obj}
+
+
+async def _listed(servers: Any, table: str) -> dict[str, dict[str, Any]]:
+    code, out, err = await cli(servers, table, "shards", "--json")
+    assert code == 0, err
+    return {entry["shard"]: entry for entry in json.loads(out)}
+
+
+async def _states(servers: Any, table: str, shards: Sequence[str], state: str) -> bool:
+    listed = await _listed(servers, table)
+    return all(listed.get(shard, {}).get("state") == state for shard in shards)
+
+
+def _in_order(recorder: Recorder, ids: Sequence[int]) -> bool:
+    handled = recorder.ids()
+    return [i for i in handled if i in ids] == list(ids)
+
+
+async def _handled(recorder: Recorder, ids: Sequence[int]) -> bool:
+    return set(ids) <= set(recorder.ids())
+
+
+async def test_a_paused_category_waits_in_order_survives_a_restart_and_resumes(
+    servers, engine
+) -> None:
+    recorder, table, app = await fresh_app(engine)
+    settings = fast_settings(sweep_interval=SLOW_SWEEP)
+    code, out, err = await cli(
+        servers, table, "pause", "--category", "project_update", "--reason", "search down"
+    )
+    assert code == 0, err
+    assert "category PROJECT_UPDATE (2) paused: search down" in out
+    async with running_worker(servers, app, settings):
+        # ORGANIZATION:1 starts with a paused row; ORGANIZATION:2 has one after a due row;
+        # ORGANIZATION:3 and USER:4 have none.
+        one = await write_rows(
+            engine, app, [_row(Category.PROJECT_UPDATE, 1, 10), _row(Category.MEMBER_UPDATE, 1, 1)]
+        )
+        two = await write_rows(
+            engine,
+            app,
+            [
+                _row(Category.ORGANIZATION_UPDATE, 2, 2),
+                _row(Category.PROJECT_UPDATE, 2, 20),
+                _row(Category.MEMBER_UPDATE, 2, 3),
+            ],
+        )
+        free = await write_rows(
+            engine,
+            app,
+            [_row(Category.ORGANIZATION_UPDATE, 3, 3), _row(Category.USER_UPDATE, 4, 4)],
+        )
+        await wait_until(lambda: _handled(recorder, [*free, two[0]]), what="unpaused rows")
+        paused = ["ORGANIZATION:1", "ORGANIZATION:2"]
+        await wait_until(lambda: _states(servers, table, paused, "paused"), what="paused shards")
+        waiting = [*one, *two[1:]]
+        assert not set(waiting) & set(recorder.ids())  # the later MEMBER_UPDATEs wait too
+        code, out, err = await cli(servers, table, "status", "ORGANIZATION:1", "--json")
+        assert code == 0, err
+        shown = json.loads(out)
+        assert shown["state"] == "paused"
+        assert "category PROJECT_UPDATE by" in shown["paused"] and "search down" in shown["paused"]
+
+    # A new worker keeps the pause: it is in the table.
+    async with running_worker(servers, app, settings):
+        [later] = await write_rows(engine, app, [_row(Category.USER_UPDATE, 5, 5)])
+        await wait_until(lambda: _handled(recorder, [later]), what="the new worker draining")
+        await wait_until(lambda: _states(servers, table, paused, "paused"), what="still paused")
+        assert not set(waiting) & set(recorder.ids())
+        code, out, err = await cli(servers, table, "pauses", "--json")
+        assert code == 0, err
+        [listed] = json.loads(out)
+        assert (listed["kind"], listed["name"], listed["reason"]) == (
+            "category",
+            "PROJECT_UPDATE",
+            "search down",
+        )
+
+        code, out, err = await cli(servers, table, "unpause", "--category", "PROJECT_UPDATE")
+        assert code == 0, err
+        assert "category PROJECT_UPDATE (2) resumed" in out
+        await wait_until(lambda: table_empty(engine, app), what="the paused rows after resume")
+    assert _in_order(recorder, one) and _in_order(recorder, two)
+    assert sorted(recorder.ids()) == sorted([*one, *two, *free, later])  # each once
+
+
+async def test_a_paused_scope_waits_and_resumes(servers, engine) -> None:
+    recorder, table, app = await fresh_app(engine)
+    settings = fast_settings(sweep_interval=SLOW_SWEEP)
+    async with running_worker(servers, app, settings):
+        code, _, err = await cli(servers, table, "pause", "--scope", "USER", "--reason", "gdpr")
+        assert code == 0, err
+        users = await write_rows(
+            engine, app, [_row(Category.USER_UPDATE, 7, 1), _row(Category.USER_UPDATE, 7, 2)]
+        )
+        organizations = await write_rows(engine, app, [_row(Category.PROJECT_UPDATE, 7, 3)])
+        await wait_until(lambda: _handled(recorder, organizations), what="the other scope")
+        await wait_until(lambda: _states(servers, table, ["USER:7"], "paused"), what="paused")
+        assert not set(users) & set(recorder.ids())
+        # By number too (a scope the app does not register can be named so).
+        code, out, err = await cli(servers, table, "unpause", "--scope", "2")
+        assert code == 0 and "scope USER (2) resumed" in out, err
+        await wait_until(lambda: table_empty(engine, app), what="the scope after resume")
+    assert _in_order(recorder, users)
+
+
+async def test_pause_names_what_it_cannot_find(servers, engine) -> None:
+    _, table, _ = await fresh_app(engine)
+    code, _, err = await cli(servers, table, "pause", "--category", "NOPE", "--reason", "x")
+    assert code == 2
+    assert "unknown category 'NOPE' in app tests.sample_app:app" in err
+    assert "PROJECT_UPDATE (2)" in err and "by its number" in err
+    code, _, err = await cli(servers, table, "pause", "--reason", "x")
+    assert code == 2 and "exactly one of --category and --scope" in err
+    code, _, err = await cli(
+        servers, table, "pause", "--category", "1", "--scope", "1", "--reason", "x"
+    )
+    assert code == 2 and "exactly one of --category and --scope" in err
+    # Without the app, a name cannot be resolved; a number can.
+    code, _, err = await cli(
+        servers,
+        table,
+        "pause",
+        "--table",
+        table,
+        "--category",
+        "PROJECT_UPDATE",
+        "--reason",
+        "x",
+        "--app",
+        "",
+    )
+    assert code == 2 and "--app module:attribute" in err, err
+    code, out, err = await cli(
+        servers,
+        table,
+        "pause",
+        "--table",
+        table,
+        "--category",
+        "99",
+        "--reason",
+        "later",
+        "--app",
+        "",
+    )
+    assert code == 0 and "category 99 (99) paused: later" in out, err
+    code, out, err = await cli(servers, table, "unpause", "--category", "98")
+    assert code == 0 and "was not paused" in out, err

@@ -9,11 +9,19 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+from temporalio.api.sdk.v1 import WorkflowMetadata
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.service import RPCError
+
+from outbox_bridge.db.pauses import read_pauses
+from outbox_bridge.workflows.models import PauseChange, PausesView
 from tests.harness import (
     Category,
     Recorder,
     fast_settings,
     fresh_app,
+    refusal,
     running_worker,
     table_empty,
     wait_until,
@@ -24,6 +32,8 @@ from tests.test_cli_shards import cli
 # A sweep only every two minutes: what ends a pause within a test's wait is the notification
 # that the resume sends (the bridge sweeps at once), not the periodic sweep.
 SLOW_SWEEP = 120.0
+# The query every Temporal SDK answers with a workflow's details, as the UI shows them.
+WORKFLOW_METADATA = "__temporal_workflow_metadata"
 
 
 def _row(category: Category, shard: int, obj: int) -> dict[str, Any]:
@@ -177,3 +187,80 @@ async def test_pause_names_what_it_cannot_find(servers, engine) -> None:
     assert code == 0 and "category 99 (99) paused: later" in out, err
     code, out, err = await cli(servers, table, "unpause", "--category", "98")
     assert code == 0 and "was not paused" in out, err
+
+
+async def _details(handle: WorkflowHandle[Any, Any]) -> str:
+    metadata = await handle.query(WORKFLOW_METADATA, result_type=WorkflowMetadata)
+    return str(metadata.current_details)
+
+
+async def _paused_in_view(handle: WorkflowHandle[Any, Any], names: list[str]) -> bool:
+    view = await handle.query("pauses", result_type=PausesView)
+    return sorted(p.name for p in view.pauses) == sorted(names)
+
+
+async def test_the_control_workflow_pauses_and_resumes_by_update(servers, engine, client) -> None:
+    recorder, table, app = await fresh_app(engine)
+    settings = fast_settings(sweep_interval=SLOW_SWEEP)
+    handle = client.get_workflow_handle(f"outbox:{table}:control")
+    async with running_worker(servers, app, settings):
+        await wait_until(lambda: _started(handle), what="the control workflow")
+        # What a person sends from the UI or `temporal workflow update execute`.
+        view = await handle.execute_update(
+            "pause",
+            PauseChange(category="project_update", reason="search down", by="ann"),
+            result_type=PausesView,
+        )
+        [shown] = view.pauses
+        assert (shown.kind, shown.name, shown.number, shown.paused_by) == (
+            "category",
+            "PROJECT_UPDATE",
+            2,
+            "ann",
+        )
+        async with engine.connect() as conn:
+            [stored] = await read_pauses(conn, app.table())
+        assert (stored.kind, stored.number, stored.reason) == ("category", 2, "search down")
+        assert "**Paused** category PROJECT_UPDATE (2) by ann" in await _details(handle)
+
+        rows = await write_rows(
+            engine, app, [_row(Category.PROJECT_UPDATE, 3, 30), _row(Category.MEMBER_UPDATE, 3, 3)]
+        )
+        free = await write_rows(engine, app, [_row(Category.MEMBER_UPDATE, 4, 4)])
+        await wait_until(lambda: _handled(recorder, free), what="a shard without paused rows")
+        await wait_until(
+            lambda: _states(servers, table, ["ORGANIZATION:3"], "paused"), what="paused"
+        )
+        assert not set(rows) & set(recorder.ids())
+
+        # Refused before it reaches the history: exactly one of category and scope.
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update("pause", PauseChange(reason="x"), result_type=PausesView)
+        assert "exactly one of category and scope" in refusal(refused.value)
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update(
+                "pause", PauseChange(category="NOPE", reason="x"), result_type=PausesView
+            )
+        assert "unknown category 'NOPE'" in str(refused.value.cause.cause)
+
+        # A pause from the command line shows in the workflow too (the bridge refreshes it).
+        code, _, err = await cli(servers, table, "pause", "--scope", "USER", "--reason", "gdpr")
+        assert code == 0, err
+        await wait_until(
+            lambda: _paused_in_view(handle, ["PROJECT_UPDATE", "USER"]), what="the CLI's pause"
+        )
+
+        view = await handle.execute_update(
+            "unpause", PauseChange(category="PROJECT_UPDATE"), result_type=PausesView
+        )
+        assert [p.name for p in view.pauses] == ["USER"]
+        await wait_until(lambda: _handled(recorder, rows), what="the rows after unpause")
+        assert _in_order(recorder, rows)
+        assert "**Paused** category PROJECT_UPDATE" not in await _details(handle)
+
+
+async def _started(handle: WorkflowHandle[Any, Any]) -> bool:
+    try:
+        return (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    except RPCError:
+        return False

@@ -20,7 +20,6 @@ from outbox_bridge.cli.flags import build_settings, settings_options, tool_comma
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.pauses import (
     Pause,
-    PauseKind,
     add_pause,
     read_pauses,
     read_shard_pause,
@@ -29,8 +28,9 @@ from outbox_bridge.db.pauses import (
 from outbox_bridge.db.schema import pauses_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.pause_control import member_name, member_number
 from outbox_bridge.runtime.scope_directory import NO_APP_HINT
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.workflows.models import PauseKind, ShardRef
 
 # The state `shards` and `status` show of a shard whose workflow waits for a paused row.
 PAUSED = "paused"
@@ -52,37 +52,13 @@ def _target(category: str | None, scope: str | None) -> tuple[PauseKind, str]:
 
 
 def resolve(app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str) -> int:
-    """The number of the category or scope ``text`` names (its name in ``app``, any case, or
-    a number: a value the app does not register can be named by number)."""
-    text = text.strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    if app is None:
-        raise ConfigurationError(
-            f"--{kind} {text}: a {kind} is named by its number without the app; {NO_APP_HINT}"
-        )
-    members = app.categories if kind == PauseKind.CATEGORY else app.scopes
-    for member in members:
-        if member.name.upper() == text.upper():
-            return int(member)
-    which = "the demo app" if settings.demo else f"app {settings.app}"
-    known = ", ".join(f"{m.name} ({int(m)})" for m in members)
-    raise ConfigurationError(
-        f"unknown {kind} {text!r} in {which}; its {kind} names are: {known}. A {kind} the app "
-        "does not register can be given by its number"
-    )
+    """The number of the category or scope ``text`` names: a number, or a name of the app."""
+    where = "the demo app" if settings.demo else f"app {settings.app}"
+    return member_number(app, kind, text, where if app is not None else NO_APP_HINT)
 
 
 def _name(app: OutboxApp | None, pause: Pause) -> str:
-    if app is None:
-        return str(pause.number)
-    if pause.kind == PauseKind.CATEGORY:
-        member = app.category(pause.number)
-    else:
-        member = app.scope(pause.number)
-    return member.name if member is not None else str(pause.number)
+    return member_name(app, pause.kind, pause.number)
 
 
 async def _change(

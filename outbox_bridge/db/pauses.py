@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import Boolean, ColumnElement, Table, delete, func, literal_column, select, text
@@ -21,20 +20,13 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.schema import notify_channel, pauses_of
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.workflows.models import PauseKind, ShardRef
 
 # At most this long, a shard workflow waiting at a paused row sleeps before it reads the shard
 # again (a resume wakes it at once; this is the fallback if that wake-up is missed).
 PAUSE_RECHECK_SECONDS = 300
 # What a change of the pauses sends on the table's NOTIFY channel: the active bridge sweeps.
 PAUSES_CHANGED = "pauses"
-
-
-class PauseKind(StrEnum):
-    """What a pause covers: one category (in every scope), or every row of one scope."""
-
-    CATEGORY = "category"
-    SCOPE = "scope"
 
 
 @dataclass(frozen=True)

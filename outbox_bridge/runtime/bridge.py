@@ -210,6 +210,7 @@ class Bridge:
         for table in self._tables():
             await self._ensure_statistics(table)
         await self._supervisor.ensure_partitions()
+        await self._supervisor.show_pauses()
         await self._supervisor.check_held()
         metrics = active_metrics()
         if metrics is None:

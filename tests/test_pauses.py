@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError
 
 from outbox_bridge.db.pauses import read_pauses
@@ -233,15 +235,23 @@ async def test_the_control_workflow_pauses_and_resumes_by_update(servers, engine
         )
         assert not set(rows) & set(recorder.ids())
 
-        # Refused before it reaches the history: exactly one of category and scope.
-        with pytest.raises(WorkflowUpdateFailedError) as refused:
-            await handle.execute_update("pause", PauseChange(reason="x"), result_type=PausesView)
-        assert "exactly one of category and scope" in refusal(refused.value)
+        # Refused before it reaches the history: exactly one of category and scope, a reason.
+        before = len((await handle.fetch_history()).events)
+        for refused_change in (PauseChange(reason="x"), PauseChange(scope="USER", reason=" ")):
+            with pytest.raises(WorkflowUpdateFailedError) as refused:
+                await handle.execute_update("pause", refused_change, result_type=PausesView)
+            assert "exactly one of" in refusal(refused.value) or "reason" in refusal(refused.value)
+        kinds = [e.event_type for e in (await handle.fetch_history()).events][before:]
+        assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED not in kinds
         with pytest.raises(WorkflowUpdateFailedError) as refused:
             await handle.execute_update(
                 "pause", PauseChange(category="NOPE", reason="x"), result_type=PausesView
             )
-        assert "unknown category 'NOPE'" in str(refused.value.cause.cause)
+        cause = refused.value.cause
+        assert isinstance(cause, ActivityError)
+        assert "unknown category 'NOPE'" in str(cause.cause) and "PROJECT_UPDATE (2)" in str(
+            cause.cause
+        )
 
         # A pause from the command line shows in the workflow too (the bridge refreshes it).
         code, _, err = await cli(servers, table, "pause", "--scope", "USER", "--reason", "gdpr")

@@ -252,6 +252,9 @@ COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "shards": SHARD_COMMAND | {SettingGroup.DATABASE},
     "replay": set(),
     "upgrade-check": {SettingGroup.TEMPORAL},
+    "pause": {SettingGroup.DATABASE, SettingGroup.APP},
+    "unpause": {SettingGroup.DATABASE, SettingGroup.APP},
+    "pauses": {SettingGroup.DATABASE, SettingGroup.APP},
 }
 
 

@@ -146,6 +146,12 @@ async def test_a_paused_scope_waits_and_resumes(servers, engine) -> None:
     assert _in_order(recorder, users)
 
 
+async def _without_app(servers: Any, table: str, *target: str) -> tuple[int, str, str]:
+    return await cli(
+        servers, table, "pause", "--table", table, *target, "--reason", "later", "--app", ""
+    )
+
+
 async def test_pause_names_what_it_cannot_find(servers, engine) -> None:
     _, table, _ = await fresh_app(engine)
     code, _, err = await cli(servers, table, "pause", "--category", "NOPE", "--reason", "x")
@@ -159,33 +165,9 @@ async def test_pause_names_what_it_cannot_find(servers, engine) -> None:
     )
     assert code == 2 and "exactly one of --category and --scope" in err
     # Without the app, a name cannot be resolved; a number can.
-    code, _, err = await cli(
-        servers,
-        table,
-        "pause",
-        "--table",
-        table,
-        "--category",
-        "PROJECT_UPDATE",
-        "--reason",
-        "x",
-        "--app",
-        "",
-    )
+    code, _, err = await _without_app(servers, table, "--category", "PROJECT_UPDATE")
     assert code == 2 and "--app module:attribute" in err, err
-    code, out, err = await cli(
-        servers,
-        table,
-        "pause",
-        "--table",
-        table,
-        "--category",
-        "99",
-        "--reason",
-        "later",
-        "--app",
-        "",
-    )
+    code, out, err = await _without_app(servers, table, "--category", "99")
     assert code == 0 and "category 99 (99) paused: later" in out, err
     code, out, err = await cli(servers, table, "unpause", "--category", "98")
     assert code == 0 and "was not paused" in out, err

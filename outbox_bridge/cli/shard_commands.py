@@ -75,10 +75,11 @@ async def _named(
 
 @tool_command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@shard_options(SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.DATABASE)
+@shard_options()
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
-    skip, the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE
+    skip, the pause it waits for (read from the database of OUTBOX_DATABASE_URL, or the worker's
+    embedded one). SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE
     a name or a number."""
     settings = build_settings(overrides)
 

@@ -12,12 +12,18 @@ from typing import Any
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
-from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import (
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+)
 from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError
 
+from outbox_bridge import OutboxMessage
 from outbox_bridge.db.pauses import read_pauses
-from outbox_bridge.workflows.models import PauseChange, PausesView
+from outbox_bridge.workflows.models import PauseChange, PausesView, ShardState, ShardStatus
 from tests.harness import (
     Category,
     Recorder,
@@ -256,3 +262,46 @@ async def _started(handle: WorkflowHandle[Any, Any]) -> bool:
         return (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
     except RPCError:
         return False
+
+
+async def test_a_blocked_shard_stops_retrying_when_its_category_is_paused(
+    servers, engine, client
+) -> None:
+    recorder, table, app = await fresh_app(engine)
+    calls: list[int] = []
+    fixed = False
+
+    async def down_until_fixed(message: OutboxMessage) -> None:
+        calls.append(message.id)
+        if not fixed:
+            raise ConnectionError("search is down")
+
+    recorder.behaviour[Category.PROJECT_UPDATE] = down_until_fixed
+    handle = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:6")
+
+    async def workflow_state(state: ShardState) -> bool:
+        try:
+            shown = await handle.query("status", result_type=ShardStatus)
+        except (RPCError, WorkflowQueryFailedError):
+            return False
+        return bool(shown.state == state)
+
+    async with running_worker(servers, app, fast_settings()):
+        rows = await write_rows(
+            engine, app, [_row(Category.PROJECT_UPDATE, 6, 60), _row(Category.MEMBER_UPDATE, 6, 6)]
+        )
+        await wait_until(lambda: workflow_state(ShardState.BLOCKED), what="a blocked shard")
+        code, _, err = await cli(
+            servers, table, "pause", "--category", "PROJECT_UPDATE", "--reason", "search down"
+        )
+        assert code == 0, err
+        # At its next attempt the head is not due any more: the category activity ends without
+        # calling the handler, and the workflow waits as for a deferred row.
+        await wait_until(lambda: workflow_state(ShardState.DEFERRED), what="blocked → waiting")
+        tried = len(calls)
+        fixed = True
+        code, _, err = await cli(servers, table, "unpause", "--category", "PROJECT_UPDATE")
+        assert code == 0, err
+        await wait_until(lambda: table_empty(engine, app), what="the shard after resume")
+    assert calls[tried:] == [rows[0]]  # handled once more, after the resume
+    assert _in_order(recorder, rows)

@@ -393,19 +393,22 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
             browser.screenshot(out / "ui-partition.png")
         else:
             missing.append("ui-partition.png: this worker runs no OutboxPartition workflow")
-
-        # The table's control workflow, a category paused with its update as from the UI.
-        control = client.get_workflow_handle("outbox:outbox:control")
-        run_id = (await wait_for("the control workflow", control.describe, timeout=120)).run_id
-        change = PauseChange(category="PROJECT_UPDATE", reason=PAUSE_REASON, by="oncall")
-        await control.execute_update("pause", change, result_type=PausesView)
-        page = f"workflows/outbox:outbox:control/{run_id}"
-        browser.open_showing(ui_url(ui_port, page), "Paused", PAUSE_REASON)
-        browser.screenshot(out / "ui-pauses.png")
-        await control.execute_update(
-            "unpause", PauseChange(category="PROJECT_UPDATE"), result_type=PausesView
-        )
+        await take_pauses(browser, client, ui_port, out)
     return missing
+
+
+async def take_pauses(browser: Browser, client: Client, ui_port: int, out: Path) -> None:
+    """The table's control workflow, a category paused with its update as from the UI."""
+    control = client.get_workflow_handle("outbox:outbox:control")
+    run_id = (await wait_for("the control workflow", control.describe, timeout=120)).run_id
+    change = PauseChange(category="PROJECT_UPDATE", reason=PAUSE_REASON, by="oncall")
+    await control.execute_update("pause", change, result_type=PausesView)
+    page = f"workflows/outbox:outbox:control/{run_id}"
+    browser.open_showing(ui_url(ui_port, page), "paused: category PROJECT_UPDATE", PAUSE_REASON)
+    browser.screenshot(out / "ui-pauses.png")
+    await control.execute_update(
+        "unpause", PauseChange(category="PROJECT_UPDATE"), result_type=PausesView
+    )
 
 
 async def busiest_partition(

@@ -10,6 +10,7 @@ the table does not: terminated, it is started again by the next change.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 from temporalio import workflow
@@ -24,6 +25,11 @@ with workflow.unsafe.imports_passed_through():
     )
 
 CHANGE_TIMEOUT = timedelta(seconds=30)
+# How long one timer lasts; when it fires, the workflow waits on the next. The timer is there
+# for its summary: the pauses, the first thing the UI shows of the workflow.
+HEADLINE_TIMER = timedelta(days=7)
+# Pauses named in the headline; the current details list them all.
+HEADLINE_PAUSES = 5
 
 
 @workflow.defn(name="OutboxControl")
@@ -39,9 +45,12 @@ class OutboxControl:
         while True:
             self._publish()
             self._changed = False
-            await workflow.wait_condition(
-                lambda: self._changed or workflow.info().is_continue_as_new_suggested()
-            )
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: self._changed or workflow.info().is_continue_as_new_suggested(),
+                    timeout=HEADLINE_TIMER,
+                    timeout_summary=self._headline(),
+                )
             if workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(ControlInput(self._table, self._view))
@@ -73,8 +82,9 @@ class OutboxControl:
     @workflow.signal
     def refresh(self, view: PausesView) -> None:
         """The table's pauses, as the worker read them after a change made elsewhere."""
-        self._view = view
-        self._changed = True
+        if view != self._view:  # the bridge also refreshes after the updates' own changes
+            self._view = view
+            self._changed = True
 
     @workflow.query
     def pauses(self) -> PausesView:
@@ -97,6 +107,15 @@ class OutboxControl:
         return view
 
     # -- what the UI shows ----------------------------------------------------------------------
+
+    def _headline(self) -> str:
+        pauses = self._view.pauses
+        if not pauses:
+            return "nothing paused (the pause update pauses a category or a scope)"
+        named = [f"{p.kind} {p.name} by {p.paused_by}: {p.reason}" for p in pauses]
+        more = len(named) - HEADLINE_PAUSES
+        shown = "; ".join(named[:HEADLINE_PAUSES]) + (f"; and {more} more" if more > 0 else "")
+        return f"paused: {shown}"
 
     def _publish(self) -> None:
         lines = [

@@ -3,6 +3,7 @@ time, resume it, and list what is paused (kept in ``<table>_pauses``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from outbox_bridge.db.pauses import (
 from outbox_bridge.db.schema import pauses_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.pause_control import member_name, member_number
+from outbox_bridge.runtime.pause_control import member_name, member_number, view_of
 from outbox_bridge.runtime.scope_directory import NO_APP_HINT
 from outbox_bridge.workflows.models import PauseKind, ShardRef
 
@@ -51,7 +52,9 @@ def _target(category: str | None, scope: str | None) -> tuple[PauseKind, str]:
     return PauseKind.SCOPE, scope or ""
 
 
-def resolve(app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str) -> int:
+async def _number(
+    app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str
+) -> int:
     """The number of the category or scope ``text`` names: a number, or a name of the app."""
     where = "the demo app" if settings.demo else f"app {settings.app}"
     return member_number(app, kind, text, where if app is not None else NO_APP_HINT)
@@ -61,11 +64,13 @@ def _name(app: OutboxApp | None, pause: Pause) -> str:
     return member_name(app, pause.kind, pause.number)
 
 
-async def _change(
+async def _in_table(
     overrides: dict[str, Any],
     table_name: str | None,
     change: Callable[[Any, Any], Any],
 ) -> Any:
+    """``change(conn, table)`` in a transaction, the pause table created if an older database
+    lacks it (the worker creates it too, when it starts)."""
     settings = build_settings(overrides)
     app = tables_of(command_app(settings), table_name)
     table = app.table(table_name)
@@ -90,12 +95,12 @@ def pause(
         raise click.BadParameter("a pause needs a reason", param_hint="--reason")
     settings = build_settings(overrides)
     app = command_app(settings)
-    number = run_or_exit(_resolved(app, settings, kind, text))
+    number = run_or_exit(_number(app, settings, kind, text))
 
     async def change(conn: Any, outbox: Any) -> Pause:
         return await add_pause(conn, outbox, kind, number, reason.strip(), getpass.getuser())
 
-    done: Pause = run_or_exit(_change(overrides, table, change))
+    done: Pause = run_or_exit(_in_table(overrides, table, change))
     click.echo(f"{kind} {_name(app, done)} ({number}) paused: {done.reason}")
 
 
@@ -107,12 +112,12 @@ def unpause(category: str | None, scope: str | None, table: str | None, **overri
     kind, text = _target(category, scope)
     settings = build_settings(overrides)
     app = command_app(settings)
-    number = run_or_exit(_resolved(app, settings, kind, text))
+    number = run_or_exit(_number(app, settings, kind, text))
 
     async def change(conn: Any, outbox: Any) -> Pause | None:
         return await remove_pause(conn, outbox, kind, number)
 
-    done: Pause | None = run_or_exit(_change(overrides, table, change))
+    done: Pause | None = run_or_exit(_in_table(overrides, table, change))
     if done is None:
         click.echo(f"{kind} {text} ({number}) was not paused")
     else:
@@ -127,34 +132,16 @@ def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
     """The paused categories and scopes of a table, oldest first."""
     settings = build_settings(overrides)
     app = command_app(settings)
-    found: list[Pause] = run_or_exit(_change(overrides, table, read_pauses))
+    found = view_of(app, run_or_exit(_in_table(overrides, table, read_pauses))).pauses
     if as_json:
-        shown = [
-            {
-                "kind": p.kind.value,
-                "number": p.number,
-                "name": _name(app, p),
-                "reason": p.reason,
-                "paused_by": p.paused_by,
-                "since": p.since.isoformat(),
-            }
-            for p in found
-        ]
-        click.echo(json.dumps(shown, indent=2))
+        click.echo(json.dumps([dataclasses.asdict(p) for p in found], indent=2))
         return
     view = Table(title="paused categories and scopes")
     for column in ("kind", "name", "number", "reason", "by", "since"):
         view.add_column(column)
     for p in found:
-        since = p.since.isoformat(timespec="seconds")
-        view.add_row(p.kind, _name(app, p), str(p.number), p.reason, p.paused_by, since)
+        view.add_row(p.kind, p.name, str(p.number), p.reason, p.paused_by, p.since)
     Console().print(view)
-
-
-async def _resolved(
-    app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str
-) -> int:
-    return resolve(app, settings, kind, text)
 
 
 # -- what `shards` and `status` show of a shard that waits for a pause ----------------------------

@@ -37,11 +37,21 @@ from outbox_bridge.workflows.models import PauseKind, ShardRef
 PAUSED = "paused"
 
 
-def _target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = settings_options(SettingGroup.DATABASE, SettingGroup.APP)(fn)
-    fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
-    fn = click.option("--scope", help="A scope: every row of its shards (a name or a number).")(fn)
-    return click.option("--category", help="A category, in every scope (a name or a number).")(fn)
+def _target_options(*, reason: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--category, --scope, (--reason,) --table and the database and app settings, in order."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = settings_options(SettingGroup.DATABASE, SettingGroup.APP)(fn)
+        fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
+        if reason:
+            why = "Why it is paused (shown by shards, status and the UI)."
+            fn = click.option("--reason", required=True, help=why)(fn)
+        scope = "A scope: every row of its shards (a name or a number)."
+        fn = click.option("--scope", help=scope)(fn)
+        category = "A category, in every scope (a name or a number)."
+        return click.option("--category", help=category)(fn)
+
+    return decorate
 
 
 def _target(category: str | None, scope: str | None) -> tuple[PauseKind, str]:
@@ -82,8 +92,7 @@ async def _in_table(
 
 
 @tool_command("pause")
-@_target_options
-@click.option("--reason", required=True, help="Why it is paused (shown by shards, status, UI).")
+@_target_options(reason=True)
 def pause(
     category: str | None, scope: str | None, table: str | None, reason: str, **overrides: Any
 ) -> None:
@@ -105,7 +114,7 @@ def pause(
 
 
 @tool_command("unpause")
-@_target_options
+@_target_options(reason=False)
 def unpause(category: str | None, scope: str | None, table: str | None, **overrides: Any) -> None:
     """Resume a category or a scope paused with `outbox-bridge pause`: the shards that waited
     for it go on at once, in order."""

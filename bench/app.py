@@ -53,6 +53,9 @@ class HandlerProbe:
     With ``failing``, the handler of each of those groups raises :class:`FlakyError` on its first
     ``failures`` calls and succeeds afterwards, whichever side, attempt or drain calls it. With
     ``yield_once``, every call yields to the event loop once, as a handler that does I/O would.
+    With ``wait_seconds``, every call waits that long (``asyncio.sleep``, or ``time.sleep`` in
+    the ``plain`` def handler), as a call to another service would; ``peak`` is the most calls
+    seen under way at once.
     """
 
     def __init__(
@@ -62,6 +65,8 @@ class HandlerProbe:
         failing: Collection[GroupKey] = (),
         failures: int = 3,
         yield_once: bool = False,
+        wait_seconds: float = 0.0,
+        plain: bool = False,
     ) -> None:
         self.record_starts = record_starts
         self.calls = 0
@@ -70,6 +75,10 @@ class HandlerProbe:
         self.failing = frozenset(failing)
         self.failures = failures
         self.yield_once = yield_once
+        self.wait_seconds = wait_seconds
+        self.plain = plain
+        self.running = 0
+        self.peak = 0
         self._attempts: dict[GroupKey, int] = {}
         self._lock = threading.Lock()  # the baseline calls it from several threads
 
@@ -77,6 +86,35 @@ class HandlerProbe:
         started = time.time()
         if self.yield_once:
             await asyncio.sleep(0)
+        if self.wait_seconds:
+            self._enter()
+            try:
+                await asyncio.sleep(self.wait_seconds)
+            finally:
+                self._leave()
+        self._record(message, started)
+
+    def handle_plain(self, message: OutboxMessage) -> None:
+        """The same handler as a plain ``def`` (the worker runs it in a thread)."""
+        started = time.time()
+        if self.wait_seconds:
+            self._enter()
+            try:
+                time.sleep(self.wait_seconds)
+            finally:
+                self._leave()
+        self._record(message, started)
+
+    def _enter(self) -> None:
+        with self._lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.running -= 1
+
+    def _record(self, message: OutboxMessage, started: float) -> None:
         with self._lock:
             self.calls += 1
             if self.failing:
@@ -100,5 +138,5 @@ def make_app(table: str, probe: HandlerProbe) -> OutboxApp:
     app = OutboxApp(
         scopes={Scope.TENANT: set(Category)}, categories=[Category], tables=[OutboxTable(table)]
     )
-    app.handler(*Category)(probe.handle)
+    app.handler(*Category)(probe.handle_plain if probe.plain else probe.handle)
     return app

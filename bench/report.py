@@ -44,6 +44,13 @@ EXTRA_COLUMNS = {
         ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
     ],
     "coalesce": [("baseline_handler_calls", "baseline calls", "{}")],
+    **{
+        name: [
+            ("peak_concurrent_calls", "calls at once", "{:,}"),
+            ("baseline_completed", "baseline done", "{}"),
+        ]
+        for name in ("io-async", "io-plain")
+    },
     "flaky": [
         ("shards_with_failing_group", "shards failing", "{:,}"),
         ("failing_groups", "groups failing", "{:,}"),

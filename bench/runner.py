@@ -30,14 +30,23 @@ def _throughput(name: str) -> Runner:
     return run
 
 
+async def _io(ctx: Context) -> list[dict[str, Any]]:
+    """``io``: its async variant, then its plain-def one (a result each)."""
+    return [
+        *await run_throughput(THROUGHPUT["io-async"], ctx),
+        *await run_throughput(THROUGHPUT["io-plain"], ctx),
+    ]
+
+
 # The order of ``all``: the cheap ones first, then those with targets of their own
-# (many-shards must complete, latency runs 60 s), flaky (the slowest, capped if need be) last.
+# (many-shards must complete, latency runs 60 s, io), flaky (the slowest, capped if need be) last.
 WORKLOADS: dict[str, Runner] = {
     "backlog": _throughput("backlog"),
     "hot-shard": _throughput("hot-shard"),
     "coalesce": _throughput("coalesce"),
     "many-shards": _throughput("many-shards"),
     "latency": run_latency,
+    "io": _io,
     "flaky": _throughput("flaky"),
 }
 

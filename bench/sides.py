@@ -141,6 +141,7 @@ async def baseline_side(
         "failed_calls": probe.failed,
         "cpu_s": cpu,
         "load_average": _load(load_before),
+        "peak_concurrent_calls": probe.peak,
     }
     return SideResult(len(rowset.rows), len(rowset.rows) - left, seconds, probe.calls, extra)
 
@@ -196,6 +197,8 @@ async def bridge_side(
         "running_at_cap": None if watch.completed else running,
         "close_wait_s": round(close_wait, 2),
         "failed_calls": probe.failed,
+        # Handlers that wait (io): the most calls seen under way at once.
+        "peak_concurrent_calls": probe.peak,
         **_memory(rss, server_rss),
         # CPU seconds from the worker's start until the table was empty (or the cap).
         "cpu_s": cpu,

@@ -9,8 +9,15 @@ reported side by side.
 | ``coalesce`` | 50,000 in 10 groups of one shard | coalescing: exactly 10 handler calls |
 | ``many-shards`` | 20,000 shards × 3 rows | many small shards: start-up cost, closing, memory |
 | ``flaky`` | the backlog's rows; 2% of the groups fail 3 times, then succeed | failures |
+| ``io`` | 8,000 shards × 10 rows, each call waits 50 ms: ``io-async``, ``io-plain`` | concurrency |
 
 ``--scale`` multiplies the row and shard counts (not the 10 groups of ``coalesce``).
+
+``io`` runs twice, with an ``async def`` handler that awaits ``asyncio.sleep(0.05)`` and a plain
+``def`` one that calls ``time.sleep(0.05)`` (the worker runs it in its handler threads), on the
+file server only. Each reports the most calls seen under way at once. Its baseline (4 threads,
+one call at a time each: 80 rows/s at most) is capped after ``baseline_share`` seconds: its rate
+until then is its rate.
 
 ``flaky``: which groups fail is decided per coalescing group by a CRC-32 of its columns (2% of
 them, :func:`bench.app.fails`), so it is the same on both sides and in every run, and each of
@@ -48,6 +55,10 @@ class ThroughputWorkload:
     share: float = 120.0  # seconds a drain (per side and server mode) may take before its cap
     failing_share: float = 0.0  # of the groups, whose handler fails ``failures`` times
     failures: int = FLAKY_FAILURES
+    wait_seconds: float = 0.0  # every handler call waits this long (I/O)
+    plain: bool = False  # a plain-def handler instead of an async one
+    temporal: str = "both"  # the server modes measured unless --temporal says otherwise
+    baseline_share: float | None = None  # the baseline's cap, if shorter than ``share``
 
 
 def _many_shards(scale: float) -> RowSet:
@@ -57,6 +68,27 @@ def _many_shards(scale: float) -> RowSet:
 
 def _backlog(scale: float) -> RowSet:
     return backlog_rows(scaled(100_000, scale), scaled(1_000, scale), 0.2)
+
+
+def _io(scale: float) -> RowSet:
+    shards = scaled(8_000, scale)
+    return distinct_rows(10 * shards, shards)
+
+
+IO_WAIT_SECONDS = 0.05
+
+
+def _io_workload(name: str, handler: str, *, plain: bool) -> ThroughputWorkload:
+    return ThroughputWorkload(
+        name,
+        f"8,000 shards × 10 rows, {handler} handlers waiting 50 ms per call",
+        _io,
+        share=240.0,
+        wait_seconds=IO_WAIT_SECONDS,
+        plain=plain,
+        temporal="file",
+        baseline_share=20.0,
+    )
 
 
 THROUGHPUT: dict[str, ThroughputWorkload] = {
@@ -94,6 +126,8 @@ THROUGHPUT: dict[str, ThroughputWorkload] = {
             share=180.0,
             failing_share=FLAKY_SHARE,
         ),
+        _io_workload("io-async", "async def", plain=False),
+        _io_workload("io-plain", "plain def", plain=True),
     ]
 }
 
@@ -102,7 +136,11 @@ def workload_probe(ctx: Context, workload: ThroughputWorkload, rowset: RowSet) -
     """The handler of ``workload``'s rows (failing where the workload says so)."""
     failing = rowset.failing_groups(workload.failing_share) if workload.failing_share else ()
     return HandlerProbe(
-        failing=failing, failures=workload.failures, yield_once=ctx.config.handler_yield
+        failing=failing,
+        failures=workload.failures,
+        yield_once=ctx.config.handler_yield,
+        wait_seconds=workload.wait_seconds,
+        plain=workload.plain,
     )
 
 
@@ -122,14 +160,14 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
             else ""
         ),
     )
-    phases = ctx.modes("both")
+    phases = ctx.modes(workload.temporal)
     share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) + 1))
     baseline = await baseline_side(
         ctx,
         f"{workload.name}/baseline",
         rowset,
         threads=workload.threads,
-        share=share,
+        share=min(share, workload.baseline_share or share),
         probe=workload_probe(ctx, workload, rowset),
     )
     say(workload.name, f"baseline: {baseline.rows_per_s:,.0f} rows/s")
@@ -210,6 +248,7 @@ def throughput_entry(
         "baseline_retry_interval_s": baseline.extra["retry_interval_s"],
         "baseline_failed_calls": baseline.extra["failed_calls"],
         "baseline_cpu_s": baseline.extra["cpu_s"],
+        "baseline_peak_concurrent_calls": baseline.extra["peak_concurrent_calls"],
         "bridge_completed": bridge.completed,
         **bridge.extra,
     }

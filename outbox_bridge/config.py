@@ -237,7 +237,20 @@ class OutboxSettings(BaseSettings):
     redact_errors: bool = Field(
         False, description="Keep only exception class names in Temporal failures."
     )
-    handler_threads: int = Field(16, ge=1, description="Threads for plain-def handlers.")
+    handler_threads: int = Field(
+        64,
+        ge=1,
+        description="Threads for plain-def handlers: how many of their calls run at once. Each "
+        "waiting thread costs little memory, but may hold a database connection of the "
+        "handler's own (size its pool to match).",
+    )
+    max_concurrent_calls: int = Field(
+        1000,
+        ge=1,
+        description="Handler calls one worker runs at once, async and plain-def together (a "
+        "handler's own max_concurrency may lower it for its categories); further shards wait "
+        "for a slot.",
+    )
     max_undeleted_groups: int = Field(
         10,
         ge=1,

@@ -1,16 +1,8 @@
 """The demo domain: a small SaaS with organizations, projects, members, users and audit logs.
 
 ``outbox-bridge worker --demo`` runs these handlers and writes steady traffic, so the Temporal
-UI shows shards draining and coalescing, and the shards that need attention:
-
-- a planned outage: the project replica of organization 7 is down for the first minutes
-  (``--demo-outage``), so shard ``ORGANIZATION:7`` stays blocked long enough to be opened,
-  skipped and resumed;
-- a flaky replica: one ``PROJECT_UPDATE`` call in twenty fails at random, and its shard
-  recovers at its next retry;
-- deferred rows: one row in thirty provisions an organization seconds later.
-
-Their failures are intended: :class:`IntendedFailures` drops their tracebacks.
+UI shows shards draining and coalescing, and shards that need attention (:func:`banner` tells
+which). Their failures are intended: :class:`IntendedFailures` drops their tracebacks.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Synchronous flush: after a transaction commits, wait until its rows are handled.
+"""Synchronous flush (docs/how-to/flush.md): after a transaction commits, each shard its rows
+went to gets the ``flush`` update with start, which answers once the shard handled them. Once
+the transaction committed, a flush never raises: it answers ``unavailable`` with a ``detail``.
 
-``outbox_context(session, flush=True)`` records the rows written with ``app.write`` inside it.
-When the block ends, every shard whose rows committed gets the ``flush`` update with start
-(starting its workflow if it is not running), which answers once the shard handled every row
-up to the highest id written, or says why it cannot. Rows not handled in time stay in the
-table and are handled asynchronously. Once the transaction committed, a flush never raises:
-when Temporal cannot be reached, every shard is answered ``unavailable`` with a ``detail``.
-
-Before it starts anything, a flush checks that some worker polls its task queue: a producer
-configured with another task queue than the worker's would start the shard's workflow where
-nobody polls it, and the worker's bridge only signals a running workflow, it never moves it.
-Such a flush starts nothing and answers ``unavailable`` at once, naming the task queue; the
-absence is logged once, until a worker polls it. A task queue seen with pollers is trusted for
-:data:`POLLERS_TRUSTED_FOR` seconds; where the flusher may not describe task queues, the check
-is skipped.
+A flush first checks that some worker polls its task queue: a workflow started on a queue
+nobody polls would never run, and the worker's bridge never moves a running workflow.
 """
 
 from __future__ import annotations
@@ -422,7 +412,7 @@ class FlushingContext:
             known.up_to = max(known.up_to, written.up_to)
             known.flush = known.flush or written.flush
 
-    def _enter(self) -> Self:
+    def __enter__(self) -> Self:
         raise NotImplementedError
 
     def _close(self, failed: bool) -> list[str]:
@@ -434,10 +424,11 @@ class FlushingContext:
         """The flusher of ``app``, or why there is none (every shard answers unavailable)."""
         return self._flusher if self._flusher is not None else app_flusher(app)
 
-    def _targets(self, failed: bool) -> dict[OutboxApp, dict[ShardRef, int]]:
+    def _flushes(self, failed: bool) -> Iterator[tuple[Flusher, dict[ShardRef, int]]]:
+        """Close the block; each flusher with the shards it flushes now."""
         not_committed = self._close(failed)
         if failed:
-            return {}
+            return
         if not_committed:
             self.report.not_committed = not_committed
             self._log.warning(
@@ -446,23 +437,16 @@ class FlushingContext:
                 ", ".join(not_committed),
                 self._commit_hint,
             )
-        targets: dict[OutboxApp, dict[ShardRef, int]] = {}
+        by_app: dict[OutboxApp, dict[ShardRef, int]] = {}
         for shard, written in self._committed.items():
             if written.flush:
-                targets.setdefault(written.app, {})[shard] = written.up_to
-        return targets
-
-    def _flushes(self, failed: bool) -> Iterator[tuple[Flusher, dict[ShardRef, int]]]:
-        """Close the block; each flusher with the shards it flushes now."""
-        for app, targets in self._targets(failed).items():
+                by_app.setdefault(written.app, {})[shard] = written.up_to
+        for app, targets in by_app.items():
             flusher = self._flusher_for(app)
             if isinstance(flusher, str):
                 self.report.results += unavailable(targets, flusher)
             else:
                 yield flusher, targets
-
-    def __enter__(self) -> Self:
-        return self._enter()
 
     def __exit__(
         self,
@@ -474,7 +458,7 @@ class FlushingContext:
             self.report.results += flusher.flush_sync(targets, self._timeout)
 
     async def __aenter__(self) -> Self:
-        return self._enter()
+        return self.__enter__()
 
     async def __aexit__(
         self,
@@ -508,7 +492,7 @@ class OutboxContext(FlushingContext):
             self._add(self._committed, shard, written)
         self._pending.clear()
 
-    def _enter(self) -> Self:
+    def __enter__(self) -> Self:
         info = session_info(self._session)
         stack: list[OutboxContext] = info.setdefault(CONTEXTS, [])
         self._parent = stack[-1] if stack else None

@@ -222,12 +222,7 @@ async def write_outbox_rows_async(
     session: AsyncSession, instances: Iterable[Any], *, operation: Operation = "update"
 ) -> list[int]:
     """:func:`write_outbox_rows` for an ``AsyncSession``."""
-    objects = list(instances)
-
-    def write(sync_session: Session) -> list[int]:
-        return write_outbox_rows(sync_session, objects, operation=operation)
-
-    return await session.run_sync(write)
+    return await session.run_sync(write_outbox_rows, list(instances), operation=operation)
 
 
 __all__ = [

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import IntEnum
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from pydantic import BaseModel
 from sqlalchemy import Insert, Table, insert
@@ -31,9 +31,24 @@ BIGINT_MAX = 2**63 - 1
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+class RowFields(TypedDict, total=False):
+    """The keyword arguments of one row, as :meth:`OutboxApp.write
+    <outbox_bridge.OutboxApp.write>` takes them."""
+
+    category: Required[IntEnum | int]
+    shard_identifier: Required[int]
+    object_identifier: Required[int]
+    payload: Any
+    shard_scope: IntEnum | int | None
+    region: str | None
+    scheduled_for: datetime | timedelta | None
+    table: str | None
+
+
 @dataclass(frozen=True)
 class RowSpec:
-    """What a producer asks for; validated by the registry and :func:`build_insert`."""
+    """What a producer asks for (:class:`RowFields`); validated by the registry and
+    :func:`build_insert`."""
 
     category: IntEnum | int
     shard_identifier: int
@@ -105,10 +120,13 @@ def _when(value: datetime | timedelta | None) -> datetime | None:
 
 @dataclass(frozen=True)
 class PreparedRow:
-    """A validated row: its INSERT ... RETURNING id, and the shard it goes to."""
+    """A validated row: its INSERT ... RETURNING id, the shard it goes to, and what its producer
+    span names."""
 
     statement: Insert
     shard: ShardRef
+    category: str
+    object_identifier: int
 
 
 def build_insert(
@@ -137,4 +155,5 @@ def build_insert(
     shard = ShardRef(
         table.name, int(scope), scope.name, values["shard_identifier"], values.get("region")
     )
-    return PreparedRow(insert(table).values(**values).returning(table.c.id), shard)
+    statement = insert(table).values(**values).returning(table.c.id)
+    return PreparedRow(statement, shard, category.name, values["object_identifier"])

@@ -17,14 +17,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Unpack
 
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, OutboxError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
-from outbox_bridge.producer import PreparedRow, RowSpec, bigint, build_insert
+from outbox_bridge.producer import PreparedRow, RowFields, RowSpec, bigint, build_insert
 from outbox_bridge.sessions import record_write, sync_result
 
 if TYPE_CHECKING:
@@ -114,6 +114,33 @@ class FlushRoute:
     flusher: object | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class CallLimit:
+    """At most ``calls`` calls at once in one worker, of ``categories`` together (one
+    registration's ``max_concurrency``; compared by identity)."""
+
+    calls: int
+    categories: tuple[IntEnum, ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(_enum_name(category) for category in self.categories)
+
+
+def _check_concurrency(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RegistryError(
+            f"max_concurrency must be a positive integer or None, not {value!r} "
+            f"({type(value).__name__})"
+        )
+    if value < 1:
+        raise RegistryError(
+            f"max_concurrency must be at least 1, not {value}; leave it out for no limit"
+        )
+
+
 def _enum_name(member: IntEnum | int) -> str:
     return member.name if isinstance(member, IntEnum) else str(int(member))
 
@@ -137,6 +164,7 @@ class OutboxApp:
         self._categories: dict[int, IntEnum] = {}
         self._scopes: dict[int, IntEnum] = {}
         self._handlers: dict[int, Handler] = {}
+        self._limits: dict[int, CallLimit] = {}
         self.flush_route = FlushRoute()
         for scope, members in scopes.items():
             self._add_scope(scope, members)
@@ -246,15 +274,27 @@ class OutboxApp:
 
     # -- handlers --------------------------------------------------------------------------
 
-    def handler(self, *categories: IntEnum) -> Callable[[Handler], Handler]:
+    def handler(
+        self, *categories: IntEnum, max_concurrency: int | None = None
+    ) -> Callable[[Handler], Handler]:
         """Register the decorated function as the handler of ``categories``.
 
         Handlers may be ``async def`` or plain ``def`` (run in a thread). They must be
         idempotent. A handler that raises is retried forever with capped backoff while its
         shard waits.
+
+        Args:
+            categories: the categories it handles, each in one scope of the app.
+            max_concurrency: at most this many calls of this handler run at once in one
+                worker, its categories together (for a rate-limited API). A group over the
+                limit waits for a free slot holding only its own shard: other shards and
+                other categories go on. The limit is per worker, not per task queue: with
+                ``N`` workers, up to ``N × max_concurrency`` calls run at once. ``None``
+                (the default): no limit of its own.
         """
         if not categories:
             raise RegistryError("app.handler() needs at least one category")
+        _check_concurrency(max_concurrency)
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
@@ -280,12 +320,21 @@ class OutboxApp:
                     )
             for category in categories:
                 self._handlers[int(category)] = fn
+            if max_concurrency is not None:
+                limit = CallLimit(max_concurrency, tuple(categories))
+                for category in categories:
+                    self._limits[int(category)] = limit
             return fn
 
         return register
 
     def handler_for(self, category: int) -> Handler | None:
         return self._handlers.get(int(category))
+
+    def call_limit(self, category: int) -> CallLimit | None:
+        """The ``max_concurrency`` of ``category``'s handler, shared by the categories
+        registered with it; None when it has none."""
+        return self._limits.get(int(category))
 
     def wrap_handlers(self, wrapper: Callable[[Handler], Handler]) -> None:
         """Replace every registered handler ``fn`` with ``wrapper(fn)``, for code that must run
@@ -359,42 +408,20 @@ class OutboxApp:
                 table,
             )
         )
-        with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
+        with observed_write(row) as seen:
             result = sync_result(session.execute(seen.statement), "app.write")
             row_id = seen.written(int(result.scalar_one()))
         record_write(session, self, row.shard, row_id)
         return row_id
 
-    async def write_async(
-        self,
-        session: Any,
-        *,
-        category: IntEnum | int,
-        shard_identifier: int,
-        object_identifier: int,
-        payload: Any = None,
-        shard_scope: IntEnum | int | None = None,
-        region: str | None = None,
-        scheduled_for: datetime | timedelta | None = None,
-        table: str | None = None,
-    ) -> int:
-        """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``."""
-        row = self.prepare(
-            RowSpec(
-                category,
-                shard_identifier,
-                object_identifier,
-                payload,
-                shard_scope,
-                region,
-                scheduled_for,
-                table,
-            )
-        )
-        with observed_write(row, self.category_name(int(category)), object_identifier) as seen:
+    async def write_async(self, session: Any, **row: Unpack[RowFields]) -> int:
+        """:meth:`write` for an ``AsyncSession`` or ``AsyncConnection``, with its keyword
+        arguments."""
+        prepared = self.prepare(RowSpec(**row))
+        with observed_write(prepared) as seen:
             result = await session.execute(seen.statement)
             row_id = seen.written(int(result.scalar_one()))
-        record_write(session, self, row.shard, row_id)
+        record_write(session, self, prepared.shard, row_id)
         return row_id
 
     def prepare(self, spec: RowSpec) -> PreparedRow:

@@ -18,12 +18,13 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
+from alembic.operations import Operations
 from sqlalchemy import Connection, Engine, MetaData, text
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.db.migrations import exclude_outbox_tables
-from outbox_bridge.db.schema import notify_channel
+from outbox_bridge.db.migrations import create_parked_groups, exclude_outbox_tables
+from outbox_bridge.db.schema import notify_channel, parked_name
 from tests.harness import SCOPES, Category, Scope, create_tables, unique_table
 
 ENV_PY = """
@@ -151,10 +152,13 @@ async def test_upgrade_creates_what_the_worker_creates_and_downgrade_removes_it(
             assert schema == catalog(conn, created)
             assert len(schema["indexes"]) == 3  # pkey, shard, group
             assert len(schema["triggers"]) == len(schema["functions"]) == 1
+            parked = catalog(conn, parked_name(migrated))
+            assert parked == catalog(conn, parked_name(created))
+            assert len(parked["indexes"]) == 2  # pkey, the groups parked now
 
     run(config, sync_engine, command.downgrade, "base")
     with sync_engine.connect() as conn:
-        for name in app.tables:
+        for name in [*app.tables, *(parked_name(table) for table in app.tables)]:
             assert catalog(conn, name) == {
                 "columns": [],
                 "indexes": [],
@@ -163,6 +167,23 @@ async def test_upgrade_creates_what_the_worker_creates_and_downgrade_removes_it(
             }
         # The worker-created tables of another app are untouched.
         assert catalog(conn, next(iter(reference.tables)))["triggers"]
+
+
+async def test_create_parked_groups_adds_the_parked_group_tables_to_an_older_schema(
+    engine, sync_engine
+) -> None:
+    app, reference = two_tables(), two_tables()
+    await create_tables(engine, app)
+    await create_tables(engine, reference)
+    with sync_engine.begin() as conn:
+        for table in app.tables:
+            conn.execute(text(f"DROP TABLE {parked_name(table)}"))  # as before they existed
+        operations = Operations(MigrationContext.configure(conn))
+        for _ in range(2):  # a second run changes nothing
+            create_parked_groups(operations, app)
+        for upgraded, created in zip(app.tables, reference.tables, strict=True):
+            parked = catalog(conn, parked_name(upgraded))
+            assert parked["columns"] and parked == catalog(conn, parked_name(created))
 
 
 async def test_migrated_table_notifies_the_bridge(servers, sync_engine, tmp_path) -> None:

@@ -147,6 +147,20 @@ async def test_throughput_workload(
     assert_drawn_anew(out, "throughput.png", workload, drawn, before)
 
 
+async def test_io_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
+    before = mtime(out / "throughput.png")
+    await run(["io"], tiny_config(servers, out))
+    for variant in ("io-async", "io-plain"):
+        [entry] = load(out, variant)
+        assert entry["rows"] == 10 * entry["shards"] == entry["rows_done"]
+        assert entry["baseline_handler_calls"] == entry["groups"]
+        assert entry["groups"] <= entry["handler_calls"] <= entry["groups"] + entry["shards"]
+        # Calls that wait overlap in the worker, one per thread in the baseline's 4 threads.
+        assert 1 < entry["peak_concurrent_calls"] <= entry["shards"], entry
+        assert 1 <= entry["baseline_peak_concurrent_calls"] <= entry["baseline_threads"]
+    assert_drawn_anew(out, "throughput.png", "io-plain", drawn, before)
+
+
 async def test_latency_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
     before = mtime(out / "latency.png")
     await run(["latency"], tiny_config(servers, out))

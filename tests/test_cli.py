@@ -244,12 +244,15 @@ SHARD_COMMAND = {SettingGroup.TEMPORAL, SettingGroup.APP}
 COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "worker": set(SettingGroup),
     "init-db": {SettingGroup.DATABASE, SettingGroup.APP},
-    "status": SHARD_COMMAND,
+    "status": SHARD_COMMAND | {SettingGroup.DATABASE},  # it lists the parked groups
     "skip": SHARD_COMMAND | {SettingGroup.SHARDS},  # it may start the shard's workflow
     "resume": SHARD_COMMAND,
     "history export": SHARD_COMMAND,
     "flush": SHARD_COMMAND | {SettingGroup.DATABASE, SettingGroup.SHARDS},
     "shards": SHARD_COMMAND | {SettingGroup.DATABASE},
+    "park": SHARD_COMMAND | {SettingGroup.DATABASE},
+    "unpark": SHARD_COMMAND | {SettingGroup.DATABASE},
+    "parked": {SettingGroup.DATABASE, SettingGroup.APP},
     "replay": set(),
     "upgrade-check": {SettingGroup.TEMPORAL},
     "pause": {SettingGroup.DATABASE, SettingGroup.APP},
@@ -289,15 +292,13 @@ def test_status_help_lists_connection_settings_only() -> None:
     result = CliRunner().invoke(cli_main, ["status", "--help"], terminal_width=100)
     assert result.exit_code == 0, result.output
     help_text = one_line(result.output)
-    for flag, env in [("--temporal-address", "TEMPORAL_ADDRESS"), ("--app", "OUTBOX_APP")]:
+    for flag, env in [
+        ("--temporal-address", "TEMPORAL_ADDRESS"),
+        ("--app", "OUTBOX_APP"),
+        ("--database-url", "OUTBOX_DATABASE_URL"),  # for the shard's parked groups
+    ]:
         assert flag in help_text and f"[env: {env}]" in help_text
-    for flag in (
-        "--partitions",
-        "--health-port",
-        "--shutdown-grace",
-        "--database-url",
-        "--log-level",
-    ):
+    for flag in ("--partitions", "--health-port", "--shutdown-grace", "--log-level"):
         assert f"{flag} " not in help_text, flag
 
 

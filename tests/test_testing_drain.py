@@ -27,6 +27,7 @@ from outbox_bridge import (
 from outbox_bridge.db.schema import owners_of
 from outbox_bridge.testing import (
     HandlerFailedError,
+    OutboxRunner,
     drain_outbox,
     drain_outbox_async,
     outbox_runner,
@@ -515,6 +516,15 @@ def test_an_unknown_shard_name_is_refused() -> None:
     app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
     with pytest.raises(RegistryError, match="unknown scope"):
         drain_outbox(app, create_engine("postgresql+psycopg://"), shard="TEAM:1")
+
+
+def test_a_misspelled_runner_option_is_refused_when_the_runner_is_made() -> None:
+    """Not when its block ends, after the code under test ran."""
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
+    bind = create_engine("postgresql+psycopg://")
+    for make in (outbox_runner, OutboxRunner):
+        with pytest.raises(TypeError, match="shrad"):
+            make(app, bind, shrad="ORGANIZATION:1")  # type: ignore[call-arg]
 
 
 async def test_plain_sql_rows_are_handled(engine, sync_engine) -> None:

@@ -23,6 +23,7 @@ from outbox_bridge.cli.connections import (
 )
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.parked_view import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.pauses import read_shard_pause
@@ -94,8 +95,12 @@ def _unnamed_note(numbers: list[int]) -> str:
 
 def _table(listing: Listing) -> Table:
     view = Table(title="shards with pending rows")
+    # The parked column only when a shard has parked groups (`outbox-bridge parked` lists them).
+    parked = any(entry["parked_groups"] for entry in listing.shards)
     for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
         view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
+    if parked:
+        view.add_column("parked groups", justify="right")
     for entry in listing.shards:
         view.add_row(
             entry["shard"],
@@ -104,6 +109,7 @@ def _table(listing: Listing) -> Table:
             f"{entry['oldest_age_seconds']:.0f} s",
             entry["state"],
             entry["blocked_category"] or "",
+            *([str(entry["parked_groups"] or "")] if parked else []),
         )
     return view
 
@@ -134,6 +140,7 @@ async def _list(
                 )
                 now = (await conn.execute(select(func.now()))).scalar_one()
                 pauses = [await read_shard_pause(conn, table, _ref(table, d)) for d in depths]
+                parked = await parked_per_shard(conn, table)
     listing = Listing()
     for depth, pause in zip(depths, pauses, strict=True):
         ref = ShardRef(
@@ -149,7 +156,11 @@ async def _list(
         if state is not None and found != state:
             continue
         age = (now - depth.oldest).total_seconds()
-        listing.shards.append(_entry(ref, depth, age, found) | {"blocked_category": blocked})
+        parked_groups = parked[(depth.region, depth.scope, depth.shard_identifier)]
+        listing.shards.append(
+            _entry(ref, depth, age, found)
+            | {"blocked_category": blocked, "parked_groups": parked_groups}
+        )
         if len(listing.shards) >= top:
             break
     return listing

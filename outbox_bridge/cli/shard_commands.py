@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.cli.apps import command_app
 from outbox_bridge.cli.connections import (
@@ -29,8 +29,10 @@ from outbox_bridge.cli.connections import (
 )
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.parked_view import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
 from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.parked import ParkedGroup
 from outbox_bridge.db.store import read_shard_max_id
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.flush import Flusher
@@ -75,33 +77,52 @@ async def _named(
 
 @tool_command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@shard_options()
+@shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
-    skip, the pause it waits for (read from the database of OUTBOX_DATABASE_URL, or the worker's
-    embedded one). SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table), SCOPE
-    a name or a number."""
+    skip, its parked groups, and the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a
+    regional table), SCOPE a name or a number."""
     settings = build_settings(overrides)
 
-    async def work() -> tuple[ShardReport, str | None]:
+    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None]:
         client, ref = await _named(settings, shard, table)
+        parked = await shard_parked(settings, ref)
         pause = await shard_pause(settings, ref)
-        shown = None if pause is None else describe(command_app(settings), pause)
-        return await shard_report(client, ref), shown
+        paused = None if pause is None else describe(command_app(settings), pause)
+        try:
+            return await shard_report(client, ref), parked, paused
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND or not isinstance(parked, list) or not parked:
+                raise
+            return None, parked, paused  # no workflow of its own, and parked groups to show
 
-    report, paused = run_or_exit(work(), shard=shard)
+    report, parked, paused = run_or_exit(work(), shard=shard)
     if as_json:
-        shown = dataclasses.asdict(report.status) | {
-            # Its workflow waits for a paused row as for one scheduled later.
-            "state": report.status.state if paused is None else PAUSED,
-            "paused": paused,
-            "workflow_running": report.running,
-            "workflow_started": _iso(report.started),
-            "workflow_closed": _iso(report.closed),
-        }
-        click.echo(json.dumps(shown, indent=2))
-    else:
+        shown = {"shard": shard} if report is None else _status_json(report, paused)
+        groups = [dataclasses.asdict(g) for g in parked] if isinstance(parked, list) else parked
+        click.echo(json.dumps(shown | {"parked_groups": groups}, indent=2, default=str))
+        return
+    if report is not None:
         Console().print(_status_table(report, paused))
+    else:
+        click.echo(f"shard {shard} has no workflow of its own: a partition drains it")
+    if isinstance(parked, str):
+        click.echo(f"parked groups: unknown ({parked})", err=True)
+    elif parked:
+        app = command_app(settings)
+        title = f"parked groups of shard {shard}"
+        Console().print(parked_table(parked, app, title=title, one_shard=True))
+
+
+def _status_json(report: ShardReport, paused: str | None) -> dict[str, Any]:
+    return dataclasses.asdict(report.status) | {
+        # Its workflow waits for a paused row as for one scheduled later.
+        "state": report.status.state if paused is None else PAUSED,
+        "paused": paused,
+        "workflow_running": report.running,
+        "workflow_started": _iso(report.started),
+        "workflow_closed": _iso(report.closed),
+    }
 
 
 def _iso(moment: datetime | None) -> str | None:

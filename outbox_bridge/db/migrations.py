@@ -36,6 +36,8 @@ from outbox_bridge.db.schema import (
     notify_ddl,
     owners_name,
     owners_of,
+    parked_name,
+    parked_of,
     pauses_name,
     pauses_of,
 )
@@ -59,8 +61,8 @@ def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
 
 def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
     """The statements that create the app's outbox tables (all of them, or those named in
-    ``tables``) with their indexes, NOTIFY triggers, owner and pause tables, in order: what
-    :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
+    ``tables``) with their indexes, NOTIFY triggers, owner, parked-group and pause tables, in
+    order: what :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
     statements: list[DDL] = []
     for table in _tables(app, tables):
         statements.append(CreateTable(table))
@@ -69,8 +71,17 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
         ]
         statements += notify_ddl(table)
         statements.append(CreateTable(owners_of(table)))
+        statements += _create_parked(table)
         statements.append(CreateTable(pauses_of(table)))
     return statements
+
+
+def _create_parked(table: Table, *, if_not_exists: bool = False) -> list[DDL]:
+    parked = parked_of(table)
+    return [
+        CreateTable(parked, if_not_exists=if_not_exists),
+        *(CreateIndex(index, if_not_exists=if_not_exists) for index in parked.indexes),
+    ]
 
 
 def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
@@ -79,6 +90,7 @@ def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> l
     for table in reversed(_tables(app, tables)):
         trigger, function = drop_notify_ddl(table)
         statements += [DropTable(pauses_of(table), if_exists=True)]
+        statements += [DropTable(parked_of(table), if_exists=True)]
         statements += [DropTable(owners_of(table), if_exists=True), trigger, DropTable(table)]
         statements.append(function)
     return statements
@@ -104,6 +116,18 @@ def create_shard_owners(
     them too, when they create missing tables.)"""
     for table in _tables(app, tables):
         op.execute(CreateTable(owners_of(table), if_not_exists=True))
+
+
+def create_parked_groups(
+    op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
+) -> None:
+    """Create the parked-group tables (``<table>_parked``, with their index) that
+    ``outbox-bridge park`` records groups in, for databases migrated with
+    :func:`create_outbox` before they existed. (The worker and ``init-db`` create them too,
+    when they create missing tables.)"""
+    for table in _tables(app, tables):
+        for statement in _create_parked(table, if_not_exists=True):
+            op.execute(statement)
 
 
 def create_shard_pauses(
@@ -134,6 +158,7 @@ def exclude_outbox_tables(
     """
     names = set(app.tables) | {owners_name(name) for name in app.tables}
     names |= {pauses_name(name) for name in app.tables}
+    names |= {parked_name(name) for name in app.tables}
 
     def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
         return not (type_ == "table" and name in names)

@@ -52,15 +52,7 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
     """
     shard = shard_columns(regional)
     columns: list[Column[object]] = [
-        Column("id", BigInteger, Identity(always=False), primary_key=True),
-    ]
-    if regional:
-        columns.append(Column("region", Text, nullable=False))
-    columns += [
-        Column("shard_scope", Integer, nullable=False),
-        Column("shard_identifier", BigInteger, nullable=False),
-        Column("category", Integer, nullable=False),
-        Column("object_identifier", BigInteger, nullable=False),
+        *_group_rows(regional),
         Column("payload", JSONB(none_as_null=True), nullable=True),
         Column(
             "scheduled_from", DateTime(timezone=True), nullable=False, server_default=func.now()
@@ -88,8 +80,25 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
     )
     table.info["regional"] = regional
     owner_table(table)
+    parked_table(table)
     pause_table(table)
     return table
+
+
+def _group_rows(regional: bool) -> list[Column[object]]:
+    """An id, and the columns that name a coalescing group (an outbox row's, a parked group's)."""
+    columns: list[Column[object]] = [
+        Column("id", BigInteger, Identity(always=False), primary_key=True),
+    ]
+    if regional:
+        columns.append(Column("region", Text, nullable=False))
+    return [
+        *columns,
+        Column("shard_scope", Integer, nullable=False),
+        Column("shard_identifier", BigInteger, nullable=False),
+        Column("category", Integer, nullable=False),
+        Column("object_identifier", BigInteger, nullable=False),
+    ]
 
 
 def owner_table(outbox: Table) -> Table:
@@ -111,10 +120,7 @@ def owner_table(outbox: Table) -> Table:
         Column("held_for", Text, nullable=False),
         Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
     ]
-    owners = Table(owners_name(outbox.name), outbox.metadata, *columns)
-    owners.info["owners_of"] = outbox.name
-    outbox.info["owners"] = owners
-    return owners
+    return _beside(outbox, "owners", Table(owners_name(outbox.name), outbox.metadata, *columns))
 
 
 def owners_name(table: str) -> str:
@@ -138,8 +144,7 @@ def pause_table(outbox: Table) -> Table:
         Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
         CheckConstraint("kind IN ('category', 'scope')", name=f"{outbox.name}_pauses_kind"),
     )
-    outbox.info["pauses"] = pauses
-    return pauses
+    return _beside(outbox, "pauses", pauses)
 
 
 def pauses_name(table: str) -> str:
@@ -148,16 +153,66 @@ def pauses_name(table: str) -> str:
 
 def pauses_of(outbox: Table) -> Table:
     """The pause table of an outbox table defined by :func:`outbox_table`."""
-    pauses = outbox.info["pauses"]
-    assert isinstance(pauses, Table)
-    return pauses
+    return _side(outbox, "pauses")
 
 
 def owners_of(outbox: Table) -> Table:
     """The owner table of an outbox table defined by :func:`outbox_table`."""
-    owners = outbox.info["owners"]
-    assert isinstance(owners, Table)
-    return owners
+    return _side(outbox, "owners")
+
+
+def parked_table(outbox: Table) -> Table:
+    """The table that records the coalescing groups of ``outbox`` an operator parked (set
+    aside so that their shard goes on), and when each was put back: the audit record.
+
+    A group with a row here and no ``unparked_at`` is invisible to every drain: its rows stay
+    in the outbox table, later rows of the same object included, until it is unparked. An
+    unparked group keeps its row (who parked it, when and why; who put it back, when).
+    """
+    regional = bool(outbox.info.get("regional"))
+    columns: list[Column[object]] = [
+        *_group_rows(regional),
+        # The group's first row when it was parked: where it stands in the shard's order.
+        Column("first_id", BigInteger, nullable=False),
+        Column("reason", Text, nullable=False),
+        Column("parked_by", Text, nullable=False),
+        Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("unparked_by", Text, nullable=True),
+        Column("unparked_at", DateTime(timezone=True), nullable=True),
+    ]
+    parked = Table(parked_name(outbox.name), outbox.metadata, *columns)
+    # One open park per group; the drains' lookups go through this index.
+    Index(
+        f"{parked.name}_group_idx",
+        *[parked.c[c] for c in shard_columns(regional)],
+        parked.c.category,
+        parked.c.object_identifier,
+        unique=True,
+        postgresql_where=parked.c.unparked_at.is_(None),
+    )
+    return _beside(outbox, "parked", parked)
+
+
+def parked_name(table: str) -> str:
+    return f"{table}_parked"
+
+
+def parked_of(outbox: Table) -> Table:
+    """The parked-group table of an outbox table defined by :func:`outbox_table`."""
+    return _side(outbox, "parked")
+
+
+def _beside(outbox: Table, kind: str, side: Table) -> Table:
+    """Record ``side`` as ``outbox``'s table of ``kind`` (owners, parked, pauses)."""
+    side.info[f"{kind}_of"] = outbox.name
+    outbox.info[kind] = side
+    return side
+
+
+def _side(outbox: Table, kind: str) -> Table:
+    side = outbox.info[kind]
+    assert isinstance(side, Table)
+    return side
 
 
 def notify_ddl(table: Table) -> list[str]:

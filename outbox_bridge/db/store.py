@@ -25,6 +25,7 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    or_,
     select,
     text,
 )
@@ -34,6 +35,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.parked import not_parked
 from outbox_bridge.db.pauses import due_at, due_at_sql, not_due, not_due_sql, wait_seconds_sql
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of, shard_columns
 from outbox_bridge.db.timestamps import LATEST
@@ -150,16 +152,19 @@ async def read_pending_up_to(
     conn: AsyncConnection, table: Table, shard: ShardRef, up_to_id: int
 ) -> tuple[bool, datetime | None]:
     """Whether rows of the shard up to ``up_to_id`` are pending, and if the first of them not
-    yet due (scheduled later, or paused) is among them, when it is due (the shard waits for it)."""
+    yet due (scheduled later, or paused) is among them, when it is due (the shard waits for it).
+    Parked rows are not waited for, except row ``up_to_id`` itself."""
     where = and_(shard_where(table, shard), table.c.id <= up_to_id)
+    visible = text(not_parked(table, table.name))
     barrier = (
         select(due_at(table))
-        .where(where, not_due(table))
+        .where(where, visible, not_due(table))
         .order_by(table.c.id)
         .limit(1)
         .scalar_subquery()
     )
-    pending, deferred_until = (await conn.execute(select(exists().where(where), barrier))).one()
+    waited = exists().where(where, or_(visible, table.c.id == up_to_id))
+    pending, deferred_until = (await conn.execute(select(waited, barrier))).one()
     return bool(pending), deferred_until
 
 
@@ -188,15 +193,18 @@ def _first_row_columns(table: Table) -> list[Any]:
 
 
 async def read_first_row(conn: AsyncConnection, table: Table, shard: ShardRef) -> FirstRow | None:
-    """The shard's first pending row, if it has any (one index lookup)."""
+    """The shard's first pending row not parked, if it has any (one index lookup)."""
     first = select(*_first_row_columns(table)).where(shard_where(table, shard))
+    first = first.where(text(not_parked(table, table.name)))
     row = (await conn.execute(first.order_by(table.c.id).limit(1))).one_or_none()
     return None if row is None else FirstRow(row[0], row[1], row[2], bool(row[3]))
 
 
 async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef) -> int | None:
-    """The shard's highest pending id, if it has rows."""
-    result = await conn.execute(select(func.max(table.c.id)).where(shard_where(table, shard)))
+    """The shard's highest pending id not parked, if it has such rows."""
+    visible = text(not_parked(table, table.name))
+    highest = select(func.max(table.c.id)).where(shard_where(table, shard), visible)
+    result = await conn.execute(highest)
     value = result.scalar_one()
     return int(value) if value is not None else None
 
@@ -391,7 +399,8 @@ async def read_windows(
         ) m
         CROSS JOIN LATERAL (
             SELECT t.id, t.category, t.object_identifier, t.scheduled_for FROM {table.name} t
-            WHERE {_joins("t", regional)} ORDER BY t.id LIMIT :window
+            WHERE {_joins("t", regional)} AND {not_parked(table, "t")}
+            ORDER BY t.id LIMIT :window
         ) w
         {held}
         ORDER BY s.n, w.id
@@ -460,6 +469,7 @@ async def read_group_tails(
                 SELECT t.id FROM {table.name} t
                 WHERE {_joins("t", regional)} AND t.id > min(s.after_id)
                   AND t.id <= max(s.last_id) AND {not_due_sql(table, "t")}
+                  AND {not_parked(table, "t")}
                 ORDER BY t.id LIMIT 1
             ) AS id
             FROM s GROUP BY {key}
@@ -685,6 +695,7 @@ async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShar
     head = (
         select(*_first_row_columns(table))
         .where(*(table.c[c.name] == c for c in _shard_key_columns(owners)))
+        .where(text(not_parked(table, table.name)))
         .order_by(table.c.id)
         .limit(1)
         .lateral("head")

@@ -31,14 +31,12 @@ from outbox_bridge.workflows.models import ShardRef
 class BatchObserver:
     """Observes the handler calls of one drain batch (or one category activity) of a shard.
 
-    ``traced`` says whether the caller should read the trace contexts of the batch's rows and
-    pass them to :meth:`set_trace_contexts` (one statement per batch, only when tracing is on).
+    ``traced`` says whether the caller should read the trace contexts of the batch's rows into
+    ``contexts`` (row id → carrier; one statement per batch, only when tracing is on).
     Counters are added once per batch, by :meth:`finish`.
     """
 
-    def __init__(
-        self, shard: ShardRef, *, redact_errors: bool, partition: str | None = None
-    ) -> None:
+    def __init__(self, shard: ShardRef, *, partition: str | None = None) -> None:
         self.shard = shard
         # Drained by this partition workflow: no Temporal span per row leads from the row's
         # producer to the drain, so each handler span is the child of its row's producer span
@@ -46,7 +44,6 @@ class BatchObserver:
         self.partition = partition
         self.tracer: Tracer | None = active_tracer()
         self.metrics: OutboxMetrics | None = active_metrics()
-        self.redact_errors = redact_errors
         self.contexts: Mapping[int, Any] = {}
         self._log_fields: dict[str, dict[str, Any]] = {}
         self._handled: dict[str, list[int]] = {}  # category -> [rows, coalesced]
@@ -59,9 +56,6 @@ class BatchObserver:
     def tracing() -> bool:
         """Whether observers made now trace their calls (and want the rows' trace contexts)."""
         return active_tracer() is not None
-
-    def set_trace_contexts(self, contexts: Mapping[int, Any]) -> None:
-        self.contexts = contexts
 
     def call(
         self, group: GroupRows, message: OutboxMessage, category: str, attempt: int
@@ -186,23 +180,17 @@ class ObservedCall:
         shard = self._batch.shard
         if isinstance(exc, asyncio.CancelledError):
             return  # a skip or a shutdown: neither a success nor a failure of the handler
+        key = (shard.table, shard.scope_name, self._category)
         outcome = "success" if exc is None else "failure"
-        attributes = metrics.category_attributes(
-            shard.table, shard.scope_name, self._category, outcome
-        )
-        metrics.handler_duration.record(time.perf_counter() - self._start, attributes)
+        duration = time.perf_counter() - self._start
+        metrics.handler_duration.record(duration, metrics.category_attributes(*key, outcome))
+        attributes = metrics.category_attributes(*key)
         if exc is None:
-            attributes = metrics.category_attributes(shard.table, shard.scope_name, self._category)
             metrics.queue_time.record(_age(self._message), attributes)
             self._batch.handled(self._category, len(self._group.ids))
         else:
-            metrics.handler_failures.add(
-                1,
-                {
-                    **metrics.category_attributes(shard.table, shard.scope_name, self._category),
-                    "error.type": type(exc).__qualname__,
-                },
-            )
+            error = {**attributes, "error.type": type(exc).__qualname__}
+            metrics.handler_failures.add(1, error)
 
     def _fail_span(self, exc: BaseException) -> None:
         span = trace.get_current_span()

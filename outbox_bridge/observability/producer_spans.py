@@ -43,13 +43,13 @@ class RowWrite:
 
 
 @contextlib.contextmanager
-def observed_write(row: PreparedRow, category: str, object_identifier: int) -> Iterator[RowWrite]:
+def observed_write(row: PreparedRow) -> Iterator[RowWrite]:
     """Around the INSERT of one row by the producer API.
 
     Inside an active span, a short ``outbox.write <CATEGORY>`` producer span is started, and its
     trace context goes into the row's ``trace_context`` column; outside one, the row gets none.
     """
-    shard = row.shard
+    shard, category = row.shard, row.category
     metrics = active_metrics()
     attributes = (
         metrics.category_attributes(shard.table, shard.scope_name, category) if metrics else {}
@@ -67,7 +67,7 @@ def observed_write(row: PreparedRow, category: str, object_identifier: int) -> I
         "outbox.scope": shard.scope_name,
         "outbox.shard_identifier": shard.shard_identifier,
         "outbox.category": category,
-        "outbox.object_identifier": int(object_identifier),
+        "outbox.object_identifier": row.object_identifier,
     }
     if shard.region is not None:
         span_attributes["outbox.region"] = shard.region

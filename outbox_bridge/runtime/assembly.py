@@ -80,12 +80,12 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         redact_errors=settings.redact_errors,
         threads=settings.handler_threads,
         timeout=settings.handler_timeout,
+        max_calls=settings.max_concurrent_calls,
     )
     drain_engine = DrainEngine(
         engine,
         app,
         calls=calls,
-        redact_errors=settings.redact_errors,
         max_undeleted_groups=settings.max_undeleted_groups,
     )
     return Drains(drain_engine, ShardDrainer(drain_engine), ShardHub())

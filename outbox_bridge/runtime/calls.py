@@ -34,6 +34,7 @@ from outbox_bridge.errors import (
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
+from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, RoundShards
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class HandlerCalls:
         redact_errors: bool,
         threads: int,
         timeout: float = math.inf,
+        max_calls: int = MAX_CONCURRENT_CALLS,
     ) -> None:
         self._app = app
         self._redact = redact_errors
@@ -102,6 +104,7 @@ class HandlerCalls:
         # stopped: its shard stays locked until it returns).
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
+        self.slots = CallSlots(app, max_calls)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -189,13 +192,16 @@ class HandlerCalls:
         attempt: int = 1,
         may_continue: Callable[[], bool] = lambda: True,
         pace: Pace | None = None,
+        round_: RoundShards | None = None,
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
 
         Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``
-        (asked before every call) or the deadline (after the first call) stopped it early.
-        Consecutive sync handlers go to a worker thread in one hop (at most ``pace.hop``), so
-        cheap handlers do not pay a thread switch each.
+        (asked before every call), the deadline (after the first call), or a limit on
+        concurrent calls with no slot free by the deadline (or before the other shards of
+        ``round_`` were done) stopped it early. Consecutive sync
+        handlers under the same limits go to a worker thread in one hop (at most ``pace.hop``),
+        so cheap handlers do not pay a thread switch each.
         """
         index = 0
         clock: _CallClock | None = None  # the handler timeout of the async calls
@@ -207,49 +213,69 @@ class HandlerCalls:
                     await pace.wait()
                 if not may_continue() or (index and time.monotonic() > deadline):
                     return False
-                if call.is_sync:
-                    end = index
-                    while end < len(calls) and end - index < hop and calls[end].is_sync:
-                        end += 1
-                    count, error, paused = await self._in_thread(
-                        calls[index:end],
-                        handled,
-                        observer,
-                        deadline,
-                        index,
-                        attempt,
-                        may_continue,
-                        pace,
-                    )
-                    index += count
-                    if error is not None:
-                        raise self.failure(shard, calls[index], error, attempt)
-                    if index < end and not paused:
+                limits = self.slots.limits(call.group.category)
+                async with self.slots.held(limits, deadline, round_) as free:
+                    # A wait for a slot may have outlived the round's connection.
+                    if not free or not may_continue():
                         return False
-                    continue
-                if clock is None and self._timeout != math.inf:
-                    clock = _CallClock(self._timeout)
-                try:
-                    with observer.call(call.group, call.message, call.category, attempt):
-                        if call.error is not None:
-                            raise call.error
-                        assert call.handler is not None
-                        returned = await self._bounded(call, clock)
-                except asyncio.CancelledError as exc:
-                    if _cancelled():
-                        raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
-                    # The handler raised CancelledError itself: a failure like any other, or
-                    # the local drain would fail the shard's workflow instead of blocking it.
-                    raise self.failure(shard, call, exc, attempt) from exc
-                except BaseException as exc:  # a handler's SystemExit must not stop the worker
-                    raise self.failure(shard, call, exc, attempt) from exc
-                self._check_returned(call, returned)
+                    if call.is_sync:
+                        end = index + 1
+                        while (
+                            end < len(calls)
+                            and end - index < hop
+                            and calls[end].is_sync
+                            and self.slots.limits(calls[end].group.category) == limits
+                        ):
+                            end += 1
+                        count, error, paused = await self._in_thread(
+                            calls[index:end],
+                            handled,
+                            observer,
+                            deadline,
+                            index,
+                            attempt,
+                            may_continue,
+                            pace,
+                        )
+                        index += count
+                        if error is not None:
+                            raise self.failure(shard, calls[index], error, attempt)
+                        if index < end and not paused:
+                            return False
+                        continue
+                    if clock is None and self._timeout != math.inf:
+                        clock = _CallClock(self._timeout)
+                    await self._call_async(shard, call, observer, attempt, clock)
                 handled(call)
                 index += 1
             return True
         finally:
             if clock is not None:
                 clock.close()
+
+    async def _call_async(
+        self,
+        shard: ShardRef,
+        call: Call,
+        observer: BatchObserver,
+        attempt: int,
+        clock: _CallClock | None,
+    ) -> None:
+        try:
+            with observer.call(call.group, call.message, call.category, attempt):
+                if call.error is not None:
+                    raise call.error
+                assert call.handler is not None
+                returned = await self._bounded(call, clock)
+        except asyncio.CancelledError as exc:
+            if _cancelled():
+                raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
+            # The handler raised CancelledError itself: a failure like any other, or
+            # the local drain would fail the shard's workflow instead of blocking it.
+            raise self.failure(shard, call, exc, attempt) from exc
+        except BaseException as exc:  # a handler's SystemExit must not stop the worker
+            raise self.failure(shard, call, exc, attempt) from exc
+        self._check_returned(call, returned)
 
     async def _bounded(self, call: Call, clock: _CallClock | None) -> object:
         assert call.handler is not None

@@ -8,9 +8,10 @@ import asyncio
 import functools
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from google.protobuf import json_format
 from temporalio.api.enums.v1 import EventType
@@ -72,23 +73,22 @@ def check_history(history: WorkflowHistory) -> None:
         raise HistoryError("the history has no workflow task to replay")
 
 
+# What an event names, by the attributes it carries.
+_DETAILS: dict[str, Callable[[Any], str]] = {
+    "activity_task_scheduled_event_attributes": lambda a: a.activity_type.name,
+    "timer_started_event_attributes": lambda a: f"timer {a.timer_id}",
+    "marker_recorded_event_attributes": lambda a: a.marker_name,
+    "workflow_execution_signaled_event_attributes": lambda a: a.signal_name,
+    "workflow_execution_update_accepted_event_attributes": lambda a: a.accepted_request.input.name,
+}
+
+
 def describe_event(event: HistoryEvent) -> str:
     """``event 6 ActivityTaskScheduled PROJECT_UPDATE``: id, type and what the event names."""
     kind = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
     name = "".join(part.capitalize() for part in kind.split("_"))
-    detail = ""
     which = event.WhichOneof("attributes")
-    if which == "activity_task_scheduled_event_attributes":
-        detail = event.activity_task_scheduled_event_attributes.activity_type.name
-    elif which == "timer_started_event_attributes":
-        detail = f"timer {event.timer_started_event_attributes.timer_id}"
-    elif which == "marker_recorded_event_attributes":
-        detail = event.marker_recorded_event_attributes.marker_name
-    elif which == "workflow_execution_signaled_event_attributes":
-        detail = event.workflow_execution_signaled_event_attributes.signal_name
-    elif which == "workflow_execution_update_accepted_event_attributes":
-        accepted = event.workflow_execution_update_accepted_event_attributes
-        detail = accepted.accepted_request.input.name
+    detail = _DETAILS[which](getattr(event, which)) if which in _DETAILS else ""
     return f"event {event.event_id} {name}" + (f" {detail}" if detail else "")
 
 
@@ -200,16 +200,10 @@ async def _first_failing_event(replayer: Replayer, history: WorkflowHistory) -> 
     """The event whose arrival makes the replay fail: a binary search over the history cut
     after each event (a few replays of a short prefix each). None if no cut fails."""
     events: Sequence[HistoryEvent] = history.events
-    started = next(
-        (
-            index
-            for index, event in enumerate(events)
-            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED
-        ),
-        None,
-    )
-    if started is None:
+    types = [event.event_type for event in events]
+    if EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED not in types:
         return None
+    started = types.index(EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED)
 
     async def fails(length: int) -> bool:
         cut = WorkflowHistory(history.workflow_id, list(events[:length]))

@@ -60,6 +60,7 @@ from outbox_bridge.db.store import (
 )
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.call_slots import RoundShards
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, ShardRef
 
@@ -518,7 +519,6 @@ class DrainEngine:
         app: OutboxApp,
         *,
         calls: HandlerCalls,
-        redact_errors: bool = False,
         max_round_bytes: int = ROUND_MAX_BYTES,
         max_undeleted_groups: int = MAX_UNDELETED_GROUPS,
     ) -> None:
@@ -526,7 +526,6 @@ class DrainEngine:
         self.app = app
         self.calls = calls
         self.max_round_bytes = max_round_bytes
-        self._redact = redact_errors
         self._running: dict[str, int] = {}
         self._undeleted = Undeleted(max_undeleted_groups)
 
@@ -727,10 +726,11 @@ class DrainEngine:
         batch.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
         # Every shard's calls end before the round does, also when it is cancelled: a plain-def
         # call cannot be stopped, and its shard stays locked until it returns.
+        busy = RoundShards(len(heads))
         ended = await asyncio.gather(
             *(
                 self._run_shard(
-                    batch, head, outcome, deadline, attempt, unlock_each, settle, partition
+                    batch, head, outcome, deadline, attempt, unlock_each, settle, partition, busy
                 )
                 for head, outcome in zip(heads, outcomes, strict=True)
             ),
@@ -751,13 +751,15 @@ class DrainEngine:
         unlock_each: bool,
         settle: Settle | None,
         partition: str | None,
+        busy: RoundShards,
     ) -> None:
         shard = head.shard
         key = lock_key(shard)
         self._running[key] = self._running.get(key, 0) + 1
         try:
-            await self._handle(batch, head, outcome, deadline, attempt, partition)
+            await self._handle(batch, head, outcome, deadline, attempt, partition, busy)
         finally:
+            busy.done()
             self._running[key] -= 1
             if not self._running[key]:
                 del self._running[key]
@@ -775,6 +777,7 @@ class DrainEngine:
         deadline: float,
         attempt: int,
         partition: str | None,
+        busy: RoundShards,
     ) -> None:
         """Run one shard's head groups; whatever fails in it fails this shard alone."""
         shard = head.shard
@@ -814,6 +817,7 @@ class DrainEngine:
                     batch.undeleted.unreported,
                     batch.undeleted.limit,
                 ),
+                round_=busy,
             )
             outcome.more = head.more or len(calls) < len(head.groups) or not finished
             if not outcome.more:
@@ -843,7 +847,7 @@ class DrainEngine:
     ) -> BatchObserver:
         """The shard's observer; with tracing on, given the producer trace context of every row
         the calls cover."""
-        observer = BatchObserver(shard, redact_errors=self._redact, partition=partition)
+        observer = BatchObserver(shard, partition=partition)
         if observer.traced and calls:
             contexts = {
                 row_id: carrier
@@ -860,7 +864,7 @@ class DrainEngine:
                     )
                 except (DBAPIError, psycopg.Error):
                     pass  # the calls matter more than their links; the round notices the loss
-            observer.set_trace_contexts(contexts)
+            observer.contexts = contexts
         return observer
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, Unpack, cast
 
 from sqlalchemy import Connection, Engine, Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -46,6 +46,15 @@ SyncBind = Engine | Connection | Session
 AsyncBind = AsyncEngine | AsyncConnection | AsyncSession
 
 
+class DrainOptions(TypedDict, total=False):
+    """The keyword options of :func:`drain_outbox`, which the other drains take as they are."""
+
+    shard: str | ShardRef | None
+    table: str | None
+    run_deferred: bool
+    raise_on_failure: bool
+
+
 # -- the drain -------------------------------------------------------------------------------------
 
 
@@ -54,31 +63,32 @@ class _UsageError(TypeError):
 
 
 class _Drain:
-    """One drain over ``conn``: shard after shard, each up to its end, its first failure or
-    its first row not yet due; then again, for rows the handlers wrote meanwhile."""
+    """One drain (:meth:`run`) over a connection: shard after shard, each up to its end, its
+    first failure or its first row not yet due; then again, for rows the handlers wrote
+    meanwhile."""
 
     def __init__(
         self,
         app: OutboxApp,
-        conn: AsyncConnection,
         invoke: Callable[[Call], Awaitable[None]],
         *,
-        shards: list[tuple[Table, ShardRef | None]],
-        run_deferred: bool,
-        raise_on_failure: bool,
+        shard: str | ShardRef | None = None,
+        table: str | None = None,
+        run_deferred: bool = False,
+        raise_on_failure: bool = True,
     ) -> None:
         self.app = app
-        self.conn = conn
         self.invoke = invoke
-        self.targets = shards
+        self.targets = shard_targets(app, shard, table)
         self.run_deferred = run_deferred
         self.raise_on_failure = raise_on_failure
-        self.calls = HandlerCalls(app, redact_errors=False, threads=1)
         self.report = DrainReport()
         self._reports: dict[tuple[str, str], ShardReport] = {}
         self._reads = 0
 
-    async def run(self) -> DrainReport:
+    async def run(self, conn: AsyncConnection) -> DrainReport:
+        self.conn = conn
+        self.calls = HandlerCalls(self.app, redact_errors=False, threads=1)
         try:
             while await self._round():
                 pass
@@ -309,19 +319,14 @@ def drain_outbox(
     workflow holds for any other reason is drained (no workflow runs in a test). Sync
     handlers run in the calling thread, async ones on an event loop of the drain's own.
     """
-    targets = shard_targets(app, shard, table)
+    options = DrainOptions(
+        shard=shard, table=table, run_deferred=run_deferred, raise_on_failure=raise_on_failure
+    )
     calls = _SyncCalls()
     try:
+        drain = _Drain(app, calls, **options)
         with _sync_connection(bind) as conn:
-            drain = _Drain(
-                app,
-                cast(AsyncConnection, _Blocking(conn)),
-                calls,
-                shards=targets,
-                run_deferred=run_deferred,
-                raise_on_failure=raise_on_failure,
-            )
-            return _to_the_end(drain.run())
+            return _to_the_end(drain.run(cast(AsyncConnection, _Blocking(conn))))
     finally:
         calls.close()
 
@@ -358,28 +363,14 @@ async def _async_connection(bind: AsyncBind) -> AsyncIterator[AsyncConnection]:
 
 
 async def drain_outbox_async(
-    app: OutboxApp,
-    bind: AsyncBind,
-    *,
-    shard: str | ShardRef | None = None,
-    table: str | None = None,
-    run_deferred: bool = False,
-    raise_on_failure: bool = True,
+    app: OutboxApp, bind: AsyncBind, **options: Unpack[DrainOptions]
 ) -> DrainReport:
     """:func:`drain_outbox` in the running event loop, with an ``AsyncEngine``,
-    ``AsyncConnection`` or ``AsyncSession``. Async handlers run in this loop; plain-def
-    handlers in a thread, one at a time, as the worker runs them."""
-    targets = shard_targets(app, shard, table)
+    ``AsyncConnection`` or ``AsyncSession``, and its options. Async handlers run in this loop;
+    plain-def handlers in a thread, one at a time, as the worker runs them."""
+    drain = _Drain(app, _call_async, **options)
     async with _async_connection(bind) as conn:
-        drain = _Drain(
-            app,
-            conn,
-            _call_async,
-            shards=targets,
-            run_deferred=run_deferred,
-            raise_on_failure=raise_on_failure,
-        )
-        return await drain.run()
+        return await drain.run(conn)
 
 
 # -- a runner --------------------------------------------------------------------------------------
@@ -390,7 +381,14 @@ class OutboxRunner:
     :func:`drain_outbox`, ``async with`` runs :func:`drain_outbox_async`. ``report`` holds the
     last drain's report; :meth:`drain` drains within the block."""
 
-    def __init__(self, app: OutboxApp, bind: SyncBind | AsyncBind, **options: Any) -> None:
+    def __init__(
+        self, app: OutboxApp, bind: SyncBind | AsyncBind, **options: Unpack[DrainOptions]
+    ) -> None:
+        unknown = sorted(options.keys() - DrainOptions.__annotations__)
+        if unknown:  # now, not when the block ends
+            raise TypeError(
+                f"unknown drain options {unknown}; they are {list(DrainOptions.__annotations__)}"
+            )
         self.app = app
         self.bind = bind
         self.options = options
@@ -421,22 +419,9 @@ class OutboxRunner:
 
 
 def outbox_runner(
-    app: OutboxApp,
-    bind: SyncBind | AsyncBind,
-    *,
-    shard: str | ShardRef | None = None,
-    table: str | None = None,
-    run_deferred: bool = False,
-    raise_on_failure: bool = True,
+    app: OutboxApp, bind: SyncBind | AsyncBind, **options: Unpack[DrainOptions]
 ) -> OutboxRunner:
     """A context manager that drains ``app``'s outbox when its block ends: ``with
     outbox_runner(app, session) as runner:`` (or ``async with`` and an async bind). The
     options are :func:`drain_outbox`'s."""
-    return OutboxRunner(
-        app,
-        bind,
-        shard=shard,
-        table=table,
-        run_deferred=run_deferred,
-        raise_on_failure=raise_on_failure,
-    )
+    return OutboxRunner(app, bind, **options)

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from pydantic import SecretStr
-from sqlalchemy import ColumnElement, Table, and_, func, select
+from sqlalchemy import ColumnElement, Table, and_, func, select, true
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
@@ -238,13 +238,10 @@ class OutboxWorker:
         waits: list[tuple[Table, ColumnElement[bool]]] = []
         with self.database.engine.connect() as conn:
             for outbox, shard in wanted:
-                where = shard_where(outbox, shard) if shard is not None else None
-                highest = conn.execute(
-                    select(func.max(outbox.c.id)).where(*([where] if where is not None else []))
-                ).scalar()
+                where = shard_where(outbox, shard) if shard is not None else true()
+                highest = conn.execute(select(func.max(outbox.c.id)).where(where)).scalar()
                 if highest is not None:
-                    up_to = outbox.c.id <= highest
-                    waits.append((outbox, and_(where, up_to) if where is not None else up_to))
+                    waits.append((outbox, and_(where, outbox.c.id <= highest)))
         return waits
 
     def _stopped_because(self) -> str:

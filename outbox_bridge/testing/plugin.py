@@ -79,15 +79,9 @@ def watch_server(
 
 
 def _stopped(item: pytest.Item) -> list[tuple[_Watch, str]]:
-    watches = item.config.stash.get(_WATCHES, [])
-    if not watches:
-        return []
     uses = set(getattr(item, "fixturenames", ()))
-    found = []
-    for watch in watches:
-        if watch.fixture in uses and (why := watch.why_stopped()) is not None:
-            found.append((watch, why))
-    return found
+    watched = [w for w in item.config.stash.get(_WATCHES, []) if w.fixture in uses]
+    return [(watch, why) for watch in watched if (why := watch.why_stopped()) is not None]
 
 
 def _explain(item: pytest.Item, stopped: list[tuple[_Watch, str]]) -> str:

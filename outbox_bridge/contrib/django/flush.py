@@ -1,13 +1,7 @@
-"""Waiting after the commit until a request's rows are handled, for Django.
-
-:func:`outbox_context` is ``outbox_bridge.outbox_context`` for Django's connections: each row
-written inside it with :func:`~outbox_bridge.contrib.django.writes.write_row` (or by an
-``OutboxModel``) counts once its ``transaction.on_commit`` callback ran; a rollback drops the
-callback, and the row is not waited for. The flush itself is :class:`~outbox_bridge.Flusher`'s,
-with the app's flush settings (from the Django settings for the app ``OUTBOX_BRIDGE["APP"]``
-names, unless configured otherwise). :func:`flush_outbox` wraps one view,
-:class:`OutboxFlushMiddleware` every request (also with ``ATOMIC_REQUESTS``, whose transaction
-commits after the view returns); both attach the report to the response (:func:`flush_report`).
+"""Waiting after the commit until a request's rows are handled, for Django:
+:func:`outbox_context` (a row counts once its ``transaction.on_commit`` callback ran), around
+one view (:func:`flush_outbox`) or every request (:class:`OutboxFlushMiddleware`). The flush
+itself is :class:`~outbox_bridge.Flusher`'s.
 """
 
 from __future__ import annotations
@@ -96,7 +90,7 @@ class OutboxContext(FlushingContext):
         if row.flush:
             self._add(self._committed, row.shard, Written(row.app, row.row_id, flush=True))
 
-    def _enter(self) -> Self:
+    def __enter__(self) -> Self:
         stack = OPEN.get()
         self._parent = cast(OutboxContext, stack[-1]) if stack else None
         self._token = OPEN.set((*stack, self))

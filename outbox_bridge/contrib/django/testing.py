@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TypedDict, Unpack
+from typing import Unpack
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.transaction import TransactionManagementError
@@ -37,6 +37,7 @@ from outbox_bridge.testing import (
     drain_outbox_async,
     worker_settings,
 )
+from outbox_bridge.testing.drain import DrainOptions
 from outbox_bridge.testing.servers import EventLoopThread
 
 
@@ -46,15 +47,6 @@ class UncommittedTransactionError(ConfigurationError, TransactionManagementError
     commits, or inside ``transaction.atomic()``. The drain reads with a connection of its own,
     which cannot see the rows written in that transaction. Both a
     :class:`~outbox_bridge.ConfigurationError` and Django's ``TransactionManagementError``."""
-
-
-class DrainOptions(TypedDict, total=False):
-    """The options of :func:`~outbox_bridge.testing.drain_outbox`, passed on as they are."""
-
-    shard: str | None
-    table: str | None
-    run_deferred: bool
-    raise_on_failure: bool
 
 
 def drain_outbox_django(

@@ -5,9 +5,7 @@ connection's cursor) and the same producer span.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-from enum import IntEnum
-from typing import Any
+from typing import Any, Unpack
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -19,7 +17,7 @@ from outbox_bridge.contrib.django.conf import OutboxConfigurationError
 from outbox_bridge.contrib.django.contexts import record_write
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.producer_spans import observed_write
-from outbox_bridge.producer import RowSpec
+from outbox_bridge.producer import RowFields, RowSpec
 from outbox_bridge.registry import OutboxApp
 
 # Django's PostgreSQL backend runs on psycopg 3 next to outbox-bridge (which requires it), and
@@ -44,21 +42,10 @@ def compiled(statement: Insert) -> tuple[str, dict[str, Any]]:
     return query.string, parameters
 
 
-def write_row(
-    app: OutboxApp,
-    *,
-    category: IntEnum | int,
-    shard_identifier: int,
-    object_identifier: int,
-    payload: Any = None,
-    shard_scope: IntEnum | int | None = None,
-    region: str | None = None,
-    scheduled_for: datetime | timedelta | None = None,
-    table: str | None = None,
-    using: str | None = None,
-) -> int:
+def write_row(app: OutboxApp, *, using: str | None = None, **row: Unpack[RowFields]) -> int:
     """Write one outbox row of ``app`` with the connection of database ``using`` (default:
-    ``"default"``) and return its id.
+    ``"default"``) and return its id. The row's keyword arguments are those of
+    :meth:`OutboxApp.write <outbox_bridge.OutboxApp.write>`.
 
     Checked like :meth:`OutboxApp.write <outbox_bridge.OutboxApp.write>`: a row that does not
     fit the registry raises :class:`~outbox_bridge.InvalidRowError` and writes nothing. It must
@@ -66,18 +53,7 @@ def write_row(
     never commits: the row commits or rolls back with the caller's transaction, and an open
     :func:`~outbox_bridge.contrib.django.flush.outbox_context` waits for it once it committed.
     """
-    row = app.prepare(
-        RowSpec(
-            category,
-            shard_identifier,
-            object_identifier,
-            payload,
-            shard_scope,
-            region,
-            scheduled_for,
-            table,
-        )
-    )
+    prepared = app.prepare(RowSpec(**row))
     alias = using or DEFAULT_DB_ALIAS
     connection = connections[alias]
     if connection.vendor != "postgresql":
@@ -90,29 +66,19 @@ def write_row(
             "row would commit apart from the change it describes (wrap a row of its own in "
             "atomic() too)"
         )
-    with observed_write(row, app.category_name(int(category)), object_identifier) as seen:
+    with observed_write(prepared) as seen:
         sql, parameters = compiled(seen.statement)
         with connection.cursor() as cursor:
             cursor.execute(sql, parameters)
             found = cursor.fetchone()
         assert found is not None  # INSERT ... RETURNING id returns the row
         row_id = seen.written(int(found[0]))
-    record_write(app, alias, connection, row.shard, row_id)
+    record_write(app, alias, connection, prepared.shard, row_id)
     return row_id
 
 
 async def write_row_async(
-    app: OutboxApp,
-    *,
-    category: IntEnum | int,
-    shard_identifier: int,
-    object_identifier: int,
-    payload: Any = None,
-    shard_scope: IntEnum | int | None = None,
-    region: str | None = None,
-    scheduled_for: datetime | timedelta | None = None,
-    table: str | None = None,
-    using: str | None = None,
+    app: OutboxApp, *, using: str | None = None, **row: Unpack[RowFields]
 ) -> int:
     """:func:`write_row` for async code (an async view): runs it with ``sync_to_async`` (in
     the thread Django gives the request's database work) inside ``transaction.atomic(using)``.
@@ -127,17 +93,6 @@ async def write_row_async(
 
     def write() -> int:
         with transaction.atomic(using=using):
-            return write_row(
-                app,
-                category=category,
-                shard_identifier=shard_identifier,
-                object_identifier=object_identifier,
-                payload=payload,
-                shard_scope=shard_scope,
-                region=region,
-                scheduled_for=scheduled_for,
-                table=table,
-                using=using,
-            )
+            return write_row(app, using=using, **row)
 
     return await sync_to_async(write, thread_sensitive=True)()

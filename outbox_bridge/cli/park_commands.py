@@ -1,0 +1,219 @@
+"""``park``, ``unpark`` and ``parked``: set a shard's head group aside so that the shard goes
+on, put it back in its place in the shard's order, and list what is set aside."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import getpass
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import click
+from rich.console import Console
+from sqlalchemy import Table
+from sqlalchemy.ext.asyncio import AsyncConnection
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from outbox_bridge.cli.apps import command_app
+from outbox_bridge.cli.connections import database, reading, tables_of, temporal_client
+from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.parked_view import group_text, parked_table, shard_key
+from outbox_bridge.cli.shard_commands import shard_options
+from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.parked import ParkedGroup, park_head, read_parked, unpark
+from outbox_bridge.db.store import lock_shard_waiting, unlock_shards
+from outbox_bridge.errors import OutboxError, ShardLockedError
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.scope_directory import find_shard
+from outbox_bridge.workflows.models import NotifyInput, RecheckInput, ShardRef
+
+# How long park waits for a drain of the shard (a handler call under way) to end.
+LOCK_WAIT_SECONDS = 30.0
+PARK_GROUPS = (SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
+
+
+class NothingToParkError(OutboxError):
+    """The shard has no row that is not parked already."""
+
+
+class NothingParkedError(OutboxError):
+    """The shard has no parked group (or not the one named)."""
+
+
+@dataclasses.dataclass
+class _Shard:
+    """A named shard, its outbox table, and the connections to act on it."""
+
+    client: Client
+    ref: ShardRef
+    table: Table
+    conn: AsyncConnection
+
+
+@contextlib.asynccontextmanager
+async def _shard(settings: OutboxSettings, name: str, table: str | None) -> AsyncIterator[_Shard]:
+    client = await temporal_client(settings)
+    app = command_app(settings)
+    ref = await find_shard(client, name, app, table=table)
+    outbox = tables_of(app, ref.table, regional=ref.region is not None).table(ref.table)
+    async with database(settings) as engine:
+        with reading(engine, ref.table):
+            async with engine.connect() as conn:
+                yield _Shard(client, ref, outbox, conn)
+
+
+def _who(by: str | None) -> str:
+    return (by or "").strip() or getpass.getuser()
+
+
+async def _wake(client: Client, shard: ShardRef, why: str) -> None:
+    """Tell the shard's workflow, if one runs, that its head changed in the table (``why``,
+    shown in its history): a blocked one tries its head again now, rather than after its
+    backoff; another drains again."""
+    handle = client.get_workflow_handle(shard.workflow_id)
+    with contextlib.suppress(RPCError):  # no workflow runs: a partition drains the shard
+        await handle.signal("recheck", RecheckInput(reason=why))
+        await handle.signal("notify", NotifyInput(max_id=0, late=True))
+
+
+# -- park -----------------------------------------------------------------------------------------
+
+
+@tool_command("park")
+@click.option("--reason", required=True, help="Why the group is set aside (kept, and listed).")
+@click.option("--by", help="Who parks it, for the record (default: the user running this).")
+@shard_options(*PARK_GROUPS)
+def park(shard: str, table: str | None, reason: str, by: str | None, **overrides: Any) -> None:
+    """Set SHARD's head group aside, so that the shard goes on with its next group.
+
+    The group's rows stay in the table, and so do rows of the same object written later: no
+    handler gets them until `outbox-bridge unpark SHARD` puts them back, at the head of the
+    shard again. Who, when and why are recorded (see `outbox-bridge parked`)."""
+    if not reason.strip():
+        raise click.BadParameter("a park needs a reason", param_hint="--reason")
+    settings = build_settings(overrides)
+    app = command_app(settings)
+
+    async def work() -> ParkedGroup:
+        async with _shard(settings, shard, table) as found:
+            parked = await _park_locked(found, reason.strip(), _who(by))
+        why = f"parked {group_text(parked, app)} by {parked.parked_by}: {parked.reason}"
+        await _wake(found.client, found.ref, why)
+        return parked
+
+    group = run_or_exit(work(), shard=shard)
+    name = group_text(group, app)
+    click.echo(
+        f"shard {shard}: parked {name} ({group.rows} rows from id {group.first_id}): {reason}"
+    )
+
+
+async def _park_locked(found: _Shard, reason: str, by: str) -> ParkedGroup:
+    conn, ref = found.conn, found.ref
+    if not await lock_shard_waiting(conn, ref, LOCK_WAIT_SECONDS):
+        raise ShardLockedError(
+            f"shard {ref.key} is being drained (a handler call has run for over "
+            f"{LOCK_WAIT_SECONDS:.0f} s); nothing was parked, try again"
+        )
+    try:
+        parked = await park_head(conn, found.table, ref, reason=reason, by=by)
+        await conn.commit()
+    finally:
+        await conn.rollback()  # what a failed statement left: the unlock needs a transaction
+        await unlock_shards(conn, [ref])
+        await conn.commit()
+    if parked is None:
+        raise NothingToParkError(
+            f"shard {ref.key} has no row to park in table {found.table.name} (it has no "
+            "pending rows, or all of them are parked: see `outbox-bridge parked`)"
+        )
+    return parked
+
+
+# -- unpark ---------------------------------------------------------------------------------------
+
+
+@tool_command("unpark")
+@click.option(
+    "--group",
+    metavar="CATEGORY:OBJECT",
+    help="Put back only this group (a category name or number, and an object id); default: "
+    "every parked group of the shard.",
+)
+@click.option("--by", help="Who puts it back, for the record (default: the user running this).")
+@shard_options(*PARK_GROUPS)
+def unpark_command(
+    shard: str, table: str | None, group: str | None, by: str | None, **overrides: Any
+) -> None:
+    """Put SHARD's parked groups back: their rows keep their ids, so they head the shard again,
+    and are handled at once, coalesced as usual. Their records stay, with who put them back
+    and when."""
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    wanted = _parse_group(group, app)
+
+    async def work() -> list[ParkedGroup]:
+        async with _shard(settings, shard, table) as found:
+            groups = await unpark(found.conn, found.table, found.ref, by=_who(by), group=wanted)
+            await found.conn.commit()
+        if not groups:
+            which = f"group {group}" if group else "group"
+            raise NothingParkedError(
+                f"shard {found.ref.key} has no parked {which} in table {found.table.name}; "
+                "`outbox-bridge parked` lists the parked groups"
+            )
+        names = ", ".join(group_text(g, app) for g in groups)
+        await _wake(found.client, found.ref, f"unparked {names} by {groups[0].unparked_by}")
+        return groups
+
+    for unparked in run_or_exit(work(), shard=shard):
+        click.echo(f"shard {shard}: unparked {group_text(unparked, app)} ({unparked.rows} rows)")
+
+
+def _parse_group(text: str | None, app: OutboxApp | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    category, _, obj = text.rpartition(":")
+    category = category.strip()
+    names = {c.name.upper(): int(c) for c in app.categories} if app is not None else {}
+    try:
+        object_identifier = int(obj)
+        number = int(category) if category.lstrip("-").isdigit() else names[category.upper()]
+    except (ValueError, KeyError):
+        known = ", ".join(names) or "none without the app (--app): give its number"
+        raise click.BadParameter(
+            f"{text!r} is not CATEGORY:OBJECT (category names: {known})", param_hint="--group"
+        ) from None
+    return number, object_identifier
+
+
+# -- parked ---------------------------------------------------------------------------------------
+
+
+@tool_command("parked")
+@click.option("--all", "with_unparked", is_flag=True, help="Include groups put back since.")
+@click.option("--table", help="The outbox table (default: the app's first).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@settings_options(SettingGroup.DATABASE, SettingGroup.APP)
+def parked(table: str | None, with_unparked: bool, as_json: bool, **overrides: Any) -> None:
+    """The parked groups, oldest first, with who parked them, when and why."""
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    outbox = tables_of(app, table).table(table)
+
+    async def work() -> list[ParkedGroup]:
+        async with database(settings) as engine:
+            with reading(engine, outbox.name):
+                async with engine.connect() as conn:
+                    return await read_parked(conn, outbox, with_unparked=with_unparked)
+
+    groups = run_or_exit(work())
+    if as_json:
+        shown = [dataclasses.asdict(g) | {"shard": shard_key(g, app)} for g in groups]
+        click.echo(json.dumps(shown, indent=2, default=str))
+        return
+    Console().print(parked_table(groups, app, title=f"parked groups of {outbox.name}"))

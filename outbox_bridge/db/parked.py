@@ -1,0 +1,168 @@
+"""Parked coalescing groups: set aside by an operator so that their shard goes on, put back
+later in their place in the shard's order. Every statement about them is here.
+
+A group is parked as a whole: its rows, and rows of the same object written while it is
+parked, stay in the outbox table, and every read that picks what a drain handles next leaves
+them out (:func:`not_parked`). Unparking makes them visible again; their ids are unchanged, so
+they head the shard again. The ``<table>_parked`` row stays as the audit record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, Table, and_, func, literal, null, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_bridge.db.schema import notify_channel, parked_of, shard_columns
+from outbox_bridge.workflows.models import ShardRef
+
+# The columns that name a coalescing group, after the shard's.
+GROUP_COLUMNS = ("category", "object_identifier")
+
+
+def not_parked(table: Table, alias: str) -> str:
+    """SQL that is true when the row ``alias`` of outbox table ``table`` belongs to no parked
+    group: AND it into the WHERE of each read that picks the rows a drain handles next."""
+    parked = parked_of(table).name
+    columns = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
+    same = " AND ".join(f"pk.{c} = {alias}.{c}" for c in columns)
+    # The first test runs once per statement (an uncorrelated subquery): while nothing is
+    # parked, no row pays for the lookup of its group.
+    return (
+        f"((SELECT NOT EXISTS (SELECT 1 FROM {parked} WHERE unparked_at IS NULL)) "
+        f"OR NOT EXISTS (SELECT 1 FROM {parked} pk WHERE {same} AND pk.unparked_at IS NULL))"
+    )
+
+
+@dataclass(frozen=True)
+class ParkedGroup:
+    """A parked group's audit record, and how many of its rows are in the table now."""
+
+    region: str | None
+    scope: int
+    shard_identifier: int
+    category: int
+    object_identifier: int
+    first_id: int
+    reason: str
+    parked_by: str
+    parked_at: datetime
+    unparked_by: str | None
+    unparked_at: datetime | None
+    rows: int
+
+    @property
+    def shard(self) -> tuple[str | None, int, int]:
+        return (self.region, self.scope, self.shard_identifier)
+
+
+def _shard_of(table: Table, shard: ShardRef) -> ColumnElement[bool]:
+    """``table``'s rows of ``shard`` (an outbox or a parked-group table)."""
+    values = {
+        "region": shard.region,
+        "shard_scope": shard.scope,
+        "shard_identifier": shard.shard_identifier,
+    }
+    return and_(*(table.c[c] == values[c] for c in shard_columns("region" in table.c)))
+
+
+def _record(table: Table) -> list[Any]:
+    """A parked group's columns, led by its region (NULL in a table without one), and its rows
+    in the outbox table."""
+    parked = parked_of(table)
+    same_group = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
+    rows = select(func.count()).where(*(table.c[c] == parked.c[c] for c in same_group))
+    region = parked.c.region if "region" in parked.c else null()
+    return [
+        region,
+        *(parked.c[c] for c in ("shard_scope", "shard_identifier", *GROUP_COLUMNS, "first_id")),
+        *(parked.c[c] for c in ("reason", "parked_by", "parked_at", "unparked_by", "unparked_at")),
+        rows.scalar_subquery(),
+    ]
+
+
+async def park_head(
+    conn: AsyncConnection, table: Table, shard: ShardRef, *, reason: str, by: str
+) -> ParkedGroup | None:
+    """Park the group that heads ``shard`` (its first row not parked already), in one
+    statement; None if the shard has no such row. Run it under the shard's lock, so that no
+    drain is handling the group meanwhile."""
+    parked = parked_of(table)
+    keys = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
+    head = (
+        select(*(table.c[c] for c in keys), table.c.id, literal(reason), literal(by))
+        .where(_shard_of(table, shard), text(not_parked(table, table.name)))
+        .order_by(table.c.id)
+        .limit(1)
+    )
+    statement = (
+        pg_insert(parked)
+        .from_select([*keys, "first_id", "reason", "parked_by"], head)
+        .returning(parked.c.id)
+    )
+    new_id = (await conn.execute(statement)).scalar_one_or_none()
+    if new_id is None:
+        return None
+    [group] = await _read(conn, table, parked.c.id == new_id)
+    return group
+
+
+async def unpark(
+    conn: AsyncConnection,
+    table: Table,
+    shard: ShardRef,
+    *,
+    by: str,
+    group: tuple[int, int] | None = None,
+) -> list[ParkedGroup]:
+    """Put ``shard``'s parked groups back (only ``group``, a (category, object identifier),
+    if given) and return them; their records stay, with who put them back and when. A
+    notification at commit wakes the bridge, which drains the shard again."""
+    parked = parked_of(table)
+    where = [_shard_of(parked, shard), parked.c.unparked_at.is_(None)]
+    if group is not None:
+        where += [parked.c.category == group[0], parked.c.object_identifier == group[1]]
+    statement = (
+        update(parked)
+        .where(*where)
+        .values(unparked_at=func.now(), unparked_by=by)
+        .returning(parked.c.id)
+    )
+    ids = list((await conn.execute(statement)).scalars())
+    if not ids:
+        return []
+    groups = await _read(conn, table, parked.c.id.in_(ids))
+    first = min(g.first_id for g in groups)
+    entry = [*([shard.region] if "region" in table.c else []), shard.scope, shard.shard_identifier]
+    await conn.execute(
+        text("SELECT pg_notify(:channel, :message)"),
+        {"channel": notify_channel(table.name), "message": json.dumps([[*entry, first]])},
+    )
+    return groups
+
+
+async def read_parked(
+    conn: AsyncConnection,
+    table: Table,
+    shard: ShardRef | None = None,
+    *,
+    with_unparked: bool = False,
+) -> list[ParkedGroup]:
+    """The parked groups of ``table`` (of ``shard`` only, if given), oldest first; with
+    ``with_unparked``, the records of groups put back too."""
+    parked = parked_of(table)
+    where: list[Any] = [] if shard is None else [_shard_of(parked, shard)]
+    if not with_unparked:
+        where.append(parked.c.unparked_at.is_(None))
+    return await _read(conn, table, *where)
+
+
+async def _read(conn: AsyncConnection, table: Table, *where: Any) -> list[ParkedGroup]:
+    parked = parked_of(table)
+    query = select(*_record(table)).where(*where).order_by(parked.c.parked_at, parked.c.id)
+    return [ParkedGroup(*row) for row in await conn.execute(query)]

@@ -1,0 +1,284 @@
+"""How many handler calls run at once: a handler's ``max_concurrency``, held by a real worker
+while other categories go on, and the checks of the value."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable, RegistryError
+from outbox_bridge.runtime.call_slots import Slots
+from outbox_bridge.workflows.models import PartitionOptions
+from tests.harness import (
+    SCOPES,
+    Category,
+    Servers,
+    create_tables,
+    fast_settings,
+    running_worker,
+    table_empty,
+    unique_table,
+    wait_until,
+    write_rows,
+)
+
+LIMIT = 2
+LIMITED_SHARDS = 12  # each with 2 groups of the limited category
+OTHER_SHARDS = 30  # each with 1 group of another category
+
+
+@dataclass
+class Gauge:
+    """Calls of the limited category running now, and the most seen at once (kept under a lock:
+    plain-def handlers run in several threads)."""
+
+    running: int = 0
+    peak: int = 0
+    calls: int = 0
+    others: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Limited calls wait until every other category's call is done: those must not wait for them.
+    others_done: threading.Event = field(default_factory=threading.Event)
+
+    def enter(self) -> None:
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.running -= 1
+            self.calls += 1
+
+    def other(self) -> None:
+        with self.lock:
+            self.others += 1
+            if self.others == OTHER_SHARDS:
+                self.others_done.set()
+
+
+def limited_app(gauge: Gauge, *, plain: bool) -> OutboxApp:
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
+    others = [c for c in Category if c is not Category.ORGANIZATION_UPDATE]
+
+    if plain:
+
+        @app.handler(Category.ORGANIZATION_UPDATE, max_concurrency=LIMIT)
+        def limited_sync(message: OutboxMessage) -> None:
+            gauge.enter()
+            try:
+                assert gauge.others_done.wait(timeout=60), "other categories did not proceed"
+            finally:
+                gauge.leave()
+
+        @app.handler(*others)
+        def other_sync(message: OutboxMessage) -> None:
+            gauge.other()
+
+        return app
+
+    others_done = asyncio.Event()  # the same, for calls on the event loop
+
+    @app.handler(Category.ORGANIZATION_UPDATE, max_concurrency=LIMIT)
+    async def limited(message: OutboxMessage) -> None:
+        gauge.enter()
+        try:
+            await asyncio.wait_for(others_done.wait(), timeout=60)
+        finally:
+            gauge.leave()
+
+    @app.handler(*others)
+    async def other(message: OutboxMessage) -> None:
+        gauge.other()
+        if gauge.others_done.is_set():
+            others_done.set()
+
+    return app
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["async", "plain-def"])
+async def test_max_concurrency_holds_while_other_categories_proceed(
+    servers: Servers, engine: AsyncEngine, plain: bool
+) -> None:
+    gauge = Gauge()
+    app = limited_app(gauge, plain=plain)
+    await create_tables(engine, app)
+    limited_rows = [
+        {"category": Category.ORGANIZATION_UPDATE, "shard_identifier": s, "object_identifier": o}
+        for s in range(1, LIMITED_SHARDS + 1)
+        for o in (1, 2)
+    ]
+    other_rows = [
+        {"category": Category.USER_UPDATE, "shard_identifier": s, "object_identifier": 1}
+        for s in range(1, OTHER_SHARDS + 1)
+    ]
+    # The limited rows first: they come first in every round.
+    await write_rows(engine, app, limited_rows)
+    await write_rows(engine, app, other_rows)
+    async with running_worker(servers, app, fast_settings(drain_time_budget=0.5)):
+        await wait_until(gauge.others_done.is_set, timeout=60, what="the other categories' calls")
+        await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")
+    assert gauge.calls == len(limited_rows)
+    assert gauge.peak <= LIMIT, f"{gauge.peak} calls of a category limited to {LIMIT} at once"
+    assert gauge.peak == LIMIT  # the limit was reached: the calls did overlap
+
+
+def test_call_limit_is_shared_by_the_categories_registered_together() -> None:
+    app = OutboxApp(scopes=SCOPES, categories=[Category])
+    shared = app.handler(Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, max_concurrency=3)
+    shared(_noop)
+    app.handler(Category.MEMBER_UPDATE, Category.USER_UPDATE)(_noop)
+    limit = app.call_limit(Category.ORGANIZATION_UPDATE)
+    assert limit is not None and limit.calls == 3
+    assert app.call_limit(Category.PROJECT_UPDATE) is limit
+    assert app.call_limit(Category.USER_UPDATE) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (0, "at least 1, not 0"),
+        (-5, "at least 1, not -5"),
+        (2.5, "positive integer or None, not 2.5 (float)"),
+        ("5", "positive integer or None, not '5' (str)"),
+        (True, "positive integer or None, not True (bool)"),
+    ],
+)
+def test_a_bad_max_concurrency_is_refused_and_registers_nothing(value: object, says: str) -> None:
+    app = OutboxApp(scopes=SCOPES, categories=[Category])
+    with pytest.raises(RegistryError, match=f"max_concurrency must be .*{re.escape(says)}"):
+        app.handler(Category.USER_UPDATE, max_concurrency=value)  # type: ignore[arg-type]
+    assert app.handler_for(Category.USER_UPDATE) is None
+
+
+async def _noop(message: OutboxMessage) -> None:
+    return None
+
+
+async def test_max_concurrent_calls_bounds_the_calls_of_a_worker(
+    servers: Servers, engine: AsyncEngine
+) -> None:
+    gauge = Gauge()
+    most = 3
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
+    overlapped = asyncio.Event()
+
+    @app.handler(*Category)
+    async def handle(message: OutboxMessage) -> None:
+        gauge.enter()
+        if gauge.peak >= most:
+            overlapped.set()
+        try:
+            await asyncio.wait_for(overlapped.wait(), timeout=60)  # until `most` ran at once
+        finally:
+            gauge.leave()
+
+    await create_tables(engine, app)
+    rows = [
+        {"category": Category.USER_UPDATE, "shard_identifier": s, "object_identifier": o}
+        for s in range(1, 21)
+        for o in (1, 2)
+    ]
+    await write_rows(engine, app, rows)
+    async with running_worker(servers, app, fast_settings(max_concurrent_calls=most)):
+        await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")
+    assert gauge.calls == len(rows)
+    assert gauge.peak == most, f"{gauge.peak} calls at once in a worker limited to {most}"
+
+
+async def test_a_round_whose_other_shards_are_done_stops_waiting_for_a_slot(
+    servers: Servers, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition runs 2 rounds of 2 shards at once here, with a time budget far longer than
+    the test. The first limited shard holds the only slot until every other shard is done;
+    the limited shards waiting for it must not keep their rounds (and the partition's two
+    places) until the budget runs out, or the other shards never get a round."""
+    original = OutboxSettings.partition_options
+
+    def small_rounds(self: OutboxSettings, *args: Any, **kwargs: Any) -> PartitionOptions:
+        return dataclasses.replace(original(self, *args, **kwargs), max_shards=2, max_rounds=2)
+
+    monkeypatch.setattr(OutboxSettings, "partition_options", small_rounds)
+    app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
+    others_done = asyncio.Event()
+    other_shards = range(11, 17)
+    handled: set[int] = set()
+
+    @app.handler(Category.ORGANIZATION_UPDATE, max_concurrency=1)
+    async def limited(message: OutboxMessage) -> None:
+        await asyncio.wait_for(others_done.wait(), timeout=60)
+
+    @app.handler(*[c for c in Category if c is not Category.ORGANIZATION_UPDATE])
+    async def other(message: OutboxMessage) -> None:
+        handled.add(message.shard_identifier)
+        if handled == set(other_shards):
+            others_done.set()
+
+    await create_tables(engine, app)
+    # The limited shards first, in scope order and in id order alike.
+    await write_rows(
+        engine,
+        app,
+        [
+            {
+                "category": Category.ORGANIZATION_UPDATE,
+                "shard_identifier": s,
+                "object_identifier": 1,
+            }
+            for s in (1, 2, 3)
+        ],
+    )
+    await write_rows(
+        engine,
+        app,
+        [
+            {"category": Category.USER_UPDATE, "shard_identifier": s, "object_identifier": 1}
+            for s in other_shards
+        ],
+    )
+    settings = fast_settings(partitions=1, drain_time_budget=120.0)
+    async with running_worker(servers, app, settings):
+        await wait_until(others_done.is_set, timeout=30, what="the other shards' calls")
+        await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")
+
+
+async def test_slots_go_first_come_first_served_and_a_wait_ends_at_its_deadline() -> None:
+    slots = Slots(1)
+    assert await slots.take()
+    assert not await slots.take(time.monotonic() - 1)  # past its deadline: no slot
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        assert await slots.take()
+        order.append(name)
+        slots.give()
+
+    waiters = [asyncio.create_task(wait(name)) for name in ("first", "second", "third")]
+    await asyncio.sleep(0)  # all three wait
+    assert order == []
+    slots.give()
+    await asyncio.gather(*waiters)
+    assert order == ["first", "second", "third"]
+    assert slots.taken == 0
+
+
+async def test_a_slot_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
+    slots = Slots(1)
+    assert await slots.take()
+    cancelled = asyncio.create_task(slots.take())
+    following = asyncio.create_task(slots.take())
+    await asyncio.sleep(0)
+    slots.give()  # handed to the first waiter, which is cancelled before it runs
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert await following
+    assert slots.taken == 1

@@ -17,7 +17,9 @@ captures with headless Chromium:
 - ``ui-deferred-shard.png``: a deferred shard's first view, its timer labelled with the time it
   waits for (only when the demo defers one meanwhile);
 - ``ui-partition.png``: an ``OutboxPartition`` workflow and its drain activity (only when the
-  worker runs partitions).
+  worker runs partitions);
+- ``ui-pauses.png``: the table's ``OutboxControl`` workflow after its ``pause`` update paused
+  ``PROJECT_UPDATE``: its first view lists the active pauses (the category is resumed after).
 
 Chromium is driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``), with
 the standard library only: no browser download, no driver package. Not part of the test suite.
@@ -46,9 +48,12 @@ from typing import Any
 
 from temporalio.client import Client
 
+from outbox_bridge.workflows.models import PauseChange, PausesView
+
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 1400, 900
 SKIP_REASON = "project replica down, ticket OPS-1234"
+PAUSE_REASON = "search index rebuild, ticket OPS-1240"
 # What the UI's result panel says while the run is open (its header's status may lag).
 RUNNING = "Results will appear upon completion"
 
@@ -388,7 +393,22 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
             browser.screenshot(out / "ui-partition.png")
         else:
             missing.append("ui-partition.png: this worker runs no OutboxPartition workflow")
+        await take_pauses(browser, client, ui_port, out)
     return missing
+
+
+async def take_pauses(browser: Browser, client: Client, ui_port: int, out: Path) -> None:
+    """The table's control workflow, a category paused with its update as from the UI."""
+    control = client.get_workflow_handle("outbox:outbox:control")
+    run_id = (await wait_for("the control workflow", control.describe, timeout=120)).run_id
+    change = PauseChange(category="PROJECT_UPDATE", reason=PAUSE_REASON, by="oncall")
+    await control.execute_update("pause", change, result_type=PausesView)
+    page = f"workflows/outbox:outbox:control/{run_id}"
+    browser.open_showing(ui_url(ui_port, page), "paused: category PROJECT_UPDATE", PAUSE_REASON)
+    browser.screenshot(out / "ui-pauses.png")
+    await control.execute_update(
+        "unpause", PauseChange(category="PROJECT_UPDATE"), result_type=PausesView
+    )
 
 
 async def busiest_partition(

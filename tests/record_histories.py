@@ -1,6 +1,7 @@
 """Record shard workflow histories from real runs into tests/histories/.
 
     python -m tests.record_histories v7 [FOLDER]
+    python -m tests.record_histories v7 --control [FOLDER]
 
 Starts its own PostgreSQL and Temporal dev server, runs each scenario through the real worker,
 and writes every run's history as ``<version>-<scenario>.json``, and the history of the
@@ -8,7 +9,9 @@ partition that handed the shard over as ``<version>-<scenario>_partition.json``.
 its workflow only when it needs attention, so each scenario makes it need some: a failing
 handler, a deferred head, a skip or a flush. Record a new version after a deliberate change to
 the workflow and keep the old files: replaying them is what proves the change is safe.
-Existing files are never overwritten. ``FOLDER`` (tests/histories/ by default) lets a trial
+``--control`` records the OutboxControl workflow alone: a pause and an unpause update, and a
+``refresh`` after a pause made from the command line; it never completes (it runs as long as
+the worker), so its history is written while it waits. Existing files are never overwritten. ``FOLDER`` (tests/histories/ by default) lets a trial
 recording go elsewhere.
 """
 
@@ -26,10 +29,19 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
+from outbox_bridge.db.pauses import add_pause
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.hub import ShardKey, partition_of
 from outbox_bridge.runtime.shards import parse_shard
-from outbox_bridge.workflows.models import PartitionRef, ResumeInput, ShardStatus, SkipInput
+from outbox_bridge.workflows.models import (
+    PartitionRef,
+    PauseChange,
+    PauseKind,
+    PausesView,
+    ResumeInput,
+    ShardStatus,
+    SkipInput,
+)
 from tests.harness import (
     Category,
     Recorder,
@@ -314,6 +326,43 @@ async def record(
     return written
 
 
+async def record_control(servers: Servers, folder: Path, version: str) -> Path:
+    """The history of a table's OutboxControl workflow: started by the bridge, a pause and an
+    unpause update, and a refresh after a pause written straight to the table."""
+    app = make_app(unique_table(), Recorder())
+    engine = new_engine(servers)
+    client = await Client.connect(servers.temporal_address)
+    await create_tables(engine, app)
+    settings = fast_settings(temporal_address=servers.temporal_address)
+    handle = client.get_workflow_handle(f"outbox:{app.table().name}:control")
+
+    async def shows(count: int) -> bool:
+        try:
+            view = await handle.query("pauses", result_type=PausesView)
+        except RPCError:
+            return False
+        return len(view.pauses) == count
+
+    async with running_worker(servers, app, settings):
+        await wait_until(lambda: shows(0), what="the control workflow")
+        change = PauseChange(category="PROJECT_UPDATE", reason="search is down", by="ann")
+        await handle.execute_update("pause", change, result_type=PausesView)
+        async with engine.begin() as conn:
+            await add_pause(conn, app.table(), PauseKind.SCOPE, int(Scope.USER), "gdpr", "bob")
+        await wait_until(lambda: shows(2), what="the refresh")
+        await handle.execute_update(
+            "unpause", PauseChange(category="PROJECT_UPDATE"), result_type=PausesView
+        )
+        await wait_until(lambda: shows(1), what="the unpause")
+        history = await handle.fetch_history()
+    await engine.dispose()
+    path = folder / f"{version}-control_pauses.json"
+    if path.exists():
+        raise SystemExit(f"{path} exists: record under a new version instead")
+    path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+    return path
+
+
 async def _completed(client: Client, workflow_id: str, run_id: str | None = None) -> bool:
     description = await client.get_workflow_handle(workflow_id, run_id=run_id).describe()
     return description.status == WorkflowExecutionStatus.COMPLETED
@@ -342,11 +391,14 @@ async def _write_runs(client: Client, workflow_id: str, stem: Path) -> list[Path
     return written
 
 
-async def main(version: str, folder: Path = HISTORIES) -> None:
+async def main(version: str, folder: Path = HISTORIES, *, control: bool = False) -> None:
     folder.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as base:
         servers = await start_servers(Path(base))
         try:
+            if control:
+                print(f"recorded {await record_control(servers, folder, version)}")
+                return
             for name, (scenario, overrides) in SCENARIOS.items():
                 for path in await record(servers, folder, version, name, scenario, overrides):
                     print(f"recorded {path}")
@@ -357,6 +409,10 @@ async def main(version: str, folder: Path = HISTORIES) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        raise SystemExit("usage: python -m tests.record_histories VERSION [FOLDER]  (e.g. v7)")
-    asyncio.run(main(sys.argv[1], *(Path(folder) for folder in sys.argv[2:])))
+    arguments = [a for a in sys.argv[1:] if a != "--control"]
+    if len(arguments) not in (1, 2):
+        raise SystemExit(
+            "usage: python -m tests.record_histories VERSION [--control] [FOLDER]  (e.g. v7)"
+        )
+    folders = [Path(folder) for folder in arguments[1:]]
+    asyncio.run(main(arguments[0], *folders, control="--control" in sys.argv))

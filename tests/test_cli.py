@@ -257,6 +257,9 @@ COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "parked": {SettingGroup.DATABASE, SettingGroup.APP},
     "replay": set(),
     "upgrade-check": {SettingGroup.TEMPORAL},
+    "pause": {SettingGroup.DATABASE, SettingGroup.APP},
+    "unpause": {SettingGroup.DATABASE, SettingGroup.APP},
+    "pauses": {SettingGroup.DATABASE, SettingGroup.APP},
 }
 
 

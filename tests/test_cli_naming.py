@@ -189,7 +189,7 @@ WORKER_ONLY = {
 }
 
 
-@pytest.mark.parametrize("command", ["skip", "resume", "status", "flush"])
+@pytest.mark.parametrize("command", ["skip", "resume", "status", "flush", "pause", "unpause"])
 def test_each_shard_command_lists_its_own_options_only(command: str) -> None:
     """At most 12 options (they had 16, 12, 13 and 19), none of the worker's own, and --demo
     described as these commands use it."""

@@ -75,6 +75,10 @@ def test_valid_registry_lookups() -> None:
         "second_outbox",
         "first_outbox_owners",  # which shards their own workflow holds
         "second_outbox_owners",
+        "first_outbox_parked",  # the parked coalescing groups
+        "second_outbox_parked",
+        "first_outbox_pauses",  # the paused categories and scopes
+        "second_outbox_pauses",
     }
 
 

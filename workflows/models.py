@@ -360,6 +360,63 @@ class FlushCheck:
 # -- partitions ---------------------------------------------------------------------------------
 
 
+# -- OutboxControl: the paused categories and scopes of a table ---------------------------------
+
+
+class PauseKind(StrEnum):
+    """What a pause covers: one category (in every scope), or every row of one scope."""
+
+    CATEGORY = "category"
+    SCOPE = "scope"
+
+
+@dataclass
+class PauseInfo:
+    """A pause as the control workflow shows it (operator text and numbers, no payload)."""
+
+    kind: PauseKind
+    number: int
+    name: str  # the category's or scope's name in the worker's app, else its number
+    reason: str
+    paused_by: str
+    since: str
+
+
+@dataclass
+class PauseChange:
+    """Argument of the control workflow's ``pause`` and ``unpause`` updates: exactly one of
+    ``category`` and ``scope``, each a name of the worker's app or a number, as text;
+    ``reason`` (required to pause) and ``by`` are shown with the pause."""
+
+    category: str | None = None
+    scope: str | None = None
+    reason: str = ""
+    by: str = ""
+
+
+@dataclass
+class PauseChangeInput:
+    """Input of the ``change_pauses`` activity: pause (``paused``) or resume, in ``table``."""
+
+    table: str
+    change: PauseChange
+    paused: bool
+
+
+@dataclass
+class PausesView:
+    """The table's pauses: the result of the updates, and the ``refresh`` signal the bridge
+    sends when they changed outside the workflow (the command line, SQL)."""
+
+    pauses: list[PauseInfo] = field(default_factory=list)
+
+
+@dataclass
+class ControlInput:
+    table: str
+    view: PausesView = field(default_factory=PausesView)
+
+
 @dataclass(frozen=True)
 class PartitionRef:
     """One of a table's partitions: it drains the healthy shards that hash to it."""

@@ -18,6 +18,7 @@ from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.listing import shards
 from outbox_bridge.cli.park_commands import park, parked, unpark_command
+from outbox_bridge.cli.pause_commands import pause, pauses, unpause
 from outbox_bridge.cli.shard_commands import (
     flush,
     history_export,
@@ -139,5 +140,18 @@ async def _replay(files: tuple[Path, ...]) -> int:
     return failed
 
 
-for command in (init_db, status, skip, resume, flush, shards, park, unpark_command, parked):
+for command in (
+    init_db,
+    status,
+    skip,
+    resume,
+    flush,
+    shards,
+    park,
+    unpark_command,
+    parked,
+    pause,
+    unpause,
+    pauses,
+):
     main.add_command(command)

@@ -24,7 +24,9 @@ from outbox_bridge.cli.connections import (
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.parked_view import parked_per_shard
+from outbox_bridge.cli.pause_commands import PAUSED, describe
 from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.pauses import read_shard_pause
 from outbox_bridge.db.store import ShardDepth, read_shard_depths
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
@@ -51,7 +53,7 @@ class Listing:
 @click.option("--scope", "scope_name", help="Only shards of this scope (a name or a number).")
 @click.option(
     "--state",
-    type=click.Choice([*(state.value for state in ShardState), NO_WORKFLOW]),
+    type=click.Choice([*(state.value for state in ShardState), NO_WORKFLOW, PAUSED]),
     help="Only shards whose workflow is in this state (none: no running workflow).",
 )
 @click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
@@ -137,9 +139,10 @@ async def _list(
                     limit=top if state is None else top * 20,
                 )
                 now = (await conn.execute(select(func.now()))).scalar_one()
+                pauses = [await read_shard_pause(conn, table, _ref(table, d)) for d in depths]
                 parked = await parked_per_shard(conn, table)
     listing = Listing()
-    for depth in depths:
+    for depth, pause in zip(depths, pauses, strict=True):
         ref = ShardRef(
             table.name,
             depth.scope,
@@ -148,6 +151,8 @@ async def _list(
             depth.region,
         )
         found, blocked = await _workflow_state(client, ref)
+        if pause is not None:  # its workflow waits for the paused row as for a deferred one
+            found, blocked = PAUSED, describe(app, pause)
         if state is not None and found != state:
             continue
         age = (now - depth.oldest).total_seconds()
@@ -159,6 +164,10 @@ async def _list(
         if len(listing.shards) >= top:
             break
     return listing
+
+
+def _ref(table: Any, depth: ShardDepth) -> ShardRef:
+    return ShardRef(table.name, depth.scope, str(depth.scope), depth.shard_identifier, depth.region)
 
 
 def _entry(ref: ShardRef, depth: ShardDepth, age: float, state: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from outbox_bridge.cli.connections import (
 from outbox_bridge.cli.errors import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.parked_view import parked_table, shard_parked
+from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.parked import ParkedGroup
 from outbox_bridge.db.store import read_shard_max_id
@@ -79,28 +80,30 @@ async def _named(
 @shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
-    skip, and its parked groups. SHARD is SCOPE:ID (REGION:SCOPE:ID in a regional table),
-    SCOPE a name or a number."""
+    skip, its parked groups, and the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a
+    regional table), SCOPE a name or a number."""
     settings = build_settings(overrides)
 
-    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str]:
+    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None]:
         client, ref = await _named(settings, shard, table)
         parked = await shard_parked(settings, ref)
+        pause = await shard_pause(settings, ref)
+        paused = None if pause is None else describe(command_app(settings), pause)
         try:
-            return await shard_report(client, ref), parked
+            return await shard_report(client, ref), parked, paused
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND or not isinstance(parked, list) or not parked:
                 raise
-            return None, parked  # no workflow of its own, and parked groups to show
+            return None, parked, paused  # no workflow of its own, and parked groups to show
 
-    report, parked = run_or_exit(work(), shard=shard)
+    report, parked, paused = run_or_exit(work(), shard=shard)
     if as_json:
-        shown = {"shard": shard} if report is None else _status_json(report)
+        shown = {"shard": shard} if report is None else _status_json(report, paused)
         groups = [dataclasses.asdict(g) for g in parked] if isinstance(parked, list) else parked
         click.echo(json.dumps(shown | {"parked_groups": groups}, indent=2, default=str))
         return
     if report is not None:
-        Console().print(_status_table(report))
+        Console().print(_status_table(report, paused))
     else:
         click.echo(f"shard {shard} has no workflow of its own: a partition drains it")
     if isinstance(parked, str):
@@ -111,8 +114,11 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         Console().print(parked_table(parked, app, title=title, one_shard=True))
 
 
-def _status_json(report: ShardReport) -> dict[str, Any]:
+def _status_json(report: ShardReport, paused: str | None) -> dict[str, Any]:
     return dataclasses.asdict(report.status) | {
+        # Its workflow waits for a paused row as for one scheduled later.
+        "state": report.status.state if paused is None else PAUSED,
+        "paused": paused,
         "workflow_running": report.running,
         "workflow_started": _iso(report.started),
         "workflow_closed": _iso(report.closed),
@@ -123,7 +129,7 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="seconds") if moment is not None else None
 
 
-def _status_table(report: ShardReport) -> Table:
+def _status_table(report: ShardReport, paused: str | None = None) -> Table:
     status = report.status
     view = Table(title=f"shard {status.shard}", show_header=False)
     if report.running:
@@ -131,7 +137,7 @@ def _status_table(report: ShardReport) -> Table:
     else:
         workflow = f"closed at {_iso(report.closed)}; the partition drains the shard"
     rows: list[tuple[str, str]] = [
-        ("state", status.state),
+        ("state", status.state if paused is None else PAUSED),
         ("workflow", workflow),
         (
             "handled by the workflow",
@@ -154,6 +160,8 @@ def _status_table(report: ShardReport) -> Table:
     if status.skip is not None:
         skip = status.skip
         rows.append(("skipped", f"by {skip.by or 'an operator'} at {skip.at}: {skip.reason}"))
+    if paused is not None:
+        rows.append(("paused", paused))
     for key, value in rows:
         view.add_row(key, value)
     return view

@@ -38,6 +38,8 @@ from outbox_bridge.db.schema import (
     owners_of,
     parked_name,
     parked_of,
+    pauses_name,
+    pauses_of,
 )
 
 if TYPE_CHECKING:
@@ -59,8 +61,8 @@ def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
 
 def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
     """The statements that create the app's outbox tables (all of them, or those named in
-    ``tables``) with their indexes, NOTIFY triggers, owner and parked-group tables, in order: what
-    :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
+    ``tables``) with their indexes, NOTIFY triggers, owner, parked-group and pause tables, in
+    order: what :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
     statements: list[DDL] = []
     for table in _tables(app, tables):
         statements.append(CreateTable(table))
@@ -70,6 +72,7 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
         statements += notify_ddl(table)
         statements.append(CreateTable(owners_of(table)))
         statements += _create_parked(table)
+        statements.append(CreateTable(pauses_of(table)))
     return statements
 
 
@@ -86,6 +89,7 @@ def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> l
     statements: list[DDL] = []
     for table in reversed(_tables(app, tables)):
         trigger, function = drop_notify_ddl(table)
+        statements += [DropTable(pauses_of(table), if_exists=True)]
         statements += [DropTable(parked_of(table), if_exists=True)]
         statements += [DropTable(owners_of(table), if_exists=True), trigger, DropTable(table)]
         statements.append(function)
@@ -126,6 +130,16 @@ def create_parked_groups(
             op.execute(statement)
 
 
+def create_shard_pauses(
+    op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
+) -> None:
+    """Create the pause tables (``<table>_pauses``, the paused categories and scopes) that
+    outbox-bridge 1.0 added beside each outbox table, for databases migrated with
+    :func:`create_outbox` before it. (The worker and ``init-db`` create them too.)"""
+    for table in _tables(app, tables):
+        op.execute(CreateTable(pauses_of(table), if_not_exists=True))
+
+
 def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
     """Drop what :func:`create_outbox` created: the trigger, its function, the table and its
     indexes, and every row still in the table."""
@@ -137,12 +151,13 @@ def exclude_outbox_tables(
     app: OutboxApp,
 ) -> Callable[[str | None, str, Mapping[str, str | None]], bool]:
     """An ``include_name`` hook for Alembic's ``context.configure`` that hides the app's outbox
-    tables (and their owner tables) from autogenerate, for databases whose outbox tables the
-    worker or ``init-db`` manages (otherwise autogenerate proposes to drop them)::
+    tables (and their owner and pause tables) from autogenerate, for databases whose outbox
+    tables the worker or ``init-db`` manages (otherwise autogenerate proposes to drop them)::
 
         context.configure(..., include_name=exclude_outbox_tables(app))
     """
     names = set(app.tables) | {owners_name(name) for name in app.tables}
+    names |= {pauses_name(name) for name in app.tables}
     names |= {parked_name(name) for name in app.tables}
 
     def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:

@@ -81,6 +81,7 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
     table.info["regional"] = regional
     owner_table(table)
     parked_table(table)
+    pause_table(table)
     return table
 
 
@@ -124,6 +125,35 @@ def owner_table(outbox: Table) -> Table:
 
 def owners_name(table: str) -> str:
     return f"{table}_owners"
+
+
+def pause_table(outbox: Table) -> Table:
+    """The table of the categories and scopes of ``outbox`` that an operator paused.
+
+    A row of a paused category, and every row of a paused scope, is not due: its shard waits at
+    it, as at a row scheduled for later (rows behind it wait too: order is per shard). Deleting
+    the pause makes them due again.
+    """
+    pauses = Table(
+        pauses_name(outbox.name),
+        outbox.metadata,
+        Column("kind", Text, primary_key=True),  # category or scope
+        Column("number", Integer, primary_key=True),  # the category's or the scope's value
+        Column("reason", Text, nullable=False),
+        Column("paused_by", Text, nullable=False),
+        Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        CheckConstraint("kind IN ('category', 'scope')", name=f"{outbox.name}_pauses_kind"),
+    )
+    return _beside(outbox, "pauses", pauses)
+
+
+def pauses_name(table: str) -> str:
+    return f"{table}_pauses"
+
+
+def pauses_of(outbox: Table) -> Table:
+    """The pause table of an outbox table defined by :func:`outbox_table`."""
+    return _side(outbox, "pauses")
 
 
 def owners_of(outbox: Table) -> Table:
@@ -173,7 +203,7 @@ def parked_of(outbox: Table) -> Table:
 
 
 def _beside(outbox: Table, kind: str, side: Table) -> Table:
-    """Record ``side`` as ``outbox``'s table of ``kind`` (owners, parked)."""
+    """Record ``side`` as ``outbox``'s table of ``kind`` (owners, parked, pauses)."""
     side.info[f"{kind}_of"] = outbox.name
     outbox.info[kind] = side
     return side

@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.parked import not_parked
+from outbox_bridge.db.pauses import due_at, due_at_sql, not_due, not_due_sql, wait_seconds_sql
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of, shard_columns
 from outbox_bridge.db.timestamps import LATEST
 from outbox_bridge.workflows.models import ShardRef
@@ -151,13 +152,13 @@ async def read_pending_up_to(
     conn: AsyncConnection, table: Table, shard: ShardRef, up_to_id: int
 ) -> tuple[bool, datetime | None]:
     """Whether rows of the shard up to ``up_to_id`` are pending, and if the first of them not
-    yet due is among them, when it is due (the shard waits for it). Parked rows are not
-    waited for, except row ``up_to_id`` itself."""
+    yet due (scheduled later, or paused) is among them, when it is due (the shard waits for it).
+    Parked rows are not waited for, except row ``up_to_id`` itself."""
     where = and_(shard_where(table, shard), table.c.id <= up_to_id)
     visible = text(not_parked(table, table.name))
     barrier = (
-        select(table.c.scheduled_for)
-        .where(where, visible, table.c.scheduled_for > func.now())
+        select(due_at(table))
+        .where(where, visible, not_due(table))
         .order_by(table.c.id)
         .limit(1)
         .scalar_subquery()
@@ -187,7 +188,7 @@ def _first_row_columns(table: Table) -> list[Any]:
         table.c.id,
         table.c.category,
         table.c.object_identifier,
-        table.c.scheduled_for <= func.now(),
+        ~not_due(table),
     ]
 
 
@@ -389,9 +390,8 @@ async def read_windows(
     statement = text(
         f"""
         SELECT s.n, w.id, w.category, w.object_identifier,
-               CASE WHEN w.scheduled_for > now()
-                    THEN extract(epoch FROM w.scheduled_for - now())::float8 END AS deferred,
-               CASE WHEN w.scheduled_for > now() THEN w.scheduled_for END AS due,
+               {wait_seconds_sql(table, "w", "s.scope")} AS deferred,
+               {due_at_sql(table, "w", "s.scope")} AS due,
                m.highest
         FROM {source}
         CROSS JOIN LATERAL (
@@ -468,7 +468,7 @@ async def read_group_tails(
             SELECT {key}, (
                 SELECT t.id FROM {table.name} t
                 WHERE {_joins("t", regional)} AND t.id > min(s.after_id)
-                  AND t.id <= max(s.last_id) AND t.scheduled_for > now()
+                  AND t.id <= max(s.last_id) AND {not_due_sql(table, "t")}
                   AND {not_parked(table, "t")}
                 ORDER BY t.id LIMIT 1
             ) AS id
@@ -478,7 +478,7 @@ async def read_group_tails(
                ARRAY(SELECT t.id FROM {table.name} t
                      WHERE {group} AND t.id < coalesce(b.id, 9223372036854775807)
                      ORDER BY t.id) AS ids,
-               (SELECT extract(epoch FROM t.scheduled_for - now())::float8
+               (SELECT {wait_seconds_sql(table, "t")}
                 FROM {table.name} t WHERE t.id = b.id) AS deferred
         FROM s JOIN barrier b USING ({key.replace("s.", "")})
         ORDER BY s.n

@@ -19,6 +19,7 @@ from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
 import outbox_bridge
 from outbox_bridge.activities import OutboxActivities
+from outbox_bridge.activities.control import ControlActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
@@ -28,15 +29,18 @@ from outbox_bridge.runtime.bridge import Bridge
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.partition_drain import PartitionDrain
+from outbox_bridge.runtime.pause_control import PauseControl
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 from outbox_bridge.runtime.temporal import ensure_search_attributes
+from outbox_bridge.workflows import control as control_workflow
 from outbox_bridge.workflows import models as workflow_models
 from outbox_bridge.workflows import partition as partition_workflow
 from outbox_bridge.workflows import shard as shard_workflow
+from outbox_bridge.workflows.control import OutboxControl
 from outbox_bridge.workflows.models import PartitionDrainInput, PartitionRound, flush_queue
 from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
@@ -92,7 +96,7 @@ def build_id() -> str:
     """The package version and a digest of the workflow code. Without one, the SDK digests
     every module loaded (a fifth of a second of each worker's start)."""
     digest = hashlib.sha256()
-    for module in (workflow_models, partition_workflow, shard_workflow):
+    for module in (workflow_models, partition_workflow, shard_workflow, control_workflow):
         try:
             digest.update(inspect.getsource(module).encode())
         except (OSError, TypeError):  # no source shipped: the version alone tells
@@ -130,9 +134,10 @@ def build_worker(
         client,
         task_queue=settings.task_queue,
         interceptors=interceptors,
-        workflows=[OutboxShard, OutboxPartition],
+        workflows=[OutboxShard, OutboxPartition, OutboxControl],
         build_id=build_id(),
-        activities=OutboxActivities(drains.shards, drain_partition).all(),
+        activities=OutboxActivities(drains.shards, drain_partition).all()
+        + ControlActivities(PauseControl(drains.engine.app, drains.engine.engine)).all(),
         # Library code that the replay tests also run sandboxed; unsandboxed, a new shard run
         # re-imports no module (a third of the worker's CPU on a backlog of new shards).
         workflow_runner=UnsandboxedWorkflowRunner(),

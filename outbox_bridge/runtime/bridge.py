@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.disconnects import connection_lost
+from outbox_bridge.db.pauses import PAUSES_CHANGED
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
 from outbox_bridge.db.store import (
     STATISTICS_MIN_ROWS,
@@ -60,6 +61,7 @@ class Bridge:
         self._supervisor = supervisor
         self._hub = hub
         self._wake = asyncio.Event()
+        self._sweep_now = False  # a pause changed: the held shards that waited for it go on
         self._cannot_analyze: set[str] = set()  # tables this role may not analyze (said once)
         self.handed_to_drains = 0
         self.notifications_refused = 0
@@ -155,7 +157,8 @@ class Bridge:
                 if await self._try_lead(lock_conn):
                     next_sweep = now
                 next_lead = now + STANDBY_RETRY
-            if self.is_leader and now >= next_sweep:
+            if self.is_leader and (now >= next_sweep or self._sweep_now):
+                self._sweep_now = False
                 await self._sweep()
                 next_sweep = time.monotonic() + self._settings.sweep_interval
             self.ready.set()
@@ -169,7 +172,8 @@ class Bridge:
     # -- notifications --------------------------------------------------------------------------
 
     def _take_notification(self, table: Table, payload: str) -> None:
-        if payload == SWEEP_NOTIFICATION:
+        if payload in (SWEEP_NOTIFICATION, PAUSES_CHANGED):
+            self._sweep_now = self._sweep_now or payload == PAUSES_CHANGED
             self._hub.rescan(table.name)
             return
         parsed = parse_notification(payload, regional="region" in table.c)
@@ -206,6 +210,7 @@ class Bridge:
         for table in self._tables():
             await self._ensure_statistics(table)
         await self._supervisor.ensure_partitions()
+        await self._supervisor.show_pauses()
         await self._supervisor.check_held()
         metrics = active_metrics()
         if metrics is None:

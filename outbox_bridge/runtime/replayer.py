@@ -27,11 +27,12 @@ from temporalio.worker import (
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from outbox_bridge.runtime.loop_thread import settle_native_threads_at_exit
+from outbox_bridge.workflows.control import OutboxControl
 from outbox_bridge.workflows.partition import OutboxPartition
 from outbox_bridge.workflows.shard import OutboxShard
 
 # Every workflow a worker runs: exported histories are of either.
-WORKFLOWS = (OutboxShard, OutboxPartition)
+WORKFLOWS = (OutboxShard, OutboxPartition, OutboxControl)
 
 # Replay workers a runner replays histories in at once (see HistoryReplayer.replay_all).
 REPLAY_WORKERS = 4

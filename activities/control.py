@@ -1,0 +1,26 @@
+"""The activity of the OutboxControl workflow: change a table's paused categories and scopes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from temporalio import activity
+
+from outbox_bridge.runtime.pause_control import PauseControl
+from outbox_bridge.workflows.models import PauseChangeInput, PausesView
+
+
+class ControlActivities:
+    """Activity implementations bound to one :class:`PauseControl`."""
+
+    def __init__(self, control: PauseControl) -> None:
+        self._control = control
+
+    @activity.defn(name="change_pauses")
+    async def change_pauses(self, request: PauseChangeInput) -> PausesView:
+        """Pause or resume a category or a scope of the table; the table's pauses after it."""
+        return await self._control.change(request)
+
+    def all(self) -> list[Callable[..., Any]]:
+        return [self.change_pauses]

@@ -1,0 +1,174 @@
+"""``pause``, ``unpause`` and ``pauses``: pause a whole category or scope of a table at run
+time, resume it, and list what is paused (kept in ``<table>_pauses``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox_bridge.cli.apps import command_app
+from outbox_bridge.cli.connections import database, reading, tables_of
+from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.pauses import (
+    Pause,
+    add_pause,
+    read_pauses,
+    read_shard_pause,
+    remove_pause,
+)
+from outbox_bridge.db.schema import pauses_of
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.pause_control import member_name, member_number, view_of
+from outbox_bridge.runtime.scope_directory import NO_APP_HINT
+from outbox_bridge.workflows.models import PauseKind, ShardRef
+
+# The state `shards` and `status` show of a shard whose workflow waits for a paused row.
+PAUSED = "paused"
+
+
+def _target_options(*, reason: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--category, --scope, (--reason,) --table and the database and app settings, in order."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = settings_options(SettingGroup.DATABASE, SettingGroup.APP)(fn)
+        fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
+        if reason:
+            why = "Why it is paused (shown by shards, status and the UI)."
+            fn = click.option("--reason", required=True, help=why)(fn)
+        scope = "A scope: every row of its shards (a name or a number)."
+        fn = click.option("--scope", help=scope)(fn)
+        category = "A category, in every scope (a name or a number)."
+        return click.option("--category", help=category)(fn)
+
+    return decorate
+
+
+def _target(category: str | None, scope: str | None) -> tuple[PauseKind, str]:
+    if (category is None) == (scope is None):
+        raise click.UsageError("give exactly one of --category and --scope")
+    if category is not None:
+        return PauseKind.CATEGORY, category
+    return PauseKind.SCOPE, scope or ""
+
+
+async def _number(
+    app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str
+) -> int:
+    """The number of the category or scope ``text`` names: a number, or a name of the app."""
+    where = "the demo app" if settings.demo else f"app {settings.app}"
+    return member_number(app, kind, text, where if app is not None else NO_APP_HINT)
+
+
+def _name(app: OutboxApp | None, pause: Pause) -> str:
+    return member_name(app, pause.kind, pause.number)
+
+
+async def _in_table(
+    overrides: dict[str, Any],
+    table_name: str | None,
+    change: Callable[[Any, Any], Any],
+) -> Any:
+    """``change(conn, table)`` in a transaction, the pause table created if an older database
+    lacks it (the worker creates it too, when it starts)."""
+    settings = build_settings(overrides)
+    app = tables_of(command_app(settings), table_name)
+    table = app.table(table_name)
+    async with database(settings) as engine:
+        with reading(engine, table.name):
+            async with engine.begin() as conn:
+                await conn.run_sync(lambda sync: pauses_of(table).create(sync, checkfirst=True))
+                return await change(conn, table)
+
+
+@tool_command("pause")
+@_target_options(reason=True)
+def pause(
+    category: str | None, scope: str | None, table: str | None, reason: str, **overrides: Any
+) -> None:
+    """Pause a whole category (in every scope) or a whole scope at run time, until `outbox-bridge
+    unpause`. Its rows wait, kept, and so do the rows behind them in their shards (order is
+    per shard); other shards go on. The pause is kept in the database (a restart keeps it)."""
+    kind, text = _target(category, scope)
+    if not reason.strip():
+        raise click.BadParameter("a pause needs a reason", param_hint="--reason")
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    number = run_or_exit(_number(app, settings, kind, text))
+
+    async def change(conn: Any, outbox: Any) -> Pause:
+        return await add_pause(conn, outbox, kind, number, reason.strip(), getpass.getuser())
+
+    done: Pause = run_or_exit(_in_table(overrides, table, change))
+    click.echo(f"{kind} {_name(app, done)} ({number}) paused: {done.reason}")
+
+
+@tool_command("unpause")
+@_target_options(reason=False)
+def unpause(category: str | None, scope: str | None, table: str | None, **overrides: Any) -> None:
+    """Resume a category or a scope paused with `outbox-bridge pause`: the shards that waited
+    for it go on at once, in order."""
+    kind, text = _target(category, scope)
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    number = run_or_exit(_number(app, settings, kind, text))
+
+    async def change(conn: Any, outbox: Any) -> Pause | None:
+        return await remove_pause(conn, outbox, kind, number)
+
+    done: Pause | None = run_or_exit(_in_table(overrides, table, change))
+    if done is None:
+        click.echo(f"{kind} {text} ({number}) was not paused")
+    else:
+        click.echo(f"{kind} {_name(app, done)} ({number}) resumed (paused since {done.since})")
+
+
+@tool_command("pauses")
+@click.option("--table", help="The outbox table (default: the app's first).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@settings_options(SettingGroup.DATABASE, SettingGroup.APP)
+def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
+    """The paused categories and scopes of a table, oldest first."""
+    settings = build_settings(overrides)
+    app = command_app(settings)
+    found = view_of(app, run_or_exit(_in_table(overrides, table, read_pauses))).pauses
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(p) for p in found], indent=2))
+        return
+    view = Table(title="paused categories and scopes")
+    for column in ("kind", "name", "number", "reason", "by", "since"):
+        view.add_column(column)
+    for p in found:
+        view.add_row(p.kind, p.name, str(p.number), p.reason, p.paused_by, p.since)
+    Console().print(view)
+
+
+# -- what `shards` and `status` show of a shard that waits for a pause ----------------------------
+
+
+async def shard_pause(settings: OutboxSettings, ref: ShardRef) -> Pause | None:
+    """The pause ``ref`` waits for (its first row not due is paused), None when it waits for
+    none, or when the database cannot be read (the command shows the workflow's state)."""
+    app = tables_of(command_app(settings), ref.table, regional=ref.region is not None)
+    table = app.table(ref.table)
+    try:
+        async with database(settings) as engine, engine.connect() as conn:
+            return await read_shard_pause(conn, table, ref)
+    except (ConfigurationError, SQLAlchemyError):
+        return None
+
+
+def describe(app: OutboxApp | None, pause: Pause) -> str:
+    """A pause in one line: ``category PROJECT_UPDATE by ann since ...: search is down``."""
+    since = pause.since.isoformat(timespec="seconds")
+    return f"{pause.kind} {_name(app, pause)} by {pause.paused_by} since {since}: {pause.reason}"

@@ -1,0 +1,165 @@
+"""Paused categories and scopes: the table ``<table>_pauses``, the statements that change it,
+and the one SQL clause with which every read that picks a shard's head honours it.
+
+A row of a paused category, and every row of a shard of a paused scope, is *not due*: the
+drains treat it as a row scheduled for later, so its shard stops at it and the rows behind it,
+of any category, wait too (order is per shard). Such a row reads as due again
+:data:`PAUSE_RECHECK_SECONDS` from now at the latest, so that a shard workflow waiting for it
+looks again at a modest pace; a resume wakes the waiting shards at once (the bridge's sweep,
+asked for with :data:`PAUSES_CHANGED` on the table's NOTIFY channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Boolean, ColumnElement, Table, delete, func, literal_column, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_bridge.db.schema import notify_channel, pauses_of
+from outbox_bridge.workflows.models import PauseKind, ShardRef
+
+# At most this long, a shard workflow waiting at a paused row sleeps before it reads the shard
+# again (a resume wakes it at once; this is the fallback if that wake-up is missed).
+PAUSE_RECHECK_SECONDS = 300
+# What a change of the pauses sends on the table's NOTIFY channel: the active bridge sweeps.
+PAUSES_CHANGED = "pauses"
+
+
+@dataclass(frozen=True)
+class Pause:
+    """An operator's pause of a category or a scope, as the table keeps it."""
+
+    kind: PauseKind
+    number: int
+    reason: str
+    paused_by: str
+    since: datetime
+
+
+# -- the clause every head read uses -------------------------------------------------------------
+
+
+def paused_sql(table: Table, row: str, scope: str | None = None) -> str:
+    """SQL that is true when the row ``row`` (an alias of ``table``) is paused: its category
+    or its scope (``scope``, an SQL expression; ``row``'s own by default). The pauses are read
+    once per statement (uncorrelated sub-selects), not once per row."""
+    pauses = pauses_of(table).name
+    scope = scope or f"{row}.shard_scope"
+    return (
+        f"({row}.category = ANY(ARRAY(SELECT number FROM {pauses} WHERE kind = 'category')) "
+        f"OR {scope} = ANY(ARRAY(SELECT number FROM {pauses} WHERE kind = 'scope')))"
+    )
+
+
+def not_due_sql(table: Table, row: str, scope: str | None = None) -> str:
+    """SQL that is true when the row ``row`` may not run now: scheduled later, or paused."""
+    return f"({row}.scheduled_for > now() OR {paused_sql(table, row, scope)})"
+
+
+def wait_seconds_sql(table: Table, row: str, scope: str | None = None) -> str:
+    """SQL: for how many seconds the row ``row`` is not due (NULL when it is): until it is
+    scheduled, and a paused row for :data:`PAUSE_RECHECK_SECONDS` at least."""
+    until = f"extract(epoch FROM {row}.scheduled_for - now())::float8"
+    return (
+        f"CASE WHEN {paused_sql(table, row, scope)} "
+        f"THEN greatest({until}, {PAUSE_RECHECK_SECONDS}) "
+        f"WHEN {row}.scheduled_for > now() THEN {until} END"
+    )
+
+
+def due_at_sql(table: Table, row: str, scope: str | None = None) -> str:
+    """SQL: when the row ``row`` is due, if it is not now (see :func:`wait_seconds_sql`)."""
+    recheck = f"now() + interval '{PAUSE_RECHECK_SECONDS} seconds'"
+    return (
+        f"CASE WHEN {paused_sql(table, row, scope)} "
+        f"THEN greatest({row}.scheduled_for, {recheck}) "
+        f"WHEN {row}.scheduled_for > now() THEN {row}.scheduled_for END"
+    )
+
+
+def not_due(table: Table) -> ColumnElement[bool]:
+    """:func:`not_due_sql` of ``table``'s own rows, for SQLAlchemy Core statements."""
+    return literal_column(not_due_sql(table, table.name), Boolean)
+
+
+def due_at(table: Table) -> ColumnElement[Any]:
+    """:func:`due_at_sql` of ``table``'s own rows, for SQLAlchemy Core statements."""
+    return literal_column(f"({due_at_sql(table, table.name)})")
+
+
+# -- changing and reading the pauses --------------------------------------------------------------
+
+
+async def add_pause(
+    conn: AsyncConnection, table: Table, kind: PauseKind, number: int, reason: str, by: str
+) -> Pause:
+    """Pause a category or a scope of ``table`` (pausing it again records the new reason and
+    who, and keeps when it began), and tell the bridge."""
+    pauses = pauses_of(table)
+    insert = pg_insert(pauses).values(kind=kind, number=number, reason=reason, paused_by=by)
+    statement = insert.on_conflict_do_update(
+        index_elements=[pauses.c.kind, pauses.c.number],
+        set_={"reason": insert.excluded.reason, "paused_by": insert.excluded.paused_by},
+    ).returning(*pauses.c)
+    row = (await conn.execute(statement)).one()
+    await _announce(conn, table)
+    return _pause(row)
+
+
+async def remove_pause(
+    conn: AsyncConnection, table: Table, kind: PauseKind, number: int
+) -> Pause | None:
+    """Resume a paused category or scope of ``table`` (None if it was not paused), and tell the
+    bridge, whose sweep wakes the shards that waited for it."""
+    pauses = pauses_of(table)
+    statement = (
+        delete(pauses).where(pauses.c.kind == kind, pauses.c.number == number).returning(*pauses.c)
+    )
+    row = (await conn.execute(statement)).one_or_none()
+    await _announce(conn, table)
+    return None if row is None else _pause(row)
+
+
+async def read_pauses(conn: AsyncConnection, table: Table) -> list[Pause]:
+    """Every pause of ``table``, oldest first."""
+    pauses = pauses_of(table)
+    result = await conn.execute(select(*pauses.c).order_by(pauses.c.since, pauses.c.number))
+    return [_pause(row) for row in result]
+
+
+async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef) -> Pause | None:
+    """The pause that ``shard`` waits for: the one that holds its first row not due, if that
+    row is paused (a category's pause before a scope's)."""
+    pauses = pauses_of(table)
+    params: dict[str, Any] = {"scope": shard.scope, "ident": shard.shard_identifier}
+    where = "t.shard_scope = :scope AND t.shard_identifier = :ident"
+    if "region" in table.c:
+        where += " AND t.region = :region"
+        params["region"] = shard.region
+    statement = text(
+        f"""
+        SELECT p.kind, p.number, p.reason, p.paused_by, p.since
+        FROM (SELECT t.category, t.shard_scope FROM {table.name} t
+              WHERE {where} AND {not_due_sql(table, "t")}
+              ORDER BY t.id LIMIT 1) h
+        JOIN {pauses.name} p ON (p.kind = 'category' AND p.number = h.category)
+                             OR (p.kind = 'scope' AND p.number = h.shard_scope)
+        ORDER BY p.kind LIMIT 1
+        """
+    )
+    row = (await conn.execute(statement, params)).one_or_none()
+    return None if row is None else _pause(row)
+
+
+async def _announce(conn: AsyncConnection, table: Table) -> None:
+    # Delivered at commit, like the rows' own notifications.
+    await conn.execute(select(func.pg_notify(notify_channel(table.name), PAUSES_CHANGED)))
+
+
+def _pause(row: Any) -> Pause:
+    kind, number, reason, paused_by, since = row
+    return Pause(PauseKind(kind), int(number), reason, paused_by, since)

@@ -1,0 +1,142 @@
+"""The paused categories and scopes of the app's tables as the worker serves them: names
+resolved against the app, the ``change_pauses`` activity of the ``OutboxControl`` workflow, and
+the view of the pauses that the active bridge keeps current in that workflow (a pause changed
+from the command line or with SQL shows there at the next sweep)."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from outbox_bridge.db.pauses import Pause, add_pause, read_pauses, remove_pause
+from outbox_bridge.db.timestamps import iso_utc
+from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.shards import workflow_code_memo
+from outbox_bridge.workflows.models import (
+    ControlInput,
+    PauseChangeInput,
+    PauseInfo,
+    PauseKind,
+    PausesView,
+)
+
+log = logging.getLogger(__name__)
+
+CONTROL_WORKFLOW = "OutboxControl"
+
+
+def control_workflow_id(table: str) -> str:
+    return f"outbox:{table}:control"
+
+
+def member_number(app: OutboxApp | None, kind: PauseKind, text: str, where: str) -> int:
+    """The number of the category or scope ``text`` names: a number (a value the app does not
+    register can be named so), or a name of ``app`` (any case); ``where`` says which app, for
+    the error."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    if app is None:
+        raise ConfigurationError(f"{kind} {text!r}: without the app, give it by number; {where}")
+    members = app.categories if kind == PauseKind.CATEGORY else app.scopes
+    for member in members:
+        if member.name.upper() == text.upper():
+            return int(member)
+    known = ", ".join(f"{m.name} ({int(m)})" for m in members)
+    raise ConfigurationError(
+        f"unknown {kind} {text!r} in {where}; its {kind} names are: {known}. A {kind} the app "
+        "does not register can be given by its number"
+    )
+
+
+def member_name(app: OutboxApp | None, kind: PauseKind, number: int) -> str:
+    """The name of category or scope ``number`` in ``app``, else the number."""
+    if app is None:
+        return str(number)
+    member = app.category(number) if kind == PauseKind.CATEGORY else app.scope(number)
+    return member.name if member is not None else str(number)
+
+
+def view_of(app: OutboxApp | None, pauses: list[Pause]) -> PausesView:
+    return PausesView(
+        [
+            PauseInfo(
+                kind=p.kind,
+                number=p.number,
+                name=member_name(app, p.kind, p.number),
+                reason=p.reason,
+                paused_by=p.paused_by,
+                since=iso_utc(p.since),
+            )
+            for p in pauses
+        ]
+    )
+
+
+class PauseControl:
+    """Changes and reads the pauses of the app's tables (the worker's side)."""
+
+    def __init__(self, app: OutboxApp, engine: AsyncEngine) -> None:
+        self._app = app
+        self._engine = engine
+
+    async def change(self, request: PauseChangeInput) -> PausesView:
+        """Pause or resume what ``request`` names, and return the table's pauses. Raises
+        :class:`ConfigurationError` for a name the app does not know."""
+        change = request.change
+        if (change.category is None) == (change.scope is None):
+            raise ConfigurationError("give exactly one of category and scope")
+        kind = PauseKind.CATEGORY if change.category is not None else PauseKind.SCOPE
+        text = change.category if change.category is not None else change.scope
+        number = member_number(self._app, kind, text or "", "the worker's app")
+        table = self._app.table(request.table)
+        async with self._engine.begin() as conn:
+            if request.paused:
+                by = change.by.strip() or "the control workflow"
+                await add_pause(conn, table, kind, number, change.reason.strip(), by)
+            else:
+                await remove_pause(conn, table, kind, number)
+            return view_of(self._app, await read_pauses(conn, table))
+
+    async def view(self, table: str) -> PausesView:
+        async with self._engine.connect() as conn:
+            return view_of(self._app, await read_pauses(conn, self._app.table(table)))
+
+
+class ControlViews:
+    """Keeps each table's ``OutboxControl`` workflow running and showing the table's pauses:
+    started with a ``refresh`` signal at the bridge's first sweep, and signalled again when
+    the pauses changed (one signal-with-start per change, none otherwise)."""
+
+    def __init__(self, control: PauseControl, client: Client, task_queue: str) -> None:
+        self._control = control
+        self._client = client
+        self._task_queue = task_queue
+        self._shown: dict[str, PausesView] = {}
+
+    async def refresh(self, tables: list[str]) -> None:
+        for table in tables:
+            try:
+                view = await self._control.view(table)
+                if self._shown.get(table) == view:
+                    continue
+                await self._client.start_workflow(
+                    CONTROL_WORKFLOW,
+                    ControlInput(table, view),
+                    id=control_workflow_id(table),
+                    task_queue=self._task_queue,
+                    memo=workflow_code_memo(),
+                    start_signal="refresh",
+                    start_signal_args=[view],
+                )
+            except (SQLAlchemyError, RPCError) as exc:
+                log.warning("cannot show the pauses of %s in its control workflow: %s", table, exc)
+                continue
+            self._shown[table] = view

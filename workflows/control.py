@@ -1,0 +1,138 @@
+"""The OutboxControl workflow: one per table, where a person pauses and resumes a whole category
+or scope from the Temporal UI or the ``temporal`` command line.
+
+Its ``pause`` and ``unpause`` updates write the table's pauses (``<table>_pauses``, the source of
+truth) through the ``change_pauses`` activity and answer with every pause of the table; its
+current details list them, so they show on its first view in the UI. The worker starts it and
+signals ``refresh`` when the pauses changed elsewhere (the command line, SQL). It holds nothing
+the table does not: terminated, it is started again by the next change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from outbox_bridge.workflows.models import (
+        ControlInput,
+        PauseChange,
+        PauseChangeInput,
+        PausesView,
+    )
+
+CHANGE_TIMEOUT = timedelta(seconds=30)
+# How long one timer lasts; when it fires, the workflow waits on the next. The timer is there
+# for its summary: the pauses, the first thing the UI shows of the workflow.
+HEADLINE_TIMER = timedelta(days=7)
+# Pauses named in the headline; the current details list them all.
+HEADLINE_PAUSES = 5
+
+
+@workflow.defn(name="OutboxControl")
+class OutboxControl:
+    @workflow.init
+    def __init__(self, input: ControlInput) -> None:
+        self._table = input.table
+        self._view = input.view
+        self._changed = False  # the view changed since it was last shown
+
+    @workflow.run
+    async def run(self, input: ControlInput) -> None:
+        while True:
+            self._publish()
+            self._changed = False
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: self._changed or workflow.info().is_continue_as_new_suggested(),
+                    timeout=HEADLINE_TIMER,
+                    timeout_summary=self._headline(),
+                )
+            if workflow.info().is_continue_as_new_suggested():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(ControlInput(self._table, self._view))
+
+    # -- updates, signal and query ----------------------------------------------------------------
+
+    @workflow.update
+    async def pause(self, change: PauseChange) -> PausesView:
+        """Pause the category or the scope ``change`` names (its rows wait, kept, with the
+        rows behind them in their shards) until ``unpause``; answers with every pause."""
+        return await self._change(change, paused=True)
+
+    @pause.validator
+    def _check_pause(self, change: PauseChange) -> None:
+        _check(change)
+        if not change.reason.strip():
+            raise ValueError("a pause needs a reason")
+
+    @workflow.update
+    async def unpause(self, change: PauseChange) -> PausesView:
+        """Resume the category or the scope ``change`` names: the shards that waited for it go
+        on at once, in order; answers with every pause left."""
+        return await self._change(change, paused=False)
+
+    @unpause.validator
+    def _check_unpause(self, change: PauseChange) -> None:
+        _check(change)
+
+    @workflow.signal
+    def refresh(self, view: PausesView) -> None:
+        """The table's pauses, as the worker read them after a change made elsewhere."""
+        if view != self._view:  # the bridge also refreshes after the updates' own changes
+            self._view = view
+            self._changed = True
+
+    @workflow.query
+    def pauses(self) -> PausesView:
+        return self._view
+
+    async def _change(self, change: PauseChange, *, paused: bool) -> PausesView:
+        view: PausesView = await workflow.execute_activity(
+            "change_pauses",
+            PauseChangeInput(self._table, change, paused),
+            result_type=PausesView,
+            start_to_close_timeout=CHANGE_TIMEOUT,
+            # A name the app does not know fails at once; a database outage is retried.
+            retry_policy=RetryPolicy(
+                maximum_attempts=5, non_retryable_error_types=["ConfigurationError"]
+            ),
+            summary="pause" if paused else "unpause",
+        )
+        self._view = view
+        self._changed = True
+        return view
+
+    # -- what the UI shows ----------------------------------------------------------------------
+
+    def _headline(self) -> str:
+        pauses = self._view.pauses
+        if not pauses:
+            return "nothing paused (the pause update pauses a category or a scope)"
+        named = [f"{p.kind} {p.name} by {p.paused_by}: {p.reason}" for p in pauses]
+        more = len(named) - HEADLINE_PAUSES
+        shown = "; ".join(named[:HEADLINE_PAUSES]) + (f"; and {more} more" if more > 0 else "")
+        return f"paused: {shown}"
+
+    def _publish(self) -> None:
+        lines = [
+            f"**Table** `{self._table}`: pause or resume a whole category or scope with the "
+            '`pause` and `unpause` updates, e.g. `{"category": "PROJECT_UPDATE", "reason": '
+            '"search is down"}` or `{"scope": "ORGANIZATION"}`'
+        ]
+        if not self._view.pauses:
+            lines.append("**Paused** nothing")
+        for p in self._view.pauses:
+            lines.append(
+                f"**Paused** {p.kind} {p.name} ({p.number}) by {p.paused_by} since {p.since}: "
+                f"{p.reason}"
+            )
+        workflow.set_current_details("\n\n".join(lines))
+
+
+def _check(change: PauseChange) -> None:
+    if (change.category is None) == (change.scope is None):
+        raise ValueError("give exactly one of category and scope (a name or a number)")

@@ -28,7 +28,8 @@ from tests.harness import (
     start_servers,
 )
 
-pytest_plugins = ["pytester"]
+# tests/slots.py: a test of any tier but ``unit`` waits for one of the machine's test slots.
+pytest_plugins = ["pytester", "tests.slots"]
 
 # A test that provokes an ERROR record of the library on purpose says so with this marker;
 # any other ERROR record of an ``outbox_bridge`` logger fails the test that was running.

@@ -64,6 +64,8 @@ LOCAL_DRAIN_ATTEMPTS = 3
 # How long one timer of a skipped shard lasts; when it fires, the shard waits on the next.
 SKIPPED_TIMER = timedelta(days=7)
 BACKOFF_COEFFICIENT = 2.0
+# Patches since the 1.0 baseline (docs: Upgrade safely).
+CARRY_BACKOFF_FROM_NOW = "carry-backoff-from-now"
 
 
 class _Interrupted(Exception):
@@ -265,7 +267,12 @@ class OutboxShard:
             interval = min(interval * BACKOFF_COEFFICIENT, ceiling)
         r.attempts += attempts
         r.retry_interval_seconds = interval
-        r.next_attempt_at = (self._blocked_at + timedelta(seconds=waited + interval)).isoformat()
+        next_attempt = self._blocked_at + timedelta(seconds=waited + interval)
+        if workflow.patched(CARRY_BACKOFF_FROM_NOW):
+            # The server's attempts start later than the schedule (dispatch, the call itself),
+            # so its last one may be just behind us: a whole interval from now is never sooner.
+            next_attempt = workflow.now() + timedelta(seconds=interval)
+        r.next_attempt_at = next_attempt.isoformat()
 
     async def _stay_skipped(self) -> None:
         r = self._r

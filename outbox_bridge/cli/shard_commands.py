@@ -174,7 +174,8 @@ def _status_table(report: ShardReport, paused: str | None = None) -> Table:
 @click.option("--reason", required=True, help="Why the shard is paused (shown in the UI).")
 @shard_options(SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
 def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
-    """Pause SHARD: its retrying attempt is cancelled, no handler runs, every row is kept.
+    """Skip SHARD: its retrying attempt is cancelled, no handler runs, every row is kept (to
+    stop a whole category or scope instead, see `outbox-bridge pause`).
 
     A shard without a workflow of its own (a partition drains it) gets one, started skipped on
     --task-queue, which must be the workers': the skip is taken once no handler of the shard

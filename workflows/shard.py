@@ -94,6 +94,8 @@ class OutboxShard:
         # News of rows so far in this run: a drain compares it before and after its call (a
         # drain is never interrupted by continue-as-new, so the count need not be carried).
         self._news = 0
+        # Asked in the run's first activation: asked later, a replay may ask it in another task.
+        self._drain_handed_deferred = workflow.patched(DRAIN_HANDED_DEFERRED)
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
@@ -425,7 +427,7 @@ class OutboxShard:
             r.last_error = input.failure
             r.blocked_since = workflow.now().isoformat()
             r.paused = None
-        elif input.held_for == HeldFor.DEFERRED and workflow.patched(DRAIN_HANDED_DEFERRED):
+        elif input.held_for == HeldFor.DEFERRED and self._drain_handed_deferred:
             # The drain finds out why the head waits (a pause, its parked groups) for the UI.
             r.pending = True
         elif input.held_for == HeldFor.DEFERRED and input.deferred_until is not None:

@@ -23,6 +23,7 @@ from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.db.pauses import read_pauses
+from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import PauseChange, PausesView, ShardState, ShardStatus
 from tests.harness import (
     Category,
@@ -225,6 +226,8 @@ async def test_a_shard_waiting_on_a_pause_shows_the_pause_on_its_first_view(
         await wait_until(labelled, what="the timer's label naming the pause")
         status = await handle.query("status", result_type=ShardStatus)
         assert status.state == ShardState.DEFERRED  # the search attribute's value too
+    # The drain a deferred handover now runs first is behind a patch: the run replays.
+    assert_replays(await handle.fetch_history())
 
 
 async def _paused_in_view(handle: WorkflowHandle[Any, Any], names: list[str]) -> bool:

@@ -94,11 +94,12 @@ class OutboxShard:
         # News of rows so far in this run: a drain compares it before and after its call (a
         # drain is never interrupted by continue-as-new, so the count need not be carried).
         self._news = 0
-        # Asked in the run's first activation: asked later, a replay may ask it in another task.
-        self._drain_handed_deferred = workflow.patched(DRAIN_HANDED_DEFERRED)
+        # Until the run's body starts: a handover that starts the run comes before it.
+        self._starting = True
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
+        self._starting = False
         while True:
             self._show()
             if self._history_long() and workflow.all_handlers_finished():
@@ -427,7 +428,7 @@ class OutboxShard:
             r.last_error = input.failure
             r.blocked_since = workflow.now().isoformat()
             r.paused = None
-        elif input.held_for == HeldFor.DEFERRED and self._drain_handed_deferred:
+        elif input.held_for == HeldFor.DEFERRED and self._drains_handed_deferral():
             # The drain finds out why the head waits (a pause, its parked groups) for the UI.
             r.pending = True
         elif input.held_for == HeldFor.DEFERRED and input.deferred_until is not None:
@@ -435,6 +436,12 @@ class OutboxShard:
             r.deferred_seconds = input.deferred_seconds
         elif input.skip is None:
             r.pending = True
+
+    def _drains_handed_deferral(self) -> bool:
+        """A run started by a deferred handover drains first. The patch is asked only in the
+        run's first activation (later, a replay may ask it in another task than the run did),
+        and only then (it costs two history events: its marker and its search attribute)."""
+        return self._starting and workflow.patched(DRAIN_HANDED_DEFERRED)
 
     @workflow.signal
     def recheck(self, input: RecheckInput) -> None:

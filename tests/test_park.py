@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import text
@@ -29,6 +30,7 @@ from tests.harness import (
     write_rows,
 )
 from tests.test_cli_shards import cli
+from tests.test_pauses import shows
 
 SHARD = "ORGANIZATION:8"
 
@@ -226,3 +228,30 @@ async def test_shards_lists_a_table_whose_parked_group_table_is_not_there_yet(
     assert [(s["shard"], s["parked_groups"]) for s in json.loads(out)] == [(SHARD, 0)]
     code, _, err = await cli(servers, table, "park", SHARD, "--reason", "why")
     assert code == 2 and "init-db" in err, err
+
+
+async def test_a_shard_workflow_lists_its_parked_groups_on_its_first_view(
+    servers, engine, client
+) -> None:
+    recorder, table, app = await fresh_app(engine)
+    await write_rows(engine, app, [row(Category.PROJECT_UPDATE, 85)])
+    code, _, err = await cli(
+        servers, table, "park", SHARD, "--reason", "bad payload", "--by", "ann"
+    )
+    assert code == 0, err
+    handle = client.get_workflow_handle(f"outbox:{table}:{SHARD}")
+    async with running_worker(servers, app, fast_settings()):
+        # Behind the parked group, a row scheduled later: the shard's workflow waits for it.
+        [due, _] = await write_rows(
+            engine,
+            app,
+            [
+                row(Category.MEMBER_UPDATE, 86),
+                row(Category.ORGANIZATION_UPDATE, 87) | {"scheduled_for": timedelta(hours=1)},
+            ],
+        )
+        await wait_until(lambda: due in recorder.ids(), what="the group behind the parked one")
+        listed = "- PROJECT_UPDATE object=85, 1 rows: parked by ann at "
+        await wait_until(lambda: shows(handle, listed), what="the parked group in the details")
+        assert await shows(handle, ": bad payload")
+        assert await shows(handle, "**Deferred until**")

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
+    Client,
     WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowQueryFailedError,
@@ -23,6 +23,7 @@ from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.db.pauses import read_pauses
+from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import PauseChange, PausesView, ShardState, ShardStatus
 from tests.harness import (
     Category,
@@ -36,12 +37,11 @@ from tests.harness import (
     write_rows,
 )
 from tests.test_cli_shards import cli
+from tests.workflows.doubles import current_details
 
 # A sweep only every two minutes: what ends a pause within a test's wait is the notification
 # that the resume sends (the bridge sweeps at once), not the periodic sweep.
 SLOW_SWEEP = 120.0
-# The query every Temporal SDK answers with a workflow's details, as the UI shows them.
-WORKFLOW_METADATA = "__temporal_workflow_metadata"
 
 
 def _row(category: Category, shard: int, obj: int) -> dict[str, Any]:
@@ -179,9 +179,55 @@ async def test_pause_names_what_it_cannot_find(servers, engine) -> None:
     assert code == 0 and "was not paused" in out, err
 
 
-async def _details(handle: WorkflowHandle[Any, Any]) -> str:
-    metadata = await handle.query(WORKFLOW_METADATA, result_type=WorkflowMetadata)
-    return str(metadata.current_details)
+async def shows(handle: WorkflowHandle[Any, Any], text: str) -> bool:
+    """The workflow's current details (the UI's first view) contain ``text``."""
+    try:
+        return text in await current_details(handle)
+    except (RPCError, WorkflowQueryFailedError):
+        return False  # not started yet
+
+
+async def timer_summaries(handle: WorkflowHandle[Any, Any], client: Client) -> list[str]:
+    """The summaries of the current run's timers: the label the UI shows of what it waits for."""
+    converter = client.data_converter.payload_converter
+    return [
+        converter.from_payload(event.user_metadata.summary, str)
+        for event in (await handle.fetch_history()).events
+        if event.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+        and event.HasField("user_metadata")
+    ]
+
+
+async def test_a_shard_waiting_on_a_pause_shows_the_pause_on_its_first_view(
+    servers, engine, client
+) -> None:
+    _, table, app = await fresh_app(engine)
+    code, _, err = await cli(
+        servers, table, "pause", "--category", "PROJECT_UPDATE", "--reason", "search down"
+    )
+    assert code == 0, err
+    code, out, err = await cli(servers, table, "pauses", "--json")
+    assert code == 0, err
+    [pause] = json.loads(out)
+    shown = f"category PROJECT_UPDATE (search down, by {pause['paused_by']}, since "
+    handle = client.get_workflow_handle(f"outbox:{table}:ORGANIZATION:9")
+    async with running_worker(servers, app, fast_settings(sweep_interval=SLOW_SWEEP)):
+        await write_rows(
+            engine, app, [_row(Category.PROJECT_UPDATE, 9, 90), _row(Category.MEMBER_UPDATE, 9, 9)]
+        )
+        await wait_until(lambda: shows(handle, f"**Paused** {shown}"), what="the pause shown")
+        assert "**Deferred until**" not in await current_details(handle)
+
+        async def labelled() -> bool:
+            return any(
+                s.startswith(f"paused: {shown}") for s in await timer_summaries(handle, client)
+            )
+
+        await wait_until(labelled, what="the timer's label naming the pause")
+        status = await handle.query("status", result_type=ShardStatus)
+        assert status.state == ShardState.DEFERRED  # the search attribute's value too
+    # The drain a deferred handover now runs first is behind a patch: the run replays.
+    assert_replays(await handle.fetch_history())
 
 
 async def _paused_in_view(handle: WorkflowHandle[Any, Any], names: list[str]) -> bool:
@@ -211,7 +257,7 @@ async def test_the_control_workflow_pauses_and_resumes_by_update(servers, engine
         async with engine.connect() as conn:
             [stored] = await read_pauses(conn, app.table())
         assert (stored.kind, stored.number, stored.reason) == ("category", 2, "search down")
-        assert "**Paused** category PROJECT_UPDATE (2) by ann" in await _details(handle)
+        assert "**Paused** category PROJECT_UPDATE (2) by ann" in await current_details(handle)
 
         rows = await write_rows(
             engine, app, [_row(Category.PROJECT_UPDATE, 3, 30), _row(Category.MEMBER_UPDATE, 3, 3)]
@@ -254,7 +300,7 @@ async def test_the_control_workflow_pauses_and_resumes_by_update(servers, engine
         assert [p.name for p in view.pauses] == ["USER"]
         await wait_until(lambda: _handled(recorder, rows), what="the rows after unpause")
         assert _in_order(recorder, rows)
-        assert "**Paused** category PROJECT_UPDATE" not in await _details(handle)
+        assert "**Paused** category PROJECT_UPDATE" not in await current_details(handle)
 
 
 async def _started(handle: WorkflowHandle[Any, Any]) -> bool:

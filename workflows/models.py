@@ -119,6 +119,18 @@ class HeadGroup:
 
 
 @dataclass
+class ParkedNote:
+    """A parked group of a shard, as its workflow shows it: operator text and ids, no payload."""
+
+    category_name: str
+    object_identifier: int
+    reason: str
+    parked_by: str
+    parked_at: str
+    rows: int = 0
+
+
+@dataclass
 class ShardRecord:
     """Everything a shard workflow knows, carried whole across continue-as-new; its state is
     derived from it (:attr:`state`)."""
@@ -141,6 +153,8 @@ class ShardRecord:
     # (which decides when the row is due) at the moment it was read.
     deferred_until: str | None = None
     deferred_seconds: float | None = None
+    paused: PauseInfo | None = None  # the pause the deferred head waits for, if it is paused
+    parked: list[ParkedNote] = field(default_factory=list)  # as the last drain read them
 
     @property
     def state(self) -> ShardState:
@@ -256,6 +270,8 @@ class DrainResult:
     failure: HandlerFailure | None = None
     released: bool = False  # the shard was empty and went back to its partition
     deferred_seconds: float | None = None  # by the database's clock, when deferred_until is set
+    paused: PauseInfo | None = None  # the pause that holds the deferred head, if one does
+    parked: list[ParkedNote] = field(default_factory=list)  # the shard's parked groups
 
 
 @dataclass

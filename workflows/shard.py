@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         HeldFor,
         HoldInput,
         NotifyInput,
+        PauseInfo,
         RecheckInput,
         ResumeInput,
         ShardInput,
@@ -66,6 +67,8 @@ SKIPPED_TIMER = timedelta(days=7)
 BACKOFF_COEFFICIENT = 2.0
 # Patches since the 1.0 baseline (docs: Upgrade safely).
 CARRY_BACKOFF_FROM_NOW = "carry-backoff-from-now"
+# A run started by a deferred handover drains before it waits, to learn why the head waits.
+DRAIN_HANDED_DEFERRED = "drain-handed-deferred"
 
 
 class _Interrupted(Exception):
@@ -91,9 +94,12 @@ class OutboxShard:
         # News of rows so far in this run: a drain compares it before and after its call (a
         # drain is never interrupted by continue-as-new, so the count need not be carried).
         self._news = 0
+        # Until the run's body starts: a handover that starts the run comes before it.
+        self._starting = True
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
+        self._starting = False
         while True:
             self._show()
             if self._history_long() and workflow.all_handlers_finished():
@@ -127,11 +133,12 @@ class OutboxShard:
 
     async def _drain(self) -> None:
         r = self._r
-        r.deferred_until = r.deferred_seconds = None
+        r.deferred_until = r.deferred_seconds = r.paused = None
         news = self._news
         result = await self._drain_call()
         if result is None:
             return  # skipped meanwhile: drained again once resumed
+        r.parked = result.parked
         # Still draining if rows may remain, or news came while the drain ran.
         r.pending = result.more or self._news != news
         self._count(result.rows_handled, result.groups_handled)
@@ -146,6 +153,7 @@ class OutboxShard:
         elif not r.pending and result.deferred_until is not None:
             r.deferred_until = result.deferred_until
             r.deferred_seconds = result.deferred_seconds
+            r.paused = result.paused
 
     async def _drain_call(self) -> DrainResult | None:
         """One drain of the shard: a local activity (about one history event), falling back to
@@ -314,7 +322,7 @@ class OutboxShard:
                     timeout_summary=self._headline(),
                 )
                 return  # news, a skip, a handover, or a continue-as-new (which carries it)
-        r.deferred_until = None
+        r.deferred_until = r.paused = None
         r.pending = True
 
     async def _hold(self, held_for: HeldFor) -> None:
@@ -419,11 +427,21 @@ class OutboxShard:
             r.attempts = 1  # the partition's call
             r.last_error = input.failure
             r.blocked_since = workflow.now().isoformat()
+            r.paused = None
+        elif input.held_for == HeldFor.DEFERRED and self._drains_handed_deferral():
+            # The drain finds out why the head waits (a pause, its parked groups) for the UI.
+            r.pending = True
         elif input.held_for == HeldFor.DEFERRED and input.deferred_until is not None:
             r.deferred_until = input.deferred_until
             r.deferred_seconds = input.deferred_seconds
         elif input.skip is None:
             r.pending = True
+
+    def _drains_handed_deferral(self) -> bool:
+        """A run started by a deferred handover drains first. The patch is asked only in the
+        run's first activation (later, a replay may ask it in another task than the run did),
+        and only then (it costs two history events: its marker and its search attribute)."""
+        return self._starting and workflow.patched(DRAIN_HANDED_DEFERRED)
 
     @workflow.signal
     def recheck(self, input: RecheckInput) -> None:
@@ -617,6 +635,8 @@ class OutboxShard:
             return f"skipped by {skip.by or 'an operator'} at {_when(skip.at)}: {skip.reason}"
         if r.head is not None:
             return f"blocked on {r.head.summary} since {_when(r.blocked_since)}"
+        if r.paused is not None:
+            return f"paused: {_pause_line(r.paused)}"
         if r.deferred_until is not None:
             return f"deferred until {_when(r.deferred_until)}"
         return r.state.value
@@ -636,12 +656,27 @@ class OutboxShard:
             lines.append(f"**Attempts** {r.attempts}+, last error `{r.last_error.error_type}`")
         if r.blocked_since is not None:
             lines.append(f"**Blocked since** {r.blocked_since}")
-        if r.deferred_until is not None:
+        if r.paused is not None:
+            lines.append(f"**Paused** {_pause_line(r.paused)}")
+        elif r.deferred_until is not None:
             lines.append(f"**Deferred until** {r.deferred_until}")
+        if r.parked:
+            lines.append(f"**Parked groups** {len(r.parked)}, set aside until unparked:")
+            lines += [
+                f"- {g.category_name} object={g.object_identifier}, {g.rows} rows: parked by "
+                f"{g.parked_by} at {_when(g.parked_at)}: {g.reason}"
+                for g in r.parked
+            ]
         if r.skip is not None:
             skip = r.skip
             lines.append(f"**Skipped** by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
         workflow.set_current_details("\n\n".join(lines))
+
+
+def _pause_line(pause: PauseInfo) -> str:
+    """``category PROJECT_UPDATE (search down, by ann, since ...)``."""
+    since = _when(pause.since)
+    return f"{pause.kind} {pause.name} ({pause.reason}, by {pause.paused_by}, since {since})"
 
 
 def _when(iso: str | None) -> str:

@@ -16,13 +16,19 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.parked import read_parked
+from outbox_bridge.db.pauses import read_shard_pause
 from outbox_bridge.db.store import hold_shard, read_pending_up_to
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardFaultError, ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed
+from outbox_bridge.runtime.pause_control import member_name, view_of
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.workflows.models import (
     DrainInput,
@@ -33,6 +39,9 @@ from outbox_bridge.workflows.models import (
     HandleHeadResult,
     HeldFor,
     HoldInput,
+    ParkedNote,
+    PauseInfo,
+    PauseKind,
     ShardRef,
 )
 
@@ -89,6 +98,7 @@ class ShardDrainer:
         deadline = time.monotonic() + request.time_budget_seconds
         outcome = ShardOutcome(shard)
         released = False
+        seen = _Seen()
         async with self._locked(shard) as batch:
             batch.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
             heads = await self._engine.read_heads(
@@ -101,12 +111,40 @@ class ShardDrainer:
             if outcome.emptied:
                 batch.release(shard)
                 released = True
+            else:
+                seen = await batch.execute(lambda conn: self._seen(conn, batch.table, outcome))
         if outcome.failure is not None and outcome.failed is None:
             # Failed before any group could be named (its rows cannot be read, its unlock
             # failed): the activity fails, and is retried with backoff, saying why.
             failure = outcome.failure
             raise ShardFaultError(f"{failure.error_type}: {failure.message}")
-        return _result(outcome, released)
+        result = _result(outcome, released)
+        result.parked = seen.parked
+        if result.deferred_until is not None:
+            result.paused = seen.paused
+        return result
+
+    async def _seen(self, conn: AsyncConnection, table: Table, outcome: ShardOutcome) -> _Seen:
+        """What the shard's workflow shows beside its state: the shard's parked groups, and the
+        pause its head waits for (read only when the head is not due)."""
+        shard = outcome.shard
+        parked = [
+            ParkedNote(
+                category_name=member_name(self._app, PauseKind.CATEGORY, group.category),
+                object_identifier=group.object_identifier,
+                reason=group.reason,
+                parked_by=group.parked_by,
+                parked_at=iso_utc(group.parked_at),
+                rows=group.rows,
+            )
+            for group in await read_parked(conn, table, shard)
+        ]
+        pause = None
+        if outcome.deferred_until is not None and outcome.failed is None:
+            pause = await read_shard_pause(conn, table, shard)
+        if pause is None:
+            return _Seen(parked)
+        return _Seen(parked, view_of(self._app, [pause]).pauses[0])
 
     # -- a blocked head --------------------------------------------------------------------
 
@@ -177,6 +215,12 @@ class ShardDrainer:
                 return FlushCheck(handled=False)
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 1.5, FLUSH_POLL_MAX)
+
+
+@dataclass
+class _Seen:
+    parked: list[ParkedNote] = field(default_factory=list)
+    paused: PauseInfo | None = None
 
 
 def _result(outcome: ShardOutcome, released: bool) -> DrainResult:

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.api.testservice.v1 import LockTimeSkippingRequest, UnlockTimeSkippingRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import RawValue
@@ -257,6 +258,12 @@ async def events(handle: WorkflowHandle[Any, Any]) -> list[HistoryEvent]:
 
 def of_type(history: list[HistoryEvent], kind: EventType.ValueType) -> list[HistoryEvent]:
     return [event for event in history if event.event_type == kind]
+
+
+async def current_details(handle: WorkflowHandle[Any, Any]) -> str:
+    """The run's current details: what the UI shows on the workflow's first view."""
+    metadata = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+    return str(metadata.current_details)
 
 
 async def summaries(

@@ -23,6 +23,9 @@ from outbox_bridge.workflows.models import (
     HandoverInput,
     HeldFor,
     NotifyInput,
+    ParkedNote,
+    PauseInfo,
+    PauseKind,
     ResumeInput,
     ShardInput,
     ShardOptions,
@@ -38,6 +41,7 @@ from tests.workflows.doubles import (
     PROJECT_UPDATE,
     REPLICA_DOWN,
     Bench,
+    current_details,
     events,
     failing,
     intervals,
@@ -399,7 +403,19 @@ async def test_a_handed_over_failure_is_retried_without_repeating_the_partitions
     assert len(wf.doubles.drains.calls) == 1  # the rest of the shard, once the head passed
 
 
-async def test_a_handed_over_deferral_waits_for_its_head(wf) -> None:
+async def test_a_handed_over_deferral_drains_once_to_say_why_then_waits(wf) -> None:
+    paused = PauseInfo(
+        PauseKind.CATEGORY, 2, "PROJECT_UPDATE", "search down", "ann", "2030-01-01T00:00:00+00:00"
+    )
+    parked = ParkedNote("MEMBER_UPDATE", 5, "bad payload", "bob", "2030-01-01T00:00:00+00:00", 2)
+    wf.doubles.drains.answers = [
+        DrainResult(
+            deferred_until="2030-01-01T00:05:00+00:00",
+            deferred_seconds=300.0,
+            paused=paused,
+            parked=[parked],
+        )
+    ]
     wf.doubles.drains.default = DrainResult(groups_handled=1, rows_handled=1, released=True)
     handle = await hand_over(
         wf,
@@ -407,16 +423,23 @@ async def test_a_handed_over_deferral_waits_for_its_head(wf) -> None:
         HandoverInput(
             max_id=13,
             held_for=HeldFor.DEFERRED,
-            deferred_until="2030-01-01T00:00:00+00:00",
-            deferred_seconds=600.0,
+            deferred_until="2030-01-01T00:05:00+00:00",
+            deferred_seconds=300.0,
         ),
     )
-    await reaches(handle, ShardState.DEFERRED)
-    assert wf.doubles.drains.calls == []
-    await wf.skip_time(601)
+    await reaches(handle, ShardState.DEFERRED)  # its search attribute stays "deferred"
+    details = await current_details(handle)
+    assert "**Paused** category PROJECT_UPDATE (search down, by ann, since 2030-01-01" in details
+    assert "- MEMBER_UPDATE object=5, 2 rows: parked by bob at 2030-01-01" in details
+    assert "bad payload" in details and "**Deferred until**" not in details
+    await wf.skip_time(301)
     await summary(wf, handle)
-    assert timers(await events(handle)) == [600]
-    assert len(wf.doubles.drains.calls) == 1
+    history = await events(handle)
+    assert timers(history) == [300]
+    assert await summaries(wf.client, history, EventType.EVENT_TYPE_TIMER_STARTED) == [
+        "paused: category PROJECT_UPDATE (search down, by ann, since 2030-01-01 00:00:00 UTC)"
+    ]
+    assert len(wf.doubles.drains.calls) == 2  # the one that says why, and the one after
 
 
 # -- flush ---------------------------------------------------------------------------------------

@@ -382,7 +382,7 @@ def test_a_partition_drain_queues_news_up_to_its_cap() -> None:
     overflow (the next scan of every shard finds the others)."""
     hub = ShardHub()
     drain = PartitionDrain(
-        DrainEngine(None, _tiny_app(), calls=None),  # type: ignore[arg-type]
+        DrainEngine(None, _tiny_app(), calls=None, max_undeleted_groups=10),  # type: ignore[arg-type]
         NoHandovers(),  # type: ignore[arg-type]
         hub,
         PartitionDrainInput(PartitionRef("t_tiny", 0, 1), PartitionOptions()),

@@ -17,6 +17,7 @@ from outbox_bridge.config import OutboxSettings, sqlalchemy_url
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.assembly import RunningOutbox, run_outbox
+from outbox_bridge.runtime.loop_thread import settle_native_threads_at_exit
 from outbox_bridge.workflows.models import flush_queue
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class OutboxPlugin(temporalio.worker.Plugin):
         return config
 
     async def run_worker(self, worker: Worker, next: Callable[[Worker], Awaitable[None]]) -> None:
+        # The SDK's threads of the outbox's workers may still call into Python when your
+        # program returns; one that does so while the interpreter finalizes aborts it.
+        settle_native_threads_at_exit()
         worker_stopped = asyncio.Event()
         outbox = asyncio.create_task(self._run_beside(worker, worker_stopped), name="outbox")
         try:

@@ -149,6 +149,20 @@ SQL_NAMES = {
     "key.replace('s.', '')",
     "_joins('o', regional)",
     "_joins('t', regional)",
+    # The pause and parked-group clauses (db/pauses.py, db/parked.py): their tables' names,
+    # row aliases, column equalities, and the clauses they build from those alone.
+    "pauses",
+    "pauses.name",
+    "parked",
+    "row",
+    "scope",
+    "same",
+    "where",
+    "not_due_sql(table, 't')",
+    "not_parked(table, 't')",
+    "wait_seconds_sql(table, 't')",
+    "wait_seconds_sql(table, 'w', 's.scope')",
+    "due_at_sql(table, 'w', 's.scope')",
 }
 SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|LISTEN|NOTIFY|WHERE)\b")
 

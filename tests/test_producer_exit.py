@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -73,7 +74,8 @@ print(json.dumps([[r.shard, str(r.outcome), r.detail] for r in report]))
 sys.exit(EXIT_CODE)
 """
 EXIT_CODE = 3
-RUNS = 10  # per case, half of them sync
+# Runs per case, half of them sync; OUTBOX_EXIT_RUNS=100 for the long proof.
+RUNS = int(os.environ.get("OUTBOX_EXIT_RUNS", "10"))
 AT_ONCE = 4
 
 

@@ -33,18 +33,20 @@ def _in(group: SettingGroup, *, tools: str | None = None) -> dict[str, Any]:
     return {"group": group.value} | ({"tools": tools} if tools else {})
 
 
+def _tag(field: FieldInfo, key: str) -> str | None:
+    extra = field.json_schema_extra
+    value = extra.get(key) if isinstance(extra, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def setting_group(field: FieldInfo) -> SettingGroup:
     """The group of a settings field (:attr:`SettingGroup.WORKER` when untagged)."""
-    extra = field.json_schema_extra
-    group = extra.get("group") if isinstance(extra, dict) else None
-    return SettingGroup(group) if isinstance(group, str) else SettingGroup.WORKER
+    return SettingGroup(_tag(field, "group") or SettingGroup.WORKER)
 
 
 def tools_description(field: FieldInfo) -> str:
     """What a setting means to the commands other than the worker."""
-    extra = field.json_schema_extra
-    tools = extra.get("tools") if isinstance(extra, dict) else None
-    return tools if isinstance(tools, str) else field.description or ""
+    return _tag(field, "tools") or field.description or ""
 
 
 def _temporal(name: str, default: Any, description: str, **options: Any) -> Any:

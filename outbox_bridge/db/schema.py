@@ -287,14 +287,9 @@ def add_trace_context_ddl(table: Table) -> str:
     return f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} jsonb"
 
 
-# -- date_added is finite ------------------------------------------------------------------------
-# Ages are computed from date_added (the backlog gauges, `outbox-bridge shards`): a row written
-# with plain SQL at +-infinity made them infinite, or failed the command (Python has no
-# infinite datetime). Such a write is refused by this CHECK constraint.
-
-
 def date_added_check(table_name: str) -> CheckConstraint:
-    """The CHECK constraint that refuses an infinite ``date_added``."""
+    """The CHECK constraint that refuses an infinite ``date_added`` (ages are computed from it,
+    and Python has no infinite datetime)."""
     return CheckConstraint("isfinite(date_added)", name=f"{table_name}_date_added_finite")
 
 

@@ -532,8 +532,7 @@ class DriverWrites:
         delete_ = statement.compile(dialect=dialect)
         self._delete = str(delete_)
         self._delete_params = dict(delete_.params)
-        unlock = _UNLOCK_SHARDS.compile(dialect=dialect)
-        self._unlock = str(unlock)
+        self._unlock = str(_UNLOCK_SHARDS.compile(dialect=dialect))
 
     async def delete_handled(
         self, driver: psycopg.AsyncConnection[Any], ids: Sequence[int]
@@ -568,10 +567,9 @@ _DRIVER_WRITES: dict[tuple[Table, str], DriverWrites] = {}
 def driver_writes(table: Table, dialect: Dialect) -> DriverWrites:
     """The :class:`DriverWrites` of ``table`` (made once per table and dialect)."""
     key = (table, dialect.name)
-    writes = _DRIVER_WRITES.get(key)
-    if writes is None:
-        writes = _DRIVER_WRITES[key] = DriverWrites(table, dialect)
-    return writes
+    if key not in _DRIVER_WRITES:
+        _DRIVER_WRITES[key] = DriverWrites(table, dialect)
+    return _DRIVER_WRITES[key]
 
 
 # -- planner statistics ---------------------------------------------------------------------------

@@ -33,22 +33,26 @@ def _in(group: SettingGroup, *, tools: str | None = None) -> dict[str, Any]:
     return {"group": group.value} | ({"tools": tools} if tools else {})
 
 
+def _tag(field: FieldInfo, key: str) -> str | None:
+    extra = field.json_schema_extra
+    value = extra.get(key) if isinstance(extra, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def setting_group(field: FieldInfo) -> SettingGroup:
     """The group of a settings field (:attr:`SettingGroup.WORKER` when untagged)."""
-    extra = field.json_schema_extra
-    group = extra.get("group") if isinstance(extra, dict) else None
-    return SettingGroup(group) if isinstance(group, str) else SettingGroup.WORKER
+    return SettingGroup(_tag(field, "group") or SettingGroup.WORKER)
 
 
 def tools_description(field: FieldInfo) -> str:
     """What a setting means to the commands other than the worker."""
-    extra = field.json_schema_extra
-    tools = extra.get("tools") if isinstance(extra, dict) else None
-    return tools if isinstance(tools, str) else field.description or ""
+    return _tag(field, "tools") or field.description or ""
 
 
-def _temporal(name: str) -> AliasChoices:
-    return AliasChoices(f"TEMPORAL_{name.upper()}", f"temporal_{name}")
+def _temporal(name: str, default: Any, description: str, **options: Any) -> Any:
+    """The setting ``temporal_<name>``, read from ``TEMPORAL_<NAME>`` (Temporal's own name)."""
+    alias = AliasChoices(f"TEMPORAL_{name.upper()}", f"temporal_{name}")
+    return Field(default, validation_alias=alias, description=description, **options)
 
 
 def _or_otel(name: str, otel: str) -> AliasChoices:
@@ -74,62 +78,38 @@ class OutboxSettings(BaseSettings):
             "Unset: the worker's embedded PostgreSQL under --data-dir.",
         ),
     )
-    temporal_address: str | None = Field(
+    temporal_address: str | None = _temporal(
+        "address",
         None,
-        validation_alias=_temporal("address"),
-        description="Temporal frontend host:port. Unset: start a Temporal dev server with its "
-        "database file under --data-dir.",
+        "Temporal frontend host:port. Unset: start a Temporal dev server with its database "
+        "file under --data-dir.",
         json_schema_extra=_in(
             SettingGroup.TEMPORAL,
             tools="Temporal frontend host:port. Unset: the Temporal profile's address, else the "
             "worker's embedded dev server, on 127.0.0.1 and OUTBOX_TEMPORAL_PORT (7233).",
         ),
     )
-    temporal_namespace: str = Field(
-        "default",
-        validation_alias=_temporal("namespace"),
-        description="Temporal namespace.",
+    temporal_namespace: str = _temporal(
+        "namespace", "default", "Temporal namespace.", json_schema_extra=_in(SettingGroup.TEMPORAL)
+    )
+    temporal_api_key: SecretStr | None = _temporal("api_key", None, "API key (Temporal Cloud).")
+    temporal_tls: bool = _temporal("tls", False, "Connect to Temporal with TLS.")
+    temporal_tls_cert: Path | None = _temporal("tls_cert", None, "mTLS client certificate (PEM).")
+    temporal_tls_key: Path | None = _temporal("tls_key", None, "mTLS client key (PEM).")
+    temporal_tls_ca: Path | None = _temporal("tls_ca", None, "CA bundle for the server (PEM).")
+    temporal_profile: str | None = _temporal(
+        "profile",
+        None,
+        "Profile of Temporal's environment configuration (temporal.toml) that gives the "
+        "Temporal address, namespace, API key and TLS not set otherwise. Unset: the file's "
+        "'default' profile, if it has one.",
         json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
-    temporal_api_key: SecretStr | None = Field(
+    temporal_config_file: Path | None = _temporal(
+        "config_file",
         None,
-        validation_alias=_temporal("api_key"),
-        description="API key (Temporal Cloud).",
-    )
-    temporal_tls: bool = Field(
-        False,
-        validation_alias=_temporal("tls"),
-        description="Connect to Temporal with TLS.",
-    )
-    temporal_tls_cert: Path | None = Field(
-        None,
-        validation_alias=_temporal("tls_cert"),
-        description="mTLS client certificate (PEM).",
-    )
-    temporal_tls_key: Path | None = Field(
-        None,
-        validation_alias=_temporal("tls_key"),
-        description="mTLS client key (PEM).",
-    )
-    temporal_tls_ca: Path | None = Field(
-        None,
-        validation_alias=_temporal("tls_ca"),
-        description="CA bundle for the server (PEM).",
-    )
-    temporal_profile: str | None = Field(
-        None,
-        validation_alias=_temporal("profile"),
-        description="Profile of Temporal's environment configuration (temporal.toml) that "
-        "gives the Temporal address, namespace, API key and TLS not set otherwise. Unset: the "
-        "file's 'default' profile, if it has one.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
-    )
-    temporal_config_file: Path | None = Field(
-        None,
-        validation_alias=_temporal("config_file"),
-        description="Temporal's environment configuration file. Unset: "
-        "~/.config/temporalio/temporal.toml (the platform's configuration folder), if it "
-        "exists.",
+        "Temporal's environment configuration file. Unset: ~/.config/temporalio/temporal.toml "
+        "(the platform's configuration folder), if it exists.",
     )
     task_queue: str = Field(
         "outbox",
@@ -170,10 +150,7 @@ class OutboxSettings(BaseSettings):
             "OUTBOX_DATABASE_URL is unset.",
         ),
     )
-    temporal_port: int = Field(
-        7233,
-        description="Port of the embedded Temporal dev server.",
-    )
+    temporal_port: int = Field(7233, description="Port of the embedded Temporal dev server.")
     temporal_ui_port: int = Field(8233, description="Port of the embedded Temporal UI.")
     regions: Annotated[list[str] | None, NoDecode] = Field(
         None,

@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, Self
 
 from sqlalchemy import event
@@ -142,7 +141,7 @@ class Flusher:
         *,
         client: Client | None = None,
     ) -> None:
-        self._settings = settings if settings is not None else settings_from_environment()
+        self._settings = settings if settings is not None else OutboxSettings()
         self._skips = static_skips(app, self._settings.skip_shards)
         self._client = client
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Client] = (
@@ -448,24 +447,14 @@ class FlushingContext:
             else:
                 yield flusher, targets
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         for flusher, targets in self._flushes(exc_type is not None):
             self.report.results += flusher.flush_sync(targets, self._timeout)
 
     async def __aenter__(self) -> Self:
         return self.__enter__()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         for flusher, targets in self._flushes(exc_type is not None):
             self.report.results += await flusher.flush(targets, self._timeout)
 
@@ -550,12 +539,6 @@ def app_flusher(app: OutboxApp) -> Flusher:
     if not isinstance(route.flusher, Flusher):
         route.flusher = Flusher(app, route.settings, client=route.client)
     return route.flusher
-
-
-def settings_from_environment() -> OutboxSettings:
-    """``OutboxSettings`` from ``OUTBOX_*`` / ``TEMPORAL_*`` variables (and a ``.env`` file)."""
-    nothing_given: dict[str, Any] = {}
-    return OutboxSettings(**nothing_given)
 
 
 def _listen(session: Any) -> None:

@@ -346,11 +346,13 @@ class OutboxApp:
         for fn in self._handlers.values():
             if id(fn) not in wrapped:
                 replacement = wrapper(fn)
-                if self.is_async_handler(replacement) != self.is_async_handler(fn):
+                was, now = (
+                    "async" if self.is_async_handler(f) else "plain" for f in (fn, replacement)
+                )
+                if was != now:
                     raise RegistryError(
                         f"the wrapper of {getattr(fn, '__qualname__', fn)!s} changed it from "
-                        f"{'async' if self.is_async_handler(fn) else 'plain'} to "
-                        f"{'async' if self.is_async_handler(replacement) else 'plain'}"
+                        f"{was} to {now}"
                     )
                 wrapped[id(fn)] = replacement
         # Every wrapper checked before any handler is replaced.

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, func, literal, null, select, text, update
+from sqlalchemy import Table, func, literal, null, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import notify_channel, parked_of, shard_columns
+from outbox_bridge.db.schema import notify_channel, parked_of, shard_columns, shard_where
 from outbox_bridge.workflows.models import ShardRef
 
 # The columns that name a coalescing group, after the shard's.
@@ -61,16 +61,6 @@ class ParkedGroup:
         return (self.region, self.scope, self.shard_identifier)
 
 
-def _shard_of(table: Table, shard: ShardRef) -> ColumnElement[bool]:
-    """``table``'s rows of ``shard`` (an outbox or a parked-group table)."""
-    values = {
-        "region": shard.region,
-        "shard_scope": shard.scope,
-        "shard_identifier": shard.shard_identifier,
-    }
-    return and_(*(table.c[c] == values[c] for c in shard_columns("region" in table.c)))
-
-
 def _record(table: Table) -> list[Any]:
     """A parked group's columns, led by its region (NULL in a table without one), and its rows
     in the outbox table."""
@@ -96,7 +86,7 @@ async def park_head(
     keys = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
     head = (
         select(*(table.c[c] for c in keys), table.c.id, literal(reason), literal(by))
-        .where(_shard_of(table, shard), text(not_parked(table, table.name)))
+        .where(shard_where(table, shard), text(not_parked(table, table.name)))
         .order_by(table.c.id)
         .limit(1)
     )
@@ -124,7 +114,7 @@ async def unpark(
     if given) and return them; their records stay, with who put them back and when. A
     notification at commit wakes the bridge, which drains the shard again."""
     parked = parked_of(table)
-    where = [_shard_of(parked, shard), parked.c.unparked_at.is_(None)]
+    where = [shard_where(parked, shard), parked.c.unparked_at.is_(None)]
     if group is not None:
         where += [parked.c.category == group[0], parked.c.object_identifier == group[1]]
     statement = (
@@ -156,7 +146,7 @@ async def read_parked(
     """The parked groups of ``table`` (of ``shard`` only, if given), oldest first; with
     ``with_unparked``, the records of groups put back too."""
     parked = parked_of(table)
-    where: list[Any] = [] if shard is None else [_shard_of(parked, shard)]
+    where: list[Any] = [] if shard is None else [shard_where(parked, shard)]
     if not with_unparked:
         where.append(parked.c.unparked_at.is_(None))
     return await _read(conn, table, *where)

@@ -19,7 +19,7 @@ from sqlalchemy import Boolean, ColumnElement, Table, delete, func, literal_colu
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import notify_channel, pauses_of
+from outbox_bridge.db.schema import notify_channel, pauses_of, shard_values
 from outbox_bridge.workflows.models import PauseKind, ShardRef
 
 # At most this long, a shard workflow waiting at a paused row sleeps before it reads the shard
@@ -135,11 +135,8 @@ async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef)
     """The pause that ``shard`` waits for: the one that holds its first row not due, if that
     row is paused (a category's pause before a scope's)."""
     pauses = pauses_of(table)
-    params: dict[str, Any] = {"scope": shard.scope, "ident": shard.shard_identifier}
-    where = "t.shard_scope = :scope AND t.shard_identifier = :ident"
-    if "region" in table.c:
-        where += " AND t.region = :region"
-        params["region"] = shard.region
+    values = shard_values(table, shard)
+    where = " AND ".join(f"t.{name} = :{name}" for name in values)
     statement = text(
         f"""
         SELECT p.kind, p.number, p.reason, p.paused_by, p.since
@@ -151,7 +148,7 @@ async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef)
         ORDER BY p.kind LIMIT 1
         """
     )
-    row = (await conn.execute(statement, params)).one_or_none()
+    row = (await conn.execute(statement, values)).one_or_none()
     return None if row is None else _pause(row)
 
 

@@ -6,10 +6,13 @@ manage these tables yourself; :func:`create_outbox_tables` creates whatever is m
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     Column,
+    ColumnElement,
     DateTime,
     Identity,
     Index,
@@ -17,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    and_,
     func,
     text,
 )
@@ -26,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.config import safe_url
 from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.workflows.models import ShardRef
 
 # A NOTIFY payload is limited to 8,000 bytes; past this many bytes (octet_length: a region of
 # multi-byte characters counts each of its bytes) the trigger asks for a sweep instead.
@@ -41,6 +46,21 @@ def notify_channel(table: str) -> str:
 
 def shard_columns(regional: bool) -> list[str]:
     return (["region"] if regional else []) + ["shard_scope", "shard_identifier"]
+
+
+def shard_values(table: Table, shard: ShardRef) -> dict[str, Any]:
+    """``shard``'s values of ``table``'s shard columns (an outbox table or one beside it)."""
+    values = {
+        "region": shard.region,
+        "shard_scope": shard.scope,
+        "shard_identifier": shard.shard_identifier,
+    }
+    return {name: values[name] for name in shard_columns("region" in table.c)}
+
+
+def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
+    """``table``'s rows of ``shard``."""
+    return and_(*(table.c[name] == value for name, value in shard_values(table, shard).items()))
 
 
 def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Table:
@@ -267,14 +287,9 @@ def add_trace_context_ddl(table: Table) -> str:
     return f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} jsonb"
 
 
-# -- date_added is finite ------------------------------------------------------------------------
-# Ages are computed from date_added (the backlog gauges, `outbox-bridge shards`): a row written
-# with plain SQL at +-infinity made them infinite, or failed the command (Python has no
-# infinite datetime). Such a write is refused by this CHECK constraint.
-
-
 def date_added_check(table_name: str) -> CheckConstraint:
-    """The CHECK constraint that refuses an infinite ``date_added``."""
+    """The CHECK constraint that refuses an infinite ``date_added`` (ages are computed from it,
+    and Python has no infinite datetime)."""
     return CheckConstraint("isfinite(date_added)", name=f"{table_name}_date_added_finite")
 
 

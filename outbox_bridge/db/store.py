@@ -19,6 +19,7 @@ from sqlalchemy import (
     Row,
     Table,
     Text,
+    TextClause,
     and_,
     any_,
     bindparam,
@@ -32,12 +33,18 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError, StatementError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.parked import not_parked
 from outbox_bridge.db.pauses import due_at, due_at_sql, not_due, not_due_sql, wait_seconds_sql
-from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of, shard_columns
+from outbox_bridge.db.schema import (
+    TRACE_CONTEXT_COLUMN,
+    owners_of,
+    shard_columns,
+    shard_values,
+    shard_where,
+)
 from outbox_bridge.db.timestamps import LATEST
 from outbox_bridge.workflows.models import ShardRef
 
@@ -74,20 +81,6 @@ class ShardRange:
 def _any_id(ids: Sequence[int]) -> ColumnElement[Any]:
     # One array parameter, not one parameter per id: groups can hold many thousand rows.
     return any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
-
-
-def _shard_values(table: Table, shard: ShardRef) -> dict[str, Any]:
-    """``shard``'s values of ``table``'s shard columns (an outbox or an owner table)."""
-    values = {
-        "region": shard.region,
-        "shard_scope": shard.scope,
-        "shard_identifier": shard.shard_identifier,
-    }
-    return {name: values[name] for name in shard_columns("region" in table.c)}
-
-
-def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
-    return and_(*(table.c[name] == value for name, value in _shard_values(table, shard).items()))
 
 
 # held_for of a shard held because it is skipped (no drain takes it, not even its workflow's).
@@ -155,15 +148,14 @@ async def read_pending_up_to(
     yet due (scheduled later, or paused) is among them, when it is due (the shard waits for it).
     Parked rows are not waited for, except row ``up_to_id`` itself."""
     where = and_(shard_where(table, shard), table.c.id <= up_to_id)
-    visible = text(not_parked(table, table.name))
     barrier = (
         select(due_at(table))
-        .where(where, visible, not_due(table))
+        .where(where, _visible(table), not_due(table))
         .order_by(table.c.id)
         .limit(1)
         .scalar_subquery()
     )
-    waited = exists().where(where, or_(visible, table.c.id == up_to_id))
+    waited = exists().where(where, or_(_visible(table), table.c.id == up_to_id))
     pending, deferred_until = (await conn.execute(select(waited, barrier))).one()
     return bool(pending), deferred_until
 
@@ -184,29 +176,26 @@ class FirstRow:
 
 
 def _first_row_columns(table: Table) -> list[Any]:
-    return [
-        table.c.id,
-        table.c.category,
-        table.c.object_identifier,
-        ~not_due(table),
-    ]
+    return [table.c.id, table.c.category, table.c.object_identifier, ~not_due(table)]
+
+
+def _visible(table: Table) -> TextClause:
+    """``table``'s rows of no parked group, as a Core clause."""
+    return text(not_parked(table, table.name))
 
 
 async def read_first_row(conn: AsyncConnection, table: Table, shard: ShardRef) -> FirstRow | None:
     """The shard's first pending row not parked, if it has any (one index lookup)."""
-    first = select(*_first_row_columns(table)).where(shard_where(table, shard))
-    first = first.where(text(not_parked(table, table.name)))
+    first = select(*_first_row_columns(table)).where(shard_where(table, shard), _visible(table))
     row = (await conn.execute(first.order_by(table.c.id).limit(1))).one_or_none()
     return None if row is None else FirstRow(row[0], row[1], row[2], bool(row[3]))
 
 
 async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef) -> int | None:
     """The shard's highest pending id not parked, if it has such rows."""
-    visible = text(not_parked(table, table.name))
-    highest = select(func.max(table.c.id)).where(shard_where(table, shard), visible)
-    result = await conn.execute(highest)
-    value = result.scalar_one()
-    return int(value) if value is not None else None
+    highest = select(func.max(table.c.id)).where(shard_where(table, shard), _visible(table))
+    value: int | None = (await conn.execute(highest)).scalar_one()
+    return value
 
 
 async def read_trace_contexts(
@@ -543,8 +532,7 @@ class DriverWrites:
         delete_ = statement.compile(dialect=dialect)
         self._delete = str(delete_)
         self._delete_params = dict(delete_.params)
-        unlock = _UNLOCK_SHARDS.compile(dialect=dialect)
-        self._unlock = str(unlock)
+        self._unlock = str(_UNLOCK_SHARDS.compile(dialect=dialect))
 
     async def delete_handled(
         self, driver: psycopg.AsyncConnection[Any], ids: Sequence[int]
@@ -552,27 +540,25 @@ class DriverWrites:
         if not ids:
             return []
         params = {**self._delete_params, "ids": list(ids)}
-        async with driver.cursor() as cursor:
-            try:
-                await cursor.execute(self._delete, params)
-                return [row[0] for row in await cursor.fetchall()]
-            except psycopg.Error as exc:
-                raise _as_sqlalchemy(self._delete, exc) from exc
+        return [row[0] for row in await _run(driver, self._delete, params)]
 
     async def unlock_shards(
         self, driver: psycopg.AsyncConnection[Any], shards: Sequence[ShardRef]
     ) -> None:
         if shards:
-            async with driver.cursor() as cursor:
-                try:
-                    await cursor.execute(self._unlock, {"keys": [lock_key(s) for s in shards]})
-                except psycopg.Error as exc:
-                    raise _as_sqlalchemy(self._unlock, exc) from exc
+            await _run(driver, self._unlock, {"keys": [lock_key(s) for s in shards]})
 
 
-def _as_sqlalchemy(statement: str, exc: psycopg.Error) -> StatementError:
-    """``exc`` as SQLAlchemy raises it for the same statement (callers catch those)."""
-    return DBAPIError.instance(statement, None, exc, psycopg.Error)
+async def _run(
+    driver: psycopg.AsyncConnection[Any], statement: str, params: dict[str, Any]
+) -> list[Any]:
+    """``statement``'s rows; a driver error raised as SQLAlchemy raises it (callers catch those)."""
+    async with driver.cursor() as cursor:
+        try:
+            await cursor.execute(statement, params)
+            return await cursor.fetchall()
+        except psycopg.Error as exc:
+            raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
 
 
 _DRIVER_WRITES: dict[tuple[Table, str], DriverWrites] = {}
@@ -581,10 +567,9 @@ _DRIVER_WRITES: dict[tuple[Table, str], DriverWrites] = {}
 def driver_writes(table: Table, dialect: Dialect) -> DriverWrites:
     """The :class:`DriverWrites` of ``table`` (made once per table and dialect)."""
     key = (table, dialect.name)
-    writes = _DRIVER_WRITES.get(key)
-    if writes is None:
-        writes = _DRIVER_WRITES[key] = DriverWrites(table, dialect)
-    return writes
+    if key not in _DRIVER_WRITES:
+        _DRIVER_WRITES[key] = DriverWrites(table, dialect)
+    return _DRIVER_WRITES[key]
 
 
 # -- planner statistics ---------------------------------------------------------------------------
@@ -637,7 +622,7 @@ async def hold_shard(
     only by another skip, or with ``over_skip`` (the workflow's own skip and resume): a drain
     that started before the skip was recorded never undoes it."""
     owners = owners_of(table)
-    insert = pg_insert(owners).values(**_shard_values(table, shard), held_for=held_for)
+    insert = pg_insert(owners).values(**shard_values(table, shard), held_for=held_for)
     keeps_skip = held_for != SKIPPED_HOLD and not over_skip
     await conn.execute(
         insert.on_conflict_do_update(
@@ -658,12 +643,12 @@ async def hold_free_shards(
     owners = owners_of(table)
     insert = (
         pg_insert(owners)
-        .values([{**_shard_values(table, shard), "held_for": held_for} for shard in shards])
+        .values([{**shard_values(table, shard), "held_for": held_for} for shard in shards])
         .on_conflict_do_nothing(index_elements=list(owners.primary_key.columns))
         .returning(*_shard_key_columns(owners))
     )
     held = {tuple(row) for row in await conn.execute(insert)}
-    return [s for s in shards if tuple(_shard_values(table, s).values()) in held]
+    return [s for s in shards if tuple(shard_values(table, s).values()) in held]
 
 
 async def release_shard(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
@@ -695,7 +680,7 @@ async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShar
     head = (
         select(*_first_row_columns(table))
         .where(*(table.c[c.name] == c for c in _shard_key_columns(owners)))
-        .where(text(not_parked(table, table.name)))
+        .where(_visible(table))
         .order_by(table.c.id)
         .limit(1)
         .lateral("head")

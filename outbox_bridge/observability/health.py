@@ -61,15 +61,9 @@ class HealthServer:
     def __init__(self, settings: OutboxSettings, *, database_url: str, stop: asyncio.Event) -> None:
         url = sqlalchemy_url(database_url)
         self._libpq_url = libpq_url(url)
-        self._secrets = [
-            s
-            for s in (
-                url.password,
-                url.query.get("password"),
-                settings.temporal_api_key and settings.temporal_api_key.get_secret_value(),
-            )
-            if isinstance(s, str) and s
-        ]
+        api_key = settings.temporal_api_key
+        secrets = (url.password, url.query.get("password"), api_key and api_key.get_secret_value())
+        self._secrets = [s for s in secrets if isinstance(s, str) and s]
         self._host = settings.health_host
         self._port = settings.health_port
         self._task_queue = settings.task_queue

@@ -8,13 +8,15 @@ the SDK's meter provider and exporters (:mod:`outbox_bridge.observability.sdk`).
 
 from __future__ import annotations
 
-import sys
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from outbox_bridge.observability.telemetry import sdk_provider
 
 METER_NAME = "outbox_bridge"
 
@@ -118,17 +120,14 @@ class OutboxMetrics:
         return found
 
 
-_active: tuple[object, OutboxMetrics] | None = None
-
-
 def active_metrics() -> OutboxMetrics | None:
     """The instruments on the installed SDK meter provider, or None when metrics are off."""
-    global _active
-    provider = metrics.get_meter_provider()
-    # Looked up, not imported (see telemetry.active_tracer): no SDK loaded, no SDK provider.
-    sdk = sys.modules.get("opentelemetry.sdk.metrics")
-    if sdk is None or not isinstance(provider, sdk.MeterProvider):
-        return None
-    if _active is None or _active[0] is not provider:
-        _active = (provider, OutboxMetrics(provider.get_meter(METER_NAME)))
-    return _active[1]
+    provider = sdk_provider(
+        metrics.get_meter_provider(), "opentelemetry.sdk.metrics", "MeterProvider"
+    )
+    return None if provider is None else _metrics_of(provider)
+
+
+@functools.lru_cache(maxsize=1)
+def _metrics_of(provider: Any) -> OutboxMetrics:
+    return OutboxMetrics(provider.get_meter(METER_NAME))

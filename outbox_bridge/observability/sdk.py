@@ -9,11 +9,12 @@ worker): only the worker side imports it, never the producer side.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -28,7 +29,6 @@ from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
     SimpleSpanProcessor,
-    SpanExporter,
 )
 from temporalio.contrib.opentelemetry import MetricsExporter, TracingInterceptor
 from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
@@ -81,13 +81,16 @@ def setup_telemetry(settings: OutboxSettings) -> Telemetry:
     return Telemetry(tracing, setup)
 
 
-def _otlp_over_http(signal: str) -> bool:
-    """Whether ``signal`` (TRACES, METRICS) is exported over HTTP rather than gRPC, as the
-    OTEL_* variables set it. The OTLP exporters read the other OTEL_EXPORTER_OTLP_* ones."""
-    protocol = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+def _otlp_exporter(signal: str) -> Any:
+    """OTLP's exporter of ``signal`` (trace, metric), over HTTP or gRPC as the OTEL_* variables
+    say; the exporter reads the other OTEL_EXPORTER_OTLP_* ones itself."""
+    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}S_PROTOCOL"
+    protocol = os.environ.get(variable) or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    transport = "http" if protocol.startswith("http") else "grpc"
+    module = importlib.import_module(
+        f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter"
     )
-    return protocol.startswith("http")
+    return getattr(module, "OTLPSpanExporter" if signal == "trace" else "OTLPMetricExporter")()
 
 
 def telemetry_resource() -> Resource:
@@ -99,16 +102,6 @@ def telemetry_resource() -> Resource:
     return Resource.create({} if named else {SERVICE_NAME: "outbox-bridge"})
 
 
-def _otlp_span_exporter() -> SpanExporter:
-    if _otlp_over_http("TRACES"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
-
-        return Http()
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
-
-    return Grpc()
-
-
 def build_tracer_provider(exporter: str) -> TracerProvider | None:
     """A tracer provider exporting to ``exporter`` (none, console, otlp), or None for none."""
     if exporter == "none":
@@ -117,7 +110,7 @@ def build_tracer_provider(exporter: str) -> TracerProvider | None:
     if exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     elif exporter == "otlp":
-        provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter()))
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter("trace")))
     else:
         raise ValueError(f"unknown span exporter {exporter!r}")
     return provider
@@ -137,15 +130,7 @@ def metric_exporter(exporter: str) -> MetricExporter:
         return ConsoleMetricExporter()
     if exporter != "otlp":
         raise ValueError(f"unknown metric exporter {exporter!r}")
-    if _otlp_over_http("METRICS"):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-            OTLPMetricExporter as Http,
-        )
-
-        return Http()
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
-
-    return Grpc()
+    return cast(MetricExporter, _otlp_exporter("metric"))
 
 
 @dataclass

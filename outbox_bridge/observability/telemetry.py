@@ -12,8 +12,10 @@ providers (:mod:`outbox_bridge.observability.sdk`).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -23,7 +25,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 TRACER_NAME = "outbox_bridge"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
-_active: tuple[object, Tracer] | None = None
+
+def sdk_provider(provider: object, module: str, name: str) -> Any:
+    """``provider`` if it is the SDK's ``module.name``, else None. The SDK is looked up, not
+    imported: a process that never imported it cannot have installed one of its providers,
+    and importing it would cost every producer."""
+    sdk = sys.modules.get(module)
+    return provider if sdk is not None and isinstance(provider, getattr(sdk, name)) else None
 
 
 def active_tracer() -> Tracer | None:
@@ -32,16 +40,16 @@ def active_tracer() -> Tracer | None:
     Callers skip their span work (and the trace-context reads) on None, so that tracing costs
     nothing when it is off.
     """
-    global _active
-    provider = trace.get_tracer_provider()
-    # The SDK is looked up, not imported: a process that never imported it cannot have
-    # installed one of its providers, and importing it would cost every producer.
-    sdk = sys.modules.get("opentelemetry.sdk.trace")
-    if sdk is None or not isinstance(provider, sdk.TracerProvider):
-        return None
-    if _active is None or _active[0] is not provider:
-        _active = (provider, provider.get_tracer(TRACER_NAME))
-    return _active[1]
+    provider = sdk_provider(
+        trace.get_tracer_provider(), "opentelemetry.sdk.trace", "TracerProvider"
+    )
+    return None if provider is None else _tracer_of(provider)
+
+
+@functools.lru_cache(maxsize=1)
+def _tracer_of(provider: Any) -> Tracer:
+    tracer: Tracer = provider.get_tracer(TRACER_NAME)
+    return tracer
 
 
 def carrier_of_current() -> dict[str, str] | None:

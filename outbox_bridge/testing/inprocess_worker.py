@@ -16,7 +16,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.db.store import shard_where
+from outbox_bridge.db.schema import shard_where
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import shard_status
 from outbox_bridge.runtime.temporal import connect

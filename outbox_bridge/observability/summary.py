@@ -41,8 +41,7 @@ COLUMNS = ("written/s", "handled/s", "pending", "shards", "workflows", *STATES)
 # What the columns mean, for the banner.
 LEGEND = (
     "rows written and handled per second, rows pending and the shards they are in, running "
-    "shard workflows (lingering ones included) and how many of them are blocked, skipped or "
-    "deferred"
+    "shard workflows and how many of them are blocked, skipped or deferred"
 )
 HEADER_EVERY = 10  # lines
 # Shards named in a line of handler failures, the most failing first.

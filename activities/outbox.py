@@ -86,10 +86,6 @@ class OutboxActivities:
                         type=failed.failure.error_type,
                     ) from None
 
-    def flush(self) -> list[Callable[..., Any]]:
-        """What the flush task queue's worker runs."""
-        return [self.flush_check]
-
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.drain_partition,

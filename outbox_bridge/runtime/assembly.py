@@ -71,7 +71,7 @@ class Drains:
     hub: ShardHub
 
     def close(self) -> None:
-        self.shards.close()
+        self.engine.calls.close()
 
 
 def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) -> Drains:
@@ -149,11 +149,10 @@ def build_worker(
 
 def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains) -> Worker:
     """The worker of the flush queue: waiting flushes in slots of their own, never a drain's."""
-    activities = OutboxActivities(drains.shards, _no_partitions)
     return Worker(
         client,
         task_queue=flush_queue(settings.task_queue),
-        activities=activities.flush(),
+        activities=[OutboxActivities(drains.shards, _no_partitions).flush_check],
         build_id=build_id(),
         max_concurrent_activities=settings.max_concurrent_flushes,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),

@@ -28,7 +28,7 @@ from outbox_bridge.observability.backlog import observe_backlog, observe_shard_s
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, ShardKey
+from outbox_bridge.runtime.hub import ShardHub, ShardKey, wait_any
 from outbox_bridge.runtime.notifications import parse_notification
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
@@ -85,7 +85,7 @@ class Bridge:
             else:
                 continue
             self.is_leader = False
-            await _wait_any(stop, timeout=delay)
+            await wait_any(stop, timeout=delay)
             delay = min(delay * 2, 30.0)
 
     async def _run_connected(self, stop: asyncio.Event) -> None:
@@ -158,7 +158,7 @@ class Bridge:
                 next_sweep = time.monotonic() + self._settings.sweep_interval
             self.ready.set()
             deadline = next_sweep if self.is_leader else next_lead
-            await _wait_any(stop, self._wake, timeout=max(0.0, deadline - time.monotonic()))
+            await wait_any(stop, self._wake, timeout=max(0.0, deadline - time.monotonic()))
             self._wake.clear()
             if listener is not None and listener.done():
                 listener.result()  # re-raises the connection error: reconnect
@@ -249,12 +249,3 @@ class Bridge:
     def _wanted_region(self, region: str | None) -> bool:
         regions = self._settings.regions
         return region is None or regions is None or region in regions
-
-
-async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
-    waiters = [asyncio.create_task(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()

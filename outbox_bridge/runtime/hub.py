@@ -72,6 +72,16 @@ class PartitionInbox:
         return news
 
 
+async def wait_any(*events: asyncio.Event, timeout: float) -> None:
+    """Return once one of ``events`` is set, or after ``timeout`` seconds."""
+    waiters = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 class ShardHub:
     def __init__(self) -> None:
         self._partitions: dict[tuple[str, int], PartitionInbox] = {}

@@ -30,6 +30,7 @@ from outbox_bridge.runtime.hub import (
     key_of,
     partition_of,
     ref_of,
+    wait_any,
 )
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
@@ -152,15 +153,7 @@ class PartitionDrain:
         if seconds <= 0 or inbox.event.is_set():
             return
         self._round_done.clear()
-        waiters = [
-            asyncio.create_task(inbox.event.wait()),
-            asyncio.create_task(self._round_done.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        await wait_any(inbox.event, self._round_done, timeout=seconds)
 
     def _take_news(self, inbox: PartitionInbox) -> bool:
         """Queue the shards the notifications named; True if one asked for a full scan."""

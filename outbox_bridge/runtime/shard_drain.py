@@ -62,9 +62,6 @@ class ShardDrainer:
         self._engine = engine
         self._app = engine.app
 
-    def close(self) -> None:
-        self._engine.calls.close()
-
     @contextlib.asynccontextmanager
     async def _locked(
         self, shard: ShardRef, wait_seconds: float = LOCK_WAIT_SECONDS

@@ -82,7 +82,8 @@ class OutboxShard:
         # Per run: when this run's category activity began, and a changed head while blocked.
         self._blocked_at: datetime | None = None
         self._recheck = False
-        # News of rows in this run: a drain compares it before and after its call.
+        # News of rows in this run, compared before and after a drain (which continue-as-new
+        # never interrupts: not carried).
         self._news = 0
         # Until the run's body starts: a handover that starts the run comes before it.
         self._starting = True

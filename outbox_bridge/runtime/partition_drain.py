@@ -101,7 +101,7 @@ class PartitionDrain:
     # -- the run -----------------------------------------------------------------------------
 
     async def run(self) -> PartitionRound:
-        if self._hub.closed:  # fail: the server retries it with backoff, on another worker
+        if self._hub.closed:  # not a return: the next round would start here again at once
             raise PartitionUnavailableError("this worker is shutting down")
         options = self._options
         began = time.monotonic()

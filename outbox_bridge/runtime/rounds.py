@@ -5,8 +5,8 @@ Every write of a round goes through the one connection that holds its shard lock
 the locks are gone and so is every later write of the round (the fence), and its handled rows run
 again. Deletes are pipelined, one statement at a time per round, and no round takes a further
 group while the worker's rounds have ``max_undeleted_groups`` handled and not deleted: a crash
-repeats at most those and the calls under way. A round is also bounded by the payload bytes of
-its groups' newest rows.
+repeats at most those and the calls under way. A shard is unlocked once its last group is
+deleted. A round is also bounded by the payload bytes of its groups' newest rows.
 """
 
 from __future__ import annotations
@@ -212,8 +212,8 @@ class LockedShards:
     def alive(self) -> bool:
         """Whether the connection (and every lock of the round) still seems to stand; asked
         before each handler call, also from handler threads. An idle connection that is not
-        listening receives nothing unless the server is closing it; the socket is only polled,
-        never read (psycopg may be awaiting an answer on it)."""
+        listening receives nothing unless the server is closing it. The socket is only polled,
+        never read (psycopg may be awaiting an answer on it); the next statement is the fence."""
         if self.lost or self.suspect:
             return False
         driver = self._socket

@@ -1,12 +1,6 @@
-"""Activities of the OutboxPartition and OutboxShard workflows.
-
-``drain_partition`` is the healthy path: a lingering activity of a partition workflow that
-drains many shards at once (no history event per row). A shard that needs attention has its own
-workflow: ``drain_shard`` handles many coalescing groups per call as a local activity (about one
-history event per call); when a handler fails, the workflow switches to a *category activity*:
-a normal activity whose type is the category's name (for example ``PROJECT_UPDATE``), retried by
-the server with capped backoff for as long as it takes. It is what the Temporal UI shows as the
-pending activity of a blocked shard.
+"""Activities of the OutboxPartition and OutboxShard workflows: ``drain_partition`` (the healthy
+path), ``drain_shard``, ``hold_shard``, ``flush_check``, and the *category activity* of a blocked
+shard, whose type is the category's name (for example ``PROJECT_UPDATE``).
 """
 
 from __future__ import annotations
@@ -92,10 +86,6 @@ class OutboxActivities:
                         type=failed.failure.error_type,
                     ) from None
 
-    def flush(self) -> list[Callable[..., Any]]:
-        """What the flush task queue's worker runs."""
-        return [self.flush_check]
-
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.drain_partition,
@@ -108,8 +98,7 @@ class OutboxActivities:
 
 @contextlib.asynccontextmanager
 async def _heartbeating() -> AsyncIterator[None]:
-    """Heartbeat while a handler runs, so the attempt learns of a cancellation (a skip) and a
-    dead worker is noticed within the heartbeat timeout."""
+    """Heartbeat while a handler runs: the attempt learns of a skip, the server of a dead worker."""
     info = activity.info()
     timeout = info.heartbeat_timeout.total_seconds() if info.heartbeat_timeout else 30.0
     interval = max(0.5, timeout / 3)

@@ -1,11 +1,7 @@
 """The OutboxControl workflow: one per table, where a person pauses and resumes a whole category
-or scope from the Temporal UI or the ``temporal`` command line.
-
-Its ``pause`` and ``unpause`` updates write the table's pauses (``<table>_pauses``, the source of
-truth) through the ``change_pauses`` activity and answer with every pause of the table; its
-current details list them, so they show on its first view in the UI. The worker starts it and
-signals ``refresh`` when the pauses changed elsewhere (the command line, SQL). It holds nothing
-the table does not: terminated, it is started again by the next change.
+or scope. Its ``pause`` and ``unpause`` updates write ``<table>_pauses`` (the source of truth)
+through the ``change_pauses`` activity; the worker signals ``refresh`` when the pauses changed
+elsewhere. It holds nothing the table does not.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 CHANGE_TIMEOUT = timedelta(seconds=30)
-# How long one timer lasts; when it fires, the workflow waits on the next. The timer is there
-# for its summary: the pauses, the first thing the UI shows of the workflow.
+# One timer's length; it is there for its summary, the first thing the UI shows.
 HEADLINE_TIMER = timedelta(days=7)
 # Pauses named in the headline; the current details list them all.
 HEADLINE_PAUSES = 5

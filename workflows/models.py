@@ -1,4 +1,4 @@
-"""Inputs, results, signals and queries of the OutboxShard workflow and its activities.
+"""Inputs, results, signals and queries of the outbox's workflows and their activities.
 
 Everything here ends up in Temporal history, so it carries shard keys, ids, counts and error
 classes only, never a payload (the design contract, invariant 7: docs/explanation/contract.md).
@@ -11,8 +11,7 @@ from enum import StrEnum
 
 from temporalio.common import SearchAttributeKey
 
-# Custom search attributes of shard workflows (registered by the worker; see
-# docs/reference/workflows.md).
+# Custom search attributes of shard workflows (registered by the worker).
 SCOPE_ATTRIBUTE = SearchAttributeKey.for_keyword("OutboxScope")
 # Not "OutboxShard": the Temporal UI reads a search attribute named like a workflow type as
 # that type, and a query that combines them finds nothing.
@@ -373,9 +372,6 @@ class FlushCheck:
     deferred_until: str | None = None
 
 
-# -- partitions ---------------------------------------------------------------------------------
-
-
 # -- OutboxControl: the paused categories and scopes of a table ---------------------------------
 
 
@@ -433,6 +429,9 @@ class ControlInput:
     view: PausesView = field(default_factory=PausesView)
 
 
+# -- partitions ---------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class PartitionRef:
     """One of a table's partitions: it drains the healthy shards that hash to it."""
@@ -452,14 +451,12 @@ class PartitionRef:
 class PartitionOptions:
     """Tuning of a partition workflow and its drain (set by the bridge from the settings)."""
 
-    # One drain activity runs this long, then reports (its heartbeats carry the live figures):
-    # an idle partition costs about 6 history events per round.
+    # One drain activity runs this long, then reports: an idle partition costs about 6 history
+    # events per round.
     round_seconds: float = 300.0
     max_shards: int = 200  # shards locked and read together in one round
-    # Groups of one shard per round (more when the round has fewer shards): a round reads no
-    # more than the worker handles in its time budget, since every round waits for room under
-    # the worker's bound on groups handled and not deleted, and a round's unhandled reads are
-    # thrown away.
+    # Groups of one shard per round (more when the round has fewer shards): a round's
+    # unhandled reads are thrown away.
     max_groups: int = 10
     time_budget_seconds: float = 2.0  # a round takes no new group after this
     max_rounds: int = 4  # rounds in flight at once (a slow shard holds only its own round)

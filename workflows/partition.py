@@ -1,11 +1,6 @@
-"""The OutboxPartition workflow: a few per table, each draining the healthy shards that hash to
-it, in a lingering activity.
-
-The workflow itself does little: it keeps one ``drain_partition`` activity running (a normal
-activity that lasts ``round_seconds``, heartbeats while it runs and is retried forever), shows
-what the last one did, and continues as new before its history grows long. A healthy row
-costs it no history event. If its worker dies, the activity times out on heartbeat and
-another worker takes it over.
+"""The OutboxPartition workflow: a few per table, each keeping one ``drain_partition`` activity
+running (``round_seconds`` long, heartbeating, retried forever) over the healthy shards that
+hash to it. A healthy row costs it no history event.
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ with workflow.unsafe.imports_passed_through():
         PartitionStatus,
     )
 
-# How long a drain activity may outlast its round: its rounds in flight end within their time
-# budget, or within a handler's timeout, which the worker bounds with this.
+# How long a drain activity may outlast its round (its rounds in flight end first).
 ROUND_GRACE = timedelta(minutes=10)
 
 

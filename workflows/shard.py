@@ -1,17 +1,10 @@
-"""The OutboxShard workflow: owns one shard that needs attention until it is healthy again.
+"""The OutboxShard workflow: owns one shard that needs attention (a failed handler, a deferred
+head, a skip, a flush) until it is empty, then gives it back and completes.
 
-A partition hands a shard over when a handler failed, its head row is deferred, or the shard is
-on the skip list; an operator's skip and a flush start it too. While it runs, the shard's row
-in ``<table>_owners`` says that the workflow holds it, and no partition drains it. Once the shard
-is empty, the workflow's last drain deletes that row (gives the shard back) and the run
-completes.
-
-Everything the workflow knows is one :class:`ShardRecord`, carried whole across continue-as-new;
-the state (draining, blocked, skipped, deferred, idle) is derived from it. The run drains with a
-local activity while handlers succeed, retries a failing head as a normal activity named after
-its category (retried by the server with capped backoff, and what the UI shows as pending),
-sleeps on a durable timer while the head is deferred, and continues as new before its history
-grows long, whatever it is waiting for. It carries ids and counts only, never a payload.
+Everything it knows is one :class:`ShardRecord`, carried whole across continue-as-new; the state
+is derived from it. It drains with a local activity, retries a failing head as a normal activity
+named after its category, sleeps on a durable timer while the head is deferred, and carries ids
+and counts only, never a payload.
 """
 
 from __future__ import annotations
@@ -86,13 +79,11 @@ class OutboxShard:
         self._shard = input.shard
         self._options = input.options
         self._r = input.record or ShardRecord()
-        # Per run, not carried: when this run's category activity began (its attempts are the
-        # server's, counted from the retry schedule when the run continues as new), and a
-        # changed head the bridge reported while blocked.
+        # Per run: when this run's category activity began, and a changed head while blocked.
         self._blocked_at: datetime | None = None
         self._recheck = False
-        # News of rows so far in this run: a drain compares it before and after its call (a
-        # drain is never interrupted by continue-as-new, so the count need not be carried).
+        # News of rows in this run, compared before and after a drain (which continue-as-new
+        # never interrupts: not carried).
         self._news = 0
         # Until the run's body starts: a handover that starts the run comes before it.
         self._starting = True
@@ -156,9 +147,8 @@ class OutboxShard:
             r.paused = result.paused
 
     async def _drain_call(self) -> DrainResult | None:
-        """One drain of the shard: a local activity (about one history event), falling back to
-        a normal activity, which the server retries without adding history, when the database
-        or the shard lock keeps failing it."""
+        """One drain of the shard: a local activity, falling back to a normal one (retried by
+        the server without adding history) when the database or the shard lock keeps failing."""
         options = self._options
         request = DrainInput(
             self._shard, options.drain_max_groups, options.drain_time_budget_seconds
@@ -261,9 +251,8 @@ class OutboxShard:
         r.next_attempt_at = None
 
     def _carry_backoff(self, retry_from: float) -> None:
-        """How many attempts the server made since this run's category activity began (from
-        the retry schedule: the server does not tell the workflow), and where the backoff
-        stands, so that the next run goes on from there."""
+        """The server's attempts since this run's category activity began (from the retry
+        schedule) and where the backoff stands, for the next run to go on from."""
         assert self._blocked_at is not None
         r = self._r
         elapsed = (workflow.now() - self._blocked_at).total_seconds()
@@ -277,16 +266,13 @@ class OutboxShard:
         r.retry_interval_seconds = interval
         next_attempt = self._blocked_at + timedelta(seconds=waited + interval)
         if workflow.patched(CARRY_BACKOFF_FROM_NOW):
-            # The server's attempts start later than the schedule (dispatch, the call itself),
-            # so its last one may be just behind us: a whole interval from now is never sooner.
+            # The server's last attempt may be just behind us: a whole interval from now.
             next_attempt = workflow.now() + timedelta(seconds=interval)
         r.next_attempt_at = next_attempt.isoformat()
 
     async def _stay_skipped(self) -> None:
         r = self._r
-        if not r.skip_held:
-            # In the table: from now on no drain takes the shard, not even one of this
-            # workflow's that has not heard of the skip (the hold waits for it to finish).
+        if not r.skip_held:  # in the table: from now on no drain takes the shard
             await self._hold(HeldFor.SKIPPED)
             r.skip_held = True
             self._show()
@@ -299,8 +285,7 @@ class OutboxShard:
             )
 
     async def _take_back_skipped(self) -> None:
-        """Resumed: the table says skipped no more; the workflow keeps the shard until it is
-        empty."""
+        """Resumed: the table says skipped no more."""
         await self._hold(HeldFor.WORKFLOW)
         self._r.skip_held = False
 
@@ -308,8 +293,7 @@ class OutboxShard:
         r = self._r
         assert r.deferred_until is not None
         if r.deferred_seconds is not None:
-            # By the database's clock, which decides when the row is due: a clock difference
-            # with Temporal can neither make the shard spin nor wake it early.
+            # By the database's clock, which decides when the row is due.
             remaining = max(r.deferred_seconds, 0.05)
             r.deferred_seconds = None
         else:
@@ -326,8 +310,7 @@ class OutboxShard:
         r.pending = True
 
     async def _hold(self, held_for: HeldFor) -> None:
-        """Record in the table that this workflow holds the shard (waiting for a drain in the
-        shard to end; retried by the server until the database answers)."""
+        """Record in the table that this workflow holds the shard."""
         handle = workflow.start_activity(
             "hold_shard",
             HoldInput(self._shard, held_for),
@@ -347,8 +330,7 @@ class OutboxShard:
         )
 
     def _continue_due(self) -> bool:
-        """While waiting: the run should stop waiting and continue as new. Not while a flush
-        waits: it waits for rows to be handled, which a stopped run would never do."""
+        """While waiting: the run should continue as new (not while a flush waits)."""
         return self._history_long() and workflow.all_handlers_finished()
 
     async def _until_done(
@@ -359,10 +341,9 @@ class OutboxShard:
         recheck: bool = False,
         interruptible: bool = True,
     ) -> T | None:
-        """Await ``handle``. A skip cancels it (TRY_CANCEL: no further retries) and yields
-        None; with ``recheck``, a changed head cancels it and raises :class:`_Recheck`; when
-        ``interruptible``, a due continue-as-new cancels it and raises :class:`_Interrupted`
-        (drains and holds are short: they finish first)."""
+        """Await ``handle``. A skip cancels it and yields None; with ``recheck``, a changed head
+        cancels it and raises :class:`_Recheck`; when ``interruptible``, a due continue-as-new
+        cancels it and raises :class:`_Interrupted`."""
         r = self._r
         await workflow.wait_condition(
             lambda: (
@@ -417,9 +398,7 @@ class OutboxShard:
         if input.skip is not None and r.skip is None:
             r.skip = SkipInfo(input.skip.reason, input.skip.by, workflow.now().isoformat())
             r.skip_held = True  # the partition recorded it
-        if r.head is not None or r.pending:
-            # This run knows the shard already, or drains it (again, if a drain is under way)
-            # and finds out.
+        if r.head is not None or r.pending:  # known already, or the next drain finds out
             self._news += 1
             return
         if input.held_for == HeldFor.FAILED and input.head is not None:
@@ -438,15 +417,13 @@ class OutboxShard:
             r.pending = True
 
     def _drains_handed_deferral(self) -> bool:
-        """A run started by a deferred handover drains first. The patch is asked only in the
-        run's first activation (later, a replay may ask it in another task than the run did),
-        and only then (it costs two history events: its marker and its search attribute)."""
+        """A run started by a deferred handover drains first. The patch is asked only then, in
+        the run's first activation (a later one may replay in another task)."""
         return self._starting and workflow.patched(DRAIN_HANDED_DEFERRED)
 
     @workflow.signal
     def recheck(self, input: RecheckInput) -> None:
-        """The head in the table is no longer the group this shard is blocked on: try the
-        head again now (the category activity finds out what it is)."""
+        """The head in the table is no longer the group this shard is blocked on: try again."""
         if self._r.state == ShardState.BLOCKED:
             self._recheck = True
 
@@ -477,13 +454,11 @@ class OutboxShard:
             r.clear_head()
             r.pending = True
 
-    # The same two operations as updates: the caller learns at once whether they were taken,
-    # and a malformed one is refused by its validator without reaching the shard's history.
+    # The same two as updates: the caller learns whether they were taken; validators refuse.
 
     @workflow.update(name="skip")
     async def skip_update(self, input: SkipInput) -> ShardStatus:
-        """:meth:`skip`, answered once the skip is recorded in the table: from then on no
-        handler of the shard starts (one that was running when the skip came has returned)."""
+        """:meth:`skip`, answered once the skip is recorded in the table."""
         self.skip(input)
         await workflow.wait_condition(lambda: self._r.skip_held or self._r.skip is None)
         return self.status()
@@ -516,8 +491,7 @@ class OutboxShard:
         stopped = self._flush_stopped(up_to)
         if stopped is not None:
             return stopped
-        # The table is the truth: an activity watches it, on a task queue of its own whose
-        # slots no drain needs (however many flushes wait, the drains they wait for run).
+        # An activity watches the table, on a task queue whose slots no drain needs.
         check: ActivityHandle[FlushCheck] = workflow.start_activity(
             "flush_check",
             FlushCheckInput(self._shard, up_to, input.timeout_seconds),
@@ -602,9 +576,8 @@ class OutboxShard:
         self._describe()
 
     def _index(self) -> None:
-        """Keep the search attributes OutboxState, OutboxBlockedCategory and OutboxBlockedSince
-        current, so that the UI lists shards by state. Each upsert is a history event: only
-        changes are written, and the idle state of a run about to complete is not."""
+        """Keep the search attributes current (only changes: each upsert is a history event;
+        not the idle state of a run about to complete)."""
         r = self._r
         state = r.state
         if state == ShardState.IDLE:
@@ -626,8 +599,7 @@ class OutboxShard:
             workflow.upsert_search_attributes(changed)
 
     def _headline(self) -> str:
-        """The state and its reason in one line: the summary of what the run waits on (the
-        category activity or a timer), which the UI shows on the workflow's first view."""
+        """The state and its reason in one line: the summary of what the run waits on."""
         r = self._r
         if r.skip is not None:
             # Short: the UI cuts a long label off (the head shows on its cancelled activity).

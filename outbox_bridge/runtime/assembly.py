@@ -71,7 +71,7 @@ class Drains:
     hub: ShardHub
 
     def close(self) -> None:
-        self.shards.close()
+        self.engine.calls.close()
 
 
 def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) -> Drains:
@@ -138,8 +138,7 @@ def build_worker(
         build_id=build_id(),
         activities=OutboxActivities(drains.shards, drain_partition).all()
         + ControlActivities(PauseControl(drains.engine.app, drains.engine.engine)).all(),
-        # Library code that the replay tests also run sandboxed; unsandboxed, a new shard run
-        # re-imports no module (a third of the worker's CPU on a backlog of new shards).
+        # The replay tests run the workflows sandboxed; unsandboxed, a new run re-imports nothing.
         workflow_runner=UnsandboxedWorkflowRunner(),
         # The partitions' lingering drains mostly wait: room for them beside the busy ones.
         max_concurrent_activities=settings.max_concurrent_activities + settings.partitions * tables,
@@ -150,11 +149,10 @@ def build_worker(
 
 def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains) -> Worker:
     """The worker of the flush queue: waiting flushes in slots of their own, never a drain's."""
-    activities = OutboxActivities(drains.shards, _no_partitions)
     return Worker(
         client,
         task_queue=flush_queue(settings.task_queue),
-        activities=activities.flush(),
+        activities=[OutboxActivities(drains.shards, _no_partitions).flush_check],
         build_id=build_id(),
         max_concurrent_activities=settings.max_concurrent_flushes,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
@@ -169,8 +167,7 @@ async def _no_partitions(
 
 def outbox_client(client: Client) -> Client:
     """``client``'s connection and namespace with the default data converter and the outbox's
-    interceptors only: producers and the command line read the outbox's workflows with the
-    default converter, so an application's converter, codec and plugins stay on its own."""
+    interceptors only (an application's converter, codec and plugins stay on its own client)."""
     return Client(
         client.service_client,
         namespace=client.namespace,
@@ -266,7 +263,7 @@ class RunningOutbox:
         failure = self.failure()
         self._stop.set()
         self._drains.hub.close()
-        # Now, not after its sweep: its status queries would time out once this worker stops.
+        # Now: its sweep's status queries would time out once this worker stops.
         if self._bridge_task is not None:
             self._bridge_task.cancel()
         workers = [task for task in self._tasks if task is not self._bridge_task]
@@ -282,8 +279,8 @@ class RunningOutbox:
         return failure
 
     async def _let_go(self) -> None:
-        """The workers' runs were cancelled from outside (asyncio.run cancels the SDK's tasks
-        too, and its shutdown can then wait forever): a few seconds each, then a second cancel."""
+        """The workers' runs were cancelled from outside (the SDK's shutdown may then wait
+        forever): a few seconds each, then a second cancel."""
         _done, pending = await asyncio.wait(self._tasks, timeout=LET_GO_SECONDS)
         for task in pending:
             log.warning(

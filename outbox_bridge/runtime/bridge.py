@@ -1,10 +1,6 @@
-"""The bridge: makes sure every shard with committed rows gets drained.
-
-Every worker's bridge hands its tables' notifications to the partition drains of its process.
-One bridge per database and set of tables is *active* (an advisory lock on its own connection;
-the others stand by): it sweeps every ``sweep_interval``, keeping the partition workflows
-running and Temporal matching the owner table (:mod:`~outbox_bridge.runtime.supervisor`).
-"""
+"""The bridge: hands its tables' notifications to this worker's partition drains; the one bridge
+per database and set of tables that holds the advisory lock also sweeps every ``sweep_interval``
+(:mod:`~outbox_bridge.runtime.supervisor`)."""
 
 from __future__ import annotations
 
@@ -32,12 +28,11 @@ from outbox_bridge.observability.backlog import observe_backlog, observe_shard_s
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, ShardKey
+from outbox_bridge.runtime.hub import ShardHub, ShardKey, wait_any
 from outbox_bridge.runtime.notifications import parse_notification
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
 log = logging.getLogger(__name__)
-
 
 # Seconds between a standby bridge's attempts to become the active one.
 STANDBY_RETRY = 5.0
@@ -90,7 +85,7 @@ class Bridge:
             else:
                 continue
             self.is_leader = False
-            await _wait(stop, delay)
+            await wait_any(stop, timeout=delay)
             delay = min(delay * 2, 30.0)
 
     async def _run_connected(self, stop: asyncio.Event) -> None:
@@ -163,7 +158,7 @@ class Bridge:
                 next_sweep = time.monotonic() + self._settings.sweep_interval
             self.ready.set()
             deadline = next_sweep if self.is_leader else next_lead
-            await _wait_any(stop, self._wake, max(0.0, deadline - time.monotonic()))
+            await wait_any(stop, self._wake, timeout=max(0.0, deadline - time.monotonic()))
             self._wake.clear()
             if listener is not None and listener.done():
                 listener.result()  # re-raises the connection error: reconnect
@@ -177,9 +172,7 @@ class Bridge:
             self._hub.rescan(table.name)
             return
         parsed = parse_notification(payload, regional="region" in table.c)
-        if isinstance(parsed, str):
-            # Any role that can connect can NOTIFY: a malformed message is logged and answered
-            # with a scan, never trusted and never a reason to restart.
+        if isinstance(parsed, str):  # any role can NOTIFY: answered with a scan, never trusted
             self.notifications_refused += 1
             log.warning(
                 "refused a notification on %s (%s): %r; scanning instead",
@@ -197,8 +190,8 @@ class Bridge:
     # -- the sweep ------------------------------------------------------------------------------
 
     async def _sweep(self) -> None:
-        """Keep the partitions running, make Temporal match the owner table, and, with metrics
-        on, measure the backlog and count blocked and skipped shards."""
+        """Keep the partitions running, make Temporal match the owner table, and measure the
+        backlog (metrics on)."""
         tracer = active_tracer()
         if tracer is None:
             await self._sweep_tables()
@@ -226,8 +219,8 @@ class Bridge:
         )
 
     async def _ensure_statistics(self, table: Table) -> None:
-        """Analyze a table that has rows and no planner statistics: the drains' plans depend on
-        them, and autovacuum comes only after a minute or more of a backlog drained slowly."""
+        """Analyze a table that has rows and no planner statistics (the drains' plans need them;
+        autovacuum comes a minute or more later)."""
         if table.name in self._cannot_analyze:
             return
         async with self._engine.connect() as conn:
@@ -256,17 +249,3 @@ class Bridge:
     def _wanted_region(self, region: str | None) -> bool:
         regions = self._settings.regions
         return region is None or regions is None or region in regions
-
-
-async def _wait(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-
-
-async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, timeout: float) -> None:
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(wake.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()

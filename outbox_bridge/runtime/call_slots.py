@@ -1,11 +1,7 @@
 """How many handler calls one worker runs at once: in all (``max_concurrent_calls``), and per
-handler that declared a ``max_concurrency``.
-
-A call takes a slot of each limit before it starts, first come first served, and gives it back
-when it returns. Only the shard whose call waits is held: the other shards of its round go on.
-A wait ends at the round's deadline, or once every other shard of the round is done
-(:class:`RoundShards`): the shard then goes back to its queue with its rows, and the round
-ends instead of keeping its place while other shards wait for a round.
+handler that declared a ``max_concurrency``. A call takes a slot of each limit before it starts,
+first come first served; a wait ends at the round's deadline, or once every other shard of the
+round is done (:class:`RoundShards`), and the shard goes back to its queue with its rows.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ class Slots:
         try:
             await waiter
         except asyncio.CancelledError:
-            # Handed a slot, then cancelled: it goes to the next waiter. (exception() also
-            # marks an expiry as seen, which asyncio would otherwise log.)
+            # Handed a slot, then cancelled: it goes on. (exception() marks an expiry as seen.)
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.give()
             raise
@@ -83,10 +78,8 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 class RoundShards:
     """The shards of one round that are busy: neither done nor waiting for a slot. Once none
-    is and one was done, the round has served what it could: its waiting shards give up (they
-    run in a later round) rather than keep it, and its place among the few rounds a partition
-    runs at once, while other shards queue. A round of waiting shards alone waits on, until
-    its deadline or a slot."""
+    is and one was done, its waiting shards give up (they run in a later round) rather than
+    keep the round's place while other shards queue."""
 
     def __init__(self, shards: int) -> None:
         self._busy = shards
@@ -142,17 +135,11 @@ class CallSlots:
         self._of_category[category] = known
         return known
 
-    def held(
-        self, limits: list[Slots], deadline: float = math.inf, round_: RoundShards | None = None
-    ) -> Held:
-        """A slot of each of ``limits`` for an ``async with`` block, which gets True, or False
-        (holding none) if one did not come free by ``deadline`` or before ``round_`` gave up."""
-        return Held(limits, deadline, round_)
-
 
 class Held:
-    """Slots held for one ``async with`` block (a class, not a generator: it runs once per
-    handler call)."""
+    """A slot of each of ``limits`` for an ``async with`` block, which gets True, or False
+    (holding none) if one did not come free by ``deadline`` or before ``round_`` gave up. A
+    class, not a generator: it runs once per handler call."""
 
     __slots__ = ("_deadline", "_limits", "_round", "_taken")
 

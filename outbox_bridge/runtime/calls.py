@@ -1,10 +1,6 @@
-"""Calling handlers: one shard's head groups, in order, each with its newest row.
-
-Used by every drain (a partition's, a shard workflow's, a category activity). Sync handlers of
-consecutive groups run in one worker thread hop; async ones on the event loop. The first
-failure stops the shard: what succeeded before it is reported, the failure is raised as
-:class:`HandlerFailed`, with what may enter Temporal history about it.
-"""
+"""Calling handlers: one shard's head groups, in order, each with its newest row. Sync handlers
+of consecutive groups run in one worker thread hop; async ones on the event loop. The first
+failure stops the shard and is raised as :class:`HandlerFailed`."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ from outbox_bridge.errors import (
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
-from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, RoundShards
+from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Held, RoundShards
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger(__name__)
@@ -75,10 +71,9 @@ class Call:
 @dataclasses.dataclass(frozen=True)
 class Pace:
     """Keeps the drains from running far ahead of what they deleted: ``wait`` is awaited before
-    every call (it returns once the deletes have caught up), and a thread hop runs at most
-    ``hop`` sync handlers, fewer when ``ahead`` (asked from the thread) says to wait. A thread
-    reports each group it handled to ``unreported`` at once (``-1`` once the event loop was
-    told), so that every drain's ``ahead`` counts it."""
+    every call, a thread hop runs at most ``hop`` sync handlers and stops when ``ahead`` (asked
+    from the thread) says so, and reports each group it handled to ``unreported`` at once
+    (``-1`` once the event loop was told)."""
 
     wait: Callable[[], Awaitable[None]]
     ahead: Callable[[], bool]
@@ -129,9 +124,8 @@ class HandlerCalls:
         )
 
     def prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> Call:
-        """The call of ``group`` with its newest ``row`` (its payload still JSON text). A row
-        that cannot be handled (its category unknown or in another scope, its payload
-        undecodable) gives a call that fails with why, like a handler would."""
+        """The call of ``group`` with its newest ``row``; a row that cannot be handled (unknown
+        category, another scope's category, undecodable payload) gives a call that fails."""
         payload, undecodable = _decode_payload(shard, row)
         message = self._message(group, row, payload, "region" in self._app.table(shard.table).c)
         category = self._app.category_name(group.category)
@@ -167,9 +161,8 @@ class HandlerCalls:
     def _message(
         self, group: GroupRows, row: Row[Any], payload: Any, regional: bool
     ) -> OutboxMessage:
-        # A row of a table without a region column has no region attribute: asking a Row for
-        # a missing attribute raises (and catches) an exception, several times the cost of the
-        # rest of the message, so the table says whether to ask.
+        # The table says whether to ask for a region: a Row's missing attribute costs a caught
+        # exception, several times the rest of the message.
         shard_scope, category_value = row.shard_scope, row.category
         scope = self._app.scope(shard_scope)
         category = self._app.category(category_value)
@@ -202,14 +195,9 @@ class HandlerCalls:
         round_: RoundShards | None = None,
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
-
-        Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``
-        (asked before every call), the deadline (after the first call), or a limit on
-        concurrent calls with no slot free by the deadline (or before the other shards of
-        ``round_`` were done) stopped it early. Consecutive sync
-        handlers under the same limits go to a worker thread in one hop (at most ``pace.hop``),
-        so cheap handlers do not pay a thread switch each.
-        """
+        Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``,
+        the deadline (after the first call) or a slot that did not come free stopped it early.
+        Consecutive sync handlers under the same limits run in one thread hop."""
         index = 0
         clock: _CallClock | None = None  # the handler timeout of the async calls
         hop = len(calls) if pace is None else pace.hop
@@ -221,7 +209,7 @@ class HandlerCalls:
                 if not may_continue() or (index and time.monotonic() > deadline):
                     return False
                 limits = self.slots.limits(call.group.category)
-                async with self.slots.held(limits, deadline, round_) as free:
+                async with Held(limits, deadline, round_) as free:
                     # A wait for a slot may have outlived the round's connection.
                     if not free or not may_continue():
                         return False
@@ -315,9 +303,8 @@ class HandlerCalls:
         may_continue: Callable[[], bool],
         pace: Pace | None,
     ) -> tuple[int, BaseException | None, bool]:
-        """Call the sync handlers of ``run`` in order in one worker thread; returns how many
-        succeeded, the exception of the one that failed, if any, and whether it stopped early
-        only because ``pace`` said to wait for the deletes."""
+        """Call the sync handlers of ``run`` in one worker thread; returns how many succeeded,
+        the exception of the one that failed, and whether ``pace`` stopped it early."""
         stop = threading.Event()
         count = 0
         paused = False
@@ -330,8 +317,7 @@ class HandlerCalls:
                     return None
                 if not may_continue() or (offset + count and time.monotonic() > deadline):
                     return None
-                # Also before the first call: the hop may have waited for a thread while other
-                # drains went ahead.
+                # Also before the first call: other drains may have gone ahead meanwhile.
                 if pace is not None and pace.ahead():
                     paused = True
                     return None
@@ -342,8 +328,7 @@ class HandlerCalls:
                 except BaseException as exc:  # reported by the caller, like an async handler's
                     return exc
                 self._check_returned(call, returned)
-                # Reported on the event loop's thread: the batch's bookkeeping is not shared
-                # with handler threads.
+                # Reported on the event loop's thread, which alone keeps the round's books.
                 if pace is not None:
                     pace.unreported(1)
                 loop.call_soon_threadsafe(report, call)
@@ -360,11 +345,8 @@ class HandlerCalls:
             error = await asyncio.shield(future)
         except asyncio.CancelledError:
             # A thread cannot be interrupted: stop after the running handler and keep the shard
-            # lock until it really returns, so that a retry never overlaps it. What succeeded
-            # is deleted by the caller.
+            # lock until it returns, however often the attempt is cancelled meanwhile.
             stop.set()
-            # However often the attempt is cancelled meanwhile (the SDK cancels it again on
-            # every cancel request and failed heartbeat).
             while not future.done():
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(future)
@@ -396,9 +378,8 @@ class HandlerCalls:
         return HandlerFailed(HandlerFailure(type(exc).__qualname__, self._history_text(exc)), group)
 
     def fault(self, shard: ShardRef, what: str, exc: BaseException) -> HandlerFailure:
-        """A step of a round failed for ``shard`` alone, not its handler (``what``: which step,
-        as a clause: "its rows cannot be read"): logged with its traceback, and what may enter
-        Temporal history about it."""
+        """A step of a round (``what``: "its rows cannot be read") failed for ``shard`` alone:
+        logged with its traceback; returns what may enter Temporal history about it."""
         cause = getattr(exc, "orig", None) or exc  # a driver's own message, not the statement
         error = ShardFaultError(f"shard {shard.key}: {what}: {type(cause).__qualname__}: {cause}")
         with log_context(shard=shard.key):
@@ -425,10 +406,8 @@ class HandlerCalls:
 
 
 class _CallClock:
-    """The handler timeout of one run of async calls: like ``asyncio.timeout`` around each
-    call, but one timer for the whole run instead of one per call (a cost cheap handlers
-    felt). When the timer fires while a later call runs, it moves on to that call's
-    deadline."""
+    """The handler timeout of one run of async calls: ``asyncio.timeout`` around each call, but
+    one timer for the whole run, moved on to the deadline of the call running when it fires."""
 
     # A timer may fire a hair before its time; this close to the deadline it has passed.
     TOLERANCE = 0.001
@@ -479,8 +458,8 @@ class _CallClock:
 
 
 def _decode_payload(shard: ShardRef, row: Row[Any]) -> tuple[Any, PayloadDecodeError | None]:
-    """The row's payload, decoded from its JSON text; or why it cannot be (PostgreSQL stores
-    JSON that Python cannot read: nested 10,000 deep, an integer of 5,000 digits)."""
+    """The row's payload, or why it cannot be decoded (PostgreSQL stores JSON that Python
+    cannot read: nested 10,000 deep, an integer of 5,000 digits)."""
     text = row.payload
     if text is None:
         return None, None

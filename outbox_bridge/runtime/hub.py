@@ -1,6 +1,5 @@
-"""In-process hand-off from the bridge's notifications to this worker's partition drains: news
-of a shard goes to the inbox of its partition's drain, if it runs here, and wakes it (one that
-runs elsewhere finds the rows by its own scans). Both sides run on one event loop."""
+"""In-process hand-off from the bridge's notifications to this worker's partition drains (one
+that runs elsewhere finds the rows by its own scans). Both sides run on one event loop."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def partition_of(key: ShardKey, partitions: int) -> int:
     return zlib.crc32(text.encode()) % partitions
 
 
-# Shards a partition's inbox keeps news of between two looks of its drain; past that, it asks
-# the drain to scan every shard instead.
+# Shards a partition's inbox keeps news of; past that, its drain scans every shard instead.
 MAX_NEWS = 100_000
 
 
@@ -72,6 +70,16 @@ class PartitionInbox:
         news, self.news = self.news, {}
         self.event.clear()
         return news
+
+
+async def wait_any(*events: asyncio.Event, timeout: float) -> None:
+    """Return once one of ``events`` is set, or after ``timeout`` seconds."""
+    waiters = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
 
 
 class ShardHub:
@@ -105,8 +113,7 @@ class ShardHub:
                 inbox.event.set()
 
     def offer_to_partition(self, key: ShardKey, max_id: int) -> bool:
-        """Queue news of ``key`` for the partition of this worker that drains it; False if that
-        partition's drain runs elsewhere (it finds the rows by its own scan)."""
+        """Queue news of ``key`` for this worker's drain of its partition; False if none runs."""
         for (table, partition), inbox in self._partitions.items():
             if table == key.table and partition_of(key, inbox.partitions) == partition:
                 inbox.offer(key, max_id)

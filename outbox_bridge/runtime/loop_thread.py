@@ -1,10 +1,7 @@
 """An event loop in a thread of its own, for sync code that runs async code, and a clean exit
-for a process that used Temporal's client.
-
-The SDK's native threads call into Python to hand back every result; one that does so while
-the interpreter finalizes aborts the process (``PyGILState_Release``, SIGABRT). So at exit
-:class:`EventLoopThread` stops its loop, and :func:`settle_native_threads` waits until no
-native thread runs Python code.
+for a process that used Temporal's client: the SDK's native threads abort the process if they
+call into Python while the interpreter finalizes (``PyGILState_Release``), so at exit the loop
+stops and :func:`settle_native_threads` waits until none runs Python code.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Reading the notifications of an outbox table's trigger, trusting nothing in them.
-
-The trigger sends ``[[scope, shard identifier, highest id], ...]`` (the region first in a
-regional table). Any role that can connect can ``NOTIFY``, so a message that does not fit the
-table's shape and column types is refused as a whole, with the reason.
+"""Reading the notifications of an outbox table's trigger, ``[[scope, shard identifier, highest
+id], ...]`` (the region first in a regional table), trusting nothing: any role can ``NOTIFY``.
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ from typing import Any
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
-# PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more (the trigger sends ``*`` well
-# before that): a longer message is not read at all.
+# PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more: a longer message is not read.
 MAX_PAYLOAD_BYTES = 7999
 
 
@@ -56,9 +52,7 @@ def _entry(entry: Any, regional: bool) -> Notification | str:
     if regional:
         if not isinstance(region, str) or not region:
             return "a region is not a non-empty string"
-        if not _storable(region):
-            # JSON can spell what no text column holds (\u0000, a lone surrogate): such a
-            # region names no shard, and its key could be neither hashed nor sent to Temporal.
+        if not _storable(region):  # JSON can spell what no text column holds (\u0000)
             return "a region is not text a column can hold"
     scope, ident, max_id = entry[-3:]
     if not _integer(scope, INT32):

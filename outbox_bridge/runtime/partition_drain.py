@@ -1,19 +1,8 @@
-"""A partition's drain: the healthy path, many shards at a time.
-
-Each of a table's partitions drains the shards that hash to it (:func:`partition_of`), in a
-lingering activity of its ``OutboxPartition`` workflow: a healthy row costs no history event.
-The drain learns of shards with new rows from this worker's notifications (through the
-:class:`ShardHub`), from its own scan for ids above the newest it has seen (every poll
-interval), and from a scan of every shard (every rescan interval, and when it starts), which
-catches late commits and lost notifications.
-
-It drains in *rounds* (:mod:`outbox_bridge.runtime.rounds`) of up to ``max_shards`` shards;
-several rounds run at once, so a slow handler holds back only its own shard.
-
-A shard that needs attention leaves the partition for its own ``OutboxShard`` workflow: its
-handler failed, its head is deferred, or it is on the skip list. Under the shard's lock the
-round records that the workflow holds the shard, then hands it over (signal-with-start); the
-partitions leave a held shard alone until its workflow gives it back.
+"""A partition's drain: the healthy path, many shards at a time, in a lingering activity of its
+``OutboxPartition`` workflow. It learns of shards with rows from this worker's notifications,
+its scan for ids above the newest seen (every poll interval) and a scan of every shard (every
+rescan interval, and at start), and drains them in several concurrent rounds. A shard that
+needs attention is held for its ``OutboxShard`` workflow under its lock, then handed over.
 """
 
 from __future__ import annotations
@@ -41,6 +30,7 @@ from outbox_bridge.runtime.hub import (
     key_of,
     partition_of,
     ref_of,
+    wait_any,
 )
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
@@ -58,17 +48,15 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
 BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
-# Shards a partition's drain keeps queued at most. Past that, news of further shards is dropped
-# (they have rows: a full scan finds them again), and the drain scans every shard as soon as its
-# queue has emptied, instead of at the next rescan interval.
+# Shards a partition's drain keeps queued at most; the shards left out are found by a scan of
+# every shard once the queue has emptied.
 MAX_QUEUED_SHARDS = 100_000
 MAX_GROUPS_PER_SHARD = 1000  # of one shard in one round, however few shards the round has
 
 
 def groups_per_shard(options: PartitionOptions, shards: int) -> int:
-    """The groups a round may take from each of its ``shards``: ``max_groups``, or more when
-    the round has fewer than ``max_shards`` shards, so that a round reads about as many rows
-    whatever its shards (a hot shard drains in long rounds, not in many short ones), up to
+    """The groups a round may take from each of its ``shards``: ``max_groups``, or more when it
+    has fewer than ``max_shards`` shards (a hot shard drains in long rounds), up to
     ``MAX_GROUPS_PER_SHARD``."""
     share = options.max_shards * options.max_groups // max(1, shards)
     return max(options.max_groups, min(MAX_GROUPS_PER_SHARD, share))
@@ -106,19 +94,14 @@ class PartitionDrain:
         self._watermark = 0
         self._stats = PartitionRound()
         self._drained: set[ShardKey] = set()
-        # The skip list the partition was started with, and this worker's: a worker restarted
-        # with a new list applies it at once, also in a drain retried from an older worker
-        # before the partition has the new options.
+        # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
 
     # -- the run -----------------------------------------------------------------------------
 
     async def run(self) -> PartitionRound:
-        if self._hub.closed:
-            # Returning at once would make the workflow start the next round right away (on
-            # this worker again, while it still polls): fail, and let the server retry it with
-            # backoff, on a worker that is not stopping.
+        if self._hub.closed:  # not a return: the next round would start here again at once
             raise PartitionUnavailableError("this worker is shutting down")
         options = self._options
         began = time.monotonic()
@@ -170,15 +153,7 @@ class PartitionDrain:
         if seconds <= 0 or inbox.event.is_set():
             return
         self._round_done.clear()
-        waiters = [
-            asyncio.create_task(inbox.event.wait()),
-            asyncio.create_task(self._round_done.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        await wait_any(inbox.event, self._round_done, timeout=seconds)
 
     def _take_news(self, inbox: PartitionInbox) -> bool:
         """Queue the shards the notifications named; True if one asked for a full scan."""
@@ -317,8 +292,7 @@ class PartitionDrain:
             )
 
     def _round_failed(self, exc: Exception) -> None:
-        """A round ended early: its shards are read again. A lost connection is an outage
-        waited out; anything else is a failure no shard of the round could be blamed for."""
+        """A round ended early (its shards are read again): an outage, or a failure."""
         if connection_lost(exc):
             log.warning("partition %s: a round failed: %s", self._ref.workflow_id, exc)
         else:
@@ -331,9 +305,8 @@ class PartitionDrain:
             )
 
     async def _hold_skipped(self, batch: LockedShards) -> list[ShardRef]:
-        """Shards on the skip list that nobody holds go to their workflow, skipped, before
-        anything runs (returned). A listed shard its workflow holds is left to it: an operator
-        may have resumed it, and skipping it again would undo the resume."""
+        """Hold the listed shards that nobody holds for their workflow, skipped; returns them.
+        One its workflow holds is left to it (an operator may have resumed it)."""
         listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
         if not listed:
             return []
@@ -347,8 +320,7 @@ class PartitionDrain:
     @staticmethod
     def _settle(batch: LockedShards, outcome: ShardOutcome) -> None:
         """Under the shard's lock: a shard that failed or waits for a deferred head is held for
-        its workflow (unless a workflow holds it already: a shard whose rows could not be read
-        is read, and fails, whoever holds it)."""
+        its workflow, unless one holds it already."""
         handover = _handover(outcome)
         if handover is not None and not outcome.lock_lost:
             batch.hold(outcome.shard, handover.held_for, if_free=True)
@@ -379,8 +351,8 @@ class PartitionDrain:
 
 
 def _handover(outcome: ShardOutcome) -> HandoverInput | None:
-    """What a shard's workflow is told when the round gives it the shard: its failure (a
-    handler's, or a step of the round that failed for this shard), or its deferred head."""
+    """What a shard's workflow is told when the round gives it the shard: its failure or its
+    deferred head."""
     if outcome.failure is not None:
         return HandoverInput(
             max_id=outcome.highest_seen_id,

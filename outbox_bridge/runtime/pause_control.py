@@ -1,7 +1,6 @@
 """The paused categories and scopes of the app's tables as the worker serves them: names
-resolved against the app, the ``change_pauses`` activity of the ``OutboxControl`` workflow, and
-the view of the pauses that the active bridge keeps current in that workflow (a pause changed
-from the command line or with SQL shows there at the next sweep)."""
+resolved against the app, the ``change_pauses`` activity, and the view of the pauses that the
+active bridge keeps current in the ``OutboxControl`` workflow."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def control_workflow_id(table: str) -> str:
 
 
 def member_number(app: OutboxApp | None, kind: PauseKind, text: str, where: str) -> int:
-    """The number of the category or scope ``text`` names: a number (a value the app does not
-    register can be named so), or a name of ``app`` (any case); ``where`` says which app, for
-    the error."""
+    """The number of the category or scope ``text`` names: a number, or a name of ``app`` (any
+    case); ``where`` says which app, for the error."""
     text = text.strip()
     try:
         return int(text)
@@ -111,9 +109,8 @@ class PauseControl:
 
 
 class ControlViews:
-    """Keeps each table's ``OutboxControl`` workflow running and showing the table's pauses:
-    started with a ``refresh`` signal at the bridge's first sweep, and signalled again when
-    the pauses changed (one signal-with-start per change, none otherwise)."""
+    """Keeps each table's ``OutboxControl`` workflow running and showing the table's pauses
+    (one signal-with-start of ``refresh`` per change, none otherwise)."""
 
     def __init__(self, control: PauseControl, client: Client, task_queue: str) -> None:
         self._control = control

@@ -1,23 +1,12 @@
 """One drain round over many shards at once: lock them, read their heads, run their handlers,
 delete what was handled, unlock them.
 
-Everything a round changes in the table goes through the one connection that holds the round's
-shard locks. Session advisory locks live as long as their connection: if it dies, the locks are
-gone, and so is every later delete or ownership change of the round. That fence keeps a round
-that lost its locks from deleting anything another execution may now be handling; its handled
-rows run again (at least once).
-
-Handled rows are deleted while the round runs, pipelined: one delete statement at a time per
-round, each taking every group handled while the one before was under way, never a round trip
-per group. No round takes a further group while the worker's rounds together have
-``max_undeleted_groups`` handled and not deleted, by default as many as the worker can have
-calls under way: a crash repeats at most those and the calls under way, and a slow delete never
-caps the rate below what the handlers allow. A shard is unlocked once its last group is deleted,
-so a slow shard never holds the others back.
-
-A round is bounded by the payload bytes of its groups' newest rows as well as by their number:
-each shard keeps the prefix of its groups that fits the budget; the others wait for the next
-round.
+Every write of a round goes through the one connection that holds its shard locks: if it dies,
+the locks are gone and so is every later write of the round (the fence), and its handled rows run
+again. Deletes are pipelined, one statement at a time per round, and no round takes a further
+group while the worker's rounds have ``max_undeleted_groups`` handled and not deleted: a crash
+repeats at most those and the calls under way. A shard is unlocked once its last group is
+deleted. A round is also bounded by the payload bytes of its groups' newest rows.
 """
 
 from __future__ import annotations
@@ -222,13 +211,9 @@ class LockedShards:
 
     def alive(self) -> bool:
         """Whether the connection (and every lock of the round) still seems to stand; asked
-        before each handler call, also from handler threads.
-
-        An idle connection that is not listening receives nothing unless the server is closing
-        it, so a readable socket between statements means the locks are likely gone. It only
-        polls the socket, never reads it (psycopg may be awaiting an answer on it), and fences
-        nothing by itself: the next statement fails if the connection is really gone.
-        """
+        before each handler call, also from handler threads. An idle connection that is not
+        listening receives nothing unless the server is closing it. The socket is only polled,
+        never read (psycopg may be awaiting an answer on it); the next statement is the fence."""
         if self.lost or self.suspect:
             return False
         driver = self._socket
@@ -239,9 +224,7 @@ class LockedShards:
             if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
                 self._lose("the connection is closed")
                 return False
-            if statements % 2:
-                # A statement is under way, its answer may be arriving: only a socket the
-                # server has closed says anything.
+            if statements % 2:  # an answer may be arriving: only a hang-up says anything
                 return not self._closed_by_server(driver.pgconn.socket)
             readable, _, _ = select.select([driver.pgconn.socket], [], [], 0)
         except (OSError, psycopg.Error, ValueError) as exc:
@@ -252,8 +235,7 @@ class LockedShards:
         return not self.suspect
 
     def _closed_by_server(self, socket: int) -> bool:
-        """Whether the server closed the connection (Linux says so while an answer is still
-        unread); marks the round suspect if it did."""
+        """Whether the server closed the connection; marks the round suspect if it did."""
         if not HANGUP:
             return False
         poller = select.poll()  # one per call: handler threads ask at the same time
@@ -291,9 +273,7 @@ class LockedShards:
             return await self._statement(work)
 
     async def _statement(self, work: Any) -> Any:
-        # Look at the idle socket before the statement hides it: a server that closed the
-        # connection has said so there, and a handler thread asking alive() while the statement
-        # runs would take the connection for alive and start a further group on it.
+        # Look at the idle socket before the statement hides a server's close from alive().
         self.alive()
         self._statements += 1
         try:
@@ -306,8 +286,7 @@ class LockedShards:
             self._statements += 1
 
     def gone(self, exc: BaseException) -> bool:
-        """Whether ``exc``, raised by a statement of this round, means its connection (and every
-        lock of the round) is gone."""
+        """Whether ``exc``, raised by a statement of this round, means its locks are gone."""
         if self.lost or isinstance(exc, OSError) or self.conn.invalidated:
             return True
         if isinstance(exc, DBAPIError) and exc.connection_invalidated:
@@ -318,9 +297,8 @@ class LockedShards:
     def fault(
         self, shard: ShardRef, group: GroupRows | None, what: str, exc: BaseException
     ) -> None:
-        """A step of the round failed for ``shard`` alone (``what`` it could not do): it
-        stops as if its handler had failed on ``group``, keeps its rows, and is held for its
-        workflow with why. A shard's first failure is the one reported."""
+        """A step of the round failed for ``shard`` alone: it stops as if its handler had
+        failed on ``group``, keeps its rows, and is held for its workflow with why."""
         if self._calls is None:  # a round built by hand (tests): no isolation
             raise exc
         outcome = self.outcomes.setdefault(shard, ShardOutcome(shard))
@@ -335,8 +313,7 @@ class LockedShards:
     # -- queued writes -----------------------------------------------------------------------
 
     def deleted(self, group: GroupRows, outcome: ShardOutcome) -> None:
-        """Rows of a handled group: deleted once the connection is free, with whatever else was
-        handled meanwhile."""
+        """Queue the delete of a handled group."""
         self._pending.append((group, outcome))
         self.undeleted.added()
         self._kick()
@@ -347,8 +324,7 @@ class LockedShards:
             await self.undeleted.room()
 
     def hold(self, shard: ShardRef, held_for: str, *, if_free: bool = False) -> None:
-        """Hold ``shard`` for its workflow (again, with a new reason); with ``if_free`` only if
-        no workflow holds it yet. :attr:`held` says which were held."""
+        """Hold ``shard`` for its workflow; with ``if_free`` only if no workflow holds it yet."""
         self._holds.append((shard, held_for, if_free))
 
     def release(self, shard: ShardRef) -> None:
@@ -427,8 +403,7 @@ class LockedShards:
     async def _apart(
         self, write: Callable[[list[ShardRef]], Awaitable[None]], shards: list[ShardRef]
     ) -> dict[ShardRef, Exception]:
-        """``write(shards)``; if that fails on a live connection, shard by shard. Returns the
-        shards whose own write failed, with why (a lost connection raises)."""
+        """``write(shards)``, else shard by shard; returns the shards whose own write failed."""
         try:
             await write(shards)
             return {}
@@ -465,8 +440,7 @@ class LockedShards:
             owner[row_id].rows_handled += 1
 
     async def _write_holds(self, holds: list[tuple[ShardRef, str, bool]]) -> None:
-        """The holds queued, then those of the shards a write failed for (still locked; held
-        only if no workflow holds them already, whose reason stays)."""
+        """The holds queued, then those of the shards a write failed for (if still free)."""
         faulted, self._faulted = self._faulted, []
         if_free: dict[str, list[ShardRef]] = {}
         for shard, held_for, only_free in holds:
@@ -481,8 +455,7 @@ class LockedShards:
             self.held.update(await hold_free_shards(self.conn, self.table, shards, held_for))
 
     async def _unlock_each(self, shards: list[ShardRef]) -> None:
-        """Unlock ``shards``. A shard that cannot be unlocked is held and stays locked until
-        the round closes its connection."""
+        """Unlock ``shards``; one that cannot be is held and locked until the connection closes."""
         failed = await self._apart(self._unlock, shards)
         for shard, exc in failed.items():
             self.fault(shard, None, "its lock cannot be released", exc)
@@ -553,11 +526,8 @@ class DrainEngine:
     ) -> AsyncIterator[LockedShards]:
         """Lock the free ones of ``shards`` (waiting up to ``wait_seconds`` for each taken one)
         on a connection of their own; everything is written and unlocked when the block ends,
-        and the connection is dropped if it may still hold a lock.
-
-        With ``recover``, groups handled and not deleted when the connection was lost are
-        deleted from a new one where it gets their locks: a lost connection then repeats no
-        more than a crash does."""
+        and the connection is dropped if it may still hold a lock. With ``recover``, what a
+        lost connection left undeleted is deleted from a new one that gets those locks."""
         conn = await self.engine.connect()
         batch: LockedShards | None = None
         try:
@@ -591,7 +561,7 @@ class DrainEngine:
 
     async def _delete_unwritten(self, lost: LockedShards) -> None:
         """Delete what a round that lost its connection had handled, in the shards whose locks
-        a new connection gets (no other execution is in those). The others' groups run again."""
+        a new connection gets; the others' groups run again."""
         groups = lost.unwritten
         shards = list(dict.fromkeys(outcome.shard for _, outcome in groups))
         mine = []
@@ -659,10 +629,8 @@ class DrainEngine:
         skip_paused: bool = False,
     ) -> list[ShardHead]:
         """The head groups of every locked shard (at most ``max_groups`` each, within the
-        round's payload budget) and their newest rows, in a few statements for the round.
-
-        If those fail on a live connection, each shard is read alone: one whose own read fails
-        gets a head that carries why (:attr:`ShardHead.fault`)."""
+        round's payload budget) and their newest rows. If the read fails on a live connection,
+        each shard is read alone: one whose own read fails gets a head that carries why."""
         read = functools.partial(
             read_shard_heads,
             batch.execute,
@@ -692,8 +660,7 @@ class DrainEngine:
     async def _unreadable(
         self, batch: LockedShards, shard: ShardRef, exc: BaseException
     ) -> ShardHead:
-        """The head of a shard whose rows cannot be read: its first group (read without its
-        payload) if that can be read, failing with why."""
+        """The head of a shard whose rows cannot be read: its first group, failing with why."""
         failure = self.calls.fault(shard, "its rows cannot be read", exc)
         head = ShardHead(shard, [], 0, fault=failure)
         try:
@@ -726,50 +693,34 @@ class DrainEngine:
         must be written under its lock."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         batch.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
+        busy = RoundShards(len(heads))
+
+        async def run_shard(head: ShardHead, outcome: ShardOutcome) -> None:
+            key = lock_key(head.shard)
+            self._running[key] = self._running.get(key, 0) + 1
+            try:
+                await self._handle(batch, head, outcome, deadline, attempt, partition, busy)
+            finally:
+                busy.done()
+                self._running[key] -= 1
+                if not self._running[key]:
+                    del self._running[key]
+                outcome.lock_lost = batch.lost
+            if settle is not None:
+                settle(batch, outcome)
+            if unlock_each and head.shard in batch.locked:
+                batch.unlock(head.shard)
+
         # Every shard's calls end before the round does, also when it is cancelled: a plain-def
         # call cannot be stopped, and its shard stays locked until it returns.
-        busy = RoundShards(len(heads))
         ended = await asyncio.gather(
-            *(
-                self._run_shard(
-                    batch, head, outcome, deadline, attempt, unlock_each, settle, partition, busy
-                )
-                for head, outcome in zip(heads, outcomes, strict=True)
-            ),
+            *(run_shard(head, outcome) for head, outcome in zip(heads, outcomes, strict=True)),
             return_exceptions=True,
         )
         for result in ended:
             if isinstance(result, BaseException):
                 raise result
         return outcomes
-
-    async def _run_shard(
-        self,
-        batch: LockedShards,
-        head: ShardHead,
-        outcome: ShardOutcome,
-        deadline: float,
-        attempt: int,
-        unlock_each: bool,
-        settle: Settle | None,
-        partition: str | None,
-        busy: RoundShards,
-    ) -> None:
-        shard = head.shard
-        key = lock_key(shard)
-        self._running[key] = self._running.get(key, 0) + 1
-        try:
-            await self._handle(batch, head, outcome, deadline, attempt, partition, busy)
-        finally:
-            busy.done()
-            self._running[key] -= 1
-            if not self._running[key]:
-                del self._running[key]
-            outcome.lock_lost = batch.lost
-        if settle is not None:
-            settle(batch, outcome)
-        if unlock_each and shard in batch.locked:
-            batch.unlock(shard)
 
     async def _handle(
         self,
@@ -847,8 +798,7 @@ class DrainEngine:
         rows: dict[int, Row[Any]],
         partition: str | None,
     ) -> BatchObserver:
-        """The shard's observer; with tracing on, given the producer trace context of every row
-        the calls cover."""
+        """The shard's observer, with the producer trace context of every row (tracing on)."""
         observer = BatchObserver(shard, partition=partition)
         if observer.traced and calls:
             contexts = {
@@ -888,14 +838,10 @@ async def read_shard_heads(
     max_bytes: int | None = None,
 ) -> list[ShardHead]:
     """The head groups of each of ``shards`` (at most ``max_groups`` each) and their newest
-    rows, in a few statements for all of them: the shards' windows, then the rest of the head
-    groups that go on past a full window, then the rows their handlers get.
-
-    Shared with :func:`outbox_bridge.testing.drain_outbox`, whose ``run_deferred`` is
-    ``deferred_as_due``: rows not yet due count as due in the windows (a head group read on
-    past a full window still stops before the first one). With ``max_bytes``, each shard keeps
-    the prefix of its head groups whose newest rows fit that many payload bytes in all.
-    """
+    rows, in a few statements for all of them: the windows, the groups' tails past a full
+    window, then the rows. ``deferred_as_due`` (``drain_outbox(run_deferred=True)``) counts
+    rows not yet due as due in the windows; ``max_bytes`` keeps each shard's prefix of groups
+    whose newest rows fit that many payload bytes in all."""
     window = max(2 * max_groups, 16)
     windows = await execute(
         lambda conn: read_windows(
@@ -914,9 +860,7 @@ async def read_shard_heads(
             found.rows = [dataclasses.replace(row, deferred_seconds=None) for row in found.rows]
         head = head_of(shards[found.index], found, window, max_groups)
         heads.append(head)
-        if head.open_ended:
-            # The window is full and no row in it is deferred: the head groups may go on past
-            # it, up to the first deferred row after it.
+        if head.open_ended:  # the head groups may go on past the window
             after = found.rows[-1].id
             for group in head.groups:
                 tail = GroupTail(head.shard, group.category, group.object_identifier, after)
@@ -944,9 +888,8 @@ async def read_shard_heads(
 
 def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int) -> bool:
     """Keep, of each shard's groups, the prefix whose newest rows' payloads (``sizes``, by row
-    id) fit ``budget`` bytes in all: every shard's first group before any shard's second; a
-    shard stops at its first group that does not fit (a later one would run out of order). At
-    least one group is kept. True if any group was left for a later round."""
+    id) fit ``budget`` bytes in all, every shard's first group before any shard's second; at
+    least one group. True if any group was left for a later round."""
     kept = [0] * len(heads)
     used = taken = 0
     open_ = [index for index, head in enumerate(heads) if head.groups]

@@ -1,9 +1,6 @@
-"""Naming a shard without the app: scope names and numbers learned from the shard workflows.
-
-The table holds a scope's number, a shard workflow's id its name. A command run without the app
-learns the pairs from the table's shard workflows (their ``OutboxScope`` search attribute and
-their input): one visibility query and one history event per scope. A scope none of whose
-shards had a workflow within the namespace's retention stays unknown.
+"""Naming a shard without the app: the table holds a scope's number, a shard workflow's id its
+name, so the pairs are learned from the table's shard workflows (one visibility query and one
+history event per scope). A scope with no workflow within the retention stays unknown.
 """
 
 from __future__ import annotations
@@ -104,9 +101,8 @@ def _quoted(names: Iterable[str]) -> str:
 async def find_shard(
     client: Client, name: str, app: OutboxApp | None, *, table: str | None = None
 ) -> ShardRef:
-    """The shard called ``name`` (see :func:`parse_shard`). Without the app, its scope comes
-    from the table's shard workflows (:class:`ShardNameError` when they cannot tell), and a
-    name with a region (``REGION:SCOPE:ID``) is taken for a regional table."""
+    """The shard called ``name`` (see :func:`parse_shard`); without the app, its scope comes
+    from the table's shard workflows (:class:`ShardNameError` when they cannot tell)."""
     if app is not None:
         return parse_shard(name, app, table=table)
     table_name = table or "outbox"

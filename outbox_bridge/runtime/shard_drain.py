@@ -1,11 +1,6 @@
-"""Draining one shard for its own workflow: read its head groups, run their handlers, delete
-what succeeded; and the other activities of a shard workflow (its category activity, a flush's
-wait, holding the shard).
-
-Every call holds the shard's advisory lock on a connection of its own for its whole duration,
-so two executions of one shard never overlap, and never holds a transaction or a row lock while
-a handler runs. The rounds themselves are :class:`~outbox_bridge.runtime.rounds.DrainEngine`'s,
-shared with the partitions that drain healthy shards many at a time.
+"""The activities of a shard workflow: its drain, its category activity, a flush's wait, and
+holding the shard. Each call holds the shard's advisory lock for its whole duration (two
+executions of one shard never overlap) and no transaction or row lock while a handler runs.
 """
 
 from __future__ import annotations
@@ -16,7 +11,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
@@ -68,9 +62,6 @@ class ShardDrainer:
         self._engine = engine
         self._app = engine.app
 
-    def close(self) -> None:
-        self._engine.calls.close()
-
     @contextlib.asynccontextmanager
     async def _locked(
         self, shard: ShardRef, wait_seconds: float = LOCK_WAIT_SECONDS
@@ -98,7 +89,8 @@ class ShardDrainer:
         deadline = time.monotonic() + request.time_budget_seconds
         outcome = ShardOutcome(shard)
         released = False
-        seen = _Seen()
+        parked: list[ParkedNote] = []
+        paused: PauseInfo | None = None
         async with self._locked(shard) as batch:
             batch.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
             heads = await self._engine.read_heads(
@@ -112,19 +104,23 @@ class ShardDrainer:
                 batch.release(shard)
                 released = True
             else:
-                seen = await batch.execute(lambda conn: self._seen(conn, batch.table, outcome))
+                parked, paused = await batch.execute(
+                    lambda conn: self._seen(conn, batch.table, outcome)
+                )
         if outcome.failure is not None and outcome.failed is None:
             # Failed before any group could be named (its rows cannot be read, its unlock
             # failed): the activity fails, and is retried with backoff, saying why.
             failure = outcome.failure
             raise ShardFaultError(f"{failure.error_type}: {failure.message}")
         result = _result(outcome, released)
-        result.parked = seen.parked
+        result.parked = parked
         if result.deferred_until is not None:
-            result.paused = seen.paused
+            result.paused = paused
         return result
 
-    async def _seen(self, conn: AsyncConnection, table: Table, outcome: ShardOutcome) -> _Seen:
+    async def _seen(
+        self, conn: AsyncConnection, table: Table, outcome: ShardOutcome
+    ) -> tuple[list[ParkedNote], PauseInfo | None]:
         """What the shard's workflow shows beside its state: the shard's parked groups, and the
         pause its head waits for (read only when the head is not due)."""
         shard = outcome.shard
@@ -142,17 +138,14 @@ class ShardDrainer:
         pause = None
         if outcome.deferred_until is not None and outcome.failed is None:
             pause = await read_shard_pause(conn, table, shard)
-        if pause is None:
-            return _Seen(parked)
-        return _Seen(parked, view_of(self._app, [pause]).pauses[0])
+        return parked, None if pause is None else view_of(self._app, [pause]).pauses[0]
 
     # -- a blocked head --------------------------------------------------------------------
 
     async def handle_head(self, request: HandleHeadInput, *, attempt: int = 1) -> HandleHeadResult:
         """Handle the shard's head group if it is still the given group (it may have been
-        handled meanwhile, or removed by an operator). Raises :class:`HandlerFailed`.
-        ``attempt`` is the activity's; the calls are numbered on from the group's earlier
-        ones (the partition's first call at least), across handover and continue-as-new."""
+        handled or removed meanwhile). Raises :class:`HandlerFailed`. The calls are numbered on
+        from the group's earlier ones (the partition's first call at least)."""
         shard = request.shard
         calls_before = max(request.prior_attempts, 1)
         async with self._locked(shard) as batch:
@@ -178,9 +171,8 @@ class ShardDrainer:
     # -- holding ---------------------------------------------------------------------------
 
     async def hold(self, request: HoldInput) -> None:
-        """Record that the shard's workflow holds it (skipped, or taken back from a skip),
-        waiting for a drain of the shard to end first: a skip takes effect once the group that
-        is running has returned, and no drain takes the shard after that."""
+        """Record that the shard's workflow holds it (skipped, or taken back from a skip), once
+        a drain of the shard under way has ended."""
         shard = request.shard
         async with self._locked(shard, wait_seconds=request.wait_seconds) as batch:
             await batch.execute(
@@ -190,9 +182,8 @@ class ShardDrainer:
     # -- flushing --------------------------------------------------------------------------
 
     async def wait_handled(self, request: FlushCheckInput) -> FlushCheck:
-        """Wait until no row of the shard up to ``up_to_id`` is pending (handled), one of them
-        holds the shard as a deferred head (not due yet), or the timeout passes. Polls the
-        table with growing pauses; takes no lock, so it never delays the drain."""
+        """Wait until no row of the shard up to ``up_to_id`` is pending, one of them is a
+        deferred head, or the timeout passes. Polls the table and takes no lock."""
         shard = request.shard
         table = self._app.table(shard.table)
         deadline = time.monotonic() + request.timeout_seconds
@@ -215,12 +206,6 @@ class ShardDrainer:
                 return FlushCheck(handled=False)
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 1.5, FLUSH_POLL_MAX)
-
-
-@dataclass
-class _Seen:
-    parked: list[ParkedNote] = field(default_factory=list)
-    paused: PauseInfo | None = None
 
 
 def _result(outcome: ShardOutcome, released: bool) -> DrainResult:

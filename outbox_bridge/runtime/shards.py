@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
-    """``SCOPE:ID`` (``REGION:SCOPE:ID`` for a regional table) as the worker names it. SCOPE is
-    a scope's name (any case) or number; a number the app does not register names the shard."""
+    """``SCOPE:ID`` (``REGION:SCOPE:ID`` for a regional table); SCOPE is a scope's name (any
+    case) or number."""
     spec = app.table_spec(table)
     region, scope_text, ident = split_shard_name(name, regional=spec.regional, table=spec.name)
     try:
@@ -72,7 +72,7 @@ def known_scopes(app: OutboxApp) -> str:
 
 def split_shard_name(name: str, *, regional: bool, table: str) -> tuple[str | None, str, int]:
     """The region (None outside a regional table), scope text and identifier of a shard's name,
-    read from the right: a region may hold ``:`` (``eu:west:USER:7``), scopes and ids not."""
+    read from the right (a region may hold ``:``)."""
     expected = 3 if regional else 2
     parts = name.rsplit(":", expected - 1)
     # A region is any text the table accepts (even blank); scope and id are never blank.
@@ -179,8 +179,8 @@ def start_arguments(
     skip: SkipInfo | None = None,
     pending: bool = True,
 ) -> dict[str, Any]:
-    """``Client.start_workflow``'s and ``WithStartWorkflowOperation``'s keyword arguments for
-    ``shard``'s workflow. ``pending``: the run drains first (not after a handover)."""
+    """``Client.start_workflow``'s keyword arguments for ``shard``'s workflow; ``pending``: the
+    run drains first."""
     return {
         "arg": ShardInput(
             shard=shard,
@@ -203,8 +203,8 @@ def start_arguments(
 
 
 class ShardStarter:
-    """Starts and signals shard workflows. Each call is one RPC; a failed one is logged and
-    returns False (the sweep repairs what it left undone)."""
+    """Starts and signals shard workflows, one RPC a call; a failed one is logged and returns
+    False (the sweep repairs it)."""
 
     def __init__(
         self,

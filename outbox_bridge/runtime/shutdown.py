@@ -20,13 +20,9 @@ log = logging.getLogger("outbox_bridge.runtime.shutdown")
 
 
 class ShutdownGrace(Interceptor):
-    """A worker interceptor that stops the worker within ``seconds`` (:meth:`stop`).
-
-    The worker's ``graceful_shutdown_timeout`` cancels normal activities, but waits for local
-    ones (the drains) until their own timeout, minutes: this cancels them when the grace ends.
-    A cancelled drain fails without retry, and the shard workflow hands its rows to a normal
-    drain activity that another worker runs.
-    """
+    """A worker interceptor that stops the worker within ``seconds`` (:meth:`stop`): the SDK's
+    ``graceful_shutdown_timeout`` waits for local activities (the drains) until their own
+    timeout; this cancels them when the grace ends, without retry on this worker."""
 
     def __init__(self, seconds: float, *, calls_in_flight: Callable[[], int] = lambda: 0) -> None:
         self.seconds = seconds
@@ -81,8 +77,7 @@ class _GraceActivityInterceptor(ActivityInboundInterceptor):
 
 
 def _stopped() -> ApplicationError:
-    # Not retryable: a retry would run in this worker, which is stopping. Benign: expected, so
-    # the SDK does not log it as a failure (stop() has said what it cancelled).
+    # Not retryable: a retry would run in this stopping worker. Benign: stop() logged it.
     return ApplicationError(
         "the worker stopped before this call finished",
         type="WorkerStopped",

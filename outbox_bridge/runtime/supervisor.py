@@ -1,12 +1,7 @@
-"""What the active bridge repairs at every sweep: it makes Temporal match the table.
-
-- Every table has its ``OutboxPartition`` workflows running on this worker's task queue, with
-  the current options, and none beyond the configured number. One left on a task queue that no
-  worker polls is ended and started again here; one that other workers poll is reported.
-- Every shard held in ``<table>_owners`` that has rows has its ``OutboxShard`` workflow running
-  (skipped if the table says so), and a held shard that waits for a deferred head or is blocked
-  on a group notices when an operator deleted that row or changed it. Visibility is asked once
-  per sweep; only the held shards it does not list are described.
+"""What the active bridge repairs at every sweep, making Temporal match the table: every table
+has its ``OutboxPartition`` workflows running on this worker's task queue with the current
+options, and every shard held in ``<table>_owners`` that has rows has its ``OutboxShard``
+workflow running, woken when its deferred or blocked head changed in the table.
 """
 
 from __future__ import annotations
@@ -31,6 +26,7 @@ from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.hub import ShardKey, ref_of
 from outbox_bridge.runtime.pause_control import ControlViews, PauseControl
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
@@ -93,10 +89,8 @@ class PartitionSupervisor:
     # -- partitions ----------------------------------------------------------------------------
 
     async def ensure_partitions(self) -> None:
-        """Start the partition workflows that are not running (one idempotent RPC each, all at
-        once: a worker's first rows wait for their partition's start). The first time, also
-        hand the running ones the current options and retire the partitions beyond the
-        configured number."""
+        """Start the partition workflows that are not running, all at once. The first time,
+        also hand the running ones the current options and retire those beyond the number."""
         for table in self._app.tables:
             started = await asyncio.gather(
                 *(self._start(ref) for ref in self.partition_refs(table))
@@ -115,9 +109,7 @@ class PartitionSupervisor:
                 id=ref.workflow_id,
                 task_queue=self._task_queue,
                 memo=workflow_code_memo(),
-                # The workflow's first task comes back with the answer when this process's
-                # worker has room for it: about a tenth of a second sooner at start-up.
-                request_eager_start=True,
+                request_eager_start=True,  # its first task comes back with the answer
             )
         except WorkflowAlreadyStartedError:
             ours = await self._on_this_queue(ref.workflow_id, what="partition")
@@ -127,9 +119,7 @@ class PartitionSupervisor:
                 return False
             if self._configured:
                 return True
-            # Running since an earlier worker: it gets this worker's options. (A partition
-            # started here has them already; a signal would cost it a workflow task.)
-            try:
+            try:  # running since an earlier worker: it gets this worker's options
                 await self.client.get_workflow_handle(ref.workflow_id).signal(
                     "reconfigure", self._options
                 )
@@ -143,9 +133,8 @@ class PartitionSupervisor:
 
     async def _on_this_queue(self, workflow_id: str, *, what: str) -> bool | None:
         """True if ``workflow_id`` runs on this worker's task queue, False if that cannot be told
-        now, None if it runs no more: not at all, or on another queue that no worker polls (it
-        is terminated; the table holds all its successor needs). One that workers of another
-        queue poll raises :class:`ConfigurationError`: two fleets would fight over it."""
+        now, None if it runs no more (one left on a queue that no worker polls is terminated).
+        One that workers of another queue poll raises :class:`ConfigurationError`."""
         handle = self.client.get_workflow_handle(workflow_id)
         try:
             description = await handle.describe()
@@ -204,8 +193,8 @@ class PartitionSupervisor:
     # -- held shards ------------------------------------------------------------------------------
 
     async def check_held(self) -> None:
-        """Start the workflow of every held shard that has rows and no running workflow (a
-        skipped one skipped again), and wake a deferred or blocked one whose head changed."""
+        """Start the workflow of every held shard that has rows and none running, and wake a
+        deferred or blocked one whose head changed."""
         running = await self._running_shard_states()
         if running is None:
             return
@@ -217,13 +206,11 @@ class PartitionSupervisor:
             except SQLAlchemyError as exc:
                 log.warning("cannot read the held shards of %s: %s", table, exc)
                 continue
-            checks += [
-                (self._ref(table, shard), shard)
-                for shard in held
-                if shard.head is not None and self._wanted(shard)
-            ]
-        # A few at a time: a status query may wait out its timeout (a draining workflow answers
-        # none), which would hold up every shard after it. Shards nobody drains first.
+            for shard in held:
+                if shard.head is not None and self._wanted(shard):
+                    key = ShardKey(table, shard.region, shard.scope, shard.shard_identifier)
+                    checks.append((ref_of(key, self._app), shard))
+        # A few at a time (a status query may wait out its timeout); shards nobody drains first.
         checks.sort(key=lambda check: check[0].workflow_id in running)
         room = asyncio.Semaphore(CHECK_CONCURRENCY)
 
@@ -252,9 +239,7 @@ class PartitionSupervisor:
             )
             self.restarted += 1
             skip = None
-            if shard.held_for == HeldFor.SKIPPED:
-                # The table keeps the skip, not who took it or why, unless skip_shards lists it
-                # (this sweep may see a listed shard before its partition's handover starts it).
+            if shard.held_for == HeldFor.SKIPPED:  # the table keeps the skip, not who or why
                 skip = static_skip(ref, self._starter.skip_shards) or SkipInfo(
                     reason="skipped before its workflow ended (the skip is kept in the "
                     "owner table); resume the shard to drain it",
@@ -297,13 +282,4 @@ class PartitionSupervisor:
         return (
             f"WorkflowType = '{workflow_type}' AND ExecutionStatus = 'Running' "
             f"AND TaskQueue = '{queue}'"
-        )
-
-    def _ref(self, table: str, shard: HeldShard) -> ShardRef:
-        return ShardRef(
-            table=table,
-            scope=shard.scope,
-            scope_name=self._app.scope_name(shard.scope),
-            shard_identifier=shard.shard_identifier,
-            region=shard.region,
         )

@@ -68,9 +68,8 @@ def _tls(settings: OutboxSettings) -> TLSConfig | bool:
 
 def temporal_profile(settings: OutboxSettings) -> ClientConfigProfile:
     """The profile ``temporal_profile`` (else ``default``) of ``temporal_config_file`` (else
-    Temporal's default file); empty without a file. Only the file is read: its variables are
-    our settings. The ``default`` profile is not used once an address is given (a test's own
-    dev server never gets a personal profile's key)."""
+    Temporal's default file); empty without a file, or when an address is given without a
+    profile. Only the file is read: its variables are our settings."""
     if settings.temporal_profile is None and settings.temporal_address is not None:
         return ClientConfigProfile()
     source = settings.temporal_config_file
@@ -98,8 +97,8 @@ def embedded_temporal(settings: OutboxSettings) -> bool:
 
 
 def client_options(settings: OutboxSettings) -> dict[str, Any]:
-    """``Client.connect``'s namespace, API key, TLS and gRPC metadata: each setting that was
-    given (a flag, a variable, a Django key), else the profile's, else the default."""
+    """``Client.connect``'s namespace, API key, TLS and gRPC metadata: each setting given, else
+    the profile's, else the default."""
     options: dict[str, Any] = dict(temporal_profile(settings).to_client_connect_config())
     options.pop("target_host", None)
     given = settings.model_fields_set
@@ -199,21 +198,18 @@ async def ensure_search_attributes(client: Client) -> None:
     log.info("registered search attributes %s", ", ".join(missing))
 
 
-# Answers of describe_task_queue that say nothing about the task queue (a key without the
-# permission, a server without the call): the caller goes on without the check.
+# Answers of describe_task_queue that say nothing about the task queue: no check then.
 UNCHECKABLE_RPC_STATUSES = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED})
 # The longest one describe_task_queue may take.
 PROBE_TIMEOUT = 2.0
-# How long an answer without pollers is asked again: a worker that is starting polls within
-# moments, and a caller waiting on a queue nobody polls hears so at once.
+# How long an answer without pollers is asked again (a starting worker polls within moments).
 NO_POLLER_PATIENCE = 1.0
 
 
 async def task_queue_polled(client: Client, task_queue: str, deadline: float) -> bool | None:
-    """Whether a worker polls ``task_queue`` for workflow tasks. An answer without pollers is
-    asked again for :data:`NO_POLLER_PATIENCE` seconds, then is final; a server that does not
-    answer is asked again until the ``deadline`` (``time.monotonic()``). None when the server
-    will not tell; raises ``RPCError`` or ``TimeoutError`` when it does not answer."""
+    """Whether a worker polls ``task_queue`` for workflow tasks, asked again for
+    :data:`NO_POLLER_PATIENCE` seconds (no pollers) or until ``deadline`` (no answer). None when
+    the server will not tell; ``RPCError`` or ``TimeoutError`` when it does not answer."""
     request = DescribeTaskQueueRequest(
         namespace=client.namespace,
         task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
@@ -222,8 +218,7 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
     pause = 0.05
     unpolled_since: float | None = None
     while True:
-        # Each call gets PROBE_TIMEOUT even past the deadline: a busy server that answers late
-        # still tells whether anyone polls.
+        # Each call gets some time even past the deadline: a late answer still tells.
         wait = max(min(deadline - time.monotonic(), PROBE_TIMEOUT), 0.5)
         try:
             response = await asyncio.wait_for(

@@ -12,9 +12,8 @@ from typing import Any, NoReturn
 import click
 
 from outbox_bridge import __version__, demo
-from outbox_bridge.cli.apps import command_app, worker_app
-from outbox_bridge.cli.connections import database, tables_of
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.connections import command_app, database, tables_of, worker_app
+from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.listing import shards
 from outbox_bridge.cli.park_commands import park, parked, unpark_command

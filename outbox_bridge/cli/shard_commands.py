@@ -20,14 +20,9 @@ from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecut
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from outbox_bridge.cli.apps import command_app
-from outbox_bridge.cli.connections import (
-    database,
-    reading,
-    tables_of,
-    temporal_client,
-)
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli import flags
+from outbox_bridge.cli.connections import command_app, connected, shard_app, temporal_client
+from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.parked_view import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
@@ -58,8 +53,7 @@ def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Calla
     """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
-        fn = click.argument("shard")(fn)
+        fn = click.argument("shard")(flags.table_option(fn))
         return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
 
     return decorate
@@ -76,19 +70,20 @@ async def _named(
 
 
 @tool_command("status")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.json_option
 @shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
     skip, its parked groups, and the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a
     regional table), SCOPE a name or a number."""
     settings = build_settings(overrides)
+    app = command_app(settings)
 
     async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None]:
         client, ref = await _named(settings, shard, table)
         parked = await shard_parked(settings, ref)
         pause = await shard_pause(settings, ref)
-        paused = None if pause is None else describe(command_app(settings), pause)
+        paused = None if pause is None else describe(app, pause)
         try:
             return await shard_report(client, ref), parked, paused
         except RPCError as exc:
@@ -109,7 +104,6 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
     if isinstance(parked, str):
         click.echo(f"parked groups: unknown ({parked})", err=True)
     elif parked:
-        app = command_app(settings)
         title = f"parked groups of shard {shard}"
         Console().print(parked_table(parked, app, title=title, one_shard=True))
 
@@ -180,13 +174,12 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
     A shard without a workflow of its own (a partition drains it) gets one, started skipped on
     --task-queue, which must be the workers': the skip is taken once no handler of the shard
     runs any more."""
-    if not reason.strip():
-        raise click.BadParameter("a skip needs a reason", param_hint="--reason")
+    reason = flags.required_reason(reason, "skip")
 
     async def work() -> None:
         settings = build_settings(overrides)
         client, ref = await _named(settings, shard, table)
-        request = SkipInput(reason=reason.strip(), by=getpass.getuser())
+        request = SkipInput(reason=reason, by=getpass.getuser())
         handle = client.get_workflow_handle(ref.workflow_id)
         with contextlib.suppress(RPCError):
             if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -209,7 +202,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
         )
 
     run_or_exit(work(), shard=shard)
-    click.echo(f"shard {shard} skipped: {reason.strip()}")
+    click.echo(f"shard {shard} skipped: {reason}")
 
 
 @tool_command("resume")
@@ -238,7 +231,7 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     show_default=True,
     help="Seconds to wait.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.json_option
 @shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
 def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overrides: Any) -> None:
     """Wait until SHARD has handled every row pending now (exit 0), or say why it cannot:
@@ -248,11 +241,9 @@ def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overri
     async def work() -> FlushResult:
         settings = build_settings(overrides)
         client, ref = await _named(settings, shard, table)
-        app = tables_of(command_app(settings), ref.table, regional=ref.region is not None)
-        async with database(settings) as engine:
-            with reading(engine, ref.table):
-                async with engine.connect() as conn:
-                    up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
+        app = shard_app(settings, ref)
+        async with connected(settings, ref.table) as conn:
+            up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
         if up_to is None:
             return FlushResult(ref.key, FlushOutcome.HANDLED, detail=NO_PENDING_ROWS)
         [result] = await Flusher(app, settings, client=client).flush({ref: up_to}, timeout)

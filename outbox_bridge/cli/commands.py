@@ -127,16 +127,10 @@ def replay(files: tuple[Path, ...]) -> None:
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
-    replayer = HistoryReplayer()
-    failed = 0
-    for path in files:
-        failure = await replayer.replay_file(path)
-        if failure is None:
-            click.echo(f"ok   {path}")
-        else:
-            click.echo(f"FAIL {failure}")
-            failed += 1
-    return failed
+    failures = await HistoryReplayer().replay_all(files)
+    for path, failure in zip(files, failures, strict=True):
+        click.echo(f"ok   {path}" if failure is None else f"FAIL {failure}")
+    return sum(failure is not None for failure in failures)
 
 
 for command in (

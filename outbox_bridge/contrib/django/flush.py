@@ -23,7 +23,7 @@ from outbox_bridge.contrib.django.conf import (
     outbox_app,
     outbox_settings,
 )
-from outbox_bridge.contrib.django.contexts import OPEN, Stack
+from outbox_bridge.contrib.django.writes import OPEN, Stack
 from outbox_bridge.flush import DEFAULT_TIMEOUT, Flusher, FlushingContext, FlushReport, Written
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import ShardRef

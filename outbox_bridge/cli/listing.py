@@ -133,23 +133,25 @@ async def _list(
         parked = await parked_per_shard(conn, table)
     listing = Listing()
     for depth, pause in zip(depths, pauses, strict=True):
-        ref = ShardRef(
-            table.name,
-            depth.scope,
-            await names.name(depth.scope, listing),
-            depth.shard_identifier,
-            depth.region,
-        )
+        scope_name = await names.name(depth.scope, listing)
+        ref = ShardRef(table.name, depth.scope, scope_name, depth.shard_identifier, depth.region)
         found, blocked = await _workflow_state(client, ref)
         if pause is not None:  # its workflow waits for the paused row as for a deferred one
             found, blocked = PAUSED, describe(app, pause)
         if state is not None and found != state:
             continue
-        age = (now - depth.oldest).total_seconds()
-        parked_groups = parked[(depth.region, depth.scope, depth.shard_identifier)]
         listing.shards.append(
-            _entry(ref, depth, age, found)
-            | {"blocked_category": blocked, "parked_groups": parked_groups}
+            {
+                "shard": ref.key,
+                "workflow_id": ref.workflow_id,
+                "rows": depth.rows,
+                "groups": depth.groups,
+                "oldest": depth.oldest.isoformat(),
+                "oldest_age_seconds": (now - depth.oldest).total_seconds(),
+                "state": found,
+                "blocked_category": blocked,
+                "parked_groups": parked[(depth.region, depth.scope, depth.shard_identifier)],
+            }
         )
         if len(listing.shards) >= top:
             break
@@ -158,18 +160,6 @@ async def _list(
 
 def _ref(table: Any, depth: ShardDepth) -> ShardRef:
     return ShardRef(table.name, depth.scope, str(depth.scope), depth.shard_identifier, depth.region)
-
-
-def _entry(ref: ShardRef, depth: ShardDepth, age: float, state: str) -> dict[str, Any]:
-    return {
-        "shard": ref.key,
-        "workflow_id": ref.workflow_id,
-        "rows": depth.rows,
-        "groups": depth.groups,
-        "oldest": depth.oldest.isoformat(),
-        "oldest_age_seconds": age,
-        "state": state,
-    }
 
 
 @dataclass

@@ -34,19 +34,14 @@ def parked_table(
 ) -> Table:
     """Parked groups as a table: with a shard column unless they are ``one_shard``'s (as
     ``status`` shows them), with an unparked column if one was put back."""
-    columns = {
-        "shard": not one_shard,
-        "group": True,
-        "rows": True,
-        "parked": True,
-        "by": True,
-        "reason": True,
-        "unparked": any(group.unparked_at is not None for group in groups),
-    }
+    columns = ["group", "rows", "parked", "by", "reason"]
+    if not one_shard:
+        columns.insert(0, "shard")
+    if any(group.unparked_at is not None for group in groups):
+        columns.append("unparked")
     view = Table(title=title)
-    for column, shown in columns.items():
-        if shown:
-            view.add_column(column, justify="right" if column == "rows" else "left")
+    for column in columns:
+        view.add_column(column, justify="right" if column == "rows" else "left")
     for group in groups:
         unparked = ""
         if group.unparked_at is not None:
@@ -60,7 +55,7 @@ def parked_table(
             "reason": group.reason,
             "unparked": unparked,
         }
-        view.add_row(*(values[column] for column, shown in columns.items() if shown))
+        view.add_row(*(values[column] for column in columns))
     return view
 
 

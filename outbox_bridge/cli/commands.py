@@ -18,13 +18,7 @@ from outbox_bridge.cli.flags import build_settings, settings_options, tool_comma
 from outbox_bridge.cli.listing import shards
 from outbox_bridge.cli.park_commands import park, parked, unpark_command
 from outbox_bridge.cli.pause_commands import pause, pauses, unpause
-from outbox_bridge.cli.shard_commands import (
-    flush,
-    history_export,
-    resume,
-    skip,
-    status,
-)
+from outbox_bridge.cli.shard_commands import flush, history_export, resume, skip, status
 from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.errors import OutboxError

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import getpass
 import json
 import time
 from collections.abc import Callable
@@ -77,13 +76,12 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
     skip, its parked groups, and the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a
     regional table), SCOPE a name or a number."""
     settings = build_settings(overrides)
-    app = command_app(settings)
 
     async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None]:
         client, ref = await _named(settings, shard, table)
         parked = await shard_parked(settings, ref)
         pause = await shard_pause(settings, ref)
-        paused = None if pause is None else describe(app, pause)
+        paused = None if pause is None else describe(command_app(settings), pause)
         try:
             return await shard_report(client, ref), parked, paused
         except RPCError as exc:
@@ -104,6 +102,7 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
     if isinstance(parked, str):
         click.echo(f"parked groups: unknown ({parked})", err=True)
     elif parked:
+        app = command_app(settings)
         title = f"parked groups of shard {shard}"
         Console().print(parked_table(parked, app, title=title, one_shard=True))
 
@@ -179,7 +178,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
     async def work() -> None:
         settings = build_settings(overrides)
         client, ref = await _named(settings, shard, table)
-        request = SkipInput(reason=reason, by=getpass.getuser())
+        request = SkipInput(reason=reason, by=flags.who())
         handle = client.get_workflow_handle(ref.workflow_id)
         with contextlib.suppress(RPCError):
             if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -213,7 +212,7 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     async def work() -> None:
         client, ref = await _named(build_settings(overrides), shard, table)
         await client.get_workflow_handle(ref.workflow_id).execute_update(
-            "resume", ResumeInput(by=getpass.getuser()), result_type=ShardStatus
+            "resume", ResumeInput(by=flags.who()), result_type=ShardStatus
         )
 
     run_or_exit(work(), shard=shard)

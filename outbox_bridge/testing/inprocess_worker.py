@@ -66,10 +66,7 @@ class OutboxWorker:
         self.database = database
         self.loop = loop
         self.settings = (settings or worker_settings()).model_copy(
-            update={
-                "database_url": SecretStr(database.url),
-                "temporal_address": temporal_address,
-            }
+            update={"database_url": SecretStr(database.url), "temporal_address": temporal_address}
         )
         self.client: Client | None = None
         self._task: asyncio.Task[None] | None = None

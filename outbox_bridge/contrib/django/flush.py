@@ -220,11 +220,8 @@ def flush_outbox(
     ``transaction.non_atomic_requests``).
     """
 
-    def timeout_now() -> float:
-        return timeout if timeout is not None else flush_timeout(DEFAULT_TIMEOUT)
-
     def decorate(fn: View) -> View:
-        return _flushing(fn, timeout_now)
+        return _flushing(fn, lambda: flush_timeout(DEFAULT_TIMEOUT) if timeout is None else timeout)
 
     return decorate(view) if view is not None else decorate
 

@@ -323,6 +323,17 @@ def test_settings_a_command_offers_no_flag_for_come_from_the_environment(monkeyp
     assert CliRunner().invoke(command, ["--shutdown-grace", "4"]).exit_code == 2  # not offered
 
 
+@pytest.mark.parametrize("command", ["pause", "unpause"])
+def test_pause_with_an_app_that_cannot_be_loaded_says_so_in_one_line(command: str) -> None:
+    args = [command, "--category", "PROJECT_UPDATE", "--app", "no_such_module_for_outbox:app"]
+    result = CliRunner().invoke(
+        cli_main, [*args, *(["--reason", "r"] if command == "pause" else [])]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "outbox-bridge: error: cannot import 'no_such_module_for_outbox'" in result.output
+
+
 # -- worker.py: end to end ------------------------------------------------------------------------
 
 

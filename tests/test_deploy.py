@@ -30,7 +30,7 @@ from temporalio.common import SearchAttributeKey
 
 import outbox_bridge.workflows.models
 from outbox_bridge.cli import main as cli
-from outbox_bridge.cli.apps import command_app
+from outbox_bridge.cli.connections import command_app
 from outbox_bridge.config import OutboxSettings, env_name, env_names
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
 from outbox_bridge.runtime.embedded import temporal_cli

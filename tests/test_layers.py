@@ -24,7 +24,6 @@ DJANGO_PRODUCER_SIDE = (
     "apps",
     "checks",
     "conf",
-    "contexts",
     "handlers",
     "models",
     "operations",

@@ -19,7 +19,7 @@ from outbox_bridge import (
     OutboxTable,
     RegistryError,
 )
-from outbox_bridge.cli.apps import load_app
+from outbox_bridge.cli.connections import load_app
 from tests.harness import SCOPES, Category, Scope
 
 

@@ -12,20 +12,13 @@ from typing import Any, NoReturn
 import click
 
 from outbox_bridge import __version__, demo
-from outbox_bridge.cli.apps import command_app, worker_app
-from outbox_bridge.cli.connections import database, tables_of
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli.connections import command_app, database, tables_of, worker_app
+from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.listing import shards
 from outbox_bridge.cli.park_commands import park, parked, unpark_command
 from outbox_bridge.cli.pause_commands import pause, pauses, unpause
-from outbox_bridge.cli.shard_commands import (
-    flush,
-    history_export,
-    resume,
-    skip,
-    status,
-)
+from outbox_bridge.cli.shard_commands import flush, history_export, resume, skip, status
 from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.errors import OutboxError
@@ -128,16 +121,10 @@ def replay(files: tuple[Path, ...]) -> None:
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
-    replayer = HistoryReplayer()
-    failed = 0
-    for path in files:
-        failure = await replayer.replay_file(path)
-        if failure is None:
-            click.echo(f"ok   {path}")
-        else:
-            click.echo(f"FAIL {failure}")
-            failed += 1
-    return failed
+    failures = await HistoryReplayer().replay_all(files)
+    for path, failure in zip(files, failures, strict=True):
+        click.echo(f"ok   {path}" if failure is None else f"FAIL {failure}")
+    return sum(failure is not None for failure in failures)
 
 
 for command in (

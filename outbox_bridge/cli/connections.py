@@ -1,22 +1,58 @@
-"""What the tools (every command but the worker) connect to: the database and Temporal."""
+"""What the tools (every command but the worker) work on: the app (the one ``--app`` names, as
+``module:attribute``, or the demo's), the database and Temporal."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from temporalio.client import Client
 
+from outbox_bridge import demo, registry
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
-from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.errors import ConfigurationError, RegistryError
 from outbox_bridge.registry import OutboxApp, OutboxTable
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
 from outbox_bridge.runtime.temporal import connect, temporal_address
+from outbox_bridge.workflows.models import ShardRef
 
 # SQLSTATE of a table that does not exist.
 UNDEFINED_TABLE = "42P01"
+
+
+def load_app(spec: str) -> OutboxApp:
+    """Import ``module:attribute`` (from the working directory too) and return the
+    :class:`OutboxApp` it names."""
+    # As with ``python -m outbox_bridge``, whose path starts with the working directory; the
+    # ``outbox-bridge`` script's path starts with its own folder instead.
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+    return registry.load_app(spec)
+
+
+def command_app(settings: OutboxSettings) -> OutboxApp | None:
+    """The app named by ``--app`` (``module:attribute``), the demo app with ``--demo``, or None
+    when neither is given."""
+    if settings.demo and settings.app:
+        raise RegistryError("--demo runs the demo app; do not also give --app")
+    if settings.demo:
+        return demo.app
+    return load_app(settings.app) if settings.app else None
+
+
+def worker_app(settings: OutboxSettings) -> OutboxApp:
+    """The app the worker runs: :func:`command_app`, which must name one."""
+    app = command_app(settings)
+    if app is None:
+        raise RegistryError(
+            "no app to run: set OUTBOX_APP=module:attribute (or --app), or try --demo"
+        )
+    return app
 
 
 def tables_of(app: OutboxApp | None, table: str | None, *, regional: bool = False) -> OutboxApp:
@@ -26,6 +62,11 @@ def tables_of(app: OutboxApp | None, table: str | None, *, regional: bool = Fals
         app.table(table)  # an unknown table is refused, naming the app's
         return app
     return OutboxApp(scopes={}, tables=[OutboxTable(table or "outbox", regional=regional)])
+
+
+def shard_app(settings: OutboxSettings, shard: ShardRef) -> OutboxApp:
+    """The app of the command (:func:`tables_of`), with the table of ``shard``."""
+    return tables_of(command_app(settings), shard.table, regional=shard.region is not None)
 
 
 async def temporal_client(settings: OutboxSettings) -> Client:
@@ -57,6 +98,18 @@ async def database(settings: OutboxSettings, *, create: bool = False) -> AsyncIt
         await engine.dispose()
         if postgres is not None:
             postgres.stop()
+
+
+@contextlib.asynccontextmanager
+async def connected(
+    settings: OutboxSettings, table: str, *, begin: bool = False
+) -> AsyncIterator[AsyncConnection]:
+    """A connection to the database (in a transaction with ``begin``) to work on ``table``,
+    its errors turned into one line by :func:`reading`."""
+    async with database(settings) as engine:
+        with reading(engine, table):
+            async with engine.begin() if begin else engine.connect() as conn:
+                yield conn
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ variable and a flag, documented once; each command offers the flags of the group
 
 from __future__ import annotations
 
+import getpass
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -69,6 +70,23 @@ def tool_command(name: str) -> Callable[[Callable[..., Any]], click.Command]:
         epilog=ENVIRONMENT_EPILOG,
         context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     )
+
+
+# The options several tools share.
+table_option = click.option("--table", help="The outbox table (default: the app's first).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def required_reason(reason: str, what: str) -> str:
+    """``reason`` stripped; refused when blank (a ``what`` needs a reason)."""
+    if not reason.strip():
+        raise click.BadParameter(f"a {what} needs a reason", param_hint="--reason")
+    return reason.strip()
+
+
+def who(by: str | None = None) -> str:
+    """Who does it, for the record: ``by``, else the user running the command."""
+    return (by or "").strip() or getpass.getuser()
 
 
 def _option(name: str, field: FieldInfo, description: str) -> Callable[[F], F]:

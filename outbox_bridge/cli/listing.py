@@ -14,14 +14,9 @@ from sqlalchemy import func, select
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from outbox_bridge.cli.apps import command_app
-from outbox_bridge.cli.connections import (
-    database,
-    reading,
-    tables_of,
-    temporal_client,
-)
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli import flags
+from outbox_bridge.cli.connections import command_app, connected, tables_of, temporal_client
+from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.parked_view import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
@@ -57,8 +52,8 @@ class Listing:
     help="Only shards whose workflow is in this state (none: no running workflow).",
 )
 @click.option("--oldest", is_flag=True, help="Order by the age of the oldest row, not by depth.")
-@click.option("--table", help="The outbox table (default: the app's first).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.table_option
+@flags.json_option
 @settings_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def shards(
     top: int,
@@ -127,39 +122,36 @@ async def _list(
     table = tables_of(app, table_name).table(table_name)
     names = _ScopeNames(app, ScopeDirectory(client, table.name))
     scope = await names.number(scope_name) if scope_name else None
-    async with database(settings) as engine:
-        with reading(engine, table.name):
-            async with engine.connect() as conn:
-                # With a state filter, look further down the list for matches.
-                depths = await read_shard_depths(
-                    conn,
-                    table,
-                    scope=scope,
-                    oldest_first=oldest_first,
-                    limit=top if state is None else top * 20,
-                )
-                now = (await conn.execute(select(func.now()))).scalar_one()
-                pauses = [await read_shard_pause(conn, table, _ref(table, d)) for d in depths]
-                parked = await parked_per_shard(conn, table)
+    async with connected(settings, table.name) as conn:
+        # With a state filter, look further down the list for matches.
+        limit = top if state is None else top * 20
+        depths = await read_shard_depths(
+            conn, table, scope=scope, oldest_first=oldest_first, limit=limit
+        )
+        now = (await conn.execute(select(func.now()))).scalar_one()
+        pauses = [await read_shard_pause(conn, table, _ref(table, d)) for d in depths]
+        parked = await parked_per_shard(conn, table)
     listing = Listing()
     for depth, pause in zip(depths, pauses, strict=True):
-        ref = ShardRef(
-            table.name,
-            depth.scope,
-            await names.name(depth.scope, listing),
-            depth.shard_identifier,
-            depth.region,
-        )
+        scope_name = await names.name(depth.scope, listing)
+        ref = ShardRef(table.name, depth.scope, scope_name, depth.shard_identifier, depth.region)
         found, blocked = await _workflow_state(client, ref)
         if pause is not None:  # its workflow waits for the paused row as for a deferred one
             found, blocked = PAUSED, describe(app, pause)
         if state is not None and found != state:
             continue
-        age = (now - depth.oldest).total_seconds()
-        parked_groups = parked[(depth.region, depth.scope, depth.shard_identifier)]
         listing.shards.append(
-            _entry(ref, depth, age, found)
-            | {"blocked_category": blocked, "parked_groups": parked_groups}
+            {
+                "shard": ref.key,
+                "workflow_id": ref.workflow_id,
+                "rows": depth.rows,
+                "groups": depth.groups,
+                "oldest": depth.oldest.isoformat(),
+                "oldest_age_seconds": (now - depth.oldest).total_seconds(),
+                "state": found,
+                "blocked_category": blocked,
+                "parked_groups": parked[(depth.region, depth.scope, depth.shard_identifier)],
+            }
         )
         if len(listing.shards) >= top:
             break
@@ -168,18 +160,6 @@ async def _list(
 
 def _ref(table: Any, depth: ShardDepth) -> ShardRef:
     return ShardRef(table.name, depth.scope, str(depth.scope), depth.shard_identifier, depth.region)
-
-
-def _entry(ref: ShardRef, depth: ShardDepth, age: float, state: str) -> dict[str, Any]:
-    return {
-        "shard": ref.key,
-        "workflow_id": ref.workflow_id,
-        "rows": depth.rows,
-        "groups": depth.groups,
-        "oldest": depth.oldest.isoformat(),
-        "oldest_age_seconds": age,
-        "state": state,
-    }
 
 
 @dataclass

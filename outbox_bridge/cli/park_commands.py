@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import getpass
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,9 +16,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from outbox_bridge.cli.apps import command_app
-from outbox_bridge.cli.connections import database, reading, tables_of, temporal_client
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli import flags
+from outbox_bridge.cli.connections import (
+    command_app,
+    connected,
+    shard_app,
+    tables_of,
+    temporal_client,
+)
+from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.parked_view import group_text, parked_table, shard_key
 from outbox_bridge.cli.shard_commands import shard_options
@@ -59,15 +64,8 @@ async def _shard(settings: OutboxSettings, name: str, table: str | None) -> Asyn
     client = await temporal_client(settings)
     app = command_app(settings)
     ref = await find_shard(client, name, app, table=table)
-    outbox = tables_of(app, ref.table, regional=ref.region is not None).table(ref.table)
-    async with database(settings) as engine:
-        with reading(engine, ref.table):
-            async with engine.connect() as conn:
-                yield _Shard(client, ref, outbox, conn)
-
-
-def _who(by: str | None) -> str:
-    return (by or "").strip() or getpass.getuser()
+    async with connected(settings, ref.table) as conn:
+        yield _Shard(client, ref, shard_app(settings, ref).table(ref.table), conn)
 
 
 async def _wake(client: Client, shard: ShardRef, why: str) -> None:
@@ -93,14 +91,13 @@ def park(shard: str, table: str | None, reason: str, by: str | None, **overrides
     The group's rows stay in the table, and so do rows of the same object written later: no
     handler gets them until `outbox-bridge unpark SHARD` puts them back, at the head of the
     shard again. Who, when and why are recorded (see `outbox-bridge parked`)."""
-    if not reason.strip():
-        raise click.BadParameter("a park needs a reason", param_hint="--reason")
+    reason = flags.required_reason(reason, "park")
     settings = build_settings(overrides)
     app = command_app(settings)
 
     async def work() -> ParkedGroup:
         async with _shard(settings, shard, table) as found:
-            parked = await _park_locked(found, reason.strip(), _who(by))
+            parked = await _park_locked(found, reason, flags.who(by))
         why = f"parked {group_text(parked, app)} by {parked.parked_by}: {parked.reason}"
         await _wake(found.client, found.ref, why)
         return parked
@@ -158,7 +155,9 @@ def unpark_command(
 
     async def work() -> list[ParkedGroup]:
         async with _shard(settings, shard, table) as found:
-            groups = await unpark(found.conn, found.table, found.ref, by=_who(by), group=wanted)
+            groups = await unpark(
+                found.conn, found.table, found.ref, by=flags.who(by), group=wanted
+            )
             await found.conn.commit()
         if not groups:
             which = f"group {group}" if group else "group"
@@ -196,8 +195,8 @@ def _parse_group(text: str | None, app: OutboxApp | None) -> tuple[int, int] | N
 
 @tool_command("parked")
 @click.option("--all", "with_unparked", is_flag=True, help="Include groups put back since.")
-@click.option("--table", help="The outbox table (default: the app's first).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.table_option
+@flags.json_option
 @settings_options(SettingGroup.DATABASE, SettingGroup.APP)
 def parked(table: str | None, with_unparked: bool, as_json: bool, **overrides: Any) -> None:
     """The parked groups, oldest first, with who parked them, when and why."""
@@ -206,10 +205,8 @@ def parked(table: str | None, with_unparked: bool, as_json: bool, **overrides: A
     outbox = tables_of(app, table).table(table)
 
     async def work() -> list[ParkedGroup]:
-        async with database(settings) as engine:
-            with reading(engine, outbox.name):
-                async with engine.connect() as conn:
-                    return await read_parked(conn, outbox, with_unparked=with_unparked)
+        async with connected(settings, outbox.name) as conn:
+            return await read_parked(conn, outbox, with_unparked=with_unparked)
 
     groups = run_or_exit(work())
     if as_json:

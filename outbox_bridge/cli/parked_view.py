@@ -10,8 +10,7 @@ from sqlalchemy import Table as SqlTable
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.cli.apps import command_app
-from outbox_bridge.cli.connections import database, reading, tables_of
+from outbox_bridge.cli.connections import connected, shard_app
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.parked import ParkedGroup, read_parked
 from outbox_bridge.db.schema import parked_of
@@ -35,19 +34,14 @@ def parked_table(
 ) -> Table:
     """Parked groups as a table: with a shard column unless they are ``one_shard``'s (as
     ``status`` shows them), with an unparked column if one was put back."""
-    columns = {
-        "shard": not one_shard,
-        "group": True,
-        "rows": True,
-        "parked": True,
-        "by": True,
-        "reason": True,
-        "unparked": any(group.unparked_at is not None for group in groups),
-    }
+    columns = ["group", "rows", "parked", "by", "reason"]
+    if not one_shard:
+        columns.insert(0, "shard")
+    if any(group.unparked_at is not None for group in groups):
+        columns.append("unparked")
     view = Table(title=title)
-    for column, shown in columns.items():
-        if shown:
-            view.add_column(column, justify="right" if column == "rows" else "left")
+    for column in columns:
+        view.add_column(column, justify="right" if column == "rows" else "left")
     for group in groups:
         unparked = ""
         if group.unparked_at is not None:
@@ -61,7 +55,7 @@ def parked_table(
             "reason": group.reason,
             "unparked": unparked,
         }
-        view.add_row(*(values[column] for column, shown in columns.items() if shown))
+        view.add_row(*(values[column] for column in columns))
     return view
 
 
@@ -72,12 +66,9 @@ def _utc(moment: datetime) -> str:
 async def shard_parked(settings: OutboxSettings, shard: ShardRef) -> list[ParkedGroup] | str:
     """The parked groups of ``shard``, or why they cannot be read (no database configured,
     tables not created): ``status`` shows the workflow whatever the database says."""
-    app = tables_of(command_app(settings), shard.table, regional=shard.region is not None)
     try:
-        async with database(settings) as engine:
-            with reading(engine, shard.table):
-                async with engine.connect() as conn:
-                    return await read_parked(conn, app.table(shard.table), shard)
+        async with connected(settings, shard.table) as conn:
+            return await read_parked(conn, shard_app(settings, shard).table(shard.table), shard)
     except ConfigurationError as exc:
         return str(exc)
 

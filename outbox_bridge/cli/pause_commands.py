@@ -4,7 +4,6 @@ time, resume it, and list what is paused (kept in ``<table>_pauses``)."""
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,18 +13,12 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox_bridge.cli.apps import command_app
-from outbox_bridge.cli.connections import database, reading, tables_of
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli import flags
+from outbox_bridge.cli.connections import command_app, connected, shard_app, tables_of
+from outbox_bridge.cli.failures import exits_on_failure, run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.config import OutboxSettings, SettingGroup
-from outbox_bridge.db.pauses import (
-    Pause,
-    add_pause,
-    read_pauses,
-    read_shard_pause,
-    remove_pause,
-)
+from outbox_bridge.db.pauses import Pause, add_pause, read_pauses, read_shard_pause, remove_pause
 from outbox_bridge.db.schema import pauses_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
@@ -41,8 +34,7 @@ def _target_options(*, reason: bool) -> Callable[[Callable[..., Any]], Callable[
     """--category, --scope, (--reason,) --table and the database and app settings, in order."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn = settings_options(SettingGroup.DATABASE, SettingGroup.APP)(fn)
-        fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
+        fn = flags.table_option(settings_options(SettingGroup.DATABASE, SettingGroup.APP)(fn))
         if reason:
             why = "Why it is paused (shown by shards, status and the UI)."
             fn = click.option("--reason", required=True, help=why)(fn)
@@ -54,20 +46,19 @@ def _target_options(*, reason: bool) -> Callable[[Callable[..., Any]], Callable[
     return decorate
 
 
-def _target(category: str | None, scope: str | None) -> tuple[PauseKind, str]:
+def _target(
+    settings: OutboxSettings, category: str | None, scope: str | None
+) -> tuple[PauseKind, int]:
+    """The kind and number of the category or scope named: a number, or a name of the app."""
     if (category is None) == (scope is None):
         raise click.UsageError("give exactly one of --category and --scope")
-    if category is not None:
-        return PauseKind.CATEGORY, category
-    return PauseKind.SCOPE, scope or ""
-
-
-async def _number(
-    app: OutboxApp | None, settings: OutboxSettings, kind: PauseKind, text: str
-) -> int:
-    """The number of the category or scope ``text`` names: a number, or a name of the app."""
-    where = "the demo app" if settings.demo else f"app {settings.app}"
-    return member_number(app, kind, text, where if app is not None else NO_APP_HINT)
+    kind = PauseKind.CATEGORY if category is not None else PauseKind.SCOPE
+    with exits_on_failure():
+        app = command_app(settings)
+        where = "the demo app" if settings.demo else f"app {settings.app}"
+        return kind, member_number(
+            app, kind, category or scope or "", where if app is not None else NO_APP_HINT
+        )
 
 
 def _name(app: OutboxApp | None, pause: Pause) -> str:
@@ -75,20 +66,14 @@ def _name(app: OutboxApp | None, pause: Pause) -> str:
 
 
 async def _in_table(
-    overrides: dict[str, Any],
-    table_name: str | None,
-    change: Callable[[Any, Any], Any],
+    settings: OutboxSettings, table_name: str | None, change: Callable[[Any, Any], Any]
 ) -> Any:
     """``change(conn, table)`` in a transaction, the pause table created if an older database
     lacks it (the worker creates it too, when it starts)."""
-    settings = build_settings(overrides)
-    app = tables_of(command_app(settings), table_name)
-    table = app.table(table_name)
-    async with database(settings) as engine:
-        with reading(engine, table.name):
-            async with engine.begin() as conn:
-                await conn.run_sync(lambda sync: pauses_of(table).create(sync, checkfirst=True))
-                return await change(conn, table)
+    table = tables_of(command_app(settings), table_name).table(table_name)
+    async with connected(settings, table.name, begin=True) as conn:
+        await conn.run_sync(lambda sync: pauses_of(table).create(sync, checkfirst=True))
+        return await change(conn, table)
 
 
 @tool_command("pause")
@@ -99,18 +84,15 @@ def pause(
     """Pause a whole category (in every scope) or a whole scope at run time, until `outbox-bridge
     unpause`. Its rows wait, kept, and so do the rows behind them in their shards (order is
     per shard); other shards go on. The pause is kept in the database (a restart keeps it)."""
-    kind, text = _target(category, scope)
-    if not reason.strip():
-        raise click.BadParameter("a pause needs a reason", param_hint="--reason")
     settings = build_settings(overrides)
-    app = command_app(settings)
-    number = run_or_exit(_number(app, settings, kind, text))
+    kind, number = _target(settings, category, scope)
+    reason = flags.required_reason(reason, "pause")
 
     async def change(conn: Any, outbox: Any) -> Pause:
-        return await add_pause(conn, outbox, kind, number, reason.strip(), getpass.getuser())
+        return await add_pause(conn, outbox, kind, number, reason, flags.who())
 
-    done: Pause = run_or_exit(_in_table(overrides, table, change))
-    click.echo(f"{kind} {_name(app, done)} ({number}) paused: {done.reason}")
+    done: Pause = run_or_exit(_in_table(settings, table, change))
+    click.echo(f"{kind} {_name(command_app(settings), done)} ({number}) paused: {done.reason}")
 
 
 @tool_command("unpause")
@@ -118,30 +100,29 @@ def pause(
 def unpause(category: str | None, scope: str | None, table: str | None, **overrides: Any) -> None:
     """Resume a category or a scope paused with `outbox-bridge pause`: the shards that waited
     for it go on at once, in order."""
-    kind, text = _target(category, scope)
     settings = build_settings(overrides)
-    app = command_app(settings)
-    number = run_or_exit(_number(app, settings, kind, text))
+    kind, number = _target(settings, category, scope)
 
     async def change(conn: Any, outbox: Any) -> Pause | None:
         return await remove_pause(conn, outbox, kind, number)
 
-    done: Pause | None = run_or_exit(_in_table(overrides, table, change))
+    done: Pause | None = run_or_exit(_in_table(settings, table, change))
     if done is None:
-        click.echo(f"{kind} {text} ({number}) was not paused")
+        click.echo(f"{kind} {category or scope} ({number}) was not paused")
     else:
-        click.echo(f"{kind} {_name(app, done)} ({number}) resumed (paused since {done.since})")
+        name = _name(command_app(settings), done)
+        click.echo(f"{kind} {name} ({number}) resumed (paused since {done.since})")
 
 
 @tool_command("pauses")
-@click.option("--table", help="The outbox table (default: the app's first).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.table_option
+@flags.json_option
 @settings_options(SettingGroup.DATABASE, SettingGroup.APP)
 def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
     """The paused categories and scopes of a table, oldest first."""
     settings = build_settings(overrides)
-    app = command_app(settings)
-    found = view_of(app, run_or_exit(_in_table(overrides, table, read_pauses))).pauses
+    paused = run_or_exit(_in_table(settings, table, read_pauses))
+    found = view_of(command_app(settings), paused).pauses
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(p) for p in found], indent=2))
         return
@@ -159,11 +140,9 @@ def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
 async def shard_pause(settings: OutboxSettings, ref: ShardRef) -> Pause | None:
     """The pause ``ref`` waits for (its first row not due is paused), None when it waits for
     none, or when the database cannot be read (the command shows the workflow's state)."""
-    app = tables_of(command_app(settings), ref.table, regional=ref.region is not None)
-    table = app.table(ref.table)
     try:
-        async with database(settings) as engine, engine.connect() as conn:
-            return await read_shard_pause(conn, table, ref)
+        async with connected(settings, ref.table) as conn:
+            return await read_shard_pause(conn, shard_app(settings, ref).table(ref.table), ref)
     except (ConfigurationError, SQLAlchemyError):
         return None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import getpass
 import json
 import time
 from collections.abc import Callable
@@ -20,14 +19,9 @@ from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecut
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from outbox_bridge.cli.apps import command_app
-from outbox_bridge.cli.connections import (
-    database,
-    reading,
-    tables_of,
-    temporal_client,
-)
-from outbox_bridge.cli.errors import run_or_exit
+from outbox_bridge.cli import flags
+from outbox_bridge.cli.connections import command_app, connected, shard_app, temporal_client
+from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.parked_view import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
@@ -58,8 +52,7 @@ def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Calla
     """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn = click.option("--table", help="The outbox table (default: the app's first).")(fn)
-        fn = click.argument("shard")(fn)
+        fn = click.argument("shard")(flags.table_option(fn))
         return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
 
     return decorate
@@ -76,7 +69,7 @@ async def _named(
 
 
 @tool_command("status")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.json_option
 @shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
@@ -180,13 +173,12 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
     A shard without a workflow of its own (a partition drains it) gets one, started skipped on
     --task-queue, which must be the workers': the skip is taken once no handler of the shard
     runs any more."""
-    if not reason.strip():
-        raise click.BadParameter("a skip needs a reason", param_hint="--reason")
+    reason = flags.required_reason(reason, "skip")
 
     async def work() -> None:
         settings = build_settings(overrides)
         client, ref = await _named(settings, shard, table)
-        request = SkipInput(reason=reason.strip(), by=getpass.getuser())
+        request = SkipInput(reason=reason, by=flags.who())
         handle = client.get_workflow_handle(ref.workflow_id)
         with contextlib.suppress(RPCError):
             if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -209,7 +201,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
         )
 
     run_or_exit(work(), shard=shard)
-    click.echo(f"shard {shard} skipped: {reason.strip()}")
+    click.echo(f"shard {shard} skipped: {reason}")
 
 
 @tool_command("resume")
@@ -220,7 +212,7 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     async def work() -> None:
         client, ref = await _named(build_settings(overrides), shard, table)
         await client.get_workflow_handle(ref.workflow_id).execute_update(
-            "resume", ResumeInput(by=getpass.getuser()), result_type=ShardStatus
+            "resume", ResumeInput(by=flags.who()), result_type=ShardStatus
         )
 
     run_or_exit(work(), shard=shard)
@@ -238,7 +230,7 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     show_default=True,
     help="Seconds to wait.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@flags.json_option
 @shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP, SettingGroup.SHARDS)
 def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overrides: Any) -> None:
     """Wait until SHARD has handled every row pending now (exit 0), or say why it cannot:
@@ -248,11 +240,9 @@ def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overri
     async def work() -> FlushResult:
         settings = build_settings(overrides)
         client, ref = await _named(settings, shard, table)
-        app = tables_of(command_app(settings), ref.table, regional=ref.region is not None)
-        async with database(settings) as engine:
-            with reading(engine, ref.table):
-                async with engine.connect() as conn:
-                    up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
+        app = shard_app(settings, ref)
+        async with connected(settings, ref.table) as conn:
+            up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
         if up_to is None:
             return FlushResult(ref.key, FlushOutcome.HANDLED, detail=NO_PENDING_ROWS)
         [result] = await Flusher(app, settings, client=client).flush({ref: up_to}, timeout)

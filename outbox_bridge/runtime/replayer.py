@@ -134,42 +134,37 @@ class HistoryReplayer:
             for name, run in runners
         ]
 
-    async def replay_file(self, path: Path) -> ReplayFailure | None:
-        """Replay the history in ``path``; None if it replays."""
-        try:
-            recorded = load_history(path)
-        except HistoryError as exc:
-            return ReplayFailure(str(path), str(exc))
-        [failure] = await self.replay_all([(str(path), recorded)])
-        return failure
-
     async def replay_all(
-        self, histories: Sequence[tuple[str, WorkflowHistory]]
+        self, histories: Sequence[Path | WorkflowHistory]
     ) -> list[ReplayFailure | None]:
-        """Per history (named by its source), in order: None if it replays under every runner,
-        else why it does not under the first it fails under.
+        """Per history (a file, or a ``WorkflowHistory``), in order: None if it replays under
+        every runner, else why it does not under the first it fails under.
 
         A replay is a long chain of hand-offs with the SDK's core threads: a few replay workers
         at once overlap their waits (one per history would cost more in starts than replays).
         """
-        failures: list[ReplayFailure | None] = []
-        for source, history in histories:
+        failures: list[ReplayFailure | None] = [None] * len(histories)
+        readable: dict[int, WorkflowHistory] = {}
+        for index, history in enumerate(histories):
             try:
-                check_history(history)
-                failures.append(None)
+                recorded = load_history(history) if isinstance(history, Path) else history
+                check_history(recorded)
+                readable[index] = recorded
             except HistoryError as exc:
-                failures.append(ReplayFailure(source, str(exc)))
+                failures[index] = ReplayFailure(_source(history), str(exc))
         for name, replayer in self._replayers:
-            todo = [index for index, failure in enumerate(failures) if failure is None]
-            results = await _replay_in_workers(replayer, [histories[i][1] for i in todo])
+            todo = [index for index in readable if failures[index] is None]
+            results = await _replay_in_workers(replayer, [readable[i] for i in todo])
             for index, result in zip(todo, results, strict=True):
                 if result.replay_failure is not None:
-                    source, history = histories[index]
-                    event = await _first_failing_event(replayer, history)
-                    failures[index] = ReplayFailure(
-                        source, _reason(result.replay_failure), name, event
-                    )
+                    event = await _first_failing_event(replayer, readable[index])
+                    reason = _reason(result.replay_failure)
+                    failures[index] = ReplayFailure(_source(histories[index]), reason, name, event)
         return failures
+
+
+def _source(history: Path | WorkflowHistory) -> str:
+    return str(history) if isinstance(history, Path) else f"history of {history.workflow_id}"
 
 
 async def _replay_in_workers(

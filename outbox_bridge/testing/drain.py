@@ -1,10 +1,7 @@
-"""Handling an app's outbox rows in-process, without Temporal: for tests of handlers.
-
-The drain reads each shard's head like a worker's drain does (:func:`read_shard_heads`, with the
-coalescing and deferral barrier of :func:`~outbox_bridge.runtime.rounds.head_of`), resolves each
-group's handler and builds its message like the worker (:class:`HandlerCalls`), calls the
-handler, and deletes exactly the rows of the group it handled. It takes no shard lock and
-starts no workflow: it is meant for a database no worker drains at the same time.
+"""Handling an app's outbox rows in-process, without Temporal: for tests of handlers. Heads
+are read, handlers called and rows deleted with the worker's own code (:func:`read_shard_heads`,
+:class:`HandlerCalls`, :func:`delete_handled`), without a shard lock or a workflow: for a
+database no worker drains at the same time.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ from outbox_bridge.workflows.models import ShardRef
 
 T = TypeVar("T")
 
-# Head groups taken per read of a shard (its window is twice as many rows), as the worker's
-# drain_max_groups would.
+# Head groups taken per read of a shard, as the worker's drain_max_groups would.
 MAX_GROUPS = 500
 # Reads in one drain before it gives up: handlers that write a new row for every row they
 # handle would keep it going forever.
@@ -53,9 +49,6 @@ class DrainOptions(TypedDict, total=False):
     table: str | None
     run_deferred: bool
     raise_on_failure: bool
-
-
-# -- the drain -------------------------------------------------------------------------------------
 
 
 class _UsageError(TypeError):
@@ -126,11 +119,11 @@ class _Drain:
     async def _pending(self, table: Table, only: ShardRef | None) -> list[ShardRef]:
         """The shards of ``table`` with rows, the one with the oldest row first."""
         ranges = sorted(await read_shard_ranges(self.conn, table), key=lambda r: r.min_id)
-        scope_name = self.app.scope_name
-        refs = [
-            ShardRef(table.name, r.scope, scope_name(r.scope), r.shard_identifier, r.region)
+        name = self.app.scope_name
+        refs = (
+            ShardRef(table.name, r.scope, name(r.scope), r.shard_identifier, r.region)
             for r in ranges
-        ]
+        )
         return [ref for ref in refs if only in (None, ref)]
 
     async def _shard(self, table: Table, ref: ShardRef, report: ShardReport) -> None:
@@ -213,9 +206,6 @@ def shard_targets(
     return targets
 
 
-# -- sync ------------------------------------------------------------------------------------------
-
-
 class _Blocking:
     """A sync ``Connection`` behind the awaitable ``execute`` that the statements of
     :mod:`outbox_bridge.db.store` use: its statements run at once, in the calling thread."""
@@ -280,12 +270,10 @@ def _sync_connection(bind: SyncBind) -> Iterator[Connection]:
         # Each statement commits on its own, like the worker's deletes.
         with bind.connect() as conn:
             yield conn.execution_options(isolation_level="AUTOCOMMIT")
-    elif isinstance(bind, AsyncEngine | AsyncConnection | AsyncSession):
-        raise TypeError(f"drain_outbox() got an {type(bind).__name__}: use drain_outbox_async()")
     else:
         raise TypeError(
             f"drain_outbox() needs a SQLAlchemy Engine, Connection or Session, not "
-            f"{type(bind).__name__}"
+            f"{type(bind).__name__} (an async one takes drain_outbox_async())"
         )
 
 
@@ -331,9 +319,6 @@ def drain_outbox(
         calls.close()
 
 
-# -- async -----------------------------------------------------------------------------------------
-
-
 async def _call_async(call: Call) -> None:
     assert call.handler is not None
     if call.is_sync:
@@ -353,12 +338,10 @@ async def _async_connection(bind: AsyncBind) -> AsyncIterator[AsyncConnection]:
     elif isinstance(bind, AsyncEngine):
         async with bind.connect() as conn:
             yield await conn.execution_options(isolation_level="AUTOCOMMIT")
-    elif isinstance(bind, Engine | Connection | Session):
-        raise TypeError(f"drain_outbox_async() got a {type(bind).__name__}: use drain_outbox()")
     else:
         raise TypeError(
             "drain_outbox_async() needs a SQLAlchemy AsyncEngine, AsyncConnection or "
-            f"AsyncSession, not {type(bind).__name__}"
+            f"AsyncSession, not {type(bind).__name__} (a sync one takes drain_outbox())"
         )
 
 
@@ -371,9 +354,6 @@ async def drain_outbox_async(
     drain = _Drain(app, _call_async, **options)
     async with _async_connection(bind) as conn:
         return await drain.run(conn)
-
-
-# -- a runner --------------------------------------------------------------------------------------
 
 
 class OutboxRunner:

@@ -66,20 +66,11 @@ class OutboxWorker:
         self.database = database
         self.loop = loop
         self.settings = (settings or worker_settings()).model_copy(
-            update={
-                "database_url": SecretStr(database.url),
-                "temporal_address": temporal_address,
-            }
+            update={"database_url": SecretStr(database.url), "temporal_address": temporal_address}
         )
         self.client: Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
-
-    @property
-    def task_queue(self) -> str:
-        return self.settings.task_queue
-
-    # -- running --------------------------------------------------------------------------------
 
     def start(self, timeout: float = 60.0) -> OutboxWorker:
         """Start the worker; returns once its bridge is ready (it found the tables and its
@@ -149,7 +140,7 @@ class OutboxWorker:
                 description = await handle.describe()
                 if (
                     description.status == WorkflowExecutionStatus.RUNNING
-                    and description.task_queue != self.task_queue
+                    and description.task_queue != self.settings.task_queue
                 ):
                     await handle.terminate("left running by an earlier worker of the tests")
             except RPCError:
@@ -160,7 +151,7 @@ class OutboxWorker:
         if client is None:
             return
         known = self._partition_ids()
-        query = f"ExecutionStatus = 'Running' AND TaskQueue = '{self.task_queue}'"
+        query = f"ExecutionStatus = 'Running' AND TaskQueue = '{self.settings.task_queue}'"
         quiet = 0
         deadline = time.monotonic() + 15
         while quiet < 2 and time.monotonic() < deadline:
@@ -179,8 +170,6 @@ class OutboxWorker:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
-
-    # -- waiting --------------------------------------------------------------------------------
 
     def wait_handled(
         self, target: int | str | None = None, *, table: str | None = None, timeout: float = 10.0
@@ -286,10 +275,8 @@ class OutboxWorker:
         except Exception as exc:
             return f"its workflow did not answer ({type(exc).__name__}: {exc})"
         said = [f"its workflow is {status.state}"]
-        if status.head is not None:
-            said.append(
-                f"head {status.head.summary} (ids {status.head.first_id}-{status.head.last_id})"
-            )
+        if (head := status.head) is not None:
+            said.append(f"head {head.summary} (ids {head.first_id}-{head.last_id})")
         if status.last_error is not None:
             error = status.last_error
             said.append(

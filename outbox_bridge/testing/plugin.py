@@ -188,9 +188,7 @@ def outbox_postgres(
 
 @pytest.fixture(scope="session")
 def outbox_temporal(
-    pytestconfig: pytest.Config,
-    request: pytest.FixtureRequest,
-    _outbox_loop: EventLoopThread,
+    pytestconfig: pytest.Config, request: pytest.FixtureRequest, _outbox_loop: EventLoopThread
 ) -> Iterator[TemporalServer]:
     """The Temporal server of the test workers (``.address``)."""
     from outbox_bridge.testing.servers import TemporalServer

@@ -12,12 +12,7 @@ from typing import Any, TypeVar
 
 from temporalio.client import WorkflowHistory
 
-from outbox_bridge.runtime.replayer import (
-    HistoryError,
-    HistoryReplayer,
-    ReplayFailure,
-    load_history,
-)
+from outbox_bridge.runtime.replayer import HistoryReplayer
 
 T = TypeVar("T")
 
@@ -27,40 +22,12 @@ History = str | os.PathLike[str] | WorkflowHistory
 def _files(source: str | os.PathLike[str]) -> list[Path]:
     """The files ``source`` names: a file, a folder (its ``*.json``) or a glob pattern."""
     text = os.fspath(source)
-    if glob.has_magic(text):
-        found = sorted(Path(p) for p in glob.glob(text, recursive=True))
-        if not found:
-            raise FileNotFoundError(f"no history file matches {text}")
-        return found
-    path = Path(text)
-    if path.is_dir():
-        found = sorted(path.glob("*.json"))
-        if not found:
-            raise FileNotFoundError(f"no history file (*.json) in {text}")
-        return found
-    if not path.exists():
-        raise FileNotFoundError(f"no history file {text}")
-    return [path]
-
-
-async def _replay_all(
-    histories: list[Path | WorkflowHistory], sandboxed: bool
-) -> list[ReplayFailure]:
-    """Why each history that does not replay does not, in the order given."""
-    failures: list[ReplayFailure | None] = [None] * len(histories)
-    readable: dict[int, tuple[str, WorkflowHistory]] = {}  # by position in ``histories``
-    for index, history in enumerate(histories):
-        try:
-            if isinstance(history, WorkflowHistory):
-                readable[index] = (f"history of {history.workflow_id}", history)
-            else:
-                readable[index] = (str(history), load_history(history))
-        except HistoryError as exc:
-            failures[index] = ReplayFailure(str(history), str(exc))
-    replayed = await HistoryReplayer(sandboxed=sandboxed).replay_all(list(readable.values()))
-    for index, failure in zip(readable, replayed, strict=True):
-        failures[index] = failure
-    return [failure for failure in failures if failure is not None]
+    if Path(text).is_dir():
+        text = os.path.join(text, "*.json")
+    found = sorted(Path(p) for p in glob.glob(text, recursive=True))
+    if not found:
+        raise FileNotFoundError(f"no history file matches {text}")
+    return found
 
 
 def _apart(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -86,7 +53,8 @@ def assert_replays(*histories: History, sandboxed: bool = True) -> None:
     found: list[Path | WorkflowHistory] = []
     for history in histories:
         found += [history] if isinstance(history, WorkflowHistory) else _files(history)
-    failures = _apart(_replay_all(found, sandboxed))
+    replayed = _apart(HistoryReplayer(sandboxed=sandboxed).replay_all(found))
+    failures = [failure for failure in replayed if failure is not None]
     if failures:
         lines = "\n".join(f"  {failure}" for failure in failures)
         raise AssertionError(

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from outbox_bridge.runtime.embedded import stop_left_over
+
 if sys.platform != "win32":
     import fcntl
 
@@ -30,7 +32,6 @@ PREFIX = "outbox-bridge-servers-"
 OWNER_FILE = ".owner"
 # A folder whose owner file is missing or empty after this long was never claimed (seconds).
 UNCLAIMED_AFTER = 3600.0
-STOP_TIMEOUT = 10.0
 
 
 class ServerFolder:
@@ -106,25 +107,6 @@ def remove_stale(folder: Path) -> None:
 def stop_servers(folder: Path) -> None:
     """Stop the embedded servers still running with their data in ``folder``."""
     for pid_file in folder.glob("**/postmaster.pid"):
-        _stop(pid_file, signal.SIGINT, str(pid_file.parent.resolve()))  # fast shutdown
+        stop_left_over(pid_file, signal.SIGINT, str(pid_file.parent.resolve()))  # fast shutdown
     for pid_file in folder.glob("**/temporal.pid"):
-        _stop(pid_file, signal.SIGTERM, "temporal")
-
-
-def _stop(pid_file: Path, how: signal.Signals, expected: str) -> None:
-    """Stop the process ``pid_file`` names if it is still the one that wrote it: its command
-    line holds ``expected`` and it started before the file was written."""
-    import psutil  # the embedded extra, which started the servers
-
-    try:
-        pid = int(pid_file.read_text().split()[0])
-        process = psutil.Process(pid)
-        written = pid_file.stat().st_mtime
-        if expected not in " ".join(process.cmdline()) or process.create_time() > written + 1:
-            return
-        process.send_signal(how)
-        process.wait(STOP_TIMEOUT)
-    except psutil.TimeoutExpired:
-        process.kill()
-    except (OSError, ValueError, IndexError, psutil.Error):
-        pass
+        stop_left_over(pid_file, signal.SIGTERM, "temporal")

@@ -23,7 +23,7 @@ from outbox_bridge.contrib.django.conf import (
     outbox_app,
     outbox_settings,
 )
-from outbox_bridge.contrib.django.contexts import OPEN, Stack
+from outbox_bridge.contrib.django.writes import OPEN, Stack
 from outbox_bridge.flush import DEFAULT_TIMEOUT, Flusher, FlushingContext, FlushReport, Written
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import ShardRef
@@ -220,11 +220,8 @@ def flush_outbox(
     ``transaction.non_atomic_requests``).
     """
 
-    def timeout_now() -> float:
-        return timeout if timeout is not None else flush_timeout(DEFAULT_TIMEOUT)
-
     def decorate(fn: View) -> View:
-        return _flushing(fn, timeout_now)
+        return _flushing(fn, lambda: flush_timeout(DEFAULT_TIMEOUT) if timeout is None else timeout)
 
     return decorate(view) if view is not None else decorate
 

@@ -26,8 +26,7 @@ from outbox_bridge.registry import OutboxApp
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
 
 
-def sql_of(statement: DDL) -> str:
-    """One migration statement as PostgreSQL SQL text."""
+def _sql(statement: DDL) -> str:
     if isinstance(statement, ExecutableDDLElement):
         return str(statement.compile(dialect=_DIALECT)).strip()
     return statement.strip()
@@ -66,12 +65,6 @@ class _OutboxOperation(Operation):
     def outbox_app(self) -> OutboxApp:
         return load_app(self.app)
 
-    def create_sql(self) -> list[str]:
-        return [sql_of(s) for s in create_statements(self.outbox_app(), tables=self.tables)]
-
-    def drop_sql(self) -> list[str]:
-        return [sql_of(s) for s in drop_statements(self.outbox_app(), tables=self.tables)]
-
     # Whether the operation creates the tables forwards (and drops them backwards).
     creates: bool
 
@@ -85,8 +78,9 @@ class _OutboxOperation(Operation):
                 f"{connection.vendor}; keep the migration off it with a router (allow_migrate) "
                 "or hints"
             )
-        for sql in self.create_sql() if create else self.drop_sql():
-            schema_editor.execute(sql, params=None)
+        statements = create_statements if create else drop_statements
+        for statement in statements(self.outbox_app(), tables=self.tables):
+            schema_editor.execute(_sql(statement), params=None)
 
     def database_forwards(
         self,

@@ -1,11 +1,13 @@
 """Writing outbox rows with Django's connections: :func:`write_row` is ``app.write`` for
 Django, with the same checks, the same INSERT (built by SQLAlchemy, run on the Django
-connection's cursor) and the same producer span.
+connection's cursor) and the same producer span. Each row is reported to the innermost open
+outbox context (:mod:`outbox_bridge.contrib.django.flush`, which flushes through Temporal).
 """
 
 from __future__ import annotations
 
-from typing import Any, Unpack
+from contextvars import ContextVar
+from typing import Any, Protocol, Unpack
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -14,15 +16,30 @@ from sqlalchemy import Insert
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
 from outbox_bridge.contrib.django.conf import OutboxConfigurationError
-from outbox_bridge.contrib.django.contexts import record_write
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.producer_spans import observed_write
 from outbox_bridge.producer import RowFields, RowSpec
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.workflows.models import ShardRef
 
 # Django's PostgreSQL backend runs on psycopg 3 next to outbox-bridge (which requires it), and
 # psycopg takes the dialect's pyformat parameters and its adapted values (Jsonb) as they are.
 _DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
+
+
+class RowRecorder(Protocol):
+    """An open outbox context, as ``write_row`` sees it."""
+
+    def record_row(
+        self, app: OutboxApp, using: str, connection: Any, shard: ShardRef, row_id: int
+    ) -> None: ...
+
+
+Stack = tuple[RowRecorder, ...]
+
+# The open contexts, innermost last: a stack per thread or task, so that the rows written with
+# ``sync_to_async`` for an async view reach the context the view opened.
+OPEN: ContextVar[Stack] = ContextVar("outbox_bridge_django_contexts", default=())
 
 
 class NotInTransactionError(OutboxError, TransactionManagementError):
@@ -73,7 +90,8 @@ def write_row(app: OutboxApp, *, using: str | None = None, **row: Unpack[RowFiel
             found = cursor.fetchone()
         assert found is not None  # INSERT ... RETURNING id returns the row
         row_id = seen.written(int(found[0]))
-    record_write(app, alias, connection, prepared.shard, row_id)
+    if stack := OPEN.get():
+        stack[-1].record_row(app, alias, connection, prepared.shard, row_id)
     return row_id
 
 

@@ -15,12 +15,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from outbox_bridge.config import OutboxSettings
 from outbox_bridge.contrib.django.conf import outbox_app, outbox_settings
 from outbox_bridge.contrib.django.handlers import with_django_connections
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.logs import configure_logging, quiet_sdk_loggers
-from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.worker import run as run_worker
 
 
@@ -37,19 +35,14 @@ class Command(BaseCommand):
             "else 'default').",
         )
 
-    def prepare(self, database: str | None) -> tuple[OutboxSettings, OutboxApp]:
-        """The worker's settings and app; every handler wrapped for the ORM."""
+    def handle(self, *args: Any, **options: Any) -> None:
         try:
-            settings = outbox_settings(using=database)
+            settings = outbox_settings(using=options["database"])
             app = outbox_app()
             app.check_handlers()
         except OutboxError as exc:
             raise CommandError(str(exc), returncode=2) from None
         app.wrap_handlers(with_django_connections)
-        return settings, app
-
-    def handle(self, *args: Any, **options: Any) -> None:
-        settings, app = self.prepare(options["database"])
         if not logging.getLogger().handlers:
             # The project's LOGGING leaves the root logger alone: log like outbox-bridge worker
             # (LOG_LEVEL, LOG_FORMAT). Otherwise its own configuration stands.

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -17,10 +18,11 @@ from outbox_bridge.errors import OutboxError
 T = TypeVar("T")
 
 
-def run_or_exit(work: Coroutine[Any, Any, T], *, shard: str | None = None) -> T:
-    """Run ``work``; on a known failure print one line and exit."""
+@contextlib.contextmanager
+def exits_on_failure(*, shard: str | None = None) -> Iterator[None]:
+    """On a known failure in the block, print one line and exit."""
     try:
-        return asyncio.run(work)
+        yield
     except OutboxError as exc:
         fail(f"error: {exc}", 2)
     except WorkflowUpdateFailedError as exc:
@@ -28,6 +30,12 @@ def run_or_exit(work: Coroutine[Any, Any, T], *, shard: str | None = None) -> T:
         fail(f"shard {shard} refused: {getattr(cause, 'message', cause)}")
     except RPCError as exc:
         fail(temporal_failure(exc, shard))
+
+
+def run_or_exit(work: Coroutine[Any, Any, T], *, shard: str | None = None) -> T:
+    """Run ``work``; on a known failure print one line and exit."""
+    with exits_on_failure(shard=shard):
+        return asyncio.run(work)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -121,6 +121,7 @@ def replay(files: tuple[Path, ...]) -> None:
 
 
 async def _replay(files: tuple[Path, ...]) -> int:
+    click.echo(f"replaying {len(files)} histories, several at once", err=True)
     failures = await HistoryReplayer().replay_all(files)
     for path, failure in zip(files, failures, strict=True):
         click.echo(f"ok   {path}" if failure is None else f"FAIL {failure}")

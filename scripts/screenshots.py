@@ -268,6 +268,11 @@ def demo(workdir: Path, temporal_port: int, ui_port: int) -> Iterator[None]:
     )
     try:
         yield
+    except BaseException:
+        log.flush()
+        tail = (workdir / "worker.log").read_text(errors="replace").splitlines()[-30:]
+        print("the demo worker's last log lines:", *tail, sep="\n  ", file=sys.stderr)
+        raise
     finally:
         worker.send_signal(signal.SIGINT)
         try:
@@ -283,7 +288,7 @@ class CommandFailed(RuntimeError):
 
 def cli(*args: str, temporal_port: int) -> str:
     """Run ``outbox-bridge ARGS --demo`` against the demo's Temporal server, as the user
-    ``oncall``; its error output, if it fails."""
+    ``oncall``, and return its output; :class:`CommandFailed` carries its error output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "TEMPORAL_"))}
     env.update(LOGNAME="oncall", USER="oncall")  # what a skip records as "by"
     command = ["outbox-bridge", *args, "--demo"]

@@ -73,6 +73,11 @@ RUNNING = "Results will appear upon completion"
 # The quick start's shard, blocked by the demo's planned outage (5 minutes by default).
 OUTAGE_SHARD = f"ORGANIZATION:{OUTAGE_ORGANIZATION}"
 OUTAGE_WORKFLOW = f"outbox:{demo_app.table().name}:{OUTAGE_SHARD}"
+# The commands the script runs, named here so that a test can parse them with the command line.
+SKIP = ("skip", OUTAGE_SHARD, "--reason", SKIP_REASON)
+RESUME = ("resume", OUTAGE_SHARD)
+STATUS = ("status", OUTAGE_SHARD)
+COMMANDS = (SKIP, RESUME, STATUS)
 
 
 def free_port() -> int:
@@ -286,31 +291,27 @@ class CommandFailed(RuntimeError):
     pass
 
 
+def cli_argv(*args: str, temporal_port: int) -> list[str]:
+    """The arguments of ``outbox-bridge ARGS --demo`` against the demo's Temporal server."""
+    return [*args, "--demo", "--temporal-address", f"127.0.0.1:{temporal_port}"]
+
+
 def cli(*args: str, temporal_port: int) -> str:
     """Run ``outbox-bridge ARGS --demo`` against the demo's Temporal server, as the user
     ``oncall``, and return its output; :class:`CommandFailed` carries its error output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "TEMPORAL_"))}
     env.update(LOGNAME="oncall", USER="oncall")  # what a skip records as "by"
-    command = ["outbox-bridge", *args, "--demo"]
+    shown = " ".join(["outbox-bridge", *args, "--demo"])
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "outbox_bridge",
-            *command[1:],
-            "--temporal-address",
-            f"127.0.0.1:{temporal_port}",
-        ],
+        [sys.executable, "-m", "outbox_bridge", *cli_argv(*args, temporal_port=temporal_port)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
     )
     if done.returncode != 0:
-        raise CommandFailed(
-            f"`{' '.join(command)}` exited with {done.returncode}:\n{done.stderr}{done.stdout}"
-        )
-    print(f"$ {' '.join(command)}\n{done.stdout}")
+        raise CommandFailed(f"`{shown}` exited with {done.returncode}:\n{done.stderr}{done.stdout}")
+    print(f"$ {shown}\n{done.stdout}")
     return done.stdout
 
 
@@ -369,7 +370,7 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
         browser.open_showing(page, RUNNING, "blocked on PROJECT_UPDATE")
         browser.screenshot(out / "ui-blocked-shard.png")
 
-        cli("skip", OUTAGE_SHARD, "--reason", SKIP_REASON, temporal_port=temporal_port)
+        cli(*SKIP, temporal_port=temporal_port)
         # The skip went to the shard's current run, which may be newer than the one photographed.
         run_id = (await outage.describe()).run_id
         page = ui_url(ui_port, f"workflows/{OUTAGE_WORKFLOW}/{run_id}")
@@ -407,8 +408,8 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
             missing.append("ui-partition.png: this worker runs no OutboxPartition workflow")
         await take_pauses(browser, client, ui_port, out)
 
-        cli("resume", OUTAGE_SHARD, temporal_port=temporal_port)
-        cli("status", OUTAGE_SHARD, temporal_port=temporal_port)
+        cli(*RESUME, temporal_port=temporal_port)
+        cli(*STATUS, temporal_port=temporal_port)
     return missing
 
 

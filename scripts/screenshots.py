@@ -38,6 +38,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -301,7 +302,7 @@ def cli(*args: str, temporal_port: int) -> str:
     ``oncall``, and return its output; :class:`CommandFailed` carries its error output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "TEMPORAL_"))}
     env.update(LOGNAME="oncall", USER="oncall")  # what a skip records as "by"
-    shown = " ".join(["outbox-bridge", *args, "--demo"])
+    shown = shlex.join(["outbox-bridge", *args, "--demo"])
     done = subprocess.run(
         [sys.executable, "-m", "outbox_bridge", *cli_argv(*args, temporal_port=temporal_port)],
         cwd=ROOT,

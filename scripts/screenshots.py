@@ -3,15 +3,17 @@
     python scripts/screenshots.py [--out docs/images] [--chromium /usr/bin/chromium]
 
 Starts ``python worker.py --demo`` in a temporary data directory (embedded PostgreSQL, Temporal
-dev server and UI on free ports), waits until some shards are blocked by the demo's flaky
-``PROJECT_UPDATE`` handler, skips one of them with a reason (``outbox-bridge skip``), and
-captures with headless Chromium:
+dev server and UI on free ports), with the demo's settings as the quick start runs them. It
+walks through the quick start with shard ``ORGANIZATION:7``, blocked by the demo's planned
+outage: photographs it blocked, skips it with a reason (``outbox-bridge skip``), photographs
+it skipped, and resumes it (``outbox-bridge resume``) at the end. Captured with headless
+Chromium:
 
 - ``ui-shard-list.png``: the workflow list filtered with ``WorkflowType="OutboxShard"``;
-- ``ui-blocked-shard.png``: a blocked shard's first view: its timeline labels the pending
-  category activity with what it is blocked on and since when;
-- ``ui-skipped-shard.png``: a skipped shard's first view: its timeline labels the timer it waits
-  on with who skipped it, when, and why;
+- ``ui-blocked-shard.png``: ``ORGANIZATION:7``'s first view while blocked: its timeline labels
+  the pending category activity with what it is blocked on and since when;
+- ``ui-skipped-shard.png``: ``ORGANIZATION:7``'s first view once skipped: its timeline labels
+  the timer it waits on with who skipped it, when, and why;
 - ``ui-skipped-query.png``: the saved query ``WorkflowType="OutboxShard" AND
   OutboxState="skipped"`` in the workflow list, listing the skipped shard;
 - ``ui-deferred-shard.png``: a deferred shard's first view, its timer labelled with the time it
@@ -20,6 +22,8 @@ captures with headless Chromium:
   worker runs partitions);
 - ``ui-pauses.png``: the table's ``OutboxControl`` workflow after its ``pause`` update paused
   ``PROJECT_UPDATE``: its first view lists the active pauses (the category is resumed after).
+
+A step that fails says why: a command's error output, or what the page showed instead.
 
 Chromium is driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``), with
 the standard library only: no browser download, no driver package. Not part of the test suite.
@@ -34,6 +38,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -46,9 +51,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 
-from outbox_bridge.workflows.models import PauseChange, PausesView
+from outbox_bridge.demo import OUTAGE_ORGANIZATION
+from outbox_bridge.demo import app as demo_app
+from outbox_bridge.workflows.models import (
+    PartitionOptions,
+    PartitionStatus,
+    PauseChange,
+    PausesView,
+    ShardState,
+    ShardStatus,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 1400, 900
@@ -57,9 +71,14 @@ PAUSE_REASON = "search index rebuild, ticket OPS-1240"
 # What the UI's result panel says while the run is open (its header's status may lag).
 RUNNING = "Results will appear upon completion"
 
-# Blocked shards stay blocked long enough to be photographed: the demo's flaky handler fails one
-# call in ten, and its first retry would otherwise come a second later.
-DEMO_FLAGS = ["--initial-retry-interval", "10", "--max-retry-interval", "60", "--health-port", "0"]
+# The quick start's shard, blocked by the demo's planned outage (5 minutes by default).
+OUTAGE_SHARD = f"ORGANIZATION:{OUTAGE_ORGANIZATION}"
+OUTAGE_WORKFLOW = f"outbox:{demo_app.table().name}:{OUTAGE_SHARD}"
+# The commands the script runs, named here so that a test can parse them with the command line.
+SKIP = ("skip", OUTAGE_SHARD, "--reason", SKIP_REASON)
+RESUME = ("resume", OUTAGE_SHARD)
+STATUS = ("status", OUTAGE_SHARD)
+COMMANDS = (SKIP, RESUME, STATUS)
 
 
 def free_port() -> int:
@@ -245,7 +264,8 @@ def demo(workdir: Path, temporal_port: int, ui_port: int) -> Iterator[None]:
             str(temporal_port),
             "--temporal-ui-port",
             str(ui_port),
-            *DEMO_FLAGS,
+            "--health-port",
+            "0",
         ],
         cwd=ROOT,
         env=env,
@@ -254,6 +274,11 @@ def demo(workdir: Path, temporal_port: int, ui_port: int) -> Iterator[None]:
     )
     try:
         yield
+    except BaseException:
+        log.flush()
+        tail = (workdir / "worker.log").read_text(errors="replace").splitlines()[-30:]
+        print("the demo worker's last log lines:", *tail, sep="\n  ", file=sys.stderr)
+        raise
     finally:
         worker.send_signal(signal.SIGINT)
         try:
@@ -263,38 +288,47 @@ def demo(workdir: Path, temporal_port: int, ui_port: int) -> Iterator[None]:
         log.close()
 
 
+class CommandFailed(RuntimeError):
+    pass
+
+
+def cli_argv(*args: str, temporal_port: int) -> list[str]:
+    """The arguments of ``outbox-bridge ARGS --demo`` against the demo's Temporal server."""
+    return [*args, "--demo", "--temporal-address", f"127.0.0.1:{temporal_port}"]
+
+
 def cli(*args: str, temporal_port: int) -> str:
-    """Run ``outbox-bridge ARGS`` against the demo's Temporal server, as the user ``oncall``."""
+    """Run ``outbox-bridge ARGS --demo`` against the demo's Temporal server, as the user
+    ``oncall``, and return its output; :class:`CommandFailed` carries its error output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "TEMPORAL_"))}
     env.update(LOGNAME="oncall", USER="oncall")  # what a skip records as "by"
+    shown = shlex.join(["outbox-bridge", *args, "--demo"])
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "outbox_bridge",
-            *args,
-            "--demo",
-            "--temporal-port",
-            str(temporal_port),
-        ],
+        [sys.executable, "-m", "outbox_bridge", *cli_argv(*args, temporal_port=temporal_port)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        check=True,
     )
+    if done.returncode != 0:
+        raise CommandFailed(f"`{shown}` exited with {done.returncode}:\n{done.stderr}{done.stdout}")
+    print(f"$ {shown}\n{done.stdout}")
     return done.stdout
 
 
 async def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
     deadline = time.monotonic() + timeout
+    last: Exception | None = None
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
+        try:
             found = await check()
+        except Exception as error:  # not up yet: its last error is reported on time-out
+            last = error
+        else:
             if found:
                 return found
         await asyncio.sleep(1)
-    raise TimeoutError(f"gave up waiting for {what}")
+    raise TimeoutError(f"gave up waiting for {what}" + (f"; last error: {last!r}" if last else ""))
 
 
 async def workflows(client: Client, query: str) -> list[tuple[str, str]]:
@@ -325,47 +359,27 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
             timeout=120,
         )
 
-        async def blocked() -> list[tuple[str, str]]:
-            return await workflows(client, 'OutboxState="blocked"')
+        # The quick start: see ORGANIZATION:7 blocked, skip it, resume it (after the pictures).
+        outage = client.get_workflow_handle(OUTAGE_WORKFLOW)
 
-        # A blocked shard: its pending category activity, attempts and last failure. The demo's
-        # shards recover within seconds, so try the blocked shards until one is caught blocked.
-        deadline = time.monotonic() + 300
-        caught: str | None = None
-        while caught is None and time.monotonic() < deadline:
-            for workflow_id, run_id in await wait_for("a blocked shard", blocked, timeout=300):
-                page = f"workflows/{workflow_id}/{run_id}"
-                with contextlib.suppress(TimeoutError):
-                    browser.open(ui_url(ui_port, page))
-                    browser.wait_for_text(RUNNING, "blocked on PROJECT_UPDATE", timeout=10)
-                    browser.screenshot(out / "ui-blocked-shard.png")
-                    if RUNNING not in browser.page_text():
-                        continue  # recovered while photographed: try another
-                    caught = workflow_id
-                    break
+        async def outage_blocked() -> bool:
+            return await shard_state(outage) == ShardState.BLOCKED
 
-        # A skipped shard: skip another blocked shard with a reason, then its first view.
-        skipped: tuple[str, str] | None = None
-        while skipped is None and time.monotonic() < deadline:
-            for workflow_id, run_id in await wait_for("a blocked shard", blocked, timeout=300):
-                if workflow_id == caught:
-                    continue
-                shard = workflow_id.split(":", 2)[2]
-                with contextlib.suppress(subprocess.CalledProcessError):
-                    print(cli("skip", shard, "--reason", SKIP_REASON, temporal_port=temporal_port))
-                    skipped = (workflow_id, run_id)
-                    break
-            await asyncio.sleep(1)
-        if caught is None or skipped is None:
-            raise TimeoutError("no shard stayed blocked long enough to be photographed")
-        # The skip went to the shard's current run, which may be newer than the one listed.
-        current = (await client.get_workflow_handle(skipped[0]).describe()).run_id
-        page = f"workflows/{skipped[0]}/{current}"
-        browser.open_showing(ui_url(ui_port, page), "skipped by oncall at", SKIP_REASON)
+        await wait_for(f"{OUTAGE_SHARD} to be blocked", outage_blocked, timeout=240)
+        run_id = (await outage.describe()).run_id
+        page = ui_url(ui_port, f"workflows/{OUTAGE_WORKFLOW}/{run_id}")
+        browser.open_showing(page, RUNNING, "blocked on PROJECT_UPDATE")
+        browser.screenshot(out / "ui-blocked-shard.png")
+
+        cli(*SKIP, temporal_port=temporal_port)
+        # The skip went to the shard's current run, which may be newer than the one photographed.
+        run_id = (await outage.describe()).run_id
+        page = ui_url(ui_port, f"workflows/{OUTAGE_WORKFLOW}/{run_id}")
+        browser.open_showing(page, "skipped by oncall at", SKIP_REASON)
         browser.screenshot(out / "ui-skipped-shard.png")
         query = 'WorkflowType="OutboxShard" AND OutboxState="skipped"'
         browser.open(ui_url(ui_port, "workflows", query=query))
-        browser.wait_for_text(skipped[0], "Clear all")
+        browser.wait_for_text(OUTAGE_WORKFLOW, "Clear all")
         browser.show_raw_query()
         browser.screenshot(out / "ui-skipped-query.png")
 
@@ -394,7 +408,16 @@ async def take(args: argparse.Namespace, workdir: Path) -> list[str]:
         else:
             missing.append("ui-partition.png: this worker runs no OutboxPartition workflow")
         await take_pauses(browser, client, ui_port, out)
+
+        cli(*RESUME, temporal_port=temporal_port)
+        cli(*STATUS, temporal_port=temporal_port)
     return missing
+
+
+async def shard_state(handle: WorkflowHandle[Any, Any]) -> ShardState:
+    """The state a shard workflow's ``status`` query reports (blocked, skipped, ...)."""
+    status: ShardStatus = await handle.query("status", result_type=ShardStatus)
+    return status.state
 
 
 async def take_pauses(browser: Browser, client: Client, ui_port: int, out: Path) -> None:
@@ -411,24 +434,23 @@ async def take_pauses(browser: Browser, client: Client, ui_port: int, out: Path)
     )
 
 
-async def busiest_partition(
-    client: Client, partitions: list[tuple[str, str]], timeout: float = 150.0
-) -> tuple[str, str]:
-    """The partition that handled the most rows, once every partition has finished a drain
-    round (a round lasts a minute; until then the details show no figures)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        statuses = []
+async def busiest_partition(client: Client, partitions: list[tuple[str, str]]) -> tuple[str, str]:
+    """The partition that handled the most rows, once every partition has reported a drain
+    round (until then its details show no round)."""
+    timeout = PartitionOptions.round_seconds + 120  # the first round ends a round after start
+
+    async def statuses() -> list[PartitionStatus]:
+        found: list[PartitionStatus] = []
         for workflow_id, _ in partitions:
             handle = client.get_workflow_handle(workflow_id)
-            status = await handle.query("status")
-            statuses.append((status["rows_handled"], status["rounds"], workflow_id))
-        if min(rounds for _, rounds, _ in statuses) >= 1 or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(2)
-    workflow_id = max(statuses)[2]
-    run_id = (await client.get_workflow_handle(workflow_id).describe()).run_id
-    return workflow_id, run_id
+            found.append(await handle.query("status", result_type=PartitionStatus))
+        return found if min(status.rounds for status in found) >= 1 else []
+
+    print(f"waiting for the partitions' first round (up to {timeout:.0f} s)")
+    reported = await wait_for("a drain round of every partition", statuses, timeout)
+    busiest: PartitionStatus = max(reported, key=lambda status: status.rows_handled)
+    run_id = (await client.get_workflow_handle(busiest.partition).describe()).run_id
+    return busiest.partition, run_id
 
 
 def main() -> None:

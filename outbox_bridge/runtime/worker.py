@@ -139,7 +139,8 @@ def print_banner(
             f"  Temporal UI  {ui}/namespaces/{settings.temporal_namespace}/workflows?query={query}",
             "  Look at the OutboxShard workflows: one per active shard, named",
             "  outbox:<table>:<SCOPE>:<id>. Open one to see its state, the category activity",
-            "  of a blocked head, and its rows handled; signal `skip` to pause it.",
+            "  of a blocked head, and its rows handled; its `skip` update sets it aside until",
+            "  `resume`.",
         ]
     if settings.demo:
         for line in demo.banner(settings, ui):

@@ -108,6 +108,17 @@ async def test_a_paused_category_waits_in_order_survives_a_restart_and_resumes(
         shown = json.loads(out)
         assert shown["state"] == "paused"
         assert "category PROJECT_UPDATE by" in shown["paused"] and "search down" in shown["paused"]
+        # A flush answers at once that the head waits, and names the pause it waits for.
+        code, out, err = await cli(
+            servers, table, "flush", "ORGANIZATION:1", "--json", "--task-queue", settings.task_queue
+        )
+        assert code == 1, err
+        flushed = json.loads(out)
+        assert flushed["outcome"] == "deferred"
+        assert (flushed["paused"]["name"], flushed["paused"]["reason"]) == (
+            "PROJECT_UPDATE",
+            "search down",
+        )
 
     # A new worker keeps the pause: it is in the table.
     async with running_worker(servers, app, settings):

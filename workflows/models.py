@@ -333,8 +333,9 @@ class FlushInput:
 class FlushResult:
     """Answer of ``flush``: ``handled``; ``blocked`` behind ``head`` (since ``blocked_since``,
     failing with ``error``); ``skipped`` (``skip`` says why); ``deferred`` (the head row is
-    scheduled for ``deferred_until``); or ``timed_out``. Only ``handled`` means the rows were
-    processed; the others leave them for asynchronous processing, nothing is lost."""
+    scheduled for ``deferred_until``, or its category or scope is ``paused``); or
+    ``timed_out``. Only ``handled`` means the rows were processed; the others leave them for
+    asynchronous processing, nothing is lost."""
 
     shard: str
     outcome: FlushOutcome
@@ -344,6 +345,7 @@ class FlushResult:
     skip: SkipInfo | None = None
     deferred_until: str | None = None
     detail: str | None = None  # why Temporal gave no answer (outcome "unavailable")
+    paused: PauseInfo | None = None  # the pause a ``deferred`` head waits for
 
     @property
     def handled(self) -> bool:
@@ -370,6 +372,7 @@ class FlushCheckInput:
 class FlushCheck:
     handled: bool
     deferred_until: str | None = None
+    paused: PauseInfo | None = None  # the pause the not-due head waits for, if it is paused
 
 
 # -- OutboxControl: the paused categories and scopes of a table ---------------------------------

@@ -517,7 +517,10 @@ class OutboxShard:
                 return FlushResult(self._shard.key, FlushOutcome.HANDLED)
             if checked.deferred_until is not None:
                 return FlushResult(
-                    self._shard.key, FlushOutcome.DEFERRED, deferred_until=checked.deferred_until
+                    self._shard.key,
+                    FlushOutcome.DEFERRED,
+                    deferred_until=checked.deferred_until,
+                    paused=checked.paused,
                 )
         return self._flush_stopped(up_to) or FlushResult(self._shard.key, FlushOutcome.TIMED_OUT)
 

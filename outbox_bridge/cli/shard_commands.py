@@ -275,6 +275,12 @@ def _flush_table(result: FlushResult) -> Table:
         view.add_row("skipped", f"by {result.skip.by or 'an operator'}: {result.skip.reason}")
     if result.deferred_until:
         view.add_row("deferred until", result.deferred_until)
+    if result.paused is not None:
+        pause = result.paused
+        view.add_row(
+            "paused",
+            f"{pause.kind} {pause.name} by {pause.paused_by} since {pause.since}: {pause.reason}",
+        )
     if result.detail:
         view.add_row("detail", result.detail)
     return view

@@ -194,13 +194,21 @@ class ShardDrainer:
                     pending, deferred_until = await read_pending_up_to(
                         conn, table, shard, request.up_to_id
                     )
+                    waits_for = None
+                    if deferred_until is not None:
+                        waits_for = await read_shard_pause(conn, table, shard)
             except SQLAlchemyError as exc:
                 log.warning("flush of shard %s cannot read the table: %s", shard.key, exc)
             else:
                 if not pending:
                     return FlushCheck(handled=True)
                 if deferred_until is not None:
-                    return FlushCheck(handled=False, deferred_until=iso_utc(deferred_until))
+                    paused = None if waits_for is None else view_of(self._app, [waits_for])
+                    return FlushCheck(
+                        handled=False,
+                        deferred_until=iso_utc(deferred_until),
+                        paused=None if paused is None else paused.pauses[0],
+                    )
             left = deadline - time.monotonic()
             if left <= 0:
                 return FlushCheck(handled=False)

@@ -119,6 +119,7 @@ def test_a_view_answers_with_its_flush_report_as_json() -> None:
                 "skip": None,
                 "deferred_until": None,
                 "detail": None,
+                "paused": None,
             }
         ],
         "not_committed": [],

@@ -137,8 +137,15 @@ class ShardDrainer:
         ]
         pause = None
         if outcome.deferred_until is not None and outcome.failed is None:
-            pause = await read_shard_pause(conn, table, shard)
-        return parked, None if pause is None else view_of(self._app, [pause]).pauses[0]
+            pause = await self._waited_pause(conn, table, shard)
+        return parked, pause
+
+    async def _waited_pause(
+        self, conn: AsyncConnection, table: Table, shard: ShardRef
+    ) -> PauseInfo | None:
+        """The pause the shard's not-due head waits for, as the workflow shows it (if any)."""
+        pause = await read_shard_pause(conn, table, shard)
+        return None if pause is None else view_of(self._app, [pause]).pauses[0]
 
     # -- a blocked head --------------------------------------------------------------------
 
@@ -194,20 +201,17 @@ class ShardDrainer:
                     pending, deferred_until = await read_pending_up_to(
                         conn, table, shard, request.up_to_id
                     )
-                    waits_for = None
+                    paused = None
                     if deferred_until is not None:
-                        waits_for = await read_shard_pause(conn, table, shard)
+                        paused = await self._waited_pause(conn, table, shard)
             except SQLAlchemyError as exc:
                 log.warning("flush of shard %s cannot read the table: %s", shard.key, exc)
             else:
                 if not pending:
                     return FlushCheck(handled=True)
                 if deferred_until is not None:
-                    paused = None if waits_for is None else view_of(self._app, [waits_for])
                     return FlushCheck(
-                        handled=False,
-                        deferred_until=iso_utc(deferred_until),
-                        paused=None if paused is None else paused.pauses[0],
+                        handled=False, deferred_until=iso_utc(deferred_until), paused=paused
                     )
             left = deadline - time.monotonic()
             if left <= 0:

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow
+from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow, read_shard_ranges
 from outbox_bridge.db.store import read_rows as store_read_rows
 from outbox_bridge.runtime import hub as hub_module
 from outbox_bridge.runtime import rounds as rounds_module
@@ -33,7 +33,17 @@ from outbox_bridge.workflows.models import (
     PartitionRound,
     ShardRef,
 )
-from tests.harness import Category, count_rows, fresh_app, wait_until, write_rows
+from tests.harness import (
+    Category,
+    Recorder,
+    count_rows,
+    create_tables,
+    fresh_app,
+    make_app,
+    unique_table,
+    wait_until,
+    write_rows,
+)
 
 SHARD = ShardRef("outbox", 1, "ORGANIZATION", 42)
 LATER = datetime(2030, 1, 1, tzinfo=UTC)
@@ -138,17 +148,27 @@ def test_a_short_window_is_the_whole_shard() -> None:
 # -- partition_of: stable across processes and releases -------------------------------------------
 
 
+ODD_KEYS = [
+    ShardKey("outbox", None, 1, 42),
+    ShardKey("outbox", "eu:west", 2, -5),
+    ShardKey("outbox", None, 1, 2**63 - 1),
+    ShardKey("outbox", None, -(2**31), -(2**63)),
+    ShardKey("outbox", "ü", 1, 1),
+]
+
+
 @pytest.mark.parametrize(
     ("key", "expected"),
     [
-        # CRC-32 of "<region>:<scope>:<identifier>", modulo 1, 2, 4, 7, 16 and 1000 partitions.
-        (ShardKey("outbox", None, 1, 42), [0, 1, 3, 6, 15, 207]),
-        (ShardKey("outbox", None, 2, 7), [0, 1, 1, 3, 1, 17]),
-        (ShardKey("outbox", "eu", 1, 42), [0, 0, 0, 2, 12, 772]),
-        (ShardKey("outbox", "eu:west", 2, -5), [0, 0, 2, 3, 2, 986]),
-        (ShardKey("outbox", None, 1, 2**63 - 1), [0, 1, 1, 2, 9, 497]),
-        (ShardKey("outbox", None, -(2**31), -(2**63)), [0, 1, 3, 2, 7, 47]),
-        (ShardKey("outbox", "ü", 1, 1), [0, 1, 1, 3, 13, 597]),
+        # The first 32 bits of the MD5 of "<region>:<scope>:<identifier>", modulo 1, 2, 4, 7,
+        # 16 and 1000 partitions.
+        (ShardKey("outbox", None, 1, 42), [0, 1, 3, 4, 11, 747]),
+        (ShardKey("outbox", None, 2, 7), [0, 1, 3, 4, 7, 431]),
+        (ShardKey("outbox", "eu", 1, 42), [0, 0, 0, 0, 12, 836]),
+        (ShardKey("outbox", "eu:west", 2, -5), [0, 0, 2, 0, 2, 666]),
+        (ShardKey("outbox", None, 1, 2**63 - 1), [0, 0, 2, 0, 14, 918]),
+        (ShardKey("outbox", None, -(2**31), -(2**63)), [0, 0, 0, 2, 12, 924]),
+        (ShardKey("outbox", "ü", 1, 1), [0, 1, 3, 0, 11, 259]),
     ],
 )
 def test_partition_of_never_changes(key: ShardKey, expected: list[int]) -> None:
@@ -307,6 +327,47 @@ class NoHandovers:
 
     async def hand_over(self, shard: ShardRef, handover: object) -> bool:
         raise AssertionError(f"unexpected handover of {shard.key}")
+
+
+async def test_a_partition_s_scan_returns_its_own_shards_as_partition_of_assigns_them(
+    engine,
+) -> None:
+    """The database picks a partition's shards with the same function as the workers' news:
+    every shard is returned to exactly the partition that ``partition_of`` names, the odd keys
+    above included; a limited scan returns the shards with the oldest rows first."""
+    app = make_app(unique_table(), Recorder(), regional=True)
+    await create_tables(engine, app)
+    table = app.table()
+    odd = [(k.region or "", k.scope, k.shard_identifier) for k in ODD_KEYS]
+    shards = odd + [("eu", 1, n) for n in range(200)] + [("", 3, n) for n in range(-50, 50)]
+    async with engine.begin() as conn:
+        await conn.execute(
+            table.insert(),
+            [
+                {
+                    "region": region,
+                    "shard_scope": scope,
+                    "shard_identifier": ident,
+                    "category": 1,
+                    "object_identifier": 1,
+                }
+                for region, scope, ident in shards
+            ],
+        )
+    for partitions in (1, 4, 7):
+        found: dict[tuple[str, int, int], int] = {}
+        async with engine.connect() as conn:
+            for number in range(partitions):
+                for r in await read_shard_ranges(conn, table, partition=(number, partitions)):
+                    assert (r.region, r.scope, r.shard_identifier) not in found
+                    found[(r.region or "", r.scope, r.shard_identifier)] = number
+        assert found == {
+            key: partition_of(ShardKey(table.name, key[0], key[1], key[2]), partitions)
+            for key in shards
+        }
+    async with engine.connect() as conn:
+        page = await read_shard_ranges(conn, table, partition=(0, 1), limit=5)
+    assert [(r.region, r.scope, r.shard_identifier) for r in page] == shards[:5]
 
 
 async def test_a_partition_s_queue_stays_bounded_and_overflow_is_found_by_a_scan(

@@ -6,6 +6,7 @@ registry, which accepts only plain identifiers.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    cast,
     delete,
     exists,
     func,
@@ -30,7 +32,7 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, BIT
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
@@ -252,22 +254,52 @@ def _with_region(table: Table, row: Sequence[Any]) -> tuple[Any, ...]:
     return values if "region" in table.c else (None, *values)
 
 
+# -- partitions -------------------------------------------------------------------------------
+# A shard's partition is the first 32 bits of the MD5 of "<region>:<scope>:<identifier>", modulo
+# the number of partitions: the same in Python and in SQL, so that a partition's scan returns
+# only its own shards.
+
+
+def partition_number(region: str | None, scope: int, identifier: int, partitions: int) -> int:
+    """The partition (of ``partitions``) that drains the shard while it is healthy."""
+    digest = hashlib.md5(f"{region or ''}:{scope}:{identifier}".encode(), usedforsecurity=False)
+    return int.from_bytes(digest.digest()[:4], "big") % partitions
+
+
+def _partition_sql(table: Table, partitions: int) -> ColumnElement[Any]:
+    """:func:`partition_number` of each row's shard, in SQL."""
+    region: Any = func.coalesce(table.c.region, "") if "region" in table.c else ""
+    key = func.concat(region, ":", table.c.shard_scope, ":", table.c.shard_identifier)
+    first_bits = cast(func.concat("x", func.left(func.md5(key), 8)), BIT(32))
+    return cast(first_bits, BigInteger).op("%")(partitions)
+
+
 async def read_shard_ranges(
     conn: AsyncConnection,
     table: Table,
     *,
     after_id: int | None = None,
     regions: Sequence[str] | None = None,
+    partition: tuple[int, int] | None = None,
+    limit: int | None = None,
 ) -> list[ShardRange]:
-    """Shards with rows (with ``after_id``, only rows above it), with their id range."""
+    """Shards with rows (with ``after_id``, only rows above it), with their id range: with
+    ``partition`` (number, partitions) only that partition's, with ``limit`` at most that many,
+    those with the oldest rows first."""
     keys = _shard_key_columns(table)
-    query = select(*keys, func.min(table.c.id), func.max(table.c.id), func.count()).group_by(*keys)
+    first = func.min(table.c.id)
+    query = select(*keys, first, func.max(table.c.id), func.count()).group_by(*keys)
     if after_id is not None:
         query = query.where(table.c.id > after_id)
     if regions is not None and "region" in table.c:
         query = query.where(
             table.c.region == any_(bindparam("regions", list(regions), type_=ARRAY(Text)))
         )
+    if partition is not None:
+        number, partitions = partition
+        query = query.having(_partition_sql(table, partitions) == number)
+    if limit is not None:
+        query = query.order_by(first).limit(limit)
     return [ShardRange(*_with_region(table, row)) for row in await conn.execute(query)]
 
 

@@ -4,9 +4,9 @@ that runs elsewhere finds the rows by its own scans). Both sides run on one even
 from __future__ import annotations
 
 import asyncio
-import zlib
 from typing import TYPE_CHECKING, NamedTuple
 
+from outbox_bridge.db.store import partition_number
 from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:
@@ -38,9 +38,8 @@ def ref_of(key: ShardKey, app: OutboxApp) -> ShardRef:
 
 
 def partition_of(key: ShardKey, partitions: int) -> int:
-    """The partition that drains a healthy shard: a CRC-32, the same in every process."""
-    text = f"{key.region or ''}:{key.scope}:{key.shard_identifier}"
-    return zlib.crc32(text.encode()) % partitions
+    """The partition that drains a healthy shard, the same in every process and in SQL."""
+    return partition_number(key.region, key.scope, key.shard_identifier, partitions)
 
 
 # Shards a partition's inbox keeps news of; past that, its drain scans every shard instead.

@@ -28,7 +28,6 @@ from outbox_bridge.runtime.hub import (
     ShardHub,
     ShardKey,
     key_of,
-    partition_of,
     ref_of,
     wait_any,
 )
@@ -196,7 +195,10 @@ class PartitionDrain:
 
     async def _scan(self, *, full: bool) -> None:
         """Queue this partition's shards with rows: every one (``full``), or those with rows
-        above the newest id seen so far."""
+        above the newest id seen so far. The database returns only this partition's shards,
+        and no more than the queue has room for (those with the oldest rows first): a scan
+        holds a page of shards, however many the table has."""
+        room = self._max_queued - len(self._queue)
         try:
             async with self._engine.engine.connect() as conn:
                 ranges = await read_shard_ranges(
@@ -204,6 +206,8 @@ class PartitionDrain:
                     self._table,
                     after_id=None if full else self._watermark,
                     regions=self._ref.regions,
+                    partition=(self._ref.partition, self._ref.partitions),
+                    limit=max(room, 0) + 1,  # one more: to know that some were left out
                 )
                 if full:
                     await self._note_backlog(conn, ranges)
@@ -214,23 +218,21 @@ class PartitionDrain:
             return
         if full:
             self._overflowed = False  # this scan finds every shard the queue left out
+        if len(ranges) > room:
+            self._overflowed = True  # the shards left out wait for a scan of every shard
+            ranges = ranges[: max(room, 0)]
         self._watermark = max([self._watermark, *(r.max_id for r in ranges)])
-        for shard_range in self._mine(ranges):
+        for shard_range in ranges:
             self._enqueue(self._key(shard_range))
 
     def _key(self, r: ShardRange) -> ShardKey:
         return ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)
 
-    def _mine(self, ranges: Sequence[ShardRange]) -> list[ShardRange]:
-        """Those of ``ranges`` whose shards hash to this partition."""
-        partitions = self._ref.partitions
-        return [r for r in ranges if partition_of(self._key(r), partitions) == self._ref.partition]
-
     async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
-        """The deepest and the oldest shards of this partition, for its details."""
-        mine = self._mine(ranges)
-        deepest = heapq.nlargest(BACKLOG_SHOWN, mine, key=lambda r: r.rows)
-        oldest = heapq.nsmallest(BACKLOG_SHOWN, mine, key=lambda r: r.min_id)
+        """The deepest and the oldest shards of this partition (of those the scan returned),
+        for its details."""
+        deepest = heapq.nlargest(BACKLOG_SHOWN, ranges, key=lambda r: r.rows)
+        oldest = heapq.nsmallest(BACKLOG_SHOWN, ranges, key=lambda r: r.min_id)
         ages = await read_row_ages(conn, self._table, [r.min_id for r in {*deepest, *oldest}])
 
         def shown(r: ShardRange) -> ShardBacklog:

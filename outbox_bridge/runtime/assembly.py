@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
@@ -33,6 +34,7 @@ from outbox_bridge.runtime.pause_control import PauseControl
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import ShardStarter, static_skips
+from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 from outbox_bridge.runtime.temporal import ensure_search_attributes
@@ -122,11 +124,20 @@ def build_worker(
     interceptors: Sequence[Interceptor] = (),
 ) -> Worker:
     starter = _starter(client, settings, skip_shards)
+    share = PartitionShare(client, settings.task_queue, list(drains.engine.app.tables))
 
     async def drain_partition(
         request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
     ) -> PartitionRound:
-        drain = PartitionDrain(drains.engine, starter, drains.hub, request, heartbeat=heartbeat)
+        drain = PartitionDrain(
+            drains.engine,
+            starter,
+            drains.hub,
+            request,
+            heartbeat=heartbeat,
+            share=share,
+            attempt=activity.info().attempt,
+        )
         return await drain.run()
 
     tables = len(drains.engine.app.tables)

@@ -100,6 +100,10 @@ class ShardHub:
         self._partitions[(table, partition)] = inbox
         return inbox
 
+    def drains(self) -> list[PartitionInbox]:
+        """This worker's partition drains, the oldest first."""
+        return list(self._partitions.values())
+
     def close_partition(self, inbox: PartitionInbox) -> None:
         if self._partitions.get((inbox.table, inbox.partition)) is inbox:
             del self._partitions[(inbox.table, inbox.partition)]

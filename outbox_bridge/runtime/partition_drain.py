@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.store import ShardRange, hold_free_shards, read_row_ages, read_shard_ranges
@@ -33,6 +34,7 @@ from outbox_bridge.runtime.hub import (
 )
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
+from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.workflows.models import (
     HandoverInput,
     HeldFor,
@@ -77,6 +79,8 @@ class PartitionDrain:
         *,
         heartbeat: Callable[[PartitionRound], None] = lambda _: None,
         max_queued: int = MAX_QUEUED_SHARDS,
+        share: PartitionShare | None = None,
+        attempt: int = 1,
     ) -> None:
         self._engine = engine
         self._app = engine.app
@@ -96,12 +100,22 @@ class PartitionDrain:
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
+        self._share = share  # None: this drain runs wherever the task queue gives it
+        self._attempt = attempt
 
     # -- the run -----------------------------------------------------------------------------
 
     async def run(self) -> PartitionRound:
         if self._hub.closed:  # not a return: the next round would start here again at once
             raise PartitionUnavailableError("this worker is shutting down")
+        if self._share is not None:
+            running = len(self._hub.drains())
+            refusal = await self._share.refusal(self._ref, running, self._attempt)
+            if refusal is not None:
+                # Benign: logged at debug level, retried by the server on any worker.
+                raise ApplicationError(
+                    refusal, type="PartitionElsewhere", category=ApplicationErrorCategory.BENIGN
+                )
         options = self._options
         began = time.monotonic()
         end = began + options.round_seconds
@@ -134,6 +148,8 @@ class PartitionDrain:
                 if now >= next_beat:
                     self._beat(began)
                     next_beat = now + HEARTBEAT_SECONDS
+                    if await self._give_back(inbox):
+                        end = now  # the rounds in flight finish; no new one starts
                 wake = min(next_poll, next_rescan, next_beat, end)
                 await self._wait(inbox, wake - time.monotonic())
             # Rounds end within their time budget (or their handlers' timeout): finish them.
@@ -190,6 +206,22 @@ class PartitionDrain:
             self._in_flight.add(key)
             shards.append(ref_of(key, self._app))
         return shards
+
+    async def _give_back(self, inbox: PartitionInbox) -> bool:
+        """True if this drain should end now so that a less busy worker takes its partition:
+        the youngest drain of a worker that runs two more than another."""
+        drains = self._hub.drains()
+        if self._share is None or not drains or drains[-1] is not inbox:
+            return False
+        reason = await self._share.give_back(self._ref, len(drains))
+        if reason is None:
+            return False
+        log.info(
+            "partition %s: %s; this drain ends so that another worker takes it",
+            self._ref.workflow_id,
+            reason,
+        )
+        return True
 
     # -- finding shards with rows --------------------------------------------------------------
 

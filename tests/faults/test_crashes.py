@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass
 from functools import partial
 
 import pytest
 from sqlalchemy import text
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
 from outbox_bridge import OutboxSettings
@@ -261,3 +263,105 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
 
 async def calls_over(engine, table: str, pid: int, count: int) -> bool:
     return await calls_of(engine, table, pid) >= count
+
+
+async def drains_by_worker(client: Client, table: str) -> dict[int, int]:
+    """The partition drains of ``table`` that run now, counted by worker process id."""
+    partitions = OutboxSettings.model_fields["partitions"].default
+    running: dict[int, int] = {}
+    for partition in range(partitions):
+        handle = client.get_workflow_handle(f"outbox:{table}:partition:{partition}")
+        for pending in (await handle.describe()).raw_description.pending_activities:
+            if pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED:
+                pid = int(pending.last_worker_identity.split("@")[0])
+                running[pid] = running.get(pid, 0) + 1
+    return running
+
+
+async def spread_over(client: Client, table: str, workers: list[WorkerProcess]) -> bool:
+    """Whether every partition's drain runs, in ``workers`` only, each running one at least
+    and none two more than another."""
+    running = await drains_by_worker(client, table)
+    counts = [running.get(worker.pid, 0) for worker in workers]
+    partitions = OutboxSettings.model_fields["partitions"].default
+    return sum(counts) == partitions and min(counts) >= 1 and max(counts) - min(counts) <= 1
+
+
+# Longer than any wait below for a graceful handover: a drain handed on after the heartbeat
+# timeout (as a killed worker's is) would fail the wait.
+SPREAD_HEARTBEAT_TIMEOUT = 60
+
+
+@pytest.mark.parametrize(
+    "size",
+    variants(
+        Size(rows=1_000, kills=0, shards=30),
+        Size(rows=12_000, kills=3, shards=150),
+    ),
+)
+async def test_workers_that_join_share_the_partitions_and_those_that_leave_hand_them_on(
+    size: Size, new_scenario, fault_client, record_figures
+) -> None:
+    """One worker, then a second and a third join mid-drain: the partitions' drains spread
+    over them (none runs two more than another) without any setting changed. One stops
+    gracefully: its drains go to the others at once, well before the heartbeat timeout. One is
+    killed (as many times as the size says) and comes back. Nothing is lost, order holds, no
+    two calls of a shard overlap, and only the kills repeat calls."""
+    scenario = new_scenario("workers joining and leaving")
+    await scenario.prepare(failure_rate=0.05)
+    shards = mixed_shards(size.shards)
+    workload = scenario.workload(shards, seed=size.rows + 2)
+    settings = {**COUNTED_WORKER, "OUTBOX_HEARTBEAT_TIMEOUT": str(SPREAD_HEARTBEAT_TIMEOUT)}
+    first, second, third = (scenario.worker(name, **settings) for name in ("1st", "2nd", "3rd"))
+    per_step = size.rows // (4 + size.kills)
+    table = scenario.table
+
+    async def spread(*workers: WorkerProcess, timeout: float = 90) -> None:
+        names = ", ".join(worker.name for worker in workers)
+        await wait_until(
+            partial(spread_over, fault_client, table, list(workers)),
+            timeout=timeout,
+            interval=0.5,
+            what=f"the partitions' drains spread over {names}",
+        )
+
+    first.start()
+    await first.ready()
+    await workload.write(per_step)
+    second.start()
+    await second.ready()
+    await workload.write(per_step)
+    await spread(first, second)
+    third.start()
+    await third.ready()
+    await workload.write(per_step)
+    await spread(first, second, third)
+    # A graceful stop mid-drain: its drains end at once and the others take them, within
+    # a wait shorter than the heartbeat timeout.
+    await workload.write(per_step)
+    stopped = time.monotonic()
+    second.terminate()
+    await spread(first, third, timeout=SPREAD_HEARTBEAT_TIMEOUT / 2)
+    handed_on = time.monotonic() - stopped
+    assert await second.stop() == 0
+    for _ in range(size.kills):
+        await workload.write(per_step)
+        await asyncio.sleep(1.0)
+        third.kill()
+        scenario.clock.fault()
+        third.start()
+        await third.ready()
+        await spread(first, third, timeout=SPREAD_HEARTBEAT_TIMEOUT * 3)
+    await workload.write(size.rows - workload.committed)
+    recovery = await scenario.drained(timeout=600)
+    await scenario.finish(
+        workload,
+        faults=f"2 workers joined a first, 1 stopped (its drains taken over in "
+        f"{handed_on:.1f} s), {third.kills} kill -9 of another; repeats per kill: {{per_kill}}",
+        recovery=recovery,
+        client=fault_client,
+        record=record_figures,
+        max_duplicates=size.kills * repeats_per_kill(shards),
+        repeats_only_after_kills=True,
+        max_repeats_per_kill=repeats_per_kill(shards),
+    )

@@ -154,10 +154,11 @@ async def bridge_side(
     *,
     share: float,
     probe: HandlerProbe | None = None,
+    worker_database_url: str | None = None,
 ) -> SideResult:
-    """Drain ``rowset`` with ``worker.serve`` in-process; then wait (worker still running) for
-    the shard workflows to close, and count the history events of every workflow of the run,
-    partitions included."""
+    """Drain ``rowset`` with ``worker.serve`` in-process, connected to ``worker_database_url``
+    (by default the bench's own); then wait (worker still running) for the shard workflows to
+    close, and count the history events of every workflow of the run, partitions included."""
     probe = probe if probe is not None else HandlerProbe()
     app = await prepared_table(ctx, label, rowset, probe)
     table = app.table().name
@@ -166,7 +167,8 @@ async def bridge_side(
     warnings_mark = COUNTER.count
     meter = ctx.cpu_meter(server).start()
     load_before = os.getloadavg()[0]
-    async with rss, running_bridge(settings, app, ctx.database_url, server.address) as run:
+    worker_url = worker_database_url or ctx.database_url
+    async with rss, running_bridge(settings, app, worker_url, server.address) as run:
         ready_after = run.ready_after
         left_at_ready = await asyncio.to_thread(remaining_rows, ctx, table)
         watch = await watch_drain(
@@ -248,6 +250,7 @@ def _memory(rss: RssSampler, server_rss: float | None) -> dict[str, float | None
     return {
         "rss_before_mb": round(rss.before, 1),
         "bridge_peak_rss_mb": round(rss.peak, 1),
+        "bridge_rss_growth_mb": round(rss.peak - rss.before, 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "temporal_server_rss_mb": round(server_rss, 1) if server_rss is not None else None,
     }

@@ -8,17 +8,22 @@ chart of each workload must be drawn from results that include it, and be writte
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from bench import charts
 from bench.context import BenchConfig
+from bench.proxy import DelayProxy, Upstream, proxied_database
 from bench.runner import run
+from outbox_bridge.config import libpq_url, sqlalchemy_url
 from tests.harness import Servers
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -107,7 +112,17 @@ def mtime(path: Path) -> int:
     return path.stat().st_mtime_ns if path.exists() else -1
 
 
-@pytest.mark.parametrize("workload", ["backlog", "hot-shard", "coalesce", "many-shards", "flaky"])
+def assert_targets(entry: dict[str, Any], figures: list[str]) -> None:
+    """Each target of the entry names its figure, that figure's value, and a verdict."""
+    assert [t["figure"] for t in entry["targets"]] == figures
+    for target in entry["targets"]:
+        assert target["value"] == entry[target["figure"]]
+        assert target["met"] in (True, False)
+
+
+@pytest.mark.parametrize(
+    "workload", ["backlog", "hot-shard", "coalesce", "many-shards", "wide", "flaky"]
+)
 async def test_throughput_workload(
     servers: Servers, out: Path, workload: str, drawn: Drawn
 ) -> None:
@@ -144,6 +159,12 @@ async def test_throughput_workload(
         if workload == "many-shards":
             assert entry["shards"] * 3 == entry["rows"]
             assert entry["peak_rss_mb"] > 0
+        if workload == "wide":
+            assert entry["shards"] == entry["rows"] == entry["groups"]
+            assert entry["bridge_peak_rss_mb"] >= entry["rss_before_mb"] > 0
+            growth = entry["bridge_peak_rss_mb"] - entry["rss_before_mb"]
+            assert entry["bridge_rss_growth_mb"] == pytest.approx(growth, abs=0.11)
+            assert_targets(entry, ["ratio", "bridge_peak_rss_mb"])
     assert_drawn_anew(out, "throughput.png", workload, drawn, before)
 
 
@@ -159,6 +180,81 @@ async def test_io_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
         assert 1 < entry["peak_concurrent_calls"] <= entry["shards"], entry
         assert 1 <= entry["baseline_peak_concurrent_calls"] <= entry["baseline_threads"]
     assert_drawn_anew(out, "throughput.png", "io-plain", drawn, before)
+
+
+async def test_io_remote_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
+    before = mtime(out / "throughput.png")
+    await run(["io-remote"], tiny_config(servers, out))
+    for variant in ("io-async-remote", "io-plain-remote"):
+        [entry] = load(out, variant)
+        assert entry["rows"] == 10 * entry["shards"] == entry["rows_done"]
+        assert entry["groups"] <= entry["handler_calls"] <= entry["groups"] + entry["shards"]
+        # The worker drained through the proxy, and the same rows once directly before.
+        assert entry["db_delay_ms"] == 2.0 and entry["db_proxy_connections"] > 0
+        assert entry["local_bridge_completed"] is True
+        assert entry["remote_ratio"] == pytest.approx(
+            entry["bridge_rows_per_s"] / entry["local_bridge_rows_per_s"], rel=1e-3
+        )
+        assert entry["baseline_database"] == "local"
+        assert 1 < entry["peak_concurrent_calls"] <= entry["shards"], entry
+        assert_targets(entry, ["remote_ratio"])
+    assert_drawn_anew(out, "throughput.png", "io-plain-remote", drawn, before)
+
+
+DELAY = 0.05
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(1000):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_proxy_delays_each_way_and_keeps_the_bytes_in_order() -> None:
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    upstream = Upstream("127.0.0.1", int(server.sockets[0].getsockname()[1]))
+    try:
+        async with DelayProxy(upstream, DELAY) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            began = time.monotonic()
+            writer.write(b"?")
+            assert await reader.readexactly(1) == b"?"
+            # Through the proxy to the echo server and back: delayed once each way.
+            assert time.monotonic() - began >= 2 * DELAY
+            # Chunks written while earlier ones are still held arrive whole and in order.
+            sent = b"".join(i.to_bytes(4, "big") for i in range(50_000))
+            for start in range(0, len(sent), 3_000):
+                writer.write(sent[start : start + 3_000])
+                await writer.drain()
+            writer.write_eof()
+            assert await reader.read() == sent
+            writer.close()
+            await writer.wait_closed()
+            # A connection still open when the proxy closes is ended, not leaked.
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"open")
+            assert await reader.readexactly(4) == b"open"
+        assert await reader.read() == b""
+        assert proxy.connections == 2
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_proxied_database_leads_through_a_delaying_process(servers: Servers) -> None:
+    async with proxied_database(servers.database_url, DELAY * 1000) as proxied:
+        url = libpq_url(sqlalchemy_url(proxied.url))
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            began = time.monotonic()
+            cursor = await conn.execute("SELECT 41 + 1")
+            assert await cursor.fetchone() == (42,)
+            assert time.monotonic() - began >= 2 * DELAY
+    # The proxy process stopped cleanly (or the block raised) and says what it forwarded.
+    assert proxied.connections == 1
 
 
 async def test_latency_workload(servers: Servers, out: Path, drawn: Drawn) -> None:

@@ -29,7 +29,7 @@ from outbox_bridge.config import libpq_url, sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING, CLOSED = "listening", "closed"
-START_TIMEOUT = 30.0
+START_TIMEOUT = STOP_TIMEOUT = 30.0
 CHUNK = 64 * 1024
 QUEUED_CHUNKS = 64  # per direction; a full queue stops reading (TCP back-pressure)
 
@@ -201,9 +201,7 @@ async def proxied_database(database_url: str, delay_ms: float) -> AsyncIterator[
         proxied = ProxiedDatabase(through.render_as_string(hide_password=False), delay_ms)
         yield proxied
     finally:
-        if process.returncode is None:
-            process.terminate()
-        out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT)
+        out, err = await _stop(process)
     word, _, count = out.decode().strip().rpartition("\n")[2].partition(" ")
     if process.returncode != 0 or err.strip() or word != CLOSED:
         raise RuntimeError(
@@ -211,6 +209,19 @@ async def proxied_database(database_url: str, delay_ms: float) -> AsyncIterator[
             f"{err.decode().strip() or out.decode().strip()}"
         )
     proxied.connections = int(count)
+
+
+async def _stop(process: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    """Ask the proxy to stop (SIGTERM), kill it if it has not within ``STOP_TIMEOUT``; its
+    output."""
+    if process.returncode is None:
+        process.terminate()
+    try:
+        return await asyncio.wait_for(process.communicate(), STOP_TIMEOUT)
+    except TimeoutError:
+        process.kill()
+        out, err = await process.communicate()
+        return out, err + b"\nkilled: it did not stop within %d s of SIGTERM" % STOP_TIMEOUT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,8 +44,8 @@ EXTRA_COLUMNS = {
         ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
     ],
     "wide": [
-        ("bridge_peak_rss_mb", "peak RSS MiB", "{:.0f}"),
-        ("bridge_rss_growth_mb", "RSS growth MiB", "{:.0f}"),
+        ("worker_peak_rss_mb", "worker peak RSS MiB", "{:.0f}"),
+        ("worker_cpu_s", "worker CPU s", "{:.1f}"),
     ],
     "coalesce": [("baseline_handler_calls", "baseline calls", "{}")],
     **{

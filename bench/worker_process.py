@@ -23,6 +23,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import corelog
+from bench.app import HandlerProbe, make_app
+from bench.tuning import Tuning, applied
+from outbox_bridge import OutboxSettings
+from outbox_bridge.runtime.worker import serve
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVING, READY = "serving", "ready"
 
@@ -78,16 +84,11 @@ async def run_worker_process(
         if process.returncode is None:
             process.kill()
             await process.wait()
-    if code != 0 or not outcome:
+    if code != 0 or "handler_calls" not in outcome:
         raise RuntimeError(f"the worker process exited with {code} and reported {outcome}")
 
 
 async def _serve(spec: WorkerSpec) -> dict[str, Any]:
-    from bench.app import HandlerProbe, make_app
-    from bench.tuning import Tuning, applied
-    from outbox_bridge import OutboxSettings
-    from outbox_bridge.runtime.worker import serve
-
     options = dict(spec.probe)
     failing = [(a, b, c, d) for a, b, c, d in options.pop("failing", [])]  # JSON made them lists
     probe = HandlerProbe(failing=failing, **options)
@@ -123,8 +124,7 @@ async def _serve(spec: WorkerSpec) -> dict[str, Any]:
 
 
 def main() -> None:
-    from bench import corelog
-    from bench.runner import quiet_logs
+    from bench.runner import quiet_logs  # not at the top: the runner imports this module
 
     spec = WorkerSpec(**json.loads(sys.stdin.read()))
     quiet_logs()

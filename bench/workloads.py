@@ -17,7 +17,8 @@ reported side by side.
 
 ``wide`` runs on the file server only, its worker in a process of its own
 (:mod:`bench.worker_process`): ``worker_peak_rss_mb`` is that process's peak resident memory
-over its whole life (``getrusage``), the worker's alone, none of the bench's rows or leftovers.
+over its whole life (the kernel's high-water mark), the worker's alone: none of the bench's rows or
+leftovers.
 
 ``io-remote`` drains each ``io`` variant twice on the file server, the worker connected to
 PostgreSQL directly, then through :mod:`bench.proxy` (every chunk 2 ms late each way, in a

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 
@@ -26,6 +29,7 @@ from bench.runner import run
 from outbox_bridge.config import libpq_url, sqlalchemy_url
 from tests.harness import Servers
 
+ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REQUIRED = (
     "rows bridge_rows_per_s baseline_rows_per_s ratio history_events_per_row handler_calls "
@@ -207,6 +211,18 @@ async def test_io_remote_workload(servers: Servers, out: Path, drawn: Drawn) -> 
         )
         assert entry["baseline_database"] == "local"
         assert_targets(entry, ["remote_ratio"])
+
+
+def test_a_worker_process_reports_its_own_peak_memory_not_its_parent_s() -> None:
+    # Linux keeps a parent's peak in a child's ru_maxrss; the worker's figure must not be it.
+    ballast = b"\x01" * (256 * 2**20)  # every page written, so resident
+    parent = psutil.Process().memory_info().rss / 2**20
+    code = "from bench.worker_process import peak_rss_mb; print(peak_rss_mb())"
+    child = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert 0 < float(child.stdout) < parent - 200, (child.stdout, parent)
+    del ballast
 
 
 DELAY = 0.05

@@ -30,6 +30,8 @@ from outbox_bridge.config import libpq_url, sqlalchemy_url
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING, CLOSED = "listening", "closed"
 START_TIMEOUT = STOP_TIMEOUT = 30.0
+# What a proxy that leaked a task or a socket, or failed, writes on its stderr.
+LEAKS = ("ResourceWarning", "Task was destroyed", "Exception ignored", "Traceback")
 CHUNK = 64 * 1024
 QUEUED_CHUNKS = 64  # per direction; a full queue stops reading (TCP back-pressure)
 
@@ -175,18 +177,19 @@ class ProxiedDatabase:
 
     url: str
     delay_ms: float
+    pid: int
     connections: int | None = None  # known once the proxy has stopped
 
 
 @contextlib.asynccontextmanager
 async def proxied_database(database_url: str, delay_ms: float) -> AsyncIterator[ProxiedDatabase]:
     """Run ``python -m bench.proxy`` in front of ``database_url``'s server for the block and
-    give the URL through it. A proxy that does not stop cleanly (an exit code, or anything on
-    its stderr such as a warning about a leaked task or socket) is an error."""
+    give the URL through it. A proxy that does not stop cleanly (an exit code, or a leaked task
+    or socket reported on its stderr) is an error."""
     url = sqlalchemy_url(database_url)
     upstream = Upstream.of_database(libpq_url(url))
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-W", "default", "-m", "bench.proxy",
+        sys.executable, "-W", "default::ResourceWarning", "-m", "bench.proxy",
         "--target", str(upstream), "--delay-ms", str(delay_ms),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -198,16 +201,21 @@ async def proxied_database(database_url: str, delay_ms: float) -> AsyncIterator[
             raise RuntimeError(f"the delaying proxy did not start: {first!r}")
         host, _, port = address.rpartition(":")
         through = url.difference_update_query(["host", "port"]).set(host=host, port=int(port))
-        proxied = ProxiedDatabase(through.render_as_string(hide_password=False), delay_ms)
+        proxied = ProxiedDatabase(
+            through.render_as_string(hide_password=False), delay_ms, process.pid
+        )
         yield proxied
     finally:
         out, err = await _stop(process)
     word, _, count = out.decode().strip().rpartition("\n")[2].partition(" ")
-    if process.returncode != 0 or err.strip() or word != CLOSED:
+    errors = err.decode().strip()
+    if process.returncode != 0 or word != CLOSED or any(leak in errors for leak in LEAKS):
         raise RuntimeError(
             f"the delaying proxy did not stop cleanly (exit {process.returncode}): "
-            f"{err.decode().strip() or out.decode().strip()}"
+            f"{errors or out.decode().strip()}"
         )
+    if errors:  # a warning of some library: shown, not fatal
+        print(errors, file=sys.stderr)
     proxied.connections = int(count)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -279,6 +281,12 @@ async def test_proxied_database_leads_through_a_delaying_process(servers: Server
             assert time.monotonic() - began >= 2 * DELAY
     # The proxy process stopped cleanly (or the block raised) and says what it forwarded.
     assert proxied.connections == 1
+
+
+async def test_a_proxy_process_that_dies_is_an_error(servers: Servers) -> None:
+    with pytest.raises(RuntimeError, match="did not stop cleanly"):
+        async with proxied_database(servers.database_url, 1.0) as proxied:
+            os.kill(proxied.pid, signal.SIGKILL)
 
 
 async def test_latency_workload(servers: Servers, out: Path, drawn: Drawn) -> None:

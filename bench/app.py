@@ -13,6 +13,7 @@ import time
 import zlib
 from collections.abc import Collection
 from enum import IntEnum
+from typing import Any
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
 
@@ -81,6 +82,22 @@ class HandlerProbe:
         self.peak = 0
         self._attempts: dict[GroupKey, int] = {}
         self._lock = threading.Lock()  # the baseline calls it from several threads
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that make the same handler in another process (JSON)."""
+        return {
+            "failing": sorted(self.failing),
+            "failures": self.failures,
+            "yield_once": self.yield_once,
+            "wait_seconds": self.wait_seconds,
+            "plain": self.plain,
+        }
+
+    def add_calls(self, outcome: dict[str, Any]) -> None:
+        """Count the calls that the same handler made in another process."""
+        self.calls += outcome["handler_calls"]
+        self.failed += outcome["failed_calls"]
+        self.peak = max(self.peak, outcome["peak_concurrent_calls"])
 
     async def handle(self, message: OutboxMessage) -> None:
         started = time.time()

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from temporalio.api.enums.v1 import PendingActivityState
@@ -21,6 +21,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from bench.temporal_stats import HistoryStats, history_stats, wait_all_closed
+from bench.worker_process import WorkerSpec, run_worker_process
 from outbox_bridge import OutboxApp, OutboxSettings
 from outbox_bridge.runtime.worker import serve
 
@@ -61,6 +62,8 @@ class BridgeRun:
     started: float
     task: asyncio.Task[None]
     ready_at: float | None = None  # monotonic; None while the first sweep still runs
+    # What a worker in a process of its own reported at its end (see bench.worker_process).
+    outcome: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ready_after(self) -> float | None:
@@ -108,14 +111,21 @@ class BridgeRun:
 
 @contextlib.asynccontextmanager
 async def running_bridge(
-    settings: OutboxSettings, app: OutboxApp, database_url: str, temporal_address: str
+    settings: OutboxSettings,
+    app: OutboxApp,
+    database_url: str,
+    temporal_address: str,
+    *,
+    own_process: WorkerSpec | None = None,
 ) -> AsyncIterator[BridgeRun]:
-    """Run ``serve(...)`` in this event loop until the block ends; ``started`` is taken just
-    before ``serve`` is called (rows already inserted are its backlog)."""
+    """Run ``serve(...)`` in this event loop (or, with ``own_process``, in a worker process
+    of its own) until the block ends; ``started`` is taken just before the worker is started
+    (rows already inserted are its backlog)."""
     client = await Client.connect(temporal_address, namespace=settings.temporal_namespace)
     stop, ready = asyncio.Event(), asyncio.Event()
+    outcome: dict[str, Any] = {}
     started = time.monotonic()
-    task = asyncio.create_task(
+    worker = (
         serve(
             settings,
             app,
@@ -123,13 +133,16 @@ async def running_bridge(
             database_url=database_url,
             temporal_address=temporal_address,
             ready=ready,
-        ),
-        name=f"serve-{settings.task_queue}",
+        )
+        if own_process is None
+        else run_worker_process(own_process, stop, ready, outcome)
     )
-    run = BridgeRun(settings, client, started, task)
+    task = asyncio.create_task(worker, name=f"serve-{settings.task_queue}")
+    run = BridgeRun(settings, client, started, task, outcome=outcome)
     marker = asyncio.create_task(_mark_ready(run, ready))
     try:
         await _wait_ready(task, ready)
+        run.started = outcome.pop("started", started)  # a worker process: once it serves
         yield run
     finally:
         marker.cancel()

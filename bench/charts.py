@@ -10,7 +10,18 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot is imported
 import matplotlib.pyplot as plt
 
-ORDER = ["backlog", "hot-shard", "coalesce", "flaky", "many-shards", "io-async", "io-plain"]
+ORDER = [
+    "backlog",
+    "hot-shard",
+    "coalesce",
+    "flaky",
+    "many-shards",
+    "wide",
+    "io-async",
+    "io-plain",
+    "io-async-remote",
+    "io-plain-remote",
+]
 COLORS = {"baseline": "#7f7f7f", "file": "#1f77b4", "memory": "#ff7f0e", "external": "#2ca02c"}
 
 

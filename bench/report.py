@@ -43,6 +43,10 @@ EXTRA_COLUMNS = {
         ("running_after_idle", "running after idle", "{}"),
         ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
     ],
+    "wide": [
+        ("worker_peak_rss_mb", "worker peak RSS MiB", "{:.0f}"),
+        ("worker_cpu_s", "worker CPU s", "{:.1f}"),
+    ],
     "coalesce": [("baseline_handler_calls", "baseline calls", "{}")],
     **{
         name: [
@@ -50,6 +54,15 @@ EXTRA_COLUMNS = {
             ("baseline_completed", "baseline done", "{}"),
         ]
         for name in ("io-async", "io-plain")
+    },
+    **{
+        name: [
+            ("local_bridge_rows_per_s", "local rows/s", "{:,.0f}"),
+            ("remote_ratio", "remote/local", "{:.3f}"),
+            ("peak_concurrent_calls", "calls at once", "{:,}"),
+            ("db_proxy_connections", "proxied conns", "{:,}"),
+        ]
+        for name in ("io-async-remote", "io-plain-remote")
     },
     "flaky": [
         ("shards_with_failing_group", "shards failing", "{:,}"),
@@ -73,7 +86,14 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['workload']}: {result['description']} (scale {result['scale']})"]
     for row in [header, ["-" * w for w in widths], *rows]:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    for entry in result["entries"]:
+        lines += [_verdict(entry["temporal"], target) for target in entry.get("targets", [])]
     return "\n".join(lines)
+
+
+def _verdict(mode: str, target: dict[str, Any]) -> str:
+    met = {True: "met", False: "missed", None: "not measured"}[target["met"]]
+    return f"  target ({mode}): {target['figure']} {target['target']}: {target['value']}, {met}"
 
 
 def write_json(out: Path, result: dict[str, Any]) -> Path:

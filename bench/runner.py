@@ -23,30 +23,27 @@ from bench.workloads import THROUGHPUT, run_throughput
 Runner = Callable[[Context], Awaitable[list[dict[str, Any]]]]
 
 
-def _throughput(name: str) -> Runner:
+def _throughput(*names: str) -> Runner:
+    """Throughput workloads run one after the other as one workload (a result each)."""
+
     async def run(ctx: Context) -> list[dict[str, Any]]:
-        return await run_throughput(THROUGHPUT[name], ctx)
+        return [result for name in names for result in await run_throughput(THROUGHPUT[name], ctx)]
 
     return run
 
 
-async def _io(ctx: Context) -> list[dict[str, Any]]:
-    """``io``: its async variant, then its plain-def one (a result each)."""
-    return [
-        *await run_throughput(THROUGHPUT["io-async"], ctx),
-        *await run_throughput(THROUGHPUT["io-plain"], ctx),
-    ]
-
-
 # The order of ``all``: the cheap ones first, then those with targets of their own
-# (many-shards must complete, latency runs 60 s, io), flaky (the slowest, capped if need be) last.
+# (many-shards and wide must complete, latency runs 60 s, io local and remote), flaky (the
+# slowest, capped if need be) last.
 WORKLOADS: dict[str, Runner] = {
     "backlog": _throughput("backlog"),
     "hot-shard": _throughput("hot-shard"),
     "coalesce": _throughput("coalesce"),
     "many-shards": _throughput("many-shards"),
+    "wide": _throughput("wide"),
     "latency": run_latency,
-    "io": _io,
+    "io": _throughput("io-async", "io-plain"),
+    "io-remote": _throughput("io-async-remote", "io-plain-remote"),
     "flaky": _throughput("flaky"),
 }
 

@@ -27,6 +27,7 @@ from bench.progress import DrainWatch, say, watch_drain
 from bench.rows import RowSet, connect, copy_rows, count_rows, create_table, drop_table, table_name
 from bench.servers import TemporalServer
 from bench.temporal_stats import HistoryStats
+from bench.worker_process import WorkerSpec
 from outbox_bridge import OutboxApp
 
 
@@ -154,10 +155,13 @@ async def bridge_side(
     *,
     share: float,
     probe: HandlerProbe | None = None,
+    worker_database_url: str | None = None,
+    own_process: bool = False,
 ) -> SideResult:
-    """Drain ``rowset`` with ``worker.serve`` in-process; then wait (worker still running) for
-    the shard workflows to close, and count the history events of every workflow of the run,
-    partitions included."""
+    """Drain ``rowset`` with ``worker.serve`` in-process (or in a process of its own),
+    connected to ``worker_database_url`` (by default the bench's own); then wait (worker still
+    running) for the shard workflows to close, and count the history events of every workflow
+    of the run, partitions included."""
     probe = probe if probe is not None else HandlerProbe()
     app = await prepared_table(ctx, label, rowset, probe)
     table = app.table().name
@@ -166,7 +170,21 @@ async def bridge_side(
     warnings_mark = COUNTER.count
     meter = ctx.cpu_meter(server).start()
     load_before = os.getloadavg()[0]
-    async with rss, running_bridge(settings, app, ctx.database_url, server.address) as run:
+    worker_url = worker_database_url or ctx.database_url
+    spec = None
+    if own_process:
+        spec = WorkerSpec(
+            table,
+            settings_summary(settings),
+            worker_url,
+            server.address,
+            probe.options(),
+            dict(ctx.config.tuning.partition_options),
+        )
+    async with (
+        rss,
+        running_bridge(settings, app, worker_url, server.address, own_process=spec) as run,
+    ):
         ready_after = run.ready_after
         left_at_ready = await asyncio.to_thread(remaining_rows, ctx, table)
         watch = await watch_drain(
@@ -186,6 +204,8 @@ async def bridge_side(
         server_rss = server.rss_mb()
     history = await run.history(all_closed=running == 0)
     await asyncio.to_thread(drop_table, ctx.database_url, table)
+    if own_process:
+        probe.add_calls(run.outcome)
     rows_done = len(rowset.rows) - watch.remaining
     extra = {
         "ready_s": round(run.ready_after, 3) if run.ready_after is not None else None,
@@ -206,6 +226,9 @@ async def bridge_side(
         "load_average": load,
         "settings": settings_summary(settings),
         **COUNTER.since(warnings_mark),
+        # With a worker process of its own: its peak RSS and CPU seconds, its core's warnings.
+        "worker_process": "own" if own_process else "bench",
+        **{k: v for k, v in run.outcome.items() if k.startswith(("worker_", "sdk_core_"))},
     }
     return SideResult(len(rowset.rows), rows_done, watch.ended - run.started, probe.calls, extra)
 

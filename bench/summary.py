@@ -57,7 +57,23 @@ def _notes(entries: list[dict[str, Any]]) -> str:
     }
     if failing:
         notes.append(f"shards with a failing group: {', '.join(map(str, sorted(failing)))}")
+    notes += _targets(entries)
     return "; ".join(notes)
+
+
+def _targets(entries: list[dict[str, Any]]) -> list[str]:
+    """Each target of the workload: its figure (median and range) and how many runs met it."""
+    notes = []
+    for target in entries[0].get("targets", []):
+        figure = target["figure"]
+        verdicts = [t for e in entries for t in e.get("targets", []) if t["figure"] == figure]
+        values = [float(t["value"]) for t in verdicts if t["value"] is not None]
+        met = sum(t["met"] is True for t in verdicts)
+        notes.append(
+            f"{figure} {spread(values, '{:,.2f}')} (target {target['target']}: "
+            f"met in {met} of {len(verdicts)})"
+        )
+    return notes
 
 
 def table(dirs: Sequence[Path]) -> str:

@@ -9,9 +9,21 @@ reported side by side.
 | ``coalesce`` | 50,000 in 10 groups of one shard | coalescing: exactly 10 handler calls |
 | ``many-shards`` | 20,000 shards × 3 rows | many small shards: start-up cost, closing, memory |
 | ``flaky`` | the backlog's rows; 2% of the groups fail 3 times, then succeed | failures |
+| ``wide`` | 200,000 shards × 1 row | a very wide outbox: rate over the whole drain, memory |
 | ``io`` | 8,000 shards × 10 rows, each call waits 50 ms: ``io-async``, ``io-plain`` | concurrency |
+| ``io-remote`` | ``io``, the worker's database 2 ms away each way | a database in another zone |
 
 ``--scale`` multiplies the row and shard counts (not the 10 groups of ``coalesce``).
+
+``wide`` runs on the file server only, its worker in a process of its own
+(:mod:`bench.worker_process`): ``worker_peak_rss_mb`` is that process's peak resident memory
+over its whole life (the kernel's high-water mark), the worker's alone: none of the bench's rows or
+leftovers.
+
+``io-remote`` drains each ``io`` variant twice on the file server, the worker connected to
+PostgreSQL directly, then through :mod:`bench.proxy` (every chunk 2 ms late each way, in a
+process of its own), and reports the second rate as a share of the first (``remote_ratio``).
+Its direct drain stays local: ``ratio`` is the remote rate against it.
 
 ``io`` runs twice, with an ``async def`` handler that awaits ``asyncio.sleep(0.05)`` and a plain
 ``def`` one that calls ``time.sleep(0.05)`` (the worker runs it in its handler threads), on the
@@ -31,6 +43,7 @@ should get an ``OutboxShard`` workflow: the entry compares the two counts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,12 +51,31 @@ from typing import Any
 from bench.app import HandlerProbe
 from bench.context import Context, scaled
 from bench.progress import say
+from bench.proxy import proxied_database
 from bench.rows import RowSet, backlog_rows, distinct_rows, grouped_rows
 from bench.sides import SideResult, baseline_side, bridge_side
 
 RESERVE = 60.0  # seconds kept for closing workflows, counting events and stopping servers
 FLAKY_SHARE = 0.02  # of the coalescing groups
 FLAKY_FAILURES = 3  # calls that fail before the one that succeeds
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure of an entry and the bound it should reach (``at_least``) or stay under."""
+
+    figure: str
+    bound: float
+    at_least: bool = True
+
+    def verdict(self, entry: dict[str, Any]) -> dict[str, Any]:
+        value = entry.get(self.figure)
+        met = None
+        if value is not None:
+            met = value >= self.bound if self.at_least else value <= self.bound
+        sign = ">=" if self.at_least else "<="
+        target = f"{sign} {self.bound:g}"
+        return {"figure": self.figure, "target": target, "value": value, "met": met}
 
 
 @dataclass(frozen=True)
@@ -59,6 +91,9 @@ class ThroughputWorkload:
     plain: bool = False  # a plain-def handler instead of an async one
     temporal: str = "both"  # the server modes measured unless --temporal says otherwise
     baseline_share: float | None = None  # the baseline's cap, if shorter than ``share``
+    db_delay_ms: float = 0.0  # > 0: drain again with the worker's database this far each way
+    own_process: bool = False  # the worker in a process of its own (its memory alone)
+    targets: tuple[Target, ...] = ()
 
 
 def _many_shards(scale: float) -> RowSet:
@@ -75,19 +110,32 @@ def _io(scale: float) -> RowSet:
     return distinct_rows(10 * shards, shards)
 
 
+def _wide(scale: float) -> RowSet:
+    shards = scaled(200_000, scale)
+    return distinct_rows(shards, shards)
+
+
 IO_WAIT_SECONDS = 0.05
+REMOTE_DELAY_MS = 2.0
 
 
-def _io_workload(name: str, handler: str, *, plain: bool) -> ThroughputWorkload:
+def _io_workload(name: str, handler: str, *, plain: bool, remote: bool) -> ThroughputWorkload:
+    where = (
+        f", the worker's database {REMOTE_DELAY_MS:g} ms away each way (the direct drain's local)"
+        if remote
+        else ""
+    )
     return ThroughputWorkload(
         name,
-        f"8,000 shards × 10 rows, {handler} handlers waiting 50 ms per call",
+        f"8,000 shards × 10 rows, {handler} handlers waiting 50 ms per call{where}",
         _io,
         share=240.0,
         wait_seconds=IO_WAIT_SECONDS,
         plain=plain,
         temporal="file",
         baseline_share=20.0,
+        db_delay_ms=REMOTE_DELAY_MS if remote else 0.0,
+        targets=(Target("remote_ratio", 0.7),) if remote else (),
     )
 
 
@@ -126,8 +174,20 @@ THROUGHPUT: dict[str, ThroughputWorkload] = {
             share=180.0,
             failing_share=FLAKY_SHARE,
         ),
-        _io_workload("io-async", "async def", plain=False),
-        _io_workload("io-plain", "plain def", plain=True),
+        ThroughputWorkload(
+            "wide",
+            "200,000 shards × 1 row, no-op handlers, one worker",
+            _wide,
+            share=420.0,
+            temporal="file",
+            own_process=True,
+            targets=(Target("ratio", 5.0), Target("worker_peak_rss_mb", 200.0, at_least=False)),
+        ),
+        *(
+            _io_workload(f"io-{kind}{suffix}", handler, plain=kind == "plain", remote=bool(suffix))
+            for suffix in ("", "-remote")
+            for kind, handler in (("async", "async def"), ("plain", "plain def"))
+        ),
     ]
 }
 
@@ -161,7 +221,9 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
         ),
     )
     phases = ctx.modes(workload.temporal)
-    share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) + 1))
+    routes = ["local", "remote"] if workload.db_delay_ms else ["local"]
+    drains = len(phases) * len(routes)
+    share = min(workload.share, (ctx.left() - RESERVE) / (drains + 1))
     baseline = await baseline_side(
         ctx,
         f"{workload.name}/baseline",
@@ -172,23 +234,23 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
     )
     say(workload.name, f"baseline: {baseline.rows_per_s:,.0f} rows/s")
     entries: list[dict[str, Any]] = []
-    for index, mode in enumerate(phases):
-        # Later phases need their part of what is left of the invocation's budget.
-        share = min(workload.share, (ctx.left() - RESERVE) / (len(phases) - index))
-        async with ctx.temporal(mode) as server:
-            bridge = await bridge_side(
-                ctx,
-                f"{workload.name}/bridge-{server.mode}",
-                rowset,
-                server,
-                share=share,
-                probe=workload_probe(ctx, workload, rowset),
+    for mode in phases:
+        sides: dict[str, SideResult] = {}
+        for route in routes:
+            # Later drains need their part of what is left of the invocation's budget.
+            share = min(workload.share, (ctx.left() - RESERVE) / drains)
+            drains -= 1
+            sides[route] = await _bridge_drain(
+                ctx, workload, rowset, mode, share=share, remote=route == "remote"
             )
-        done = "" if bridge.completed else f" (capped after {bridge.rows_done:,} rows)"
-        say(workload.name, f"bridge ({server.mode}): {bridge.rows_per_s:,.0f} rows/s{done}")
-        entry = throughput_entry(server.mode, rowset, baseline, bridge)
+        bridge = sides[routes[-1]]
+        entry = throughput_entry(bridge.extra["temporal"], rowset, baseline, bridge)
         if failing:
             entry.update(_flaky_entry(workload, failing, failing_shards, entry))
+        if workload.db_delay_ms:
+            entry.update(_remote_entry(sides["local"], bridge))
+        if workload.targets:
+            entry["targets"] = [target.verdict(entry) for target in workload.targets]
         entries.append(entry)
     return [
         {
@@ -199,6 +261,56 @@ async def run_throughput(workload: ThroughputWorkload, ctx: Context) -> list[dic
             "entries": entries,
         }
     ]
+
+
+async def _bridge_drain(
+    ctx: Context,
+    workload: ThroughputWorkload,
+    rowset: RowSet,
+    mode: str,
+    *,
+    share: float,
+    remote: bool,
+) -> SideResult:
+    """One drain by the bridge on a fresh Temporal server, the worker connected to the
+    database directly or, when ``remote``, through a proxy that delays it."""
+    async with ctx.temporal(mode) as server, contextlib.AsyncExitStack() as stack:
+        label = f"{workload.name}/bridge-{server.mode}" + ("-remote" if remote else "")
+        proxy = None
+        if remote:
+            proxy = await stack.enter_async_context(
+                proxied_database(ctx.database_url, workload.db_delay_ms)
+            )
+        bridge = await bridge_side(
+            ctx,
+            label,
+            rowset,
+            server,
+            share=share,
+            probe=workload_probe(ctx, workload, rowset),
+            worker_database_url=proxy.url if proxy else None,
+            own_process=workload.own_process,
+        )
+    bridge.extra["temporal"] = server.mode
+    if proxy is not None:
+        bridge.extra["db_delay_ms"] = proxy.delay_ms
+        bridge.extra["db_proxy_connections"] = proxy.connections
+    done = "" if bridge.completed else f" (capped after {bridge.rows_done:,} rows)"
+    say(workload.name, f"{label}: {bridge.rows_per_s:,.0f} rows/s{done}")
+    return bridge
+
+
+def _remote_entry(local: SideResult, remote: SideResult) -> dict[str, Any]:
+    """The remote drain against the local one of the same run (the direct drain stays local)."""
+    return {
+        "local_bridge_rows_per_s": round(local.rows_per_s, 1),
+        "local_bridge_completed": local.completed,
+        "local_peak_concurrent_calls": local.extra["peak_concurrent_calls"],
+        "remote_ratio": round(remote.rows_per_s / local.rows_per_s, 4)
+        if local.rows_per_s
+        else None,
+        "baseline_database": "local",
+    }
 
 
 def _flaky_entry(

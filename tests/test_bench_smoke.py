@@ -8,19 +8,30 @@ chart of each workload must be drawn from results that include it, and be writte
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+import psycopg
 import pytest
 
 from bench import charts
 from bench.context import BenchConfig
+from bench.proxy import DelayProxy, Upstream, proxied_database
 from bench.runner import run
+from outbox_bridge.config import libpq_url, sqlalchemy_url
 from tests.harness import Servers
 
+ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REQUIRED = (
     "rows bridge_rows_per_s baseline_rows_per_s ratio history_events_per_row handler_calls "
@@ -107,7 +118,17 @@ def mtime(path: Path) -> int:
     return path.stat().st_mtime_ns if path.exists() else -1
 
 
-@pytest.mark.parametrize("workload", ["backlog", "hot-shard", "coalesce", "many-shards", "flaky"])
+def assert_targets(entry: dict[str, Any], figures: list[str]) -> None:
+    """Each target of the entry names its figure, that figure's value, and a verdict."""
+    assert [t["figure"] for t in entry["targets"]] == figures
+    for target in entry["targets"]:
+        assert target["value"] == entry[target["figure"]]
+        assert target["met"] in (True, False)
+
+
+@pytest.mark.parametrize(
+    "workload", ["backlog", "hot-shard", "coalesce", "many-shards", "wide", "flaky"]
+)
 async def test_throughput_workload(
     servers: Servers, out: Path, workload: str, drawn: Drawn
 ) -> None:
@@ -144,13 +165,26 @@ async def test_throughput_workload(
         if workload == "many-shards":
             assert entry["shards"] * 3 == entry["rows"]
             assert entry["peak_rss_mb"] > 0
+        if workload == "wide":
+            assert entry["shards"] == entry["rows"] == entry["groups"]
+            # The worker ran in a process of its own: the handler calls counted above are
+            # the ones it reported, with its own memory and CPU.
+            assert entry["worker_process"] == "own"
+            assert entry["worker_peak_rss_mb"] > 0 and entry["worker_cpu_s"] > 0
+            assert_targets(entry, ["ratio", "worker_peak_rss_mb"])
+        else:
+            assert entry["worker_process"] == "bench" and "worker_peak_rss_mb" not in entry
     assert_drawn_anew(out, "throughput.png", workload, drawn, before)
 
 
-async def test_io_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
+async def run_io(
+    servers: Servers, out: Path, drawn: Drawn, workload: str, variants: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """Run an ``io`` workload; check what every variant of it must hold; return its entries."""
     before = mtime(out / "throughput.png")
-    await run(["io"], tiny_config(servers, out))
-    for variant in ("io-async", "io-plain"):
+    await run([workload], tiny_config(servers, out))
+    entries = []
+    for variant in variants:
         [entry] = load(out, variant)
         assert entry["rows"] == 10 * entry["shards"] == entry["rows_done"]
         assert entry["baseline_handler_calls"] == entry["groups"]
@@ -158,7 +192,101 @@ async def test_io_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
         # Calls that wait overlap in the worker, one per thread in the baseline's 4 threads.
         assert 1 < entry["peak_concurrent_calls"] <= entry["shards"], entry
         assert 1 <= entry["baseline_peak_concurrent_calls"] <= entry["baseline_threads"]
-    assert_drawn_anew(out, "throughput.png", "io-plain", drawn, before)
+        entries.append(entry)
+    assert_drawn_anew(out, "throughput.png", variants[-1], drawn, before)
+    return entries
+
+
+async def test_io_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
+    entries = await run_io(servers, out, drawn, "io", ("io-async", "io-plain"))
+    assert all("remote_ratio" not in entry for entry in entries)
+
+
+async def test_io_remote_workload(servers: Servers, out: Path, drawn: Drawn) -> None:
+    variants = ("io-async-remote", "io-plain-remote")
+    for entry in await run_io(servers, out, drawn, "io-remote", variants):
+        # The worker drained through the proxy, and the same rows directly just before.
+        assert entry["db_delay_ms"] == 2.0 and entry["db_proxy_connections"] > 0
+        assert entry["local_bridge_completed"] is True
+        assert entry["remote_ratio"] == pytest.approx(
+            entry["bridge_rows_per_s"] / entry["local_bridge_rows_per_s"], rel=1e-3
+        )
+        assert entry["baseline_database"] == "local"
+        assert_targets(entry, ["remote_ratio"])
+
+
+def test_a_worker_process_reports_its_own_peak_memory_not_its_parent_s() -> None:
+    # Linux keeps a parent's peak in a child's ru_maxrss; the worker's figure must not be it.
+    ballast = b"\x01" * (256 * 2**20)  # every page written, so resident
+    parent = psutil.Process().memory_info().rss / 2**20
+    code = "from bench.worker_process import peak_rss_mb; print(peak_rss_mb())"
+    child = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert 0 < float(child.stdout) < parent - 200, (child.stdout, parent)
+    del ballast
+
+
+DELAY = 0.05
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(1000):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_proxy_delays_each_way_and_keeps_the_bytes_in_order() -> None:
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    upstream = Upstream("127.0.0.1", int(server.sockets[0].getsockname()[1]))
+    try:
+        async with DelayProxy(upstream, DELAY) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            began = time.monotonic()
+            writer.write(b"?")
+            assert await reader.readexactly(1) == b"?"
+            # Through the proxy to the echo server and back: delayed once each way.
+            assert time.monotonic() - began >= 2 * DELAY
+            # Chunks written while earlier ones are still held arrive whole and in order.
+            sent = b"".join(i.to_bytes(4, "big") for i in range(50_000))
+            for start in range(0, len(sent), 3_000):
+                writer.write(sent[start : start + 3_000])
+                await writer.drain()
+            writer.write_eof()
+            assert await reader.read() == sent
+            writer.close()
+            await writer.wait_closed()
+            # A connection still open when the proxy closes is ended, not leaked.
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"open")
+            assert await reader.readexactly(4) == b"open"
+        assert await reader.read() == b""
+        assert proxy.connections == 2
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_proxied_database_leads_through_a_delaying_process(servers: Servers) -> None:
+    async with proxied_database(servers.database_url, DELAY * 1000) as proxied:
+        url = libpq_url(sqlalchemy_url(proxied.url))
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            began = time.monotonic()
+            cursor = await conn.execute("SELECT 41 + 1")
+            assert await cursor.fetchone() == (42,)
+            assert time.monotonic() - began >= 2 * DELAY
+    # The proxy process stopped cleanly (or the block raised) and says what it forwarded.
+    assert proxied.connections == 1
+
+
+async def test_a_proxy_process_that_dies_is_an_error(servers: Servers) -> None:
+    with pytest.raises(RuntimeError, match="did not stop cleanly"):
+        async with proxied_database(servers.database_url, 1.0) as proxied:
+            os.kill(proxied.pid, signal.SIGKILL)
 
 
 async def test_latency_workload(servers: Servers, out: Path, drawn: Drawn) -> None:

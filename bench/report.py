@@ -38,6 +38,20 @@ LATENCY_COLUMNS = [
     ("backlog_end", "backlog end", "{}"),
     ("poll_only_backlog_end", "poll backlog", "{}"),
 ]
+WORKERS_COLUMNS = [
+    ("temporal", "temporal", "{}"),
+    ("workers", "workers", "{}"),
+    ("rows", "rows", "{:,}"),
+    ("rows_per_s", "rows/s", "{:,.0f}"),
+    ("ratio_to_one_worker", "× one worker", "{:.2f}"),
+    ("drains_per_worker", "drains each", "{}"),
+    ("worker_cpu_percent", "worker CPU %", "{}"),
+    ("postgres_cpu_s", "PostgreSQL CPU s", "{:.1f}"),
+    ("temporal_cpu_s", "Temporal CPU s", "{:.1f}"),
+    ("seconds", "s", "{:.1f}"),
+    ("completed", "completed", "{}"),
+]
+KIND_COLUMNS = {"latency": LATENCY_COLUMNS, "workers": WORKERS_COLUMNS}
 EXTRA_COLUMNS = {
     "many-shards": [
         ("running_after_idle", "running after idle", "{}"),
@@ -78,7 +92,7 @@ def _cell(entry: dict[str, Any], key: str, fmt: str) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """The result of one workload as a plain-text table."""
-    columns = LATENCY_COLUMNS if result["kind"] == "latency" else THROUGHPUT_COLUMNS
+    columns = KIND_COLUMNS.get(result["kind"], THROUGHPUT_COLUMNS)
     columns = columns + EXTRA_COLUMNS.get(result["workload"], [])
     header = [title for _, title, _ in columns]
     rows = [[_cell(e, key, fmt) for key, _, fmt in columns] for e in result["entries"]]

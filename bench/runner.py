@@ -17,6 +17,7 @@ from bench.latency import run_latency
 from bench.progress import say
 from bench.servers import database
 from bench.tuning import applied
+from bench.workers import run_workers
 from bench.workloads import THROUGHPUT, run_throughput
 
 # A workload's results: one per shard workflow mode measured.
@@ -44,6 +45,7 @@ WORKLOADS: dict[str, Runner] = {
     "latency": run_latency,
     "io": _throughput("io-async", "io-plain"),
     "io-remote": _throughput("io-async-remote", "io-plain-remote"),
+    "workers": run_workers,
     "flaky": _throughput("flaky"),
 }
 

@@ -25,6 +25,12 @@ THROUGHPUT = [
     ("history_events_per_row", "events/row", "{:.4f}"),
     ("shard_workflows_started", "shard workflows", "{:,.0f}"),
 ]
+WORKERS = [
+    ("rows_per_s", "rows/s", "{:,.0f}"),
+    ("ratio_to_one_worker", "× one worker", "{:.2f}"),
+    ("postgres_cpu_s", "PostgreSQL CPU s", "{:.1f}"),
+    ("temporal_cpu_s", "Temporal CPU s", "{:.1f}"),
+]
 LATENCY = [
     ("p50_ms", "p50 ms", "{:.1f}"),
     ("p99_ms", "p99 ms", "{:.1f}"),
@@ -84,10 +90,13 @@ def table(dirs: Sequence[Path]) -> str:
         for result in load_results(directory):
             kinds[result["workload"]] = result["kind"]
             for entry in result["entries"]:
-                key = (result["workload"], entry["temporal"])
+                server = entry["temporal"]
+                if "workers" in entry:  # one line per number of workers
+                    server = f"{server}, {entry['workers']} workers"
+                key = (result["workload"], server)
                 grouped.setdefault(key, []).append({**entry, "workload_kind": result["kind"]})
     lines = []
-    for kind, columns in (("throughput", THROUGHPUT), ("latency", LATENCY)):
+    for kind, columns in (("throughput", THROUGHPUT), ("latency", LATENCY), ("workers", WORKERS)):
         keys = sorted(k for k in grouped if kinds[k[0]] == kind)
         if not keys:
             continue

@@ -57,6 +57,7 @@ async def run_worker_process(
     )  # fmt: skip
     assert process.stdin is not None and process.stdout is not None
     stdout = process.stdout
+    outcome["pid"] = process.pid
 
     async def read() -> None:
         async for line in stdout:

@@ -105,7 +105,7 @@ def _backlog(scale: float) -> RowSet:
     return backlog_rows(scaled(100_000, scale), scaled(1_000, scale), 0.2)
 
 
-def _io(scale: float) -> RowSet:
+def io_rows(scale: float) -> RowSet:
     shards = scaled(8_000, scale)
     return distinct_rows(10 * shards, shards)
 
@@ -128,7 +128,7 @@ def _io_workload(name: str, handler: str, *, plain: bool, remote: bool) -> Throu
     return ThroughputWorkload(
         name,
         f"8,000 shards × 10 rows, {handler} handlers waiting 50 ms per call{where}",
-        _io,
+        io_rows,
         share=240.0,
         wait_seconds=IO_WAIT_SECONDS,
         plain=plain,

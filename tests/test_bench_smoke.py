@@ -24,7 +24,8 @@ import psutil
 import psycopg
 import pytest
 
-from bench import charts
+from bench import charts, report
+from bench import workers as workers_module
 from bench.context import BenchConfig
 from bench.proxy import DelayProxy, Upstream, proxied_database
 from bench.runner import run
@@ -301,3 +302,24 @@ async def test_latency_workload(servers: Servers, out: Path, drawn: Drawn) -> No
         assert entry["rows"] <= entry["handler_calls"] <= entry["rows"] + entry["shards"], entry
         assert set(entry["samples"]) == {"listen", "poll_only", "baseline"}
     assert_drawn_anew(out, "latency.png", "latency", drawn, before)
+
+
+async def test_workers_workload(
+    servers: Servers, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker process, then two on one task queue: both ran a partition drain, every row
+    was handled, and each entry reports the CPU of each worker and of the servers."""
+    monkeypatch.setattr(workers_module, "WORKER_COUNTS", (1, 2))
+    await run(["workers"], tiny_config(servers, out))
+    result = json.loads((out / "workers.json").read_text())
+    one, two = result["entries"]
+    assert (one["workers"], two["workers"]) == (1, 2)
+    for entry in (one, two):
+        assert entry["completed"] is True and entry["rows_done"] == entry["rows"] > 0
+        assert len(entry["drains_per_worker"]) == len(entry["worker_cpu_s"]) == entry["workers"]
+        assert min(entry["drains_per_worker"]) >= 1, entry["drains_per_worker"]
+        assert sum(entry["handler_calls_per_worker"]) >= entry["rows"]
+        assert all(cpu > 0 for cpu in entry["worker_cpu_s"])
+    assert one["ratio_to_one_worker"] == 1.0
+    assert_targets(two, ["ratio_to_one_worker"])
+    assert "× one worker" in report.format_table(result)

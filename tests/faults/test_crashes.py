@@ -311,7 +311,13 @@ async def test_workers_that_join_share_the_partitions_and_those_that_leave_hand_
     await scenario.prepare(failure_rate=0.05)
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows + 2)
-    settings = {**COUNTED_WORKER, "OUTBOX_HEARTBEAT_TIMEOUT": str(SPREAD_HEARTBEAT_TIMEOUT)}
+    settings = {
+        **COUNTED_WORKER,
+        "OUTBOX_HEARTBEAT_TIMEOUT": str(SPREAD_HEARTBEAT_TIMEOUT),
+        # Three workers beside the other scenarios on one PostgreSQL: fewer connections each
+        # (a killed worker's stay open until the server notices).
+        "OUTBOX_DATABASE_POOL_SIZE": "10",
+    }
     first, second, third = (scenario.worker(name, **settings) for name in ("1st", "2nd", "3rd"))
     per_step = size.rows // (4 + size.kills)
     table = scenario.table

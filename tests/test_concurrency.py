@@ -282,3 +282,27 @@ async def test_a_slot_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
         await cancelled
     assert await following
     assert slots.taken == 1
+
+
+async def test_waiters_that_gave_up_never_hold_back_a_free_slot() -> None:
+    """Waits that expired or were cancelled stay queued until they reach the front, where they
+    are skipped: the slot given back goes to a live waiter past them, or is free at once."""
+    slots = Slots(1)
+    assert await slots.take()
+    expired = asyncio.create_task(slots.take(time.monotonic() + 0.05))
+    cancelled = asyncio.create_task(slots.take())
+    await asyncio.sleep(0)
+    assert not await expired
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    live = asyncio.create_task(slots.take())
+    await asyncio.sleep(0)
+    slots.give()  # past the two that gave up, to the live one
+    assert await live and slots.taken == 1
+    late = asyncio.create_task(slots.take(time.monotonic() + 0.05))
+    await asyncio.sleep(0)
+    assert not await late
+    slots.give()
+    assert slots.taken == 0
+    assert await slots.take(time.monotonic() - 1)  # free, though a dead wait was queued

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 
 from outbox_bridge.registry import CallLimit, OutboxApp
@@ -31,7 +30,10 @@ class Slots:
     async def take(self, deadline: float = math.inf, round_: RoundShards | None = None) -> bool:
         """Take a slot, waiting until ``deadline`` (``time.monotonic``) at most, or until the
         other shards of ``round_`` are done; False if none came free by then."""
-        if self.taken < self.size and not self._waiters:
+        waiters = self._waiters
+        while waiters and waiters[0].done():  # expired: left for here or give() to drop
+            waiters.popleft()
+        if self.taken < self.size and not waiters:
             self.taken += 1
             return True
         if round_ is not None and round_.idle:
@@ -57,8 +59,10 @@ class Slots:
                 timer.cancel()
             if round_ is not None:
                 round_.woken(waiter)
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
+            # A waiter handed a slot has left the queue already; one that expired or was
+            # cancelled stays until it reaches the front, where it is skipped: removing it
+            # here would scan the whole queue once per wait (thousands of waiters in a busy
+            # worker, every one of them woken in turn).
         return True
 
     def give(self) -> None:

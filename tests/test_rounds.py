@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection
+from temporalio.exceptions import ApplicationError
 
 from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow, read_shard_ranges
 from outbox_bridge.db.store import read_rows as store_read_rows
@@ -24,7 +25,7 @@ from outbox_bridge.runtime import hub as hub_module
 from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, ShardKey, partition_of
-from outbox_bridge.runtime.partition_drain import PartitionDrain
+from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
 from outbox_bridge.runtime.rounds import DrainEngine, ShardHead, _keep_within, head_of
 from outbox_bridge.workflows.models import (
     PartitionDrainInput,
@@ -417,12 +418,19 @@ async def test_a_partition_s_queue_stays_bounded_and_overflow_is_found_by_a_scan
         await wait_until(lambda: len(recorder.calls) == 40, timeout=30, what="every shard")
     finally:
         hub.close()
-        await running
+        await stopped(running)
         watcher.cancel()
         calls.close()
     assert max(sizes) <= 5
     assert all(beat.queued <= 5 for beat in beats)
     assert sorted(int(c.shard.split(":")[1]) for c in recorder.calls) == list(range(40))
+
+
+async def stopped(running: asyncio.Task[PartitionRound]) -> None:
+    """Wait for a drain whose worker is stopping: it fails (benign), so that the server retries
+    it at once on another worker."""
+    with pytest.raises(ApplicationError, match="this worker is stopping"):
+        await running
 
 
 def test_a_partition_s_inbox_asks_for_a_scan_past_its_cap(monkeypatch) -> None:
@@ -520,7 +528,7 @@ async def test_a_listed_shard_its_workflow_holds_is_not_skipped_again(engine) ->
         await asyncio.sleep(0.5)  # further rounds and scans change nothing
     finally:
         hub.close()
-        await running
+        await stopped(running)
         calls.close()
     assert [(shard, h.held_for, h.skip.by) for shard, h in starter.handovers] == [
         (listed, HeldFor.SKIPPED, "configuration")
@@ -529,3 +537,14 @@ async def test_a_listed_shard_its_workflow_holds_is_not_skipped_again(engine) ->
     async with engine.connect() as conn:
         held = {s.shard_identifier: s.held_for for s in await read_held_shards(conn, app.table())}
     assert held == {1: HeldFor.WORKFLOW, 2: HeldFor.SKIPPED}
+
+
+def test_a_drain_carries_on_the_counts_of_an_attempt_whose_worker_left() -> None:
+    """A drain retried after its worker stopped or died reads that attempt's last heartbeat
+    (as the data converter decodes it: a dict) and goes on counting from it."""
+    assert carried_round([]) is None
+    assert carried_round(["not a round"]) is None
+    last = {"rows_handled": 120, "groups_handled": 100, "handed_over": 2, "deepest": [{}]}
+    carried = carried_round([{"rows_handled": 1}, last])
+    assert carried == PartitionRound(rows_handled=120, groups_handled=100, handed_over=2)
+    assert carried_round([{"rows_handled": "many"}]) == PartitionRound()

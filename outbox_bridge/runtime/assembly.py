@@ -29,7 +29,7 @@ from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
-from outbox_bridge.runtime.partition_drain import PartitionDrain
+from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
 from outbox_bridge.runtime.pause_control import PauseControl
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_drain import ShardDrainer
@@ -129,6 +129,7 @@ def build_worker(
     async def drain_partition(
         request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
     ) -> PartitionRound:
+        info = activity.info()
         drain = PartitionDrain(
             drains.engine,
             starter,
@@ -136,7 +137,8 @@ def build_worker(
             request,
             heartbeat=heartbeat,
             share=share,
-            attempt=activity.info().attempt,
+            attempt=info.attempt,
+            carried=carried_round(info.heartbeat_details),
         )
         return await drain.run()
 

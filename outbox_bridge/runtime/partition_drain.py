@@ -63,6 +63,24 @@ def groups_per_shard(options: PartitionOptions, shards: int) -> int:
     return max(options.max_groups, min(MAX_GROUPS_PER_SHARD, share))
 
 
+def carried_round(details: Sequence[object]) -> PartitionRound | None:
+    """The counts of the last heartbeat of an earlier attempt of a drain (None if it sent
+    none): its worker died or stopped while it ran."""
+    if not details or not isinstance(details[-1], dict):
+        return None
+    last = details[-1]
+
+    def count(name: str) -> int:
+        value = last.get(name, 0)
+        return value if isinstance(value, int) else 0
+
+    return PartitionRound(
+        rows_handled=count("rows_handled"),
+        groups_handled=count("groups_handled"),
+        handed_over=count("handed_over"),
+    )
+
+
 class PartitionUnavailableError(RuntimeError):
     """This worker cannot drain the partition now; the activity is retried elsewhere."""
 
@@ -81,6 +99,7 @@ class PartitionDrain:
         max_queued: int = MAX_QUEUED_SHARDS,
         share: PartitionShare | None = None,
         attempt: int = 1,
+        carried: PartitionRound | None = None,
     ) -> None:
         self._engine = engine
         self._app = engine.app
@@ -96,12 +115,17 @@ class PartitionDrain:
         self._in_flight: set[ShardKey] = set()
         self._watermark = 0
         self._stats = PartitionRound()
+        if carried is not None:  # what the attempt before, on a worker that left, handled
+            self._stats.rows_handled = carried.rows_handled
+            self._stats.groups_handled = carried.groups_handled
+            self._stats.handed_over = carried.handed_over
         self._drained: set[ShardKey] = set()
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
         self._share = share  # None: this drain runs wherever the task queue gives it
         self._attempt = attempt
+        self._ran_before = carried is not None  # an earlier attempt ran: its worker left
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -110,7 +134,9 @@ class PartitionDrain:
             raise PartitionUnavailableError("this worker is shutting down")
         if self._share is not None:
             running = len(self._hub.drains())
-            refusal = await self._share.refusal(self._ref, running, self._attempt)
+            refusal = await self._share.refusal(
+                self._ref, running, self._attempt, ran_before=self._ran_before
+            )
             if refusal is not None:
                 # Benign: logged at debug level, retried by the server on any worker.
                 raise ApplicationError(
@@ -162,7 +188,18 @@ class PartitionDrain:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*rounds, return_exceptions=True)
-        return self._report(began)
+        report = self._report(began)
+        if self._hub.closed:
+            # Stopping: a failure, not a result, so that the server retries this drain at once
+            # on another worker, which takes it without a refusal (it ran before) and carries
+            # on these counts from the heartbeat details.
+            self._heartbeat(report)
+            raise ApplicationError(
+                "this worker is stopping: another worker takes the partition",
+                type="PartitionElsewhere",
+                category=ApplicationErrorCategory.BENIGN,
+            )
+        return report
 
     async def _wait(self, inbox: PartitionInbox, seconds: float) -> None:
         if seconds <= 0 or inbox.event.is_set():

@@ -34,8 +34,9 @@ VIEW_SECONDS = 5.0
 # queue lists its pollers for minutes); one that runs a drain counts as long as its drain runs.
 POLLER_SECONDS = 10.0
 # A refused drain is retried by the server (after 1, 2, 4 s); after this many refusals a worker
-# takes it whatever it runs already, so that no partition waits long on a view that is wrong
-# (a worker that was killed still polls, in the view, for up to POLLER_SECONDS).
+# takes it whatever it runs already, so that no partition waits long on a view that is wrong.
+# A drain that ran before (it has heartbeat details: its worker died or stopped) is never
+# refused: it has waited for its heartbeat timeout already.
 MAX_REFUSALS = 3
 # A drain waits no longer than this for a view of the task queue.
 ANSWER_SECONDS = 2.0
@@ -66,11 +67,16 @@ class PartitionShare:
         self._given_back_at = -VIEW_SECONDS
         self._lock = asyncio.Lock()
 
-    async def refusal(self, ref: PartitionRef, running: int, attempt: int) -> str | None:
+    async def refusal(
+        self, ref: PartitionRef, running: int, attempt: int, *, ran_before: bool
+    ) -> str | None:
         """Why this worker, running ``running`` drains, leaves the drain of ``ref`` to another
-        worker (None: it takes it)."""
+        worker (None: it takes it). ``attempt`` is the drain activity's; ``ran_before`` says
+        whether an earlier attempt of it ran and heartbeated."""
+        if ran_before or attempt > MAX_REFUSALS:
+            return None
         least = await self._least(ref)
-        if least is None or running <= least or attempt > MAX_REFUSALS:
+        if least is None or running <= least:
             return None
         return (
             f"this worker runs {running} partition drains and another worker {least}: "

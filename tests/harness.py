@@ -202,6 +202,11 @@ async def running_worker(
         await asyncio.wait_for(task, timeout=30)
 
 
+# A predicate that runs a command starts a process (a second of CPU): poll it this often, not back
+# to back, or the waits alone keep a core busy while the other test workers share two.
+COMMAND_POLL_INTERVAL = 1.0
+
+
 async def wait_until(
     predicate: Callable[[], Awaitable[bool] | bool],
     *,

@@ -38,7 +38,7 @@ from outbox_bridge.config import (
 )
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.runtime.embedded import free_port
-from tests.harness import Servers, unique_table, wait_until
+from tests.harness import COMMAND_POLL_INTERVAL, Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
 from tests.support import (
     BANNER,
@@ -513,7 +513,12 @@ async def test_demo_blocks_a_shard_to_skip_and_resume_and_summarises_failures(
                 and "planned outage" in str(error)
             )
 
-        await wait_until(blocked_on_the_outage, timeout=50, what="ORGANIZATION:7 blocked")
+        await wait_until(
+            blocked_on_the_outage,
+            timeout=50,
+            interval=COMMAND_POLL_INTERVAL,
+            what="ORGANIZATION:7 blocked",
+        )
         code, said = await demo_cli(env, "skip", OUTAGE_SHARD, "--reason", "replica down")
         assert code == 0, said
         assert (await demo_state(env))["state"] == "skipped"
@@ -525,7 +530,12 @@ async def test_demo_blocks_a_shard_to_skip_and_resume_and_summarises_failures(
             code, _ = await demo_cli(env, "flush", OUTAGE_SHARD, "--timeout", "5")
             return code == 0
 
-        await wait_until(flushed, timeout=90, what="ORGANIZATION:7 drained after its outage")
+        await wait_until(
+            flushed,
+            timeout=90,
+            interval=COMMAND_POLL_INTERVAL,
+            what="ORGANIZATION:7 drained after its outage",
+        )
     banner = " ".join(output.stdout.split())
     assert "ORGANIZATION:7 is blocked: the project replica of organization 7 is down" in banner
     assert "(60 s)" in banner and "--log-failures logs each" in banner

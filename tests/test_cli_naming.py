@@ -18,6 +18,7 @@ from outbox_bridge.cli import main as cli_main
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.runtime.embedded import free_port
 from tests.harness import (
+    COMMAND_POLL_INTERVAL,
     Category,
     create_tables,
     fast_settings,
@@ -84,7 +85,11 @@ async def test_a_shard_of_a_scope_the_app_does_not_register_is_named_by_its_numb
     row = await insert(engine, table, 9, 6003, Category.PROJECT_UPDATE)
     settings = fast_settings()
     async with running_worker(servers, app, settings):
-        await wait_until(lambda: blocked(servers, "9:6003", table=table, app=table), timeout=60)
+        await wait_until(
+            lambda: blocked(servers, "9:6003", table=table, app=table),
+            timeout=60,
+            interval=COMMAND_POLL_INTERVAL,
+        )
         shown = await cli(servers, "status", "9:6003", "--json", app=table)
         error = json.loads(shown.stdout)["last_error"]
         assert error["error_type"] == "CategoryScopeError", error
@@ -128,7 +133,9 @@ async def test_a_scope_whose_value_is_0_is_named_in_a_scope_error(servers, engin
     await create_tables(engine, app)
     await insert(engine, table, 5, 1, ZeroCategory.ORG_UPDATE)
     async with running_worker(servers, app):
-        await wait_until(lambda: blocked(servers, "5:1", table=table), timeout=60)
+        await wait_until(
+            lambda: blocked(servers, "5:1", table=table), timeout=60, interval=COMMAND_POLL_INTERVAL
+        )
         shown = await cli(servers, "status", "5:1", "--table", table, "--json")
     message = json.loads(shown.stdout)["last_error"]["message"]
     assert "category ORG_UPDATE belongs to scope ORG, but the row is in scope 5" in message
@@ -164,7 +171,12 @@ async def test_without_an_app_the_commands_learn_scope_names_from_the_workflows(
         return [(e["shard"], e["state"]) for e in entries] == [("ORGANIZATION:8", "blocked")]
 
     async with running_worker(servers, app):
-        await wait_until(named_and_blocked, timeout=60, what="ORGANIZATION:8 listed, blocked")
+        await wait_until(
+            named_and_blocked,
+            timeout=60,
+            interval=COMMAND_POLL_INTERVAL,
+            what="ORGANIZATION:8 listed, blocked",
+        )
         listed = await cli(servers, "shards", "--table", table)
         assert "PROJECT_UPDATE" in listed.stdout and listed.stderr == "", listed.output
         for name in ("ORGANIZATION:8", "organization:8", "1:8"):

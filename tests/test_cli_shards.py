@@ -17,6 +17,7 @@ from outbox_bridge import OutboxMessage
 from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import ResumeInput, SkipInput
 from tests.harness import (
+    COMMAND_POLL_INTERVAL,
     Category,
     fast_settings,
     fresh_app,
@@ -84,8 +85,14 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine, cli
 
     settings = fast_settings()
     async with running_worker(servers, app, settings):
-        await wait_until(lambda: state_is("blocked"), what="a blocked shard")
-        await wait_until(lambda: _attempts_at_least(status(), 3), what="server-side retries")
+        await wait_until(
+            lambda: state_is("blocked"), interval=COMMAND_POLL_INTERVAL, what="a blocked shard"
+        )
+        await wait_until(
+            lambda: _attempts_at_least(status(), 3),
+            interval=COMMAND_POLL_INTERVAL,
+            what="server-side retries",
+        )
         shown = await status()
         assert shown["head"]["category_name"] == "PROJECT_UPDATE"
         assert shown["head"]["last_id"] == head
@@ -265,7 +272,9 @@ async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
         return states == {"ORGANIZATION:8": "blocked", "USER:2": "deferred"}
 
     async with running_worker(servers, app):
-        await wait_until(settled, what="one blocked and one deferred shard")
+        await wait_until(
+            settled, interval=COMMAND_POLL_INTERVAL, what="one blocked and one deferred shard"
+        )
         deepest = await listed()
         assert [(e["shard"], e["rows"], e["groups"]) for e in deepest] == [
             ("ORGANIZATION:8", 3, 2),

@@ -16,6 +16,7 @@ from outbox_bridge.db.store import read_pending_up_to
 from outbox_bridge.testing import drain_outbox_async
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
+    COMMAND_POLL_INTERVAL,
     Category,
     Recorder,
     create_tables,
@@ -81,7 +82,9 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
         initial_retry_interval=120.0, max_retry_interval=120.0, sweep_interval=120.0
     )
     async with running_worker(servers, app, settings):
-        await wait_until(lambda: state_is("blocked"), what="a blocked shard")
+        await wait_until(
+            lambda: state_is("blocked"), interval=COMMAND_POLL_INTERVAL, what="a blocked shard"
+        )
         code, out, err = await cli(servers, table, "park", SHARD, "--reason", "replica down")
         assert code == 0, err
         assert "parked PROJECT_UPDATE object=80" in out, out

@@ -26,6 +26,7 @@ from outbox_bridge.db.pauses import read_pauses
 from outbox_bridge.testing import assert_replays
 from outbox_bridge.workflows.models import PauseChange, PausesView, ShardState, ShardStatus
 from tests.harness import (
+    COMMAND_POLL_INTERVAL,
     Category,
     Recorder,
     fast_settings,
@@ -100,7 +101,11 @@ async def test_a_paused_category_waits_in_order_survives_a_restart_and_resumes(
         )
         await wait_until(lambda: _handled(recorder, [*free, two[0]]), what="unpaused rows")
         paused = ["ORGANIZATION:1", "ORGANIZATION:2"]
-        await wait_until(lambda: _states(servers, table, paused, "paused"), what="paused shards")
+        await wait_until(
+            lambda: _states(servers, table, paused, "paused"),
+            interval=COMMAND_POLL_INTERVAL,
+            what="paused shards",
+        )
         waiting = [*one, *two[1:]]
         assert not set(waiting) & set(recorder.ids())  # the later MEMBER_UPDATEs wait too
         code, out, err = await cli(servers, table, "status", "ORGANIZATION:1", "--json")
@@ -124,7 +129,11 @@ async def test_a_paused_category_waits_in_order_survives_a_restart_and_resumes(
     async with running_worker(servers, app, settings):
         [later] = await write_rows(engine, app, [_row(Category.USER_UPDATE, 5, 5)])
         await wait_until(lambda: _handled(recorder, [later]), what="the new worker draining")
-        await wait_until(lambda: _states(servers, table, paused, "paused"), what="still paused")
+        await wait_until(
+            lambda: _states(servers, table, paused, "paused"),
+            interval=COMMAND_POLL_INTERVAL,
+            what="still paused",
+        )
         assert not set(waiting) & set(recorder.ids())
         code, out, err = await cli(servers, table, "pauses", "--json")
         assert code == 0, err
@@ -154,7 +163,11 @@ async def test_a_paused_scope_waits_and_resumes(servers, engine) -> None:
         )
         organizations = await write_rows(engine, app, [_row(Category.PROJECT_UPDATE, 7, 3)])
         await wait_until(lambda: _handled(recorder, organizations), what="the other scope")
-        await wait_until(lambda: _states(servers, table, ["USER:7"], "paused"), what="paused")
+        await wait_until(
+            lambda: _states(servers, table, ["USER:7"], "paused"),
+            interval=COMMAND_POLL_INTERVAL,
+            what="paused",
+        )
         assert not set(users) & set(recorder.ids())
         # By number too (a scope the app does not register can be named so).
         code, out, err = await cli(servers, table, "unpause", "--scope", "2")
@@ -276,7 +289,9 @@ async def test_the_control_workflow_pauses_and_resumes_by_update(servers, engine
         free = await write_rows(engine, app, [_row(Category.MEMBER_UPDATE, 4, 4)])
         await wait_until(lambda: _handled(recorder, free), what="a shard without paused rows")
         await wait_until(
-            lambda: _states(servers, table, ["ORGANIZATION:3"], "paused"), what="paused"
+            lambda: _states(servers, table, ["ORGANIZATION:3"], "paused"),
+            interval=COMMAND_POLL_INTERVAL,
+            what="paused",
         )
         assert not set(rows) & set(recorder.ids())
 

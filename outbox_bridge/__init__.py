@@ -1,13 +1,10 @@
 """outbox-bridge: a transactional outbox for Python services, executed by Temporal.
 
-The names below are the public API. They are loaded on first use, so that importing
-``outbox_bridge`` (or one of its subpackages, such as the workflow definitions Temporal's
-sandbox re-imports) costs nothing until something is used.
-
-An application that only writes rows (``OutboxApp``, ``app.write``, ``OutboxModel``) loads the
-producer's side of the package: SQLAlchemy, pydantic and the OpenTelemetry API, never the worker's
-Temporal client, the OpenTelemetry SDK or the command line. How the package is layered, and what
-may import what, is in CONTRIBUTING.md.
+The names below are the public API, loaded on first use: importing ``outbox_bridge`` (or a
+subpackage, such as the workflow definitions Temporal's sandbox re-imports) costs nothing, and
+an application that only writes rows (``OutboxApp``, ``app.write``, ``OutboxModel``) loads
+SQLAlchemy, pydantic and the OpenTelemetry API, never the worker's Temporal client, the
+OpenTelemetry SDK or the command line. CONTRIBUTING.md describes the layers.
 """
 
 from __future__ import annotations
@@ -106,21 +103,17 @@ __all__ = [
 ]
 
 
-def _installed_version() -> str:
-    try:
-        return importlib.metadata.version("outbox-bridge")
-    except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
-        return "0+unknown"
-
-
 def __getattr__(name: str) -> Any:
+    value: Any
     if name == "__version__":
-        globals()[name] = version = _installed_version()
-        return version
-    module = _EXPORTS.get(name)
-    if module is None:
+        try:
+            value = importlib.metadata.version("outbox-bridge")
+        except importlib.metadata.PackageNotFoundError:  # a source tree, not installed
+            value = "0+unknown"
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'outbox_bridge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

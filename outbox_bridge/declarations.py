@@ -1,7 +1,7 @@
 """The rules that turn a model class into the outbox rows of its instances, shared by
 SQLAlchemy's :class:`~outbox_bridge.orm.OutboxModel` and Django's
-(:mod:`outbox_bridge.contrib.django.models`). The integrations only say what the ORM knows: the
-attribute of a single integer primary key, and how to describe the primary key in a message.
+(:mod:`outbox_bridge.contrib.django.models`), which only say what the ORM knows (the primary
+key).
 """
 
 from __future__ import annotations
@@ -86,11 +86,8 @@ def _shard_attribute(cls: type[Any], scope: IntEnum, primary_key: str | None) ->
 
 def declare(cls: type[Any], *, primary_key: str | None, primary_key_columns: str) -> Declaration:
     """Resolve the outbox declaration of ``cls``, or raise :class:`OutboxModelError` saying
-    what to declare.
-
-    ``primary_key`` is the attribute of the class's primary key when it is one integer column
-    (``None`` otherwise); ``primary_key_columns`` describes the primary key for the message
-    that refuses it.
+    what to declare. ``primary_key``: the attribute of a one-integer-column primary key, else
+    None; ``primary_key_columns`` describes the primary key for the message that refuses it.
     """
     name = cls.__name__
     app = getattr(cls, "__outbox_app__", None)

@@ -1,9 +1,7 @@
-"""Synchronous flush (docs/how-to/flush.md): after a transaction commits, each shard its rows
-went to gets the ``flush`` update with start, which answers once the shard handled them. Once
-the transaction committed, a flush never raises: it answers ``unavailable`` with a ``detail``.
-
-A flush first checks that some worker polls its task queue: a workflow started on a queue
-nobody polls would never run, and the worker's bridge never moves a running workflow.
+"""Synchronous flush (see the flush how-to): after a commit, each shard written to gets the
+``flush`` update with start, answered once the shard handled the rows. It never raises after
+the commit: it answers ``unavailable`` with a ``detail``. It first checks that a worker polls
+its task queue: a workflow started where nobody polls would never run, nor be moved.
 """
 
 from __future__ import annotations
@@ -149,10 +147,8 @@ class Flusher:
         )
         self._loop_thread: EventLoopThread | None = None
         self._loop_lock = threading.Lock()
-        # Until when the task queue is trusted to have pollers (time.monotonic()).
-        self._polled_until = 0.0
-        # Whether the absence of pollers was logged (until a worker polls the task queue).
-        self._absence_logged = False
+        self._polled_until = 0.0  # time.monotonic() until which the task queue has pollers
+        self._absence_logged = False  # until a worker polls the task queue again
 
     # -- async ---------------------------------------------------------------------------------
 
@@ -190,9 +186,7 @@ class Flusher:
             # The SDK's threads may call back into Python after the flush gave up on them.
             settle_native_threads_at_exit()
             left = max(deadline - time.monotonic(), 0.0)
-            try:
-                # A server that accepts connections and never answers must not hold the flush
-                # past its timeout.
+            try:  # a server that accepts connections and never answers: bounded by the deadline
                 client = await asyncio.wait_for(connect(settings, temporal_address(settings)), left)
             except TimeoutError:
                 raise _Unavailable(self._no_answer(f"no answer within {left:.1f} s")) from None
@@ -202,8 +196,8 @@ class Flusher:
         return client
 
     async def _check_pollers(self, client: Client, deadline: float) -> None:
-        """Return once some worker polls the flusher's task queue; raise :class:`_NoWorker`
-        when none does, :class:`_Unavailable` when Temporal does not answer by the deadline."""
+        """Return once a worker polls the task queue; else :class:`_NoWorker`, or
+        :class:`_Unavailable` if Temporal does not answer by the deadline."""
         queue = self._settings.task_queue
         if time.monotonic() < self._polled_until:
             return
@@ -251,8 +245,8 @@ class Flusher:
         return result
 
     async def _timed_out(self, client: Client, shard: ShardRef) -> FlushResult:
-        """``timed_out``, or ``unavailable`` when the server does not answer any more (the
-        client retries calls to an unreachable server until they are cancelled)."""
+        """``timed_out``, or ``unavailable`` when the server no longer answers (the client
+        retries calls to an unreachable server until they are cancelled)."""
         try:
             await asyncio.wait_for(
                 client.workflow_service.get_system_info(
@@ -269,12 +263,9 @@ class Flusher:
     async def _accepted(
         self, client: Client, shard: ShardRef, up_to: int, deadline: float
     ) -> WorkflowUpdateHandle[FlushResult] | None:
-        """Deliver the update with start until the shard's workflow accepts it.
-
-        A run that completes (its shard was empty) while the update waits for delivery drops
-        it; the server then reports the update as failed or not ready. Sending it again starts
-        a new run, which answers from the table.
-        """
+        """Deliver the update with start until the shard's workflow accepts it: a run that
+        completes (its shard empty) while the update waits drops it, and the server reports it
+        failed or not ready; sent again, it starts a new run, which answers from the table."""
         pause = 0.05
         last_error: RPCError | None = None
         while True:
@@ -283,9 +274,7 @@ class Flusher:
                 if last_error is not None:  # every attempt failed, the last one with this
                     raise _Unavailable(self._no_answer(last_error.message))
                 return None
-            try:
-                # Bounded by the caller's deadline: a delivery that waits on a busy workflow
-                # task must not stretch the flush past its timeout.
+            try:  # a delivery that waits on a busy workflow task: bounded by the deadline
                 return await asyncio.wait_for(
                     client.start_update_with_start_workflow(
                         "flush",
@@ -363,9 +352,8 @@ def _unanswered(shard: ShardRef, detail: str) -> FlushResult:
 
 
 def _retrieve_start_outcome(operation: WithStartWorkflowOperation[Any, Any]) -> None:
-    """Retrieve the outcome of the operation's start once the SDK sets it: the flush never
-    asks for the started workflow's handle and reports a failed start itself, and asyncio logs
-    an unretrieved exception at ERROR ("Future exception was never retrieved")."""
+    """Retrieve the outcome of the operation's start once set: the flush never asks for the
+    handle (it reports a failed start itself), and asyncio logs an unretrieved exception."""
     future = getattr(operation, "_workflow_handle", None)
     if isinstance(future, asyncio.Future):
 
@@ -387,8 +375,8 @@ class Written:
 
 
 class FlushingContext:
-    """What this module's :class:`OutboxContext` and Django's share: the rows that committed
-    inside the block, by shard, and their flush when the block ends."""
+    """What this :class:`OutboxContext` and Django's share: the rows committed in the block, by
+    shard, and their flush when it ends."""
 
     _log = log
     # How the warning about rows that had not committed tells the user to wait for them.
@@ -533,8 +521,7 @@ def outbox_context(
 
 
 def app_flusher(app: OutboxApp) -> Flusher:
-    """The flusher of ``app``: configured by :meth:`OutboxApp.configure_flush` (or from the
-    environment), built on first use and reused by every later flush."""
+    """The flusher of ``app`` (:meth:`OutboxApp.configure_flush`), built on first use."""
     route = app.flush_route
     if not isinstance(route.flusher, Flusher):
         route.flusher = Flusher(app, route.settings, client=route.client)

@@ -89,10 +89,8 @@ _declarations: weakref.WeakKeyDictionary[type[Any], Declaration] = weakref.WeakK
 
 def _primary_key_attribute(mapper: Mapper[Any]) -> str | None:
     """The attribute of a single-column integer primary key, or ``None``."""
-    if len(mapper.primary_key) != 1:
-        return None
-    column = mapper.primary_key[0]
-    if not isinstance(column.type, Integer):
+    column, *others = mapper.primary_key
+    if others or not isinstance(column.type, Integer):
         return None
     return mapper.get_property_by_column(column).key
 

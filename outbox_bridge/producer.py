@@ -1,10 +1,8 @@
-"""Writing outbox rows inside the caller's transaction: the checks of a row's values and its
-INSERT.
+"""The checks of an outbox row's values and its INSERT, run in the caller's transaction.
 
 The registry resolves a row's table, category and scope (:meth:`OutboxApp.write`); this module
-checks the rest (identifiers, payload, region, schedule) and builds the INSERT, which the caller's
-session or connection runs. Nothing here commits: the row commits, or rolls back, with the model
-change it describes.
+checks the rest and builds the INSERT. Nothing here commits: the row commits, or rolls back,
+with the model change it describes.
 """
 
 from __future__ import annotations
@@ -70,11 +68,8 @@ def bigint(name: str, value: object) -> int:
 
 
 def _json_safe(payload: Any) -> Any:
-    """``payload`` as a JSON value PostgreSQL's jsonb accepts, or :class:`InvalidRowError`.
-
-    Everything that jsonb would refuse is refused here, before the INSERT: a database error
-    would abort the caller's transaction, model change included.
-    """
+    """``payload`` as a JSON value jsonb accepts, else :class:`InvalidRowError`: refused here,
+    a database error would abort the caller's transaction, model change included."""
     if isinstance(payload, BaseModel):
         try:
             payload = payload.model_dump(mode="json")

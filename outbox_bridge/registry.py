@@ -1,10 +1,8 @@
 """The registry: which categories belong to which scope, and which handler runs each category.
 
-Scopes and categories are the application's own ``IntEnum`` members. Their integer values are what
-the outbox table stores, so a value may be retired but never reused for something else.
-
-This is what an application imports to write rows: it loads neither the worker (Temporal's
-client and worker, the OpenTelemetry SDK, the command line) nor anything the worker alone needs.
+Scopes and categories are the application's own ``IntEnum`` members; the outbox table stores
+their values, so a value may be retired but never reused. An application that writes rows
+imports this module, which loads nothing of the worker's.
 """
 
 from __future__ import annotations
@@ -104,10 +102,8 @@ class OutboxTable:
 
 @dataclass
 class FlushRoute:
-    """How ``outbox_context(session, flush=True)`` reaches an app's shard workflows (see
-    :meth:`OutboxApp.configure_flush`): the settings (None: from the environment), an optional
-    Temporal client, and the flusher built from them on first use (by
-    :mod:`outbox_bridge.flush`, which holds the Temporal side)."""
+    """How ``outbox_context(session, flush=True)`` reaches an app's shard workflows
+    (:meth:`OutboxApp.configure_flush`); :mod:`outbox_bridge.flush` builds the flusher."""
 
     settings: OutboxSettings | None = None
     client: Client | None = None
@@ -318,11 +314,10 @@ class OutboxApp:
                         f"{_enum_name(category)} already has a handler "
                         f"({getattr(other, '__qualname__', other)!s})"
                     )
+            limit = None if max_concurrency is None else CallLimit(max_concurrency, categories)
             for category in categories:
                 self._handlers[int(category)] = fn
-            if max_concurrency is not None:
-                limit = CallLimit(max_concurrency, tuple(categories))
-                for category in categories:
+                if limit is not None:
                     self._limits[int(category)] = limit
             return fn
 
@@ -337,11 +332,9 @@ class OutboxApp:
         return self._limits.get(int(category))
 
     def wrap_handlers(self, wrapper: Callable[[Handler], Handler]) -> None:
-        """Replace every registered handler ``fn`` with ``wrapper(fn)``, for code that must run
-        around each call in the worker (the Django worker command keeps each call's database
-        connections usable). A handler registered for several categories is wrapped once. The
-        wrapper must keep the handler's kind: an ``async def`` for an async handler, a plain
-        function for a plain one."""
+        """Replace every handler ``fn`` with ``wrapper(fn)`` (once, whatever its categories),
+        for code that must run around each call in the worker, such as Django's connection
+        handling. The wrapper must keep the handler's kind, async or plain."""
         wrapped: dict[int, Handler] = {}
         for fn in self._handlers.values():
             if id(fn) not in wrapped:
@@ -427,14 +420,10 @@ class OutboxApp:
         return row_id
 
     def prepare(self, spec: RowSpec) -> PreparedRow:
-        """Check ``spec`` against the registry and build its INSERT ... RETURNING id, without
-        running it: what :meth:`write` runs with a SQLAlchemy session, for integrations that
-        run it with a connection of their own (:mod:`outbox_bridge.contrib.django`).
-
-        The registry resolves the row's table, category and scope; the producer checks the
-        rest. Raises :class:`~outbox_bridge.InvalidRowError` (or
-        :class:`~outbox_bridge.RegistryError` for an unknown table) like :meth:`write`.
-        """
+        """Check ``spec`` and build its INSERT ... RETURNING id without running it, for
+        integrations with a connection of their own (:mod:`outbox_bridge.contrib.django`).
+        Raises like :meth:`write` (:class:`~outbox_bridge.RegistryError` for an unknown
+        table)."""
         table = self.table(spec.table)
         category = self.category(bigint("category", spec.category))
         if category is None:
@@ -468,9 +457,8 @@ def load_app(
     error: type[OutboxError] = RegistryError,
     dotted: bool = False,
 ) -> OutboxApp:
-    """Import the :class:`OutboxApp` that ``spec`` names, ``module:attribute`` (or, if
-    ``dotted``, also ``module.attribute``). ``given_as`` says in errors (of type ``error``)
-    where the spec came from."""
+    """Import the :class:`OutboxApp` named ``module:attribute`` (or, if ``dotted``,
+    ``module.attribute``); errors of type ``error`` name the spec as ``given_as``."""
     module_name, colon, attribute = spec.partition(":")
     if dotted and not colon:
         module_name, _, attribute = spec.rpartition(".")

@@ -15,12 +15,12 @@
     def downgrade() -> None:
         drop_outbox(op, app)
 
-The statements are the ones the worker and ``init-db`` use (:mod:`outbox_bridge.db.schema`), so
-a migrated database and a database the worker created are the same. They are emitted with
-``op.execute``, so offline mode (``alembic upgrade --sql``) prints them too. Importing this
-module does not need Alembic; calling its functions does. :func:`create_statements` and
-:func:`drop_statements` are the statements themselves, which Django's migration operations
-(:mod:`outbox_bridge.contrib.django.operations`) run too.
+The statements are those of the worker and ``init-db`` (:mod:`outbox_bridge.db.schema`): a
+migrated database and one the worker created are the same. They go through ``op.execute``, so
+offline mode (``alembic upgrade --sql``) prints them too. Importing this module does not need
+Alembic; calling its functions does. Django's migration operations
+(:mod:`outbox_bridge.contrib.django.operations`) run :func:`create_statements` and
+:func:`drop_statements` too.
 """
 
 from __future__ import annotations
@@ -52,17 +52,14 @@ DDL: TypeAlias = ExecutableDDLElement | str
 
 
 def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
-    if tables is None:
-        return [app.table(name) for name in app.tables]
     if isinstance(tables, str):
         raise TypeError("tables must be a list of table names, not one string")
-    return [app.table(name) for name in tables]
+    return [app.table(name) for name in (app.tables if tables is None else tables)]
 
 
 def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
-    """The statements that create the app's outbox tables (all of them, or those named in
-    ``tables``) with their indexes, NOTIFY triggers, owner, parked-group and pause tables, in
-    order: what :func:`create_outbox` runs, and Django's ``CreateOutbox`` operation too."""
+    """The statements that create the app's outbox tables (all, or those named in ``tables``)
+    with their indexes, NOTIFY triggers, owner, parked-group and pause tables, in order."""
     statements: list[DDL] = []
     for table in _tables(app, tables):
         statements.append(CreateTable(table))
@@ -89,20 +86,16 @@ def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> l
     statements: list[DDL] = []
     for table in reversed(_tables(app, tables)):
         trigger, function = drop_notify_ddl(table)
-        statements += [DropTable(pauses_of(table), if_exists=True)]
-        statements += [DropTable(parked_of(table), if_exists=True)]
-        statements += [DropTable(owners_of(table), if_exists=True), trigger, DropTable(table)]
-        statements.append(function)
+        sides = [pauses_of(table), parked_of(table), owners_of(table)]
+        statements += [DropTable(side, if_exists=True) for side in sides]
+        statements += [trigger, DropTable(table), function]
     return statements
 
 
 def create_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
-    """Create the app's outbox tables (all of them, or those named in ``tables``) with their
-    indexes and NOTIFY triggers.
-
-    Emits the schema of the installed outbox-bridge version. If a later version changes it,
-    autogenerate against ``app.metadata`` shows the difference.
-    """
+    """Create the app's outbox tables (all, or those named in ``tables``) with their indexes
+    and NOTIFY triggers, as the installed version defines them (autogenerate against
+    ``app.metadata`` shows what a later version changes)."""
     for statement in create_statements(app, tables=tables):
         op.execute(statement)
 
@@ -110,10 +103,8 @@ def create_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | Non
 def create_shard_owners(
     op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
 ) -> None:
-    """Create the owner tables (``<table>_owners``) that outbox-bridge 0.2 added beside each
-    outbox table, for databases migrated with :func:`create_outbox` before it: partitions
-    record there which shards their own workflow holds. (The worker and ``init-db`` create
-    them too, when they create missing tables.)"""
+    """Create the owner tables (``<table>_owners``, added in 0.2) in a database migrated with
+    :func:`create_outbox` before them. (The worker and ``init-db`` create missing tables too.)"""
     for table in _tables(app, tables):
         op.execute(CreateTable(owners_of(table), if_not_exists=True))
 
@@ -121,10 +112,8 @@ def create_shard_owners(
 def create_parked_groups(
     op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
 ) -> None:
-    """Create the parked-group tables (``<table>_parked``, with their index) that
-    ``outbox-bridge park`` records groups in, for databases migrated with
-    :func:`create_outbox` before they existed. (The worker and ``init-db`` create them too,
-    when they create missing tables.)"""
+    """Create the parked-group tables (``<table>_parked`` and their index) in a database
+    migrated with :func:`create_outbox` before them. (The worker and ``init-db`` too.)"""
     for table in _tables(app, tables):
         for statement in _create_parked(table, if_not_exists=True):
             op.execute(statement)
@@ -133,9 +122,8 @@ def create_parked_groups(
 def create_shard_pauses(
     op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
 ) -> None:
-    """Create the pause tables (``<table>_pauses``, the paused categories and scopes) that
-    outbox-bridge 1.0 added beside each outbox table, for databases migrated with
-    :func:`create_outbox` before it. (The worker and ``init-db`` create them too.)"""
+    """Create the pause tables (``<table>_pauses``, added in 1.0) in a database migrated with
+    :func:`create_outbox` before them. (The worker and ``init-db`` create them too.)"""
     for table in _tables(app, tables):
         op.execute(CreateTable(pauses_of(table), if_not_exists=True))
 
@@ -151,14 +139,14 @@ def exclude_outbox_tables(
     app: OutboxApp,
 ) -> Callable[[str | None, str, Mapping[str, str | None]], bool]:
     """An ``include_name`` hook for Alembic's ``context.configure`` that hides the app's outbox
-    tables (and their owner and pause tables) from autogenerate, for databases whose outbox
-    tables the worker or ``init-db`` manages (otherwise autogenerate proposes to drop them)::
+    tables (and the tables beside them) from autogenerate, where the worker or ``init-db``
+    manages them (otherwise autogenerate proposes to drop them)::
 
         context.configure(..., include_name=exclude_outbox_tables(app))
     """
-    names = set(app.tables) | {owners_name(name) for name in app.tables}
-    names |= {pauses_name(name) for name in app.tables}
-    names |= {parked_name(name) for name in app.tables}
+    names = {
+        name(table) for table in app.tables for name in (str, owners_name, pauses_name, parked_name)
+    }
 
     def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
         return not (type_ == "table" and name in names)

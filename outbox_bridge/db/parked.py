@@ -1,10 +1,9 @@
-"""Parked coalescing groups: set aside by an operator so that their shard goes on, put back
-later in their place in the shard's order. Every statement about them is here.
+"""Parked coalescing groups (set aside by an operator so that their shard goes on): every
+statement about them.
 
-A group is parked as a whole: its rows, and rows of the same object written while it is
-parked, stay in the outbox table, and every read that picks what a drain handles next leaves
-them out (:func:`not_parked`). Unparking makes them visible again; their ids are unchanged, so
-they head the shard again. The ``<table>_parked`` row stays as the audit record.
+A parked group's rows, later ones of the same object included, stay in the outbox table; every
+read that picks what a drain handles next leaves them out (:func:`not_parked`). Unparked, with
+their ids unchanged, they head the shard again; the ``<table>_parked`` row stays as the audit.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ GROUP_COLUMNS = ("category", "object_identifier")
 
 
 def not_parked(table: Table, alias: str) -> str:
-    """SQL that is true when the row ``alias`` of outbox table ``table`` belongs to no parked
-    group: AND it into the WHERE of each read that picks the rows a drain handles next."""
+    """SQL, true when the row ``alias`` of ``table`` is in no parked group: for the WHERE of
+    each read that picks the rows a drain handles next."""
     parked = parked_of(table).name
     columns = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
     same = " AND ".join(f"pk.{c} = {alias}.{c}" for c in columns)
@@ -79,9 +78,8 @@ def _record(table: Table) -> list[Any]:
 async def park_head(
     conn: AsyncConnection, table: Table, shard: ShardRef, *, reason: str, by: str
 ) -> ParkedGroup | None:
-    """Park the group that heads ``shard`` (its first row not parked already), in one
-    statement; None if the shard has no such row. Run it under the shard's lock, so that no
-    drain is handling the group meanwhile."""
+    """Park the group that heads ``shard`` (its first row not parked), in one statement; None
+    if there is none. Run it under the shard's lock: no drain is handling the group."""
     parked = parked_of(table)
     keys = [*shard_columns("region" in table.c), *GROUP_COLUMNS]
     head = (
@@ -110,9 +108,9 @@ async def unpark(
     by: str,
     group: tuple[int, int] | None = None,
 ) -> list[ParkedGroup]:
-    """Put ``shard``'s parked groups back (only ``group``, a (category, object identifier),
-    if given) and return them; their records stay, with who put them back and when. A
-    notification at commit wakes the bridge, which drains the shard again."""
+    """Put ``shard``'s parked groups (only ``group``, a (category, object identifier), if
+    given) back and return them, recording who and when; at commit, a notification wakes the
+    bridge."""
     parked = parked_of(table)
     where = [shard_where(parked, shard), parked.c.unparked_at.is_(None)]
     if group is not None:

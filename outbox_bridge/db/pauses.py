@@ -1,12 +1,9 @@
-"""Paused categories and scopes: the table ``<table>_pauses``, the statements that change it,
-and the one SQL clause with which every read that picks a shard's head honours it.
+"""Paused categories and scopes: the statements of ``<table>_pauses``, and the SQL clause with
+which every read of a shard's head honours it.
 
-A row of a paused category, and every row of a shard of a paused scope, is *not due*: the
-drains treat it as a row scheduled for later, so its shard stops at it and the rows behind it,
-of any category, wait too (order is per shard). Such a row reads as due again
-:data:`PAUSE_RECHECK_SECONDS` from now at the latest, so that a shard workflow waiting for it
-looks again at a modest pace; a resume wakes the waiting shards at once (the bridge's sweep,
-asked for with :data:`PAUSES_CHANGED` on the table's NOTIFY channel).
+A row of a paused category or scope is *not due*, like a row scheduled for later: its shard
+stops at it (order is per shard). It reads as due :data:`PAUSE_RECHECK_SECONDS` from now at the
+latest; a resume wakes the waiting shards at once (:data:`PAUSES_CHANGED` asks for a sweep).
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from outbox_bridge.db.schema import notify_channel, pauses_of, shard_values
 from outbox_bridge.workflows.models import PauseKind, ShardRef
 
-# At most this long, a shard workflow waiting at a paused row sleeps before it reads the shard
-# again (a resume wakes it at once; this is the fallback if that wake-up is missed).
+# A shard workflow waiting at a paused row reads the shard again after this long at most (in
+# case it misses the resume's wake-up).
 PAUSE_RECHECK_SECONDS = 300
 # What a change of the pauses sends on the table's NOTIFY channel: the active bridge sweeps.
 PAUSES_CHANGED = "pauses"
@@ -44,9 +41,9 @@ class Pause:
 
 
 def paused_sql(table: Table, row: str, scope: str | None = None) -> str:
-    """SQL that is true when the row ``row`` (an alias of ``table``) is paused: its category
-    or its scope (``scope``, an SQL expression; ``row``'s own by default). The pauses are read
-    once per statement (uncorrelated sub-selects), not once per row."""
+    """SQL, true when the row ``row`` (an alias of ``table``) has a paused category or scope
+    (``scope``, an SQL expression; ``row``'s own by default). Uncorrelated sub-selects: the
+    pauses are read once per statement, not per row."""
     pauses = pauses_of(table).name
     scope = scope or f"{row}.shard_scope"
     return (
@@ -97,8 +94,8 @@ def due_at(table: Table) -> ColumnElement[Any]:
 async def add_pause(
     conn: AsyncConnection, table: Table, kind: PauseKind, number: int, reason: str, by: str
 ) -> Pause:
-    """Pause a category or a scope of ``table`` (pausing it again records the new reason and
-    who, and keeps when it began), and tell the bridge."""
+    """Pause a category or a scope of ``table`` and tell the bridge (pausing again records the
+    new reason and who, and keeps when it began)."""
     pauses = pauses_of(table)
     insert = pg_insert(pauses).values(kind=kind, number=number, reason=reason, paused_by=by)
     statement = insert.on_conflict_do_update(
@@ -114,7 +111,7 @@ async def remove_pause(
     conn: AsyncConnection, table: Table, kind: PauseKind, number: int
 ) -> Pause | None:
     """Resume a paused category or scope of ``table`` (None if it was not paused), and tell the
-    bridge, whose sweep wakes the shards that waited for it."""
+    bridge, whose sweep wakes the waiting shards."""
     pauses = pauses_of(table)
     statement = (
         delete(pauses).where(pauses.c.kind == kind, pauses.c.number == number).returning(*pauses.c)
@@ -132,8 +129,7 @@ async def read_pauses(conn: AsyncConnection, table: Table) -> list[Pause]:
 
 
 async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef) -> Pause | None:
-    """The pause that ``shard`` waits for: the one that holds its first row not due, if that
-    row is paused (a category's pause before a scope's)."""
+    """The pause that holds ``shard``'s first row not due, if any (a category's first)."""
     pauses = pauses_of(table)
     values = shard_values(table, shard)
     where = " AND ".join(f"t.{name} = :{name}" for name in values)

@@ -64,11 +64,9 @@ def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
 
 
 def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Table:
-    """Define an outbox table named ``name`` on ``metadata``.
-
-    Columns follow the outbox vocabulary (the design contract, docs/explanation/contract.md).
-    Only the five core columns need a value on insert (plus ``region`` for a regional table);
-    the dates default to now.
+    """Define an outbox table named ``name`` on ``metadata``, with its owner, parked-group and
+    pause tables. Only the five core columns (and ``region`` in a regional table) need a value
+    on insert; the dates default to now. The columns are described on the contract page.
     """
     shard = shard_columns(regional)
     columns: list[Column[object]] = [
@@ -122,12 +120,9 @@ def _group_rows(regional: bool) -> list[Column[object]]:
 
 
 def owner_table(outbox: Table) -> Table:
-    """The table that records which shards of ``outbox`` their own shard workflow holds.
-
-    A shard is drained by its table's partitions unless it has a row here: then its
-    ``OutboxShard`` workflow owns it (its handler failed, an operator skipped it, its head is
-    deferred, or a flush waits on it) until it gives the shard back. Rows are written and
-    deleted under the shard's lock, so ownership never changes in the middle of a drain.
+    """The table of the shards of ``outbox`` that their own ``OutboxShard`` workflow holds
+    (its handler failed, it is skipped, its head is deferred, a flush waits on it); partitions
+    drain the others. Rows change under the shard's lock: never in the middle of a drain.
     """
     regional = bool(outbox.info.get("regional"))
     columns: list[Column[object]] = []
@@ -148,11 +143,8 @@ def owners_name(table: str) -> str:
 
 
 def pause_table(outbox: Table) -> Table:
-    """The table of the categories and scopes of ``outbox`` that an operator paused.
-
-    A row of a paused category, and every row of a paused scope, is not due: its shard waits at
-    it, as at a row scheduled for later (rows behind it wait too: order is per shard). Deleting
-    the pause makes them due again.
+    """The table of the categories and scopes of ``outbox`` that an operator paused: their
+    rows are not due, and their shards wait at them as at a row scheduled for later.
     """
     pauses = Table(
         pauses_name(outbox.name),
@@ -182,12 +174,11 @@ def owners_of(outbox: Table) -> Table:
 
 
 def parked_table(outbox: Table) -> Table:
-    """The table that records the coalescing groups of ``outbox`` an operator parked (set
-    aside so that their shard goes on), and when each was put back: the audit record.
+    """The table of the coalescing groups of ``outbox`` an operator parked (set aside so that
+    their shard goes on), kept as the audit record once they are put back.
 
-    A group with a row here and no ``unparked_at`` is invisible to every drain: its rows stay
-    in the outbox table, later rows of the same object included, until it is unparked. An
-    unparked group keeps its row (who parked it, when and why; who put it back, when).
+    A group with a row here and no ``unparked_at`` is invisible to every drain; its rows, later
+    ones included, stay in the outbox table until it is unparked.
     """
     regional = bool(outbox.info.get("regional"))
     columns: list[Column[object]] = [
@@ -238,9 +229,9 @@ def _side(outbox: Table, kind: str) -> Table:
 def notify_ddl(table: Table) -> list[str]:
     """Statements that install the statement-level NOTIFY trigger on ``table`` (idempotent).
 
-    One notification per INSERT statement, carrying the highest new id of each shard it
-    touched; a statement touching too many shards sends ``*`` and the bridge sweeps instead.
-    Notifications are delivered at commit, so a rolled-back row is never announced.
+    One notification per INSERT statement, with the highest new id of each shard it touched
+    (``*``, a sweep, past the payload limit), delivered at commit: a rolled-back row is never
+    announced.
     """
     name = table.name
     regional = bool(table.info.get("regional"))
@@ -282,8 +273,8 @@ def drop_notify_ddl(table: Table) -> list[str]:
 
 
 def add_trace_context_ddl(table: Table) -> str:
-    """The statement that adds the ``trace_context`` column to an outbox table created before
-    it existed (idempotent; a nullable column without default: no table rewrite)."""
+    """The statement that adds the ``trace_context`` column to an older outbox table
+    (idempotent; nullable without default: no table rewrite)."""
     return f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} jsonb"
 
 
@@ -293,16 +284,18 @@ def date_added_check(table_name: str) -> CheckConstraint:
     return CheckConstraint("isfinite(date_added)", name=f"{table_name}_date_added_finite")
 
 
+async def _absent(conn: AsyncConnection, catalog_query: str, **params: str) -> bool:
+    # The catalog is read first: ALTER TABLE locks the table out even when it has nothing to
+    # do, and this runs at every worker start.
+    return (await conn.execute(text(catalog_query), params)).first() is None
+
+
 async def add_date_added_check(conn: AsyncConnection, table: Table) -> None:
-    """Add :func:`date_added_check` to an outbox table created before it existed. ``NOT
-    VALID``: rows already there are not read (no scan at start-up), new writes are checked.
-    The catalog is read first, so that nothing is locked when the constraint is there."""
+    """Add :func:`date_added_check` to an older outbox table, ``NOT VALID``: existing rows are
+    not scanned, new writes are checked."""
     name = f"{table.name}_date_added_finite"
-    present = await conn.execute(
-        text("SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(:table) AND conname = :n"),
-        {"table": table.name, "n": name},
-    )
-    if present.first() is None:
+    query = "SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(:table) AND conname = :n"
+    if await _absent(conn, query, table=table.name, n=name):
         await conn.execute(
             text(
                 f"ALTER TABLE {table.name} ADD CONSTRAINT {name} CHECK (isfinite(date_added)) "
@@ -312,19 +305,12 @@ async def add_date_added_check(conn: AsyncConnection, table: Table) -> None:
 
 
 async def add_missing_columns(conn: AsyncConnection, table: Table) -> None:
-    """Add the columns that later versions added to an existing outbox table.
-
-    The catalog is read first: ``ALTER TABLE`` locks the table out even when it has nothing to
-    do, and this runs at every worker start.
-    """
-    present = await conn.execute(
-        text(
-            "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(:table) "
-            "AND attname = :column AND NOT attisdropped"
-        ),
-        {"table": table.name, "column": TRACE_CONTEXT_COLUMN},
+    """Add the columns that later versions added to an existing outbox table."""
+    query = (
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(:table) "
+        "AND attname = :column AND NOT attisdropped"
     )
-    if present.first() is None:
+    if await _absent(conn, query, table=table.name, column=TRACE_CONTEXT_COLUMN):
         await conn.execute(text(add_trace_context_ddl(table)))
 
 
@@ -344,13 +330,12 @@ async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> Non
 
 
 async def prepare_database(engine: AsyncEngine, metadata: MetaData) -> None:
-    """:func:`create_outbox_tables` with the engine's own connection, a driver error turned
-    into a :class:`ConfigurationError` that names the database (password masked)."""
+    """:func:`create_outbox_tables` with the engine's own connection; a driver error becomes a
+    :class:`ConfigurationError` naming the database (the driver's message has no password)."""
     try:
         async with engine.begin() as conn:
             await create_outbox_tables(conn, metadata)
     except DBAPIError as exc:
-        # The driver's message names host and port, never the password.
         raise ConfigurationError(
             f"cannot create the outbox tables in {safe_url(engine.url)}: {str(exc.orig).strip()}"
         ) from None

@@ -1,9 +1,8 @@
-"""What PostgreSQL's statistics say about the outbox tables, for the worker's summary.
+"""Rows inserted into and deleted from the outbox tables, for the worker's summary.
 
-Read from ``pg_stat_user_tables``, never from the tables themselves: the counts are
-PostgreSQL's cumulative statistics, which each backend reports at the end of its transactions
-(at most once a second, and within about ten seconds when it goes idle), so they run a little
-behind. A rate over a few seconds is what they are good for.
+Read from ``pg_stat_user_tables``, never the tables: backends report these cumulative counts at
+most once a second (within about ten seconds when idle), so they lag; good for a rate over a
+few seconds.
 """
 
 from __future__ import annotations
@@ -31,11 +30,8 @@ class RowCounters:
 
 
 async def read_row_counters(conn: AsyncConnection, tables: Sequence[Table]) -> RowCounters:
-    """The rows ever inserted into and deleted from ``tables``, as far as the statistics know.
-
-    Deleted rows are handled rows (the worker deletes a row once its group's handler
-    succeeded), unless an operator deleted some by hand.
-    """
+    """The rows ever inserted into and deleted from ``tables``, as far as the statistics
+    know (deleted rows are handled ones, unless an operator deleted some by hand)."""
     stats = _PG_STAT_USER_TABLES.c
     query = select(
         func.coalesce(func.sum(stats.n_tup_ins), 0), func.coalesce(func.sum(stats.n_tup_del), 0)

@@ -96,9 +96,9 @@ def lock_key(shard: ShardRef) -> str:
 
 
 async def try_lock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> list[bool]:
-    """Take the advisory lock of each of ``shards`` that is free, in one statement; says which
-    were taken, in order. The locks belong to the connection, not a transaction (none stays
-    open while a handler runs); closing the connection (a crashed worker) releases them."""
+    """Take the free advisory locks of ``shards`` in one statement; which were taken, in order.
+    Session locks, not transaction ones (no transaction stays open while a handler runs): a
+    crashed worker's closed connection releases them."""
     if not shards:
         return []
     result = await conn.execute(
@@ -123,9 +123,8 @@ async def unlock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> No
 
 
 async def lock_shard_waiting(conn: AsyncConnection, shard: ShardRef, seconds: float) -> bool:
-    """Take ``shard``'s advisory lock, waiting at most ``seconds`` for whoever holds it (an
-    operation that must happen, such as holding a shard for a skip, waits for a drain round in
-    the shard to finish rather than failing). False if the wait ran out."""
+    """Take ``shard``'s advisory lock, waiting at most ``seconds`` (a skip waits for a drain
+    round of the shard to end rather than fail). False if the wait ran out."""
     timeout = f"{max(1, int(seconds * 1000))}ms"
     await conn.execute(
         text("SELECT set_config('lock_timeout', :timeout, false)"), {"timeout": timeout}
@@ -164,8 +163,7 @@ async def read_pending_up_to(
 
 @dataclass(frozen=True)
 class FirstRow:
-    """A shard's first pending row: which group heads the shard, and whether it may run now
-    (by the database's clock)."""
+    """A shard's first pending row, and whether it may run now (by the database's clock)."""
 
     id: int
     category: int
@@ -203,8 +201,7 @@ async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef
 async def read_trace_contexts(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, Any]:
-    """The stored producer trace context of each of ``ids`` that has one (read only when
-    tracing is on)."""
+    """The stored producer trace context of each of ``ids`` that has one."""
     column = table.c[TRACE_CONTEXT_COLUMN]
     return await _by_id(conn, table, column, ids, column.is_not(None))
 
@@ -222,9 +219,8 @@ async def _by_id(
 async def read_oldest_ages(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, float]:
-    """Per scope, the age in seconds (by the database's clock) of the oldest of ``ids``: the
-    sweep passes each shard's lowest pending id, so this costs one index lookup per shard
-    rather than a scan of the table."""
+    """Per scope, the age in seconds (by the database's clock) of the oldest of ``ids`` (each
+    shard's lowest pending id: one index lookup per shard, no scan of the table)."""
     if not ids:
         return {}
     age = func.extract("epoch", func.max(func.now() - table.c.date_added))
@@ -283,9 +279,8 @@ async def read_shard_ranges(
     partition: tuple[int, int] | None = None,
     limit: int | None = None,
 ) -> list[ShardRange]:
-    """Shards with rows (with ``after_id``, only rows above it), with their id range: with
-    ``partition`` (number, partitions) only that partition's, with ``limit`` at most that many,
-    those with the oldest rows first."""
+    """Shards with rows (above ``after_id``, if given) and their id range; with ``partition``
+    (number, partitions) only its shards, with ``limit`` that many with the oldest rows."""
     keys = _shard_key_columns(table)
     first = func.min(table.c.id)
     query = select(*keys, first, func.max(table.c.id), func.count()).group_by(*keys)
@@ -390,11 +385,9 @@ async def read_windows(
     skip_held: bool,
     skip_paused: bool = False,
 ) -> list[ShardWindow]:
-    """For each of ``shards``, its first ``window`` rows in id order (from the shard index,
-    without touching payloads) and its highest id, in one statement. With ``skip_held``, the
-    shards their own workflow holds are left out (see :func:`hold_shard`); with
-    ``skip_paused``, those held because they are skipped. Shards without rows are left out
-    too."""
+    """For each of ``shards`` with rows, its first ``window`` rows in id order (from the shard
+    index, no payloads) and its highest id, in one statement. ``skip_held`` leaves out the
+    shards their own workflow holds (:func:`hold_shard`), ``skip_paused`` the skipped ones."""
     if not shards:
         return []
     regional = "region" in table.c
@@ -439,8 +432,7 @@ async def read_windows(
 
 
 def _finite(seconds: float | None) -> float | None:
-    """Seconds until a row is due, at most until :data:`LATEST` (``infinity`` in the table
-    reads as that)."""
+    """Seconds until a row is due, capped at :data:`LATEST` (as ``infinity`` reads)."""
     if seconds is None:
         return None
     latest = (LATEST - datetime.now(UTC)).total_seconds()
@@ -460,10 +452,9 @@ class GroupTail:
 async def read_group_tails(
     conn: AsyncConnection, table: Table, tails: Sequence[GroupTail]
 ) -> list[tuple[list[int], float | None]]:
-    """For each group of ``tails``: its ids after the window that are due and come before the
-    shard's first row not yet due, and when that row is due (seconds; None if none is in the
-    way). One statement for all; each group costs two index lookups plus its own rows, and
-    each shard one range scan up to its groups' newest row."""
+    """For each group of ``tails``: its ids after the window before the shard's first row not
+    due, and in how many seconds that row is due (None: none in the way). One statement; each
+    group costs two index lookups plus its rows, each shard a range scan to its newest group."""
     if not tails:
         return []
     regional = "region" in table.c
@@ -512,9 +503,8 @@ async def read_group_tails(
 async def read_rows(
     conn: AsyncConnection, table: Table, ids: Sequence[int], *, with_trace_context: bool
 ) -> dict[int, Row[Any]]:
-    """The rows ``ids`` (those still there), payloads included, as JSON text: the newest row
-    of each group a drain is about to hand to its handler. Decoding it is left to the caller,
-    so that a payload PostgreSQL stores but Python cannot decode fails its own row only."""
+    """The rows ``ids`` still there, payloads as JSON text: the caller decodes them, so that a
+    payload PostgreSQL stores but Python cannot decode fails its own row only."""
     if not ids:
         return {}
     columns: list[Any] = [
@@ -529,8 +519,8 @@ async def read_rows(
 async def read_payload_sizes(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, int]:
-    """The payload size in bytes of each of ``ids`` still there, as stored
-    (``pg_column_size``: compressed if it was, and read without loading the payload)."""
+    """The stored payload size in bytes of each of ``ids`` still there (``pg_column_size``:
+    compressed if it was; the payload is not loaded)."""
     return await _by_id(conn, table, func.coalesce(func.pg_column_size(table.c.payload), 0), ids)
 
 
@@ -548,14 +538,14 @@ def _delete_statement(table: Table, ids: Sequence[int]) -> Any:
 
 
 class DriverWrites:
-    """A drain round's deletes and unlocks on one table (as :func:`delete_handled` and
-    :func:`unlock_shards`), compiled once and run straight on the psycopg connection:
-    SQLAlchemy's share of each (compiling, a greenlet, result rows) was most of their cost.
+    """:func:`delete_handled` and :func:`unlock_shards` of one table, compiled once and run on
+    the psycopg connection: SQLAlchemy's share (compiling, a greenlet, result rows) was most
+    of their cost.
 
-    Each delete is a transaction of its own, committed asynchronously (saving the WAL flush,
-    about 40% of its time): a crash of the worker cannot undo it, only a crash of PostgreSQL
-    within the WAL writer's delay can, and then the rows run again, as at-least-once allows.
-    Ownership changes commit synchronously, which makes every delete before them durable too.
+    Each delete commits asynchronously (no WAL flush, about 40% of its time): only a crash of
+    PostgreSQL within the WAL writer's delay undoes it, and its rows run again, as
+    at-least-once allows. Ownership changes commit synchronously, making earlier deletes
+    durable too.
     """
 
     def __init__(self, table: Table, dialect: Dialect) -> None:
@@ -611,15 +601,10 @@ def driver_writes(table: Table, dialect: Dialect) -> DriverWrites:
 STATISTICS_MIN_ROWS = 1_000
 
 
-async def lacks_statistics(
-    conn: AsyncConnection, table: Table, *, min_rows: int = STATISTICS_MIN_ROWS
-) -> bool:
-    """Whether ``table`` holds at least ``min_rows`` rows and PostgreSQL has no statistics on
-    its shard columns (never analyzed, or analyzed while empty).
-
-    Without them the planner may look a coalescing group up by range-scanning the rest of a
-    deep shard, once per group of every round (a 20,000-row shard drained at about 420 rows/s
-    instead of 11,000)."""
+async def lacks_statistics(conn: AsyncConnection, table: Table) -> bool:
+    """Whether ``table`` holds :data:`STATISTICS_MIN_ROWS` rows or more and no statistics on
+    its shard columns. Without them the planner may range-scan a deep shard once per group of
+    every round (a 20,000-row shard drained at 420 rows/s instead of 11,000)."""
     result = await conn.execute(
         text(
             f"""
@@ -631,7 +616,7 @@ async def lacks_statistics(
             ) AND (SELECT count(*) FROM (SELECT 1 FROM {table.name} LIMIT :rows) r) >= :rows
             """
         ),
-        {"table": table.name, "rows": min_rows},
+        {"table": table.name, "rows": STATISTICS_MIN_ROWS},
     )
     return bool(result.scalar())
 
@@ -649,10 +634,9 @@ async def hold_shard(
     conn: AsyncConnection, table: Table, shard: ShardRef, held_for: str, *, over_skip: bool = False
 ) -> None:
     """Record that ``shard``'s own workflow holds it, and why (partitions leave it alone until
-    :func:`release_shard`; every drain leaves a shard held because it is skipped alone). Call
-    it under the shard's lock; holding it again records the new reason, but a skip is replaced
-    only by another skip, or with ``over_skip`` (the workflow's own skip and resume): a drain
-    that started before the skip was recorded never undoes it."""
+    :func:`release_shard`). Call it under the shard's lock. A skip is replaced only by another
+    skip, or with ``over_skip`` (the workflow's own skip and resume): a drain that started
+    before the skip never undoes it."""
     owners = owners_of(table)
     insert = pg_insert(owners).values(**shard_values(table, shard), held_for=held_for)
     keeps_skip = held_for != SKIPPED_HOLD and not over_skip
@@ -668,8 +652,8 @@ async def hold_shard(
 async def hold_free_shards(
     conn: AsyncConnection, table: Table, shards: Sequence[ShardRef], held_for: str
 ) -> list[ShardRef]:
-    """Hold those of ``shards`` that no workflow holds yet, in one statement, and return them;
-    a shard already held keeps its holder and its reason. Call it under the shards' locks."""
+    """Hold those of ``shards`` no workflow holds yet, in one statement, and return them (the
+    others keep their reason). Call it under the shards' locks."""
     if not shards:
         return []
     owners = owners_of(table)
@@ -706,8 +690,7 @@ class HeldShard:
 
 
 async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShard]:
-    """Every shard of ``table`` that a workflow holds, with its head row: one statement, one
-    index lookup per held shard."""
+    """Every shard of ``table`` a workflow holds, with its head row (one index lookup each)."""
     owners = owners_of(table)
     head = (
         select(*_first_row_columns(table))

@@ -1,12 +1,9 @@
-"""PostgreSQL's ``infinity`` and ``-infinity`` timestamps, read as Python datetimes.
+"""PostgreSQL's ``±infinity`` timestamps read as the latest and earliest aware datetimes.
 
-A producer writing plain SQL may store them in ``scheduled_for``, and psycopg cannot load them
-(a ``datetime`` cannot be infinite), which would fail every drain of the row's shard. The worker
-reads them as the latest and earliest aware datetimes instead: a row due at ``infinity`` defers
-its shard like a row due in year 9999, and a row due since ``-infinity`` is due now.
-
-Every other value goes to psycopg's own loader, its C implementation when installed (wrapped:
-a compiled loader cannot be subclassed), about 25 times faster than the pure-Python one.
+Plain SQL may store them in ``scheduled_for``, and psycopg cannot load them (a ``datetime`` is
+finite): every drain of the row's shard would fail. Read this way, a row due at ``infinity``
+defers its shard like one due in year 9999. Other values go to psycopg's own loader, the C one
+when installed (wrapped: it cannot be subclassed), about 25 times faster than pure Python.
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 LATEST = datetime.max.replace(tzinfo=UTC)
 EARLIEST = datetime.min.replace(tzinfo=UTC)
 
-
-# psycopg's text loader of timestamptz: the compiled one when available.
 _FAST_LOADER: type[Loader] = getattr(_cmodule._psycopg, "TimestamptzLoader", TimestamptzLoader)
 
 
@@ -55,6 +50,6 @@ def load_infinite_timestamps(engine: AsyncEngine) -> None:
 
 
 def iso_utc(moment: datetime) -> str:
-    """``moment`` in ISO 8601, in UTC whatever the database session's time zone: what the
-    workflows keep and show reads the same from every server."""
+    """``moment`` in ISO 8601 and UTC, whatever the session's time zone: what the workflows
+    keep and show reads the same from every server."""
     return moment.astimezone(UTC).isoformat()

@@ -59,10 +59,8 @@ class Slots:
                 timer.cancel()
             if round_ is not None:
                 round_.woken(waiter)
-            # A waiter handed a slot has left the queue already; one that expired or was
-            # cancelled stays until it reaches the front, where it is skipped: removing it
-            # here would scan the whole queue once per wait (thousands of waiters in a busy
-            # worker, every one of them woken in turn).
+            # One that expired or was cancelled stays queued until it reaches the front and is
+            # skipped: removing it here would scan the whole queue (thousands) once per wait.
         return True
 
     def give(self) -> None:

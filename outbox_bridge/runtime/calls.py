@@ -71,9 +71,8 @@ class Call:
 @dataclasses.dataclass(frozen=True)
 class Pace:
     """Keeps the drains from running far ahead of what they deleted: ``wait`` is awaited before
-    every call, a thread hop runs at most ``hop`` sync handlers and stops when ``ahead`` (asked
-    from the thread) says so, and reports each group it handled to ``unreported`` at once
-    (``-1`` once the event loop was told)."""
+    every call; a thread hop runs at most ``hop`` sync handlers, stops when ``ahead`` says so,
+    and reports each group it handled to ``unreported`` at once (``-1`` once the loop knows)."""
 
     wait: Callable[[], Awaitable[None]]
     ahead: Callable[[], bool]
@@ -263,7 +262,8 @@ class HandlerCalls:
                 assert call.handler is not None
                 returned = await self._bounded(call, clock)
         except asyncio.CancelledError as exc:
-            if _cancelled():
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
                 raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
             # The handler raised CancelledError itself: a failure like any other, or
             # the local drain would fail the shard's workflow instead of blocking it.
@@ -470,10 +470,3 @@ def _decode_payload(shard: ShardRef, row: Row[Any]) -> tuple[Any, PayloadDecodeE
             f"the payload of row {row.id} cannot be decoded: {type(exc).__qualname__}: {exc}; "
             f"fix or delete the row, or skip shard {shard.key}"
         )
-
-
-def _cancelled() -> bool:
-    """Whether the running task was asked to cancel (rather than something raising
-    CancelledError on its own)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

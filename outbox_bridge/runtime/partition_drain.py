@@ -1,8 +1,8 @@
 """A partition's drain: the healthy path, many shards at a time, in a lingering activity of its
-``OutboxPartition`` workflow. It learns of shards with rows from this worker's notifications,
-its scan for ids above the newest seen (every poll interval) and a scan of every shard (every
-rescan interval, and at start), and drains them in several concurrent rounds. A shard that
-needs attention is held for its ``OutboxShard`` workflow under its lock, then handed over.
+``OutboxPartition`` workflow. It learns of shards with rows from this worker's notifications, a
+scan for ids above the newest seen (every poll interval) and a scan of every shard (every rescan
+interval, and at start), and drains them in concurrent rounds. A shard that needs attention is
+held for its ``OutboxShard`` workflow under its lock, then handed over.
 """
 
 from __future__ import annotations
@@ -114,11 +114,8 @@ class PartitionDrain:
         self._overflowed = False  # shards were left out of the queue: scan every shard again
         self._in_flight: set[ShardKey] = set()
         self._watermark = 0
-        self._stats = PartitionRound()
-        if carried is not None:  # what the attempt before, on a worker that left, handled
-            self._stats.rows_handled = carried.rows_handled
-            self._stats.groups_handled = carried.groups_handled
-            self._stats.handed_over = carried.handed_over
+        # What the attempt before, on a worker that left, handled: this run counts on from it.
+        self._stats = carried if carried is not None else PartitionRound()
         self._drained: set[ShardKey] = set()
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
@@ -172,7 +169,7 @@ class PartitionDrain:
                     rounds.add(task)
                     task.add_done_callback(rounds.discard)
                 if now >= next_beat:
-                    self._beat(began)
+                    self._heartbeat(self._report(began))
                     next_beat = now + HEARTBEAT_SECONDS
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
@@ -181,7 +178,7 @@ class PartitionDrain:
             # Rounds end within their time budget (or their handlers' timeout): finish them.
             while rounds:
                 await asyncio.wait(rounds, timeout=HEARTBEAT_SECONDS)
-                self._beat(began)
+                self._heartbeat(self._report(began))
         finally:
             self._hub.close_partition(inbox)
             for task in rounds:
@@ -409,9 +406,6 @@ class PartitionDrain:
         stats.handed_over += len(handed)
 
     # -- reporting -----------------------------------------------------------------------------
-
-    def _beat(self, began: float) -> None:
-        self._heartbeat(self._report(began))
 
     def _report(self, began: float) -> PartitionRound:
         stats = self._stats

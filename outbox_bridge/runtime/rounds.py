@@ -3,10 +3,9 @@ delete what was handled, unlock them.
 
 Every write of a round goes through the one connection that holds its shard locks: if it dies,
 the locks are gone and so is every later write of the round (the fence), and its handled rows run
-again. Deletes are pipelined, one statement at a time per round, and no round takes a further
-group while the worker's rounds have ``max_undeleted_groups`` handled and not deleted: a crash
-repeats at most those and the calls under way. A shard is unlocked once its last group is
-deleted. A round is also bounded by the payload bytes of its groups' newest rows.
+again. Deletes are pipelined, and no round takes a further group while the worker's rounds have
+``max_undeleted_groups`` handled and not deleted: a crash repeats at most those and the calls
+under way. A round is also bounded by the payload bytes of its groups' newest rows.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ ROUND_MAX_BYTES = 64 * 2**20
 
 class Undeleted:
     """Groups handled and not deleted yet in every round of one worker (handler threads
-    included), and the calls waiting for room under ``limit``, first come first served: a
-    delete wakes as many waiters as there is room, not every shard of every round."""
+    included), and the calls waiting for room under ``limit``, first come first served."""
 
     def __init__(self, limit: int = MAX_CONCURRENT_CALLS) -> None:
         if limit < 1:
@@ -131,8 +129,7 @@ class ShardHead:
     deferred_seconds: float | None = None  # then the head is a row not due for this long
     deferred_until: datetime | None = None  # (when it is due)
     rows: dict[int, Row[Any]] = field(default_factory=dict)  # the newest row of each group
-    # The shard's head could not be read: its first group (if known) fails with this.
-    fault: HandlerFailure | None = None
+    fault: HandlerFailure | None = None  # why the head cannot be read (its first group fails)
 
 
 @dataclass
@@ -166,9 +163,9 @@ class LockedShards:
     deletes, holds, releases, unlocks.
 
     A write that fails for one shard's reason (a trigger refusing its delete, say) is done
-    again shard by shard; only the shards whose own write fails stop, held for their workflow
-    with why (:meth:`fault`). A lost connection stops every write of the round (the fence);
-    what was handled and not deleted is kept in :attr:`unwritten`."""
+    again shard by shard; only the shards whose own write fails stop, held with why
+    (:meth:`fault`). A lost connection stops every write of the round (the fence); what was
+    handled and not deleted is kept in :attr:`unwritten`."""
 
     def __init__(
         self,
@@ -400,12 +397,13 @@ class LockedShards:
         if unlocks:
             await self._unlock_each(list(unlocks))
 
-    async def _apart(
-        self, write: Callable[[list[ShardRef]], Awaitable[None]], shards: list[ShardRef]
+    async def apart(
+        self, work: Callable[[list[ShardRef]], Awaitable[None]], shards: list[ShardRef]
     ) -> dict[ShardRef, Exception]:
-        """``write(shards)``, else shard by shard; returns the shards whose own write failed."""
+        """``work(shards)``, else shard by shard; returns the shards whose own ``work`` failed.
+        An error that means the connection is gone is raised."""
         try:
-            await write(shards)
+            await work(shards)
             return {}
         except Exception as exc:
             if self.gone(exc):
@@ -413,7 +411,7 @@ class LockedShards:
         failed: dict[ShardRef, Exception] = {}
         for shard in shards:
             try:
-                await write([shard])
+                await work([shard])
             except Exception as exc:
                 if self.gone(exc):
                     raise
@@ -431,7 +429,7 @@ class LockedShards:
                 await self._delete([i for s in shards for g in groups[s] for i in g.ids])
             )
 
-        for shard, exc in (await self._apart(delete, list(groups))).items():
+        for shard, exc in (await self.apart(delete, list(groups))).items():
             # Its handled groups stay and run again, after the shard's workflow took it over.
             self.fault(shard, groups[shard][0], "its handled rows cannot be deleted", exc)
             self._faulted.append(shard)
@@ -456,7 +454,7 @@ class LockedShards:
 
     async def _unlock_each(self, shards: list[ShardRef]) -> None:
         """Unlock ``shards``; one that cannot be is held and locked until the connection closes."""
-        failed = await self._apart(self._unlock, shards)
+        failed = await self.apart(self._unlock, shards)
         for shard, exc in failed.items():
             self.fault(shard, None, "its lock cannot be released", exc)
             self.stuck.add(shard)
@@ -629,8 +627,8 @@ class DrainEngine:
         skip_paused: bool = False,
     ) -> list[ShardHead]:
         """The head groups of every locked shard (at most ``max_groups`` each, within the
-        round's payload budget) and their newest rows. If the read fails on a live connection,
-        each shard is read alone: one whose own read fails gets a head that carries why."""
+        round's payload budget) and their newest rows. A shard whose own read fails gets a head
+        that carries why."""
         read = functools.partial(
             read_shard_heads,
             batch.execute,
@@ -641,20 +639,13 @@ class DrainEngine:
             with_trace_context=BatchObserver.tracing(),
             max_bytes=self.max_round_bytes,
         )
-        shards = list(batch.locked)  # the shards locked now, in the order they were locked
-        try:
-            return await read(shards)
-        except Exception as exc:
-            if batch.gone(exc):
-                raise
         heads: list[ShardHead] = []
-        for shard in shards:
-            try:
-                heads += await read([shard])
-            except Exception as exc:
-                if batch.gone(exc):
-                    raise
-                heads.append(await self._unreadable(batch, shard, exc))
+
+        async def read_into(shards: list[ShardRef]) -> None:
+            heads.extend(await read(shards))
+
+        for shard, exc in (await batch.apart(read_into, list(batch.locked))).items():
+            heads.append(await self._unreadable(batch, shard, exc))
         return heads
 
     async def _unreadable(

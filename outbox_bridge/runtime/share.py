@@ -1,12 +1,11 @@
 """How many partition drains this worker should run, beside the other workers of its task queue.
 
-A partition's drain runs on whichever worker the task queue gives it to. Left alone, one worker
-may run every drain while the others idle. So each worker looks at the task queue now and then:
-the workers that poll it, and which worker runs each partition's drain (the pending activity of
-each partition workflow names it). A worker takes a new drain only while it runs no more drains
-than the least busy other worker, and gives back a drain when it runs two more than that one:
-drains spread evenly as workers join, and a worker that leaves hands its drains on (at once when
-it stops gracefully, after the heartbeat timeout when it is killed).
+Left alone, the task queue may give every drain to one worker while the others idle. So each
+worker looks at the task queue now and then (its pollers, and the worker each partition's
+pending drain activity names). A worker takes a new drain only while it runs no more drains than
+the least busy other worker, and gives one back when it runs two more than that one: drains
+spread evenly as workers join, and a worker that leaves hands its drains on (at once when it
+stops gracefully, after the heartbeat timeout when it is killed).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from temporalio.api.enums.v1 import PendingActivityState, TaskQueueType
@@ -35,22 +33,9 @@ VIEW_SECONDS = 5.0
 POLLER_SECONDS = 10.0
 # A refused drain is retried by the server (after 1, 2, 4 s); after this many refusals a worker
 # takes it whatever it runs already, so that no partition waits long on a view that is wrong.
-# A drain that ran before (it has heartbeat details: its worker died or stopped) is never
-# refused: it has waited for its heartbeat timeout already.
 MAX_REFUSALS = 3
 # A drain waits no longer than this for a view of the task queue.
 ANSWER_SECONDS = 2.0
-
-
-@dataclass
-class ShareView:
-    """The other workers of the task queue, and how many partition drains each runs."""
-
-    others: dict[str, int] = field(default_factory=dict)
-
-    def least(self) -> int | None:
-        """The drains of the least busy other worker (None when this worker is alone)."""
-        return min(self.others.values()) if self.others else None
 
 
 class PartitionShare:
@@ -62,7 +47,7 @@ class PartitionShare:
         self._task_queue = task_queue
         self._tables = tables
         self.identity = client.identity
-        self._view = ShareView()
+        self._view: dict[str, int] = {}  # the other workers, and the drains each runs
         self._read_at = -VIEW_SECONDS
         self._given_back_at = -VIEW_SECONDS
         self._lock = asyncio.Lock()
@@ -72,7 +57,8 @@ class PartitionShare:
     ) -> str | None:
         """Why this worker, running ``running`` drains, leaves the drain of ``ref`` to another
         worker (None: it takes it). ``attempt`` is the drain activity's; ``ran_before`` says
-        whether an earlier attempt of it ran and heartbeated."""
+        whether an earlier attempt of it ran and heartbeated (then it is never refused: it
+        waited for its heartbeat timeout already)."""
         if ran_before or attempt > MAX_REFUSALS:
             return None
         least = await self._least(ref)
@@ -102,7 +88,7 @@ class PartitionShare:
             view = await asyncio.wait_for(self.view(self._partition_ids(ref)), ANSWER_SECONDS)
         except TimeoutError:
             return None
-        return view.least()
+        return min(view.values(), default=None)
 
     def _partition_ids(self, ref: PartitionRef) -> list[str]:
         return [
@@ -111,9 +97,9 @@ class PartitionShare:
             for number in range(ref.partitions)
         ]
 
-    async def view(self, partitions: list[str]) -> ShareView:
-        """The view, read again if it is older than ``VIEW_SECONDS``; ``partitions`` are the
-        workflow ids of the partitions to count."""
+    async def view(self, partitions: list[str]) -> dict[str, int]:
+        """The other workers and the drains each runs, read again if older than
+        ``VIEW_SECONDS``; ``partitions`` are the workflow ids of the partitions to count."""
         async with self._lock:
             if time.monotonic() - self._read_at >= VIEW_SECONDS:
                 self._read_at = time.monotonic()
@@ -123,7 +109,7 @@ class PartitionShare:
                     log.debug("cannot read the task queue's workers: %s", exc)
             return self._view
 
-    async def _read(self, partitions: list[str]) -> ShareView:
+    async def _read(self, partitions: list[str]) -> dict[str, int]:
         service = self._client.workflow_service
         answer = await service.describe_task_queue(
             DescribeTaskQueueRequest(
@@ -152,4 +138,4 @@ class PartitionShare:
                     and runner != self.identity
                 ):
                     others[runner] = others.get(runner, 0) + 1
-        return ShareView(others)
+        return others

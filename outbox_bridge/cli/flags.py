@@ -77,6 +77,16 @@ table_option = click.option("--table", help="The outbox table (default: the app'
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
+def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.argument("shard")(table_option(fn))
+        return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
+
+    return decorate
+
+
 def required_reason(reason: str, what: str) -> str:
     """``reason`` stripped; refused when blank (a ``what`` needs a reason)."""
     if not reason.strip():

@@ -54,7 +54,6 @@ def settings_options(*groups: SettingGroup) -> Callable[[F], F]:
     return decorate
 
 
-# Every tool command ends its help with this.
 ENVIRONMENT_EPILOG = (
     "The other settings (TLS, API key, Temporal's configuration file, the embedded servers' "
     "ports, ...) come from the environment, as the worker's do: see `outbox-bridge worker "

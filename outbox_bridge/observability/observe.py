@@ -160,7 +160,7 @@ class ObservedCall:
     ) -> None:
         try:
             if self._batch.metrics is not None:
-                self._record(exc)
+                self._record(self._batch.metrics, exc)
             if exc is not None and self._span is not None:
                 self._fail_span(exc)
         finally:
@@ -168,9 +168,7 @@ class ObservedCall:
                 self._span.__exit__(exc_type, exc, tb)
             LOG_CONTEXT.reset(self._token)
 
-    def _record(self, exc: BaseException | None) -> None:
-        metrics = self._batch.metrics
-        assert metrics is not None
+    def _record(self, metrics: OutboxMetrics, exc: BaseException | None) -> None:
         shard = self._batch.shard
         if isinstance(exc, asyncio.CancelledError):
             return  # a skip or a shutdown: neither a success nor a failure of the handler

@@ -115,17 +115,13 @@ history.add_command(history_export)
 def replay(files: tuple[Path, ...]) -> None:
     """Replay exported histories against the current workflow code, as the worker runs it and
     under the sandbox; exit 1 on nondeterminism, naming the first event that differs."""
-    failed = asyncio.run(_replay(files))
-    click.echo(f"{len(files) - failed} replayed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
-
-async def _replay(files: tuple[Path, ...]) -> int:
     click.echo(f"replaying {len(files)} histories, several at once", err=True)
-    failures = await HistoryReplayer().replay_all(files)
+    failures = asyncio.run(HistoryReplayer().replay_all(files))
     for path, failure in zip(files, failures, strict=True):
         click.echo(f"ok   {path}" if failure is None else f"FAIL {failure}")
-    return sum(failure is not None for failure in failures)
+    failed = sum(failure is not None for failure in failures)
+    click.echo(f"{len(files) - failed} replayed, {failed} failed")
+    sys.exit(1 if failed else 0)
 
 
 for command in (

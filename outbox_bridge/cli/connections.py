@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -17,6 +17,7 @@ from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.errors import ConfigurationError, RegistryError
 from outbox_bridge.registry import OutboxApp, OutboxTable
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
+from outbox_bridge.runtime.scope_directory import find_shard
 from outbox_bridge.runtime.temporal import connect, temporal_address
 from outbox_bridge.workflows.models import ShardRef
 
@@ -70,7 +71,16 @@ def shard_app(settings: OutboxSettings, shard: ShardRef) -> OutboxApp:
 
 
 async def temporal_client(settings: OutboxSettings) -> Client:
+    """A client of the configured Temporal."""
     return await connect(settings, temporal_address(settings))
+
+
+async def named_shard(
+    settings: OutboxSettings, shard: str, table: str | None
+) -> tuple[Client, ShardRef]:
+    """A Temporal client, and the shard named ``shard`` (``SCOPE:ID``) in ``table``."""
+    client = await temporal_client(settings)
+    return client, await find_shard(client, shard, command_app(settings), table=table)
 
 
 @contextlib.asynccontextmanager
@@ -104,33 +114,24 @@ async def database(settings: OutboxSettings, *, create: bool = False) -> AsyncIt
 async def connected(
     settings: OutboxSettings, table: str, *, begin: bool = False
 ) -> AsyncIterator[AsyncConnection]:
-    """A connection to the database (in a transaction with ``begin``) to work on ``table``,
-    its errors turned into one line by :func:`reading`."""
+    """A connection to the database (in a transaction with ``begin``) to work on ``table``; a
+    database error in the block becomes one line that says what to do."""
     async with database(settings) as engine:
-        with reading(engine, table):
+        where = safe_url(engine.url)
+        try:
             async with engine.begin() if begin else engine.connect() as conn:
                 yield conn
-
-
-@contextlib.contextmanager
-def reading(engine: AsyncEngine, table: str) -> Iterator[None]:
-    """Turn a database error while reading ``table`` into one line that says what to do."""
-    try:
-        yield
-    except DBAPIError as exc:
-        where = safe_url(engine.url)
-        if getattr(exc.orig, "sqlstate", None) == UNDEFINED_TABLE:
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) == UNDEFINED_TABLE:
+                raise ConfigurationError(
+                    f"table {table} does not exist in {where}: give the worker's app (--app, or "
+                    "OUTBOX_APP) and --table, or create it with `outbox-bridge init-db`"
+                ) from None
+            # The driver's message names host and port, never the password.
+            reason = " ".join(str(exc.orig).split())
             raise ConfigurationError(
-                f"table {table} does not exist in {where}: give the worker's app (--app, or "
-                "OUTBOX_APP) and --table, or create it with `outbox-bridge init-db`"
+                f"cannot read table {table} in {where}: {reason}. Check OUTBOX_DATABASE_URL "
+                "(--database-url)"
             ) from None
-        # The driver's message names host and port, never the password.
-        reason = " ".join(str(exc.orig).split())
-        raise ConfigurationError(
-            f"cannot read table {table} in {where}: {reason}. Check OUTBOX_DATABASE_URL "
-            "(--database-url)"
-        ) from None
-    except SQLAlchemyError as exc:
-        raise ConfigurationError(
-            f"cannot read table {table} in {safe_url(engine.url)}: {exc}"
-        ) from None
+        except SQLAlchemyError as exc:
+            raise ConfigurationError(f"cannot read table {table} in {where}: {exc}") from None

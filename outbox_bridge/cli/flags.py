@@ -54,7 +54,6 @@ def settings_options(*groups: SettingGroup) -> Callable[[F], F]:
     return decorate
 
 
-# Every tool command ends its help with this.
 ENVIRONMENT_EPILOG = (
     "The other settings (TLS, API key, Temporal's configuration file, the embedded servers' "
     "ports, ...) come from the environment, as the worker's do: see `outbox-bridge worker "
@@ -75,6 +74,16 @@ def tool_command(name: str) -> Callable[[Callable[..., Any]], click.Command]:
 # The options several tools share.
 table_option = click.option("--table", help="The outbox table (default: the app's first).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.argument("shard")(table_option(fn))
+        return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
+
+    return decorate
 
 
 def required_reason(reason: str, what: str) -> str:

@@ -18,11 +18,11 @@ from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, tables_of, temporal_client
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
-from outbox_bridge.cli.parked_view import parked_per_shard
+from outbox_bridge.cli.park_commands import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.pauses import read_shard_pause
-from outbox_bridge.db.store import ShardDepth, read_shard_depths
+from outbox_bridge.db.store import read_shard_depths
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.scope_directory import NO_APP_HINT, ScopeDirectory
@@ -34,13 +34,6 @@ NO_WORKFLOW = "none"
 # ... and for a running workflow that did not answer its status query (no worker runs it).
 NO_ANSWER = "no answer"
 QUERY_TIMEOUT = timedelta(seconds=5)
-
-
-@dataclass
-class Listing:
-    shards: list[dict[str, Any]] = field(default_factory=list)
-    # Without the app: the scopes shown by their number, for want of a name.
-    unnamed: set[int] = field(default_factory=set)
 
 
 @tool_command("shards")
@@ -69,13 +62,13 @@ def shards(
     Without the app (--app, --demo), scope names are learned from the shard workflows, and a
     scope none of whose shards has had one is shown by its number."""
     settings = build_settings(overrides)
-    listing = run_or_exit(_list(settings, top, scope_name, state, oldest, table))
+    listed, unnamed = run_or_exit(_list(settings, top, scope_name, state, oldest, table))
     if as_json:
-        click.echo(json.dumps(listing.shards, indent=2, default=str))
+        click.echo(json.dumps(listed, indent=2, default=str))
     else:
-        Console().print(_table(listing))
-    if listing.unnamed:
-        click.echo(_unnamed_note(sorted(listing.unnamed)), err=True)
+        Console().print(_table(listed))
+    if unnamed:
+        click.echo(_unnamed_note(sorted(unnamed)), err=True)
 
 
 def _unnamed_note(numbers: list[int]) -> str:
@@ -88,15 +81,15 @@ def _unnamed_note(numbers: list[int]) -> str:
     )
 
 
-def _table(listing: Listing) -> Table:
+def _table(listed: list[dict[str, Any]]) -> Table:
     view = Table(title="shards with pending rows")
     # The parked column only when a shard has parked groups (`outbox-bridge parked` lists them).
-    parked = any(entry["parked_groups"] for entry in listing.shards)
+    parked = any(entry["parked_groups"] for entry in listed)
     for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
         view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
     if parked:
         view.add_column("parked groups", justify="right")
-    for entry in listing.shards:
+    for entry in listed:
         view.add_row(
             entry["shard"],
             str(entry["rows"]),
@@ -116,7 +109,7 @@ async def _list(
     state: str | None,
     oldest_first: bool,
     table_name: str | None,
-) -> Listing:
+) -> tuple[list[dict[str, Any]], set[int]]:
     app = command_app(settings)
     client = await temporal_client(settings)
     table = tables_of(app, table_name).table(table_name)
@@ -129,18 +122,22 @@ async def _list(
             conn, table, scope=scope, oldest_first=oldest_first, limit=limit
         )
         now = (await conn.execute(select(func.now()))).scalar_one()
-        pauses = [await read_shard_pause(conn, table, _ref(table, d)) for d in depths]
+        refs = [
+            ShardRef(table.name, d.scope, str(d.scope), d.shard_identifier, d.region)
+            for d in depths
+        ]
+        pauses = [await read_shard_pause(conn, table, ref) for ref in refs]
         parked = await parked_per_shard(conn, table)
-    listing = Listing()
+    listed: list[dict[str, Any]] = []
     for depth, pause in zip(depths, pauses, strict=True):
-        scope_name = await names.name(depth.scope, listing)
+        scope_name = await names.name(depth.scope)
         ref = ShardRef(table.name, depth.scope, scope_name, depth.shard_identifier, depth.region)
         found, blocked = await _workflow_state(client, ref)
         if pause is not None:  # its workflow waits for the paused row as for a deferred one
             found, blocked = PAUSED, describe(app, pause)
         if state is not None and found != state:
             continue
-        listing.shards.append(
+        listed.append(
             {
                 "shard": ref.key,
                 "workflow_id": ref.workflow_id,
@@ -153,22 +150,19 @@ async def _list(
                 "parked_groups": parked[(depth.region, depth.scope, depth.shard_identifier)],
             }
         )
-        if len(listing.shards) >= top:
+        if len(listed) >= top:
             break
-    return listing
-
-
-def _ref(table: Any, depth: ShardDepth) -> ShardRef:
-    return ShardRef(table.name, depth.scope, str(depth.scope), depth.shard_identifier, depth.region)
+    return listed, names.unnamed
 
 
 @dataclass
 class _ScopeNames:
     """Scope names and numbers from the app, or without it from the shard workflows (a scope
-    none of whose shards had a workflow is shown by its number)."""
+    none of whose shards had a workflow is shown by its number, and kept in ``unnamed``)."""
 
     app: OutboxApp | None
     directory: ScopeDirectory
+    unnamed: set[int] = field(default_factory=set)
 
     async def number(self, text: str) -> int:
         number = scope_number(text)
@@ -185,12 +179,12 @@ class _ScopeNames:
             f"{NO_APP_HINT}"
         )
 
-    async def name(self, number: int, listing: Listing) -> str:
+    async def name(self, number: int) -> str:
         if self.app is not None:
             return self.app.scope_name(number)
         name = await self.directory.name(number)
         if name is None:
-            listing.unnamed.add(number)
+            self.unnamed.add(number)
         return name or str(number)
 
 

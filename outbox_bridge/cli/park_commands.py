@@ -1,39 +1,35 @@
 """``park``, ``unpark`` and ``parked``: set a shard's head group aside so that the shard goes
-on, put it back in its place in the shard's order, and list what is set aside."""
+on, put it back in its place in the shard's order, and list what is set aside (also shown by
+``status`` and ``shards``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 from rich.console import Console
-from sqlalchemy import Table
+from rich.table import Table as View
+from sqlalchemy import Table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.client import Client
 from temporalio.service import RPCError
 
 from outbox_bridge.cli import flags
-from outbox_bridge.cli.connections import (
-    command_app,
-    connected,
-    shard_app,
-    tables_of,
-    temporal_client,
-)
+from outbox_bridge.cli.connections import command_app, connected, named_shard, shard_app, tables_of
 from outbox_bridge.cli.failures import run_or_exit
-from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
-from outbox_bridge.cli.parked_view import group_text, parked_table, shard_key
-from outbox_bridge.cli.shard_commands import shard_options
+from outbox_bridge.cli.flags import build_settings, settings_options, shard_options, tool_command
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.parked import ParkedGroup, park_head, read_parked, unpark
+from outbox_bridge.db.schema import parked_of
 from outbox_bridge.db.store import lock_shard_waiting, unlock_shards
-from outbox_bridge.errors import OutboxError, ShardLockedError
+from outbox_bridge.errors import ConfigurationError, OutboxError, ShardLockedError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.scope_directory import find_shard
 from outbox_bridge.workflows.models import NotifyInput, RecheckInput, ShardRef
 
 # How long park waits for a drain of the shard (a handler call under way) to end.
@@ -61,9 +57,7 @@ class _Shard:
 
 @contextlib.asynccontextmanager
 async def _shard(settings: OutboxSettings, name: str, table: str | None) -> AsyncIterator[_Shard]:
-    client = await temporal_client(settings)
-    app = command_app(settings)
-    ref = await find_shard(client, name, app, table=table)
+    client, ref = await named_shard(settings, name, table)
     async with connected(settings, ref.table) as conn:
         yield _Shard(client, ref, shard_app(settings, ref).table(ref.table), conn)
 
@@ -76,9 +70,6 @@ async def _wake(client: Client, shard: ShardRef, why: str) -> None:
     with contextlib.suppress(RPCError):  # no workflow runs: a partition drains the shard
         await handle.signal("recheck", RecheckInput(reason=why))
         await handle.signal("notify", NotifyInput(max_id=0, late=True))
-
-
-# -- park -----------------------------------------------------------------------------------------
 
 
 @tool_command("park")
@@ -129,9 +120,6 @@ async def _park_locked(found: _Shard, reason: str, by: str) -> ParkedGroup:
             "pending rows, or all of them are parked: see `outbox-bridge parked`)"
         )
     return parked
-
-
-# -- unpark ---------------------------------------------------------------------------------------
 
 
 @tool_command("unpark")
@@ -190,9 +178,6 @@ def _parse_group(text: str | None, app: OutboxApp | None) -> tuple[int, int] | N
     return number, object_identifier
 
 
-# -- parked ---------------------------------------------------------------------------------------
-
-
 @tool_command("parked")
 @click.option("--all", "with_unparked", is_flag=True, help="Include groups put back since.")
 @flags.table_option
@@ -214,3 +199,70 @@ def parked(table: str | None, with_unparked: bool, as_json: bool, **overrides: A
         click.echo(json.dumps(shown, indent=2, default=str))
         return
     Console().print(parked_table(groups, app, title=f"parked groups of {outbox.name}"))
+
+
+def group_text(group: ParkedGroup, app: OutboxApp | None) -> str:
+    category = app.category_name(group.category) if app is not None else str(group.category)
+    return f"{category} object={group.object_identifier}"
+
+
+def shard_key(group: ParkedGroup, app: OutboxApp | None) -> str:
+    scope = app.scope_name(group.scope) if app is not None else str(group.scope)
+    return f"{group.region + ':' if group.region else ''}{scope}:{group.shard_identifier}"
+
+
+def parked_table(
+    groups: list[ParkedGroup], app: OutboxApp | None, *, title: str, one_shard: bool = False
+) -> View:
+    """Parked groups as a table: with a shard column unless they are ``one_shard``'s (as
+    ``status`` shows them), with an unparked column if one was put back."""
+    columns = ["group", "rows", "parked", "by", "reason"]
+    if not one_shard:
+        columns.insert(0, "shard")
+    if any(group.unparked_at is not None for group in groups):
+        columns.append("unparked")
+    view = View(title=title)
+    for column in columns:
+        view.add_column(column, justify="right" if column == "rows" else "left")
+    for group in groups:
+        unparked = ""
+        if group.unparked_at is not None:
+            unparked = f"{_utc(group.unparked_at)} by {group.unparked_by}"
+        values = {
+            "shard": shard_key(group, app),
+            "group": group_text(group, app),
+            "rows": str(group.rows),
+            "parked": _utc(group.parked_at),
+            "by": group.parked_by,
+            "reason": group.reason,
+            "unparked": unparked,
+        }
+        view.add_row(*(values[column] for column in columns))
+    return view
+
+
+def _utc(moment: datetime) -> str:
+    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+
+
+async def shard_parked(settings: OutboxSettings, shard: ShardRef) -> list[ParkedGroup] | str:
+    """The parked groups of ``shard``, or why they cannot be read (no database configured,
+    tables not created): ``status`` shows the workflow whatever the database says."""
+    try:
+        async with connected(settings, shard.table) as conn:
+            return await read_parked(conn, shard_app(settings, shard).table(shard.table), shard)
+    except ConfigurationError as exc:
+        return str(exc)
+
+
+async def parked_per_shard(
+    conn: AsyncConnection, table: Table
+) -> Counter[tuple[str | None, int, int]]:
+    """How many groups each shard has parked (none before a worker of this version created
+    the table's parked-group table)."""
+    found = await conn.execute(
+        text("SELECT to_regclass(:name) IS NOT NULL"), {"name": parked_of(table).name}
+    )
+    if not found.scalar():
+        return Counter()
+    return Counter(group.shard for group in await read_parked(conn, table))

@@ -61,10 +61,6 @@ def _target(
         )
 
 
-def _name(app: OutboxApp | None, pause: Pause) -> str:
-    return member_name(app, pause.kind, pause.number)
-
-
 async def _in_table(
     settings: OutboxSettings, table_name: str | None, change: Callable[[Any, Any], Any]
 ) -> Any:
@@ -92,7 +88,8 @@ def pause(
         return await add_pause(conn, outbox, kind, number, reason, flags.who())
 
     done: Pause = run_or_exit(_in_table(settings, table, change))
-    click.echo(f"{kind} {_name(command_app(settings), done)} ({number}) paused: {done.reason}")
+    name = member_name(command_app(settings), kind, number)
+    click.echo(f"{kind} {name} ({number}) paused: {done.reason}")
 
 
 @tool_command("unpause")
@@ -110,7 +107,7 @@ def unpause(category: str | None, scope: str | None, table: str | None, **overri
     if done is None:
         click.echo(f"{kind} {category or scope} ({number}) was not paused")
     else:
-        name = _name(command_app(settings), done)
+        name = member_name(command_app(settings), kind, number)
         click.echo(f"{kind} {name} ({number}) resumed (paused since {done.since})")
 
 
@@ -134,9 +131,6 @@ def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
     Console().print(view)
 
 
-# -- what `shards` and `status` show of a shard that waits for a pause ----------------------------
-
-
 async def shard_pause(settings: OutboxSettings, ref: ShardRef) -> Pause | None:
     """The pause ``ref`` waits for (its first row not due is paused), None when it waits for
     none, or when the database cannot be read (the command shows the workflow's state)."""
@@ -149,5 +143,6 @@ async def shard_pause(settings: OutboxSettings, ref: ShardRef) -> Pause | None:
 
 def describe(app: OutboxApp | None, pause: Pause) -> str:
     """A pause in one line: ``category PROJECT_UPDATE by ann since ...: search is down``."""
+    name = member_name(app, pause.kind, pause.number)
     since = pause.since.isoformat(timespec="seconds")
-    return f"{pause.kind} {_name(app, pause)} by {pause.paused_by} since {since}: {pause.reason}"
+    return f"{pause.kind} {name} by {pause.paused_by} since {since}: {pause.reason}"

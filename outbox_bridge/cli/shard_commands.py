@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,29 +14,27 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
-from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecutionStatus
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.cli import flags
-from outbox_bridge.cli.connections import command_app, connected, shard_app, temporal_client
+from outbox_bridge.cli.connections import command_app, connected, named_shard, shard_app
 from outbox_bridge.cli.failures import run_or_exit
-from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
-from outbox_bridge.cli.parked_view import parked_table, shard_parked
+from outbox_bridge.cli.flags import build_settings, shard_options, tool_command
+from outbox_bridge.cli.park_commands import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
-from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.config import SettingGroup
 from outbox_bridge.db.parked import ParkedGroup
 from outbox_bridge.db.store import read_shard_max_id
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.flush import Flusher
-from outbox_bridge.runtime.scope_directory import find_shard
 from outbox_bridge.runtime.shards import WORKFLOW, ShardReport, shard_report, start_arguments
 from outbox_bridge.runtime.temporal import task_queue_polled
 from outbox_bridge.workflows.models import (
     FlushOutcome,
     FlushResult,
     ResumeInput,
-    ShardRef,
     ShardStatus,
     SkipInput,
 )
@@ -46,26 +43,6 @@ from outbox_bridge.workflows.models import (
 NO_PENDING_ROWS = "no pending rows"
 # How long skip waits for Temporal to say whether a worker polls the task queue.
 POLLERS_WAIT = 5.0
-
-
-def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """SHARD, --table, and the settings of ``groups`` (Temporal and the app when none given)."""
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn = click.argument("shard")(flags.table_option(fn))
-        return settings_options(*(groups or (SettingGroup.TEMPORAL, SettingGroup.APP)))(fn)
-
-    return decorate
-
-
-async def _named(
-    settings: OutboxSettings, shard: str, table: str | None
-) -> tuple[Client, ShardRef]:
-    client = await temporal_client(settings)
-    return client, await find_shard(client, shard, command_app(settings), table=table)
-
-
-# -- status -------------------------------------------------------------------------------------
 
 
 @tool_command("status")
@@ -78,7 +55,7 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
     settings = build_settings(overrides)
 
     async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None]:
-        client, ref = await _named(settings, shard, table)
+        client, ref = await named_shard(settings, shard, table)
         parked = await shard_parked(settings, ref)
         pause = await shard_pause(settings, ref)
         paused = None if pause is None else describe(command_app(settings), pause)
@@ -129,38 +106,31 @@ def _status_table(report: ShardReport, paused: str | None = None) -> Table:
         workflow = f"running since {_iso(report.started)}"
     else:
         workflow = f"closed at {_iso(report.closed)}; the partition drains the shard"
-    rows: list[tuple[str, str]] = [
-        ("state", status.state if paused is None else PAUSED),
-        ("workflow", workflow),
-        (
-            "handled by the workflow",
-            f"{status.rows_handled} rows in {status.groups_handled} groups (rows its "
-            "partition drained are not counted)",
-        ),
-        ("highest id known / seen", f"{status.max_known_id} / {status.highest_seen_id}"),
-    ]
+    view.add_row("state", status.state if paused is None else PAUSED)
+    view.add_row("workflow", workflow)
+    view.add_row(
+        "handled by the workflow",
+        f"{status.rows_handled} rows in {status.groups_handled} groups (rows its partition "
+        "drained are not counted)",
+    )
+    view.add_row("highest id known / seen", f"{status.max_known_id} / {status.highest_seen_id}")
     if status.head is not None:
         head = status.head
-        rows.append(("head group", f"{head.summary}, ids {head.first_id}-{head.last_id}"))
+        view.add_row("head group", f"{head.summary}, ids {head.first_id}-{head.last_id}")
     if status.last_error is not None:
-        rows.append(("attempts", str(status.attempts)))
+        view.add_row("attempts", str(status.attempts))
         error = status.last_error
-        rows.append(("last error", f"{error.error_type}: {error.message}".rstrip(": ")))
+        view.add_row("last error", f"{error.error_type}: {error.message}".rstrip(": "))
     if status.blocked_since:
-        rows.append(("blocked since", status.blocked_since))
+        view.add_row("blocked since", status.blocked_since)
     if status.deferred_until:
-        rows.append(("deferred until", status.deferred_until))
+        view.add_row("deferred until", status.deferred_until)
     if status.skip is not None:
         skip = status.skip
-        rows.append(("skipped", f"by {skip.by or 'an operator'} at {skip.at}: {skip.reason}"))
+        view.add_row("skipped", f"by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
     if paused is not None:
-        rows.append(("paused", paused))
-    for key, value in rows:
-        view.add_row(key, value)
+        view.add_row("paused", paused)
     return view
-
-
-# -- skip and resume ----------------------------------------------------------------------------
 
 
 @tool_command("skip")
@@ -177,7 +147,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
 
     async def work() -> None:
         settings = build_settings(overrides)
-        client, ref = await _named(settings, shard, table)
+        client, ref = await named_shard(settings, shard, table)
         request = SkipInput(reason=reason, by=flags.who())
         handle = client.get_workflow_handle(ref.workflow_id)
         with contextlib.suppress(RPCError):
@@ -210,16 +180,13 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     """Resume a skipped SHARD: its head is retried at once."""
 
     async def work() -> None:
-        client, ref = await _named(build_settings(overrides), shard, table)
+        client, ref = await named_shard(build_settings(overrides), shard, table)
         await client.get_workflow_handle(ref.workflow_id).execute_update(
             "resume", ResumeInput(by=flags.who()), result_type=ShardStatus
         )
 
     run_or_exit(work(), shard=shard)
     click.echo(f"shard {shard} resumed")
-
-
-# -- flush --------------------------------------------------------------------------------------
 
 
 @tool_command("flush")
@@ -239,7 +206,7 @@ def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overri
 
     async def work() -> FlushResult:
         settings = build_settings(overrides)
-        client, ref = await _named(settings, shard, table)
+        client, ref = await named_shard(settings, shard, table)
         app = shard_app(settings, ref)
         async with connected(settings, ref.table) as conn:
             up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
@@ -249,11 +216,10 @@ def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overri
         return result
 
     result = run_or_exit(work(), shard=shard)
-    if result.detail == NO_PENDING_ROWS and not as_json:
-        click.echo(f"shard {shard} has no pending rows")
-        return
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result), indent=2))
+    elif result.detail == NO_PENDING_ROWS:
+        click.echo(f"shard {shard} has no pending rows")
     else:
         Console().print(_flush_table(result))
     if not result.handled:
@@ -286,9 +252,6 @@ def _flush_table(result: FlushResult) -> Table:
     return view
 
 
-# -- history export -----------------------------------------------------------------------------
-
-
 @tool_command("export")
 @click.option(
     "-o",
@@ -302,7 +265,7 @@ def history_export(shard: str, table: str | None, output: Path, **overrides: Any
     """Write the history of SHARD's latest workflow run as JSON (ids and counts, no payloads)."""
 
     async def work() -> int:
-        client, ref = await _named(build_settings(overrides), shard, table)
+        client, ref = await named_shard(build_settings(overrides), shard, table)
         recorded = await client.get_workflow_handle(ref.workflow_id).fetch_history()
         output.write_text(json.dumps(json.loads(recorded.to_json()), indent=1) + "\n")
         return len(recorded.events)

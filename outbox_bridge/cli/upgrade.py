@@ -1,6 +1,5 @@
 """``outbox-bridge upgrade-check``: find the shard workflow runs of an older generation of the
-workflow code, and end them on request. That loses no row and no ownership: the shard stays
-held in ``<table>_owners``, and the next sweep starts its workflow again on the current code.
+workflow code, and end them on request (no row or ownership is lost: :data:`TERMINATE_REASON`).
 """
 
 from __future__ import annotations

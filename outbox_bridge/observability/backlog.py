@@ -1,11 +1,7 @@
-"""What the active bridge's sweep measures for the metrics: each scope's backlog, and how many
-shard workflows are blocked or skipped.
-
-Shard workflows cannot record metrics themselves (a workflow's code replays, so a counter in
-it would count again). Their state is in their ``OutboxState`` search attribute instead, and the
-sweep counts it with two ``count_workflows`` calls to Temporal's visibility store, which add no
-history. The backlog comes from the sweep's own aggregate query plus one index lookup per shard,
-never a scan of the table.
+"""What the active bridge's sweep measures for the metrics: each scope's backlog (from the
+sweep's own aggregate and one index lookup per shard), and how many shard workflows are blocked
+or skipped (counted by their ``OutboxState`` search attribute: a workflow cannot record metrics,
+its code replays and would count again).
 """
 
 from __future__ import annotations
@@ -35,12 +31,8 @@ async def observe_backlog(
     table: Table,
     ranges: Iterable[ShardRange],
 ) -> None:
-    """Report ``outbox.backlog.rows`` and ``outbox.backlog.oldest_age_seconds`` for every scope
-    of ``table`` (0 for an empty scope), from the shard ranges a sweep read.
-
-    The oldest age is that of the oldest shard head (each shard's lowest pending id), by the
-    database's clock.
-    """
+    """Report ``outbox.backlog.rows`` and ``outbox.backlog.oldest_age_seconds`` (of the oldest
+    shard head, by the database's clock) for every scope of ``table``, 0 for an empty scope."""
     rows = {int(scope): 0 for scope in app.scopes}
     heads: list[int] = []
     for shard in ranges:

@@ -1,10 +1,8 @@
-"""The worker's health endpoints, ``/healthz`` and ``/readyz`` (docs/how-to/deploy.md says what
-each one checks).
-
-``/healthz`` checks nothing outside the process on purpose: an outage of PostgreSQL or Temporal
-must not get every worker restarted, because restarting fixes neither. A tiny HTTP/1.1 responder
-on asyncio streams serves both endpoints (GET and HEAD, one request per connection), so that no
-web framework is needed. No detail carries a password or an API key.
+"""The worker's health endpoints, ``/healthz`` and ``/readyz`` (the deploy page says what each
+checks), served by a tiny HTTP/1.1 responder on asyncio streams (GET and HEAD, one request per
+connection): no web framework is needed. ``/healthz`` checks nothing outside the process on
+purpose: restarting workers fixes no outage of PostgreSQL or Temporal. No detail carries a
+password or an API key.
 """
 
 from __future__ import annotations
@@ -50,12 +48,9 @@ class Check:
 
 class HealthServer:
     """Serves ``/healthz`` and ``/readyz`` on ``settings.health_host:health_port`` (port 0:
-    nothing is served).
-
-    The readiness of Temporal and of the worker is known once :meth:`attach` has been called;
-    before that, ``/readyz`` says the worker is starting. Failing to listen (the port is taken)
-    is logged and the worker runs without the endpoints, so that several workers on one host,
-    or tests, never stop each other.
+    nothing is served); ``/readyz`` says the worker is starting until :meth:`attach`. A port
+    already taken is logged and the worker runs without the endpoints, so that several workers
+    on one host, or tests, never stop each other.
     """
 
     def __init__(self, settings: OutboxSettings, *, database_url: str, stop: asyncio.Event) -> None:
@@ -104,8 +99,6 @@ class HealthServer:
         if server is not None:
             server.close()
             await server.wait_closed()
-
-    # -- the checks --------------------------------------------------------------------------
 
     async def liveness(self) -> tuple[bool, dict[str, Any]]:
         return True, {"status": "ok"}
@@ -165,11 +158,9 @@ class HealthServer:
     def _worker_check(self) -> Check:
         if self._stop.is_set():
             return Check(False, "stopping: in-flight handler calls get the shutdown grace")
-        if self._worker is None:
-            return Check(False, "starting")
-        if self._worker.is_shutdown:
+        if self._worker is not None and self._worker.is_shutdown:
             return Check(False, "the Temporal worker has stopped")
-        if not self._worker.is_running:
+        if self._worker is None or not self._worker.is_running:
             return Check(False, "starting")
         return Check(True, f"polling task queue {self._task_queue}")
 
@@ -188,8 +179,6 @@ class HealthServer:
         else:
             failed = "; ".join(f"{n}: {c.detail}" for n, c in checks.items() if not c.ok)
             log.warning("not ready: %s", failed)
-
-    # -- HTTP ----------------------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

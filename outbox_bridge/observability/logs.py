@@ -1,9 +1,7 @@
 """Structured logs: structlog renders every stdlib log record (outbox-bridge's, the Temporal
-SDK's, a handler's own) as text or as one JSON object per line.
-
-A line logged inside an activity or a handler carries the shard and category it works on and
-the current trace and span ids, whatever logger emitted it: they come from context variables
-(copied into the handler threads), not from the call sites.
+SDK's, a handler's own) as text or JSON lines. A line logged inside an activity or a handler
+carries its shard, category, trace and span ids from context variables (copied into the handler
+threads), whatever logger emitted it.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from typing import Any, TextIO
 import structlog
 from opentelemetry import trace
 
-# The attribute that marks the log record of a failed handler call (a FailedCall): what the
-# console summary counts.
+# The attribute that marks the log record of a failed handler call: what the summary counts.
 FAILED_CALL = "outbox_failed_call"
 
 

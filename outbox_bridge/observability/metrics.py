@@ -1,9 +1,6 @@
-"""Metrics: outbox-bridge's instruments.
-
-Every instrument is recorded only when an SDK meter provider is installed
-(:func:`active_metrics` is None otherwise), so metrics cost nothing when they are off. Only the
-OpenTelemetry API is imported here (the producer counts its rows with it); the worker installs
-the SDK's meter provider and exporters (:mod:`outbox_bridge.observability.sdk`).
+"""outbox-bridge's instruments, recorded only when an SDK meter provider is installed
+(:func:`active_metrics` is None otherwise), so that metrics off cost nothing. Only the
+OpenTelemetry API is imported here: the producer counts its rows with it.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ Attributes = tuple[tuple[str, Any], ...]
 
 
 class OutboxMetrics:
-    """outbox-bridge's instruments on one meter (docs/how-to/metrics-logs.md says what each
-    one counts)."""
+    """outbox-bridge's instruments on one meter (the metrics page says what each counts)."""
 
     def __init__(self, meter: Meter) -> None:
         self.rows_written = meter.create_counter(

@@ -1,10 +1,6 @@
-"""Observing the worker at work: the span, metrics and log context of each handler call (the
-producer's side is :mod:`outbox_bridge.observability.producer_spans`).
-
-With tracing and metrics off (the default), a handler call costs one context-variable set and
-reset here (the log context), and a batch nothing more; with them on, a batch adds a constant
-amount of work and each call its span and two histogram records. Payloads never enter a span,
-an attribute or an event.
+"""The span, metrics and log context of each handler call. With tracing and metrics off (the
+default), a call costs one context-variable set and reset (the log context); with them on, its
+span and two histogram records. Payloads never enter a span, an attribute or an event.
 """
 
 from __future__ import annotations
@@ -31,16 +27,14 @@ from outbox_bridge.workflows.models import ShardRef
 class BatchObserver:
     """Observes the handler calls of one drain batch (or one category activity) of a shard.
 
-    ``traced`` says whether the caller should read the trace contexts of the batch's rows into
-    ``contexts`` (row id → carrier; one statement per batch, only when tracing is on).
-    Counters are added once per batch, by :meth:`finish`.
+    When ``traced``, the caller reads the trace contexts of the batch's rows into ``contexts``
+    (row id → carrier). Counters are added once per batch, by :meth:`finish`.
     """
 
     def __init__(self, shard: ShardRef, *, partition: str | None = None) -> None:
         self.shard = shard
-        # Drained by this partition workflow: no Temporal span per row leads from the row's
-        # producer to the drain, so each handler span is the child of its row's producer span
-        # (when the row has one) and names the partition.
+        # Drained by this partition: no Temporal span leads from a row's producer to the drain,
+        # so each handler span is the child of its row's producer span and names the partition.
         self.partition = partition
         self.tracer: Tracer | None = active_tracer()
         self.metrics: OutboxMetrics | None = active_metrics()
@@ -166,7 +160,7 @@ class ObservedCall:
     ) -> None:
         try:
             if self._batch.metrics is not None:
-                self._record(exc)
+                self._record(self._batch.metrics, exc)
             if exc is not None and self._span is not None:
                 self._fail_span(exc)
         finally:
@@ -174,9 +168,7 @@ class ObservedCall:
                 self._span.__exit__(exc_type, exc, tb)
             LOG_CONTEXT.reset(self._token)
 
-    def _record(self, exc: BaseException | None) -> None:
-        metrics = self._batch.metrics
-        assert metrics is not None
+    def _record(self, metrics: OutboxMetrics, exc: BaseException | None) -> None:
         shard = self._batch.shard
         if isinstance(exc, asyncio.CancelledError):
             return  # a skip or a shutdown: neither a success nor a failure of the handler

@@ -1,9 +1,7 @@
-"""Observing a row write by the producer API: its ``outbox.write`` producer span, the trace
-context stored on the row, and the ``outbox.rows.written`` counter.
-
-Only the OpenTelemetry API is used, never the SDK: an application that writes rows does not
-load it. With tracing and metrics off (no SDK provider installed), a write costs a look at the
-current span and at the installed providers. Payloads never enter a span.
+"""A row write by the producer API: its ``outbox.write`` span, the trace context stored on the
+row, and the ``outbox.rows.written`` counter; never a payload. Only the OpenTelemetry API is
+used, never the SDK; with tracing and metrics off, a write costs a look at the current span and
+at the providers.
 """
 
 from __future__ import annotations
@@ -44,11 +42,8 @@ class RowWrite:
 
 @contextlib.contextmanager
 def observed_write(row: PreparedRow) -> Iterator[RowWrite]:
-    """Around the INSERT of one row by the producer API.
-
-    Inside an active span, a short ``outbox.write <CATEGORY>`` producer span is started, and its
-    trace context goes into the row's ``trace_context`` column; outside one, the row gets none.
-    """
+    """Around the INSERT of one row: inside an active span, an ``outbox.write <CATEGORY>``
+    producer span whose trace context goes into the row's ``trace_context`` column."""
     shard, category = row.shard, row.category
     metrics = active_metrics()
     attributes = (

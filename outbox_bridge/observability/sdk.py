@@ -1,9 +1,6 @@
 """The OpenTelemetry SDK, installed by the worker: the tracer and meter providers with their
-exporters, Temporal's tracing interceptor, and a Temporal runtime whose SDK metrics go through
-the same meter provider (so they share its endpoint).
-
-This module loads the SDK (and Temporal's OpenTelemetry contrib, which loads the Temporal
-worker): only the worker side imports it, never the producer side.
+exporters, Temporal's tracing interceptor, and a Temporal runtime whose SDK metrics share the
+meter provider. It loads the SDK and the Temporal worker: never imported on the producer side.
 """
 
 from __future__ import annotations
@@ -55,11 +52,8 @@ class Telemetry:
 
 
 def setup_telemetry(settings: OutboxSettings) -> Telemetry:
-    """Install the tracer and meter providers the settings ask for, as the process-wide ones.
-
-    ``OTEL_SDK_DISABLED`` (``otel_sdk_disabled``) wins over everything: nothing is installed and
-    no scrape endpoint is opened, as the SDK would export nothing anyway.
-    """
+    """Install the tracer and meter providers the settings ask for, as the process-wide ones;
+    with ``OTEL_SDK_DISABLED`` none (and no scrape endpoint), as the SDK would export nothing."""
     if settings.otel_sdk_disabled:
         if (settings.otel_exporter, settings.metrics_exporter) != ("none", "none"):
             log.info(
@@ -149,11 +143,9 @@ class MetricsSetup:
 
 
 def build_meter_provider(exporter: str, *, host: str, port: int) -> MetricsSetup | None:
-    """A meter provider for ``exporter`` (none, prometheus, otlp, console), or None for none.
-
-    ``prometheus`` serves ``http://host:port/metrics``; ``otlp`` and ``console`` push every
-    ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds (60 s by default).
-    """
+    """A meter provider for ``exporter`` (none, prometheus, otlp, console), or None for none:
+    ``prometheus`` serves ``http://host:port/metrics``, the others push every
+    ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds."""
     if exporter == "none":
         return None
     if exporter != "prometheus":
@@ -174,21 +166,14 @@ def build_meter_provider(exporter: str, *, host: str, port: int) -> MetricsSetup
     return MetricsSetup(provider, f"http://{host}:{server.server_port}/metrics", server)
 
 
-# -- the Temporal SDK's metrics ----------------------------------------------------------------
-
 _runtime: tuple[object, Runtime] | None = None
 _runtime_lock = threading.Lock()
 
 
 def temporal_runtime() -> Runtime | None:
-    """A Temporal runtime whose SDK metrics (polls, task latencies, slots...) are exported
-    through the installed meter provider, or None when metrics are off (the default runtime).
-
-    The SDK records into a buffer that :class:`MetricsExporter` drains every second, in a
-    thread of its own, into the provider: the same Prometheus endpoint or OTLP collector as
-    outbox-bridge's metrics, with the same resource. One runtime per process and provider
-    (each runtime owns a thread pool).
-    """
+    """A Temporal runtime whose SDK metrics are exported through the installed meter provider
+    (drained from a buffer every second by a thread of its own), or None when metrics are off.
+    One runtime per process and provider: each runtime owns a thread pool."""
     global _runtime
     provider = metrics.get_meter_provider()
     if not isinstance(provider, MeterProvider):

@@ -1,10 +1,6 @@
 """A running worker's summary for a person watching it: every few seconds, one line of figures
-(:data:`LEGEND`), then a line that counts the handler failures since the last one by shard. The
-failures' own log lines are left out meanwhile (a line a second would bury the summary), unless
-``log_failures``.
-
-Rates come from PostgreSQL's statistics (:mod:`outbox_bridge.db.stats`), pending rows and shards
-from the same aggregate a sweep reads, states from the ``OutboxState`` search attribute. A
+(:data:`LEGEND`), then a line that counts the handler failures since the last one by shard, whose
+own log lines are left out unless ``log_failures`` (a line a second would bury the summary). A
 reading that fails leaves a blank: the summary never stops the worker.
 """
 
@@ -24,7 +20,6 @@ from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
-from temporalio.service import RPCError
 
 from outbox_bridge.db.stats import RowCounters, read_row_counters
 from outbox_bridge.db.store import read_shard_ranges
@@ -38,7 +33,6 @@ log = logging.getLogger("outbox_bridge.observability.summary")
 SUMMARY_INTERVAL = 5.0  # seconds
 STATES = (ShardState.BLOCKED, ShardState.SKIPPED, ShardState.DEFERRED)
 COLUMNS = ("written/s", "handled/s", "pending", "shards", "workflows", *STATES)
-# What the columns mean, for the banner.
 LEGEND = (
     "rows written and handled per second, rows pending and the shards they are in, running "
     "shard workflows and how many of them are blocked, skipped or deferred"
@@ -83,9 +77,8 @@ class FailureTally(logging.Filter):
 
 @contextlib.contextmanager
 def failures_tallied(*, show: bool) -> Iterator[FailureTally]:
-    """Count failed handler calls, and keep their lines off the log unless ``show``, for as
-    long as the block lasts: the whole life of the worker, whose calls fail also before the
-    first summary line and while it stops."""
+    """Count failed handler calls, and keep their lines off the log unless ``show``, while the
+    block lasts (the worker's whole life: calls fail also before the first summary line)."""
     tally = FailureTally(show=show)
     handler = installed_handler()
     if handler is not None:
@@ -109,8 +102,8 @@ def failures_line(calls: list[FailedCall]) -> str:
 
 
 class WorkerSummary:
-    """Prints one line every :data:`SUMMARY_INTERVAL` seconds until stopped (a header every few
-    lines), and a line of the handler failures ``tally`` counted since the last one."""
+    """Prints one line every :data:`SUMMARY_INTERVAL` seconds until stopped, and a line of the
+    handler failures ``tally`` counted since the last one."""
 
     def __init__(
         self,
@@ -149,11 +142,7 @@ class WorkerSummary:
                 pending = (sum(r.rows for r in ranges), len(ranges))
         except SQLAlchemyError as exc:
             log.warning("summary: cannot read the outbox tables: %s", exc)
-        try:
-            states = await count_shard_states(self._client, self._task_queue, (None, *STATES))
-        except RPCError as exc:  # count_shard_states logs per state; this is the connection
-            log.warning("summary: cannot count shard workflows: %s", exc.message)
-            states = {}
+        states = await count_shard_states(self._client, self._task_queue, (None, *STATES))
         return _Reading(time.monotonic(), counters, pending, states)
 
     def _print(self, before: _Reading, now: _Reading) -> None:

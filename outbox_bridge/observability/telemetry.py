@@ -1,13 +1,8 @@
-"""The trace context that travels with an outbox row from its producer to its handler, and
-outbox-bridge's tracer when tracing is on.
+"""The W3C trace context an outbox row carries from its producer to its handler (see the
+tracing page), and outbox-bridge's tracer when tracing is on.
 
-A row written inside an active span stores that span's W3C trace context (``traceparent`` and
-``tracestate``) in its ``trace_context`` column. The handler's span links to the producer span of
-every row its call covers, so the traces of coalesced rows are not lost.
-
-Only the OpenTelemetry API is imported here: the producer side (``app.write``) uses this module,
-and an application that writes rows must not pay for the SDK. The worker installs the SDK's
-providers (:mod:`outbox_bridge.observability.sdk`).
+Only the OpenTelemetry API is imported here: an application that writes rows must not pay for
+the SDK, which the worker installs (:mod:`outbox_bridge.observability.sdk`).
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -35,11 +30,8 @@ def sdk_provider(provider: object, module: str, name: str) -> Any:
 
 
 def active_tracer() -> Tracer | None:
-    """outbox-bridge's tracer when an SDK tracer provider is installed, else None.
-
-    Callers skip their span work (and the trace-context reads) on None, so that tracing costs
-    nothing when it is off.
-    """
+    """outbox-bridge's tracer when an SDK tracer provider is installed, else None (callers
+    then skip their span work, so that tracing off costs nothing)."""
     provider = sdk_provider(
         trace.get_tracer_provider(), "opentelemetry.sdk.trace", "TracerProvider"
     )
@@ -48,8 +40,7 @@ def active_tracer() -> Tracer | None:
 
 @functools.lru_cache(maxsize=1)
 def _tracer_of(provider: Any) -> Tracer:
-    tracer: Tracer = provider.get_tracer(TRACER_NAME)
-    return tracer
+    return cast(Tracer, provider.get_tracer(TRACER_NAME))
 
 
 def carrier_of_current() -> dict[str, str] | None:

@@ -134,12 +134,13 @@ class ShardReport:
 
 
 async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
-    """The workflow's ``status`` query, with the attempt count and last failure of a category
-    activity being retried (they add no history: the workflow sees only the first failure)."""
+    """:func:`shard_report`'s status."""
     return (await shard_report(client, shard)).status
 
 
 async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
+    """The workflow's ``status`` query, with the attempt count and last failure of a category
+    activity being retried (they add no history: the workflow sees only the first failure)."""
     handle = client.get_workflow_handle(shard.workflow_id)
     status: ShardStatus = await handle.query("status", result_type=ShardStatus)
     description = await handle.describe()

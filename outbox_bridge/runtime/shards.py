@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -203,22 +203,16 @@ def start_arguments(
     }
 
 
+@dataclass
 class ShardStarter:
     """Starts and signals shard workflows, one RPC a call; a failed one is logged and returns
     False (the sweep repairs it)."""
 
-    def __init__(
-        self,
-        client: Client,
-        *,
-        task_queue: str,
-        options: ShardOptions,
-        skip_shards: frozenset[str] = frozenset(),
-    ) -> None:
-        self.client = client
-        self.task_queue = task_queue
-        self.options = options
-        self.skip_shards = skip_shards
+    client: Client
+    _: KW_ONLY
+    task_queue: str
+    options: ShardOptions
+    skip_shards: frozenset[str] = frozenset()
 
     async def notify(
         self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None

@@ -35,14 +35,11 @@ from outbox_bridge.workflows.models import (
 log = logging.getLogger("outbox_bridge.runtime.temporal")
 
 SEARCH_ATTRIBUTES: dict[str, str] = {
-    key.name: "Datetime" if key is BLOCKED_SINCE_ATTRIBUTE else "Keyword"
-    for key in (
-        SCOPE_ATTRIBUTE,
-        SHARD_ATTRIBUTE,
-        STATE_ATTRIBUTE,
-        BLOCKED_CATEGORY_ATTRIBUTE,
-        BLOCKED_SINCE_ATTRIBUTE,
-    )
+    SCOPE_ATTRIBUTE.name: "Keyword",
+    SHARD_ATTRIBUTE.name: "Keyword",
+    STATE_ATTRIBUTE.name: "Keyword",
+    BLOCKED_CATEGORY_ATTRIBUTE.name: "Keyword",
+    BLOCKED_SINCE_ATTRIBUTE.name: "Datetime",
 }
 
 

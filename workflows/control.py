@@ -1,8 +1,5 @@
 """The OutboxControl workflow: one per table, where a person pauses and resumes a whole category
-or scope. Its ``pause`` and ``unpause`` updates write ``<table>_pauses`` (the source of truth)
-through the ``change_pauses`` activity; the worker signals ``refresh`` when the pauses changed
-elsewhere. It holds nothing the table does not.
-"""
+or scope (see the workflows reference). It holds nothing ``<table>_pauses`` does not."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ class OutboxControl:
 
     @workflow.update
     async def pause(self, change: PauseChange) -> PausesView:
-        """Pause the category or the scope ``change`` names (its rows wait, kept, with the
-        rows behind them in their shards) until ``unpause``; answers with every pause."""
+        """Pause what ``change`` names until ``unpause``; answers with every pause."""
         return await self._change(change, paused=True)
 
     @pause.validator
@@ -66,8 +62,7 @@ class OutboxControl:
 
     @workflow.update
     async def unpause(self, change: PauseChange) -> PausesView:
-        """Resume the category or the scope ``change`` names: the shards that waited for it go
-        on at once, in order; answers with every pause left."""
+        """Resume what ``change`` names; answers with every pause left."""
         return await self._change(change, paused=False)
 
     @unpause.validator

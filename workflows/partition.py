@@ -99,8 +99,7 @@ class OutboxPartition:
 
     @workflow.signal
     def reconfigure(self, options: PartitionOptions) -> None:
-        """New options (the bridge's settings changed): the running drain stops and the next
-        one uses them."""
+        """New options: the running drain stops and the next one uses them."""
         if options != self._options:
             self._options = options
             self._reconfigured = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -162,11 +163,8 @@ class OutboxShard:
                 request,
                 result_type=DrainResult,
                 start_to_close_timeout=timeout,
-                retry_policy=RetryPolicy(
-                    initial_interval=timedelta(seconds=options.initial_retry_seconds),
-                    # The cap may not be below the first interval (a setting above 10 s).
-                    maximum_interval=timedelta(seconds=max(10.0, options.initial_retry_seconds)),
-                    maximum_attempts=LOCAL_DRAIN_ATTEMPTS,
+                retry_policy=dataclasses.replace(
+                    self._retry_policy(maximum_interval=10.0), maximum_attempts=LOCAL_DRAIN_ATTEMPTS
                 ),
             )
             return await self._until_done(local, interruptible=False)
@@ -385,14 +383,12 @@ class OutboxShard:
 
     @workflow.signal
     def notify(self, input: NotifyInput) -> None:
-        """Rows up to ``max_id`` are committed in this shard (``late``: one committed after
-        higher ids were announced)."""
+        """Rows up to ``max_id`` are committed in this shard (see :class:`NotifyInput`)."""
         self._rows_committed(input.max_id, late=input.late)
 
     @workflow.signal
     def handover(self, input: HandoverInput) -> None:
-        """A partition gives the shard to this workflow, holding it for the workflow already:
-        its handler failed, its head is deferred, or it is on the skip list."""
+        """A partition gives the shard, held for this workflow already (:class:`HandoverInput`)."""
         r = self._r
         r.max_known_id = max(r.max_known_id, input.max_id)
         if input.skip is not None and r.skip is None:
@@ -436,8 +432,7 @@ class OutboxShard:
 
     @workflow.signal
     def skip(self, input: SkipInput) -> None:
-        """Pause the shard: the attempt under way is cancelled, no handler runs, every row is
-        kept."""
+        """Pause the shard: the attempt under way is cancelled, every row is kept."""
         reason = (input.reason or "").strip()
         if not reason:
             workflow.logger.warning("skip ignored for %s: a reason is required", self._shard.key)
@@ -483,9 +478,8 @@ class OutboxShard:
 
     @workflow.update
     async def flush(self, input: FlushInput) -> FlushResult:
-        """Wait until every row of the shard up to ``up_to_id`` is handled (``handled``), or
-        say why not: ``blocked`` behind a failing head, ``skipped``, ``deferred`` head, or
-        ``timed_out``. The rows stay for asynchronous processing in every case."""
+        """Wait until every row of the shard up to ``up_to_id`` is handled, or say why not (see
+        :class:`FlushResult`)."""
         up_to = input.up_to_id
         self._rows_committed(up_to, late=False)
         stopped = self._flush_stopped(up_to)
@@ -575,12 +569,9 @@ class OutboxShard:
     # -- what the UI shows ---------------------------------------------------------------------
 
     def _show(self) -> None:
-        self._index()
+        """Set the current details, and upsert the search attributes that changed (each upsert
+        is a history event; none for the idle state of a run about to complete)."""
         self._describe()
-
-    def _index(self) -> None:
-        """Keep the search attributes current (only changes: each upsert is a history event;
-        not the idle state of a run about to complete)."""
         r = self._r
         state = r.state
         if state == ShardState.IDLE:

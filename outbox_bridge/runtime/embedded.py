@@ -211,7 +211,7 @@ class EmbeddedTemporal:
             return
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(10)
+            process.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

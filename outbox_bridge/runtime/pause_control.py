@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 CONTROL_WORKFLOW = "OutboxControl"
 
 
-def control_workflow_id(table: str) -> str:
-    return f"outbox:{table}:control"
-
-
 def member_number(app: OutboxApp | None, kind: PauseKind, text: str, where: str) -> int:
     """The number of the category or scope ``text`` names: a number, or a name of ``app`` (any
     case); ``where`` says which app, for the error."""
@@ -127,7 +123,7 @@ class ControlViews:
                 await self._client.start_workflow(
                     CONTROL_WORKFLOW,
                     ControlInput(table, view),
-                    id=control_workflow_id(table),
+                    id=f"outbox:{table}:control",
                     task_queue=self._task_queue,
                     memo=workflow_code_memo(),
                     start_signal="refresh",

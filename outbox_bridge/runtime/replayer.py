@@ -34,7 +34,8 @@ from outbox_bridge.workflows.shard import OutboxShard
 # Every workflow a worker runs: exported histories are of either.
 WORKFLOWS = (OutboxShard, OutboxPartition, OutboxControl)
 
-# Replay workers a runner replays histories in at once (see HistoryReplayer.replay_all).
+# Replay workers at once: a replay is a long chain of hand-offs with the SDK's core threads, so a
+# few overlap their waits (one per history would cost more in starts than replays).
 REPLAY_WORKERS = 4
 
 
@@ -138,11 +139,7 @@ class HistoryReplayer:
         self, histories: Sequence[Path | WorkflowHistory]
     ) -> list[ReplayFailure | None]:
         """Per history (a file, or a ``WorkflowHistory``), in order: None if it replays under
-        every runner, else why it does not under the first it fails under.
-
-        A replay is a long chain of hand-offs with the SDK's core threads: a few replay workers
-        at once overlap their waits (one per history would cost more in starts than replays).
-        """
+        every runner, else why it does not under the first it fails under."""
         failures: list[ReplayFailure | None] = [None] * len(histories)
         readable: dict[int, WorkflowHistory] = {}
         for index, history in enumerate(histories):
@@ -170,8 +167,7 @@ def _source(history: Path | WorkflowHistory) -> str:
 async def _replay_in_workers(
     replayer: Replayer, histories: Sequence[WorkflowHistory]
 ) -> list[WorkflowReplayResult]:
-    """The result of each history, in order, replayed in up to ``REPLAY_WORKERS`` workers
-    (history ``i`` in worker ``i % REPLAY_WORKERS``)."""
+    """The result of each history, in order (history ``i`` in worker ``i % REPLAY_WORKERS``)."""
     shares = [histories[start::REPLAY_WORKERS] for start in range(REPLAY_WORKERS)]
     replayed = await asyncio.gather(*(_replay_in_one_worker(replayer, s) for s in shares))
     return [replayed[i % REPLAY_WORKERS][i // REPLAY_WORKERS] for i in range(len(histories))]

@@ -112,11 +112,7 @@ class ShardDrainer:
             # failed): the activity fails, and is retried with backoff, saying why.
             failure = outcome.failure
             raise ShardFaultError(f"{failure.error_type}: {failure.message}")
-        result = _result(outcome, released)
-        result.parked = parked
-        if result.deferred_until is not None:
-            result.paused = paused
-        return result
+        return _result(outcome, released, parked, paused)
 
     async def _seen(
         self, conn: AsyncConnection, table: Table, outcome: ShardOutcome
@@ -159,13 +155,10 @@ class ShardDrainer:
             heads = await self._engine.read_heads(
                 batch, max_groups=1, skip_held=False, skip_paused=True
             )
-            groups = heads[0].groups if heads else []
-            if not groups or (groups[0].category, groups[0].object_identifier) != (
-                request.category,
-                request.object_identifier,
-            ):
+            group = heads[0].groups[0] if heads and heads[0].groups else None
+            wanted = (request.category, request.object_identifier)
+            if group is None or (group.category, group.object_identifier) != wanted:
                 return HandleHeadResult(handled=False)
-            group = groups[0]
             [outcome] = await self._engine.run(
                 batch, heads, deadline=math.inf, attempt=calls_before + attempt, unlock_each=False
             )
@@ -220,13 +213,16 @@ class ShardDrainer:
             pause = min(pause * 1.5, FLUSH_POLL_MAX)
 
 
-def _result(outcome: ShardOutcome, released: bool) -> DrainResult:
+def _result(
+    outcome: ShardOutcome, released: bool, parked: list[ParkedNote], paused: PauseInfo | None
+) -> DrainResult:
     result = DrainResult(
         groups_handled=outcome.groups_handled,
         rows_handled=outcome.rows_handled,
         highest_seen_id=outcome.highest_seen_id,
         more=outcome.more,
         released=released,
+        parked=parked,
     )
     if outcome.failed is not None:
         result.failed = outcome.failed
@@ -234,4 +230,5 @@ def _result(outcome: ShardOutcome, released: bool) -> DrainResult:
     elif not outcome.more and outcome.deferred_until is not None:
         result.deferred_until = iso_utc(outcome.deferred_until)
         result.deferred_seconds = outcome.deferred_seconds
+        result.paused = paused
     return result

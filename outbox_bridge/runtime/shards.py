@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -134,12 +134,13 @@ class ShardReport:
 
 
 async def shard_status(client: Client, shard: ShardRef) -> ShardStatus:
-    """The workflow's ``status`` query, with the attempt count and last failure of a category
-    activity being retried (they add no history: the workflow sees only the first failure)."""
+    """:func:`shard_report`'s status."""
     return (await shard_report(client, shard)).status
 
 
 async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
+    """The workflow's ``status`` query, with the attempt count and last failure of a category
+    activity being retried (they add no history: the workflow sees only the first failure)."""
     handle = client.get_workflow_handle(shard.workflow_id)
     status: ShardStatus = await handle.query("status", result_type=ShardStatus)
     description = await handle.describe()
@@ -202,22 +203,16 @@ def start_arguments(
     }
 
 
+@dataclass
 class ShardStarter:
     """Starts and signals shard workflows, one RPC a call; a failed one is logged and returns
     False (the sweep repairs it)."""
 
-    def __init__(
-        self,
-        client: Client,
-        *,
-        task_queue: str,
-        options: ShardOptions,
-        skip_shards: frozenset[str] = frozenset(),
-    ) -> None:
-        self.client = client
-        self.task_queue = task_queue
-        self.options = options
-        self.skip_shards = skip_shards
+    client: Client
+    _: KW_ONLY
+    task_queue: str
+    options: ShardOptions
+    skip_shards: frozenset[str] = frozenset()
 
     async def notify(
         self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None

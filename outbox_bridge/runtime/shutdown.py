@@ -24,7 +24,7 @@ class ShutdownGrace(Interceptor):
     ``graceful_shutdown_timeout`` waits for local activities (the drains) until their own
     timeout; this cancels them when the grace ends, without retry on this worker."""
 
-    def __init__(self, seconds: float, *, calls_in_flight: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, seconds: float, *, calls_in_flight: Callable[[], int]) -> None:
         self.seconds = seconds
         # Handler calls in a partition's drain, which the Temporal worker cancels itself.
         self._calls_in_flight = calls_in_flight

@@ -1,8 +1,5 @@
-"""Connecting to Temporal, and the custom search attributes of shard workflows.
-
-What outbox-bridge's settings (``TEMPORAL_*``) do not set comes from the profile
-``TEMPORAL_PROFILE`` (else ``default``) of ``temporal.toml``, as the ``temporal`` CLI reads it.
-"""
+"""Connecting to Temporal (what the settings do not set comes from a ``temporal.toml`` profile:
+see the Temporal Cloud how-to), and the custom search attributes of shard workflows."""
 
 from __future__ import annotations
 
@@ -38,14 +35,11 @@ from outbox_bridge.workflows.models import (
 log = logging.getLogger("outbox_bridge.runtime.temporal")
 
 SEARCH_ATTRIBUTES: dict[str, str] = {
-    key.name: "Datetime" if key is BLOCKED_SINCE_ATTRIBUTE else "Keyword"
-    for key in (
-        SCOPE_ATTRIBUTE,
-        SHARD_ATTRIBUTE,
-        STATE_ATTRIBUTE,
-        BLOCKED_CATEGORY_ATTRIBUTE,
-        BLOCKED_SINCE_ATTRIBUTE,
-    )
+    SCOPE_ATTRIBUTE.name: "Keyword",
+    SHARD_ATTRIBUTE.name: "Keyword",
+    STATE_ATTRIBUTE.name: "Keyword",
+    BLOCKED_CATEGORY_ATTRIBUTE.name: "Keyword",
+    BLOCKED_SINCE_ATTRIBUTE.name: "Datetime",
 }
 
 
@@ -227,16 +221,12 @@ async def task_queue_polled(client: Client, task_queue: str, deadline: float) ->
                 ),
                 wait + 0.5,
             )
-        except RPCError as exc:
-            if exc.status in UNCHECKABLE_RPC_STATUSES:
-                log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc.message)
+        except (RPCError, TimeoutError) as exc:
+            status = exc.status if isinstance(exc, RPCError) else RPCStatusCode.DEADLINE_EXCEEDED
+            if status in UNCHECKABLE_RPC_STATUSES:
+                log.debug("cannot check the pollers of task queue %s: %s", task_queue, exc)
                 return None
-            if exc.status != RPCStatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
-                if unpolled_since is not None:
-                    return False
-                raise
-        except TimeoutError:
-            if time.monotonic() >= deadline:
+            if status != RPCStatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
                 if unpolled_since is not None:
                     return False
                 raise

@@ -167,14 +167,14 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
         log.warning("%s is set, but 1.0 retired that setting: it is ignored (remove it)", name)
     embedded = embedded_temporal(settings)  # no address, neither set nor in a Temporal profile
     check_embedded(postgres=settings.database_url is None, temporal=embedded)
-    telemetry = setup_telemetry(settings)
-    postgres: EmbeddedPostgres | None = None
-    temporal: EmbeddedTemporal | None = None
-    try:
+    with contextlib.ExitStack() as stopped_at_exit:
+        # The process leaves with os._exit: telemetry exports what it holds first.
+        stopped_at_exit.callback(setup_telemetry(settings).shutdown)
         if settings.database_url is not None:
             database_url = settings.database_url.get_secret_value()
         else:
             postgres = EmbeddedPostgres(settings.data_dir / "postgres")
+            stopped_at_exit.callback(postgres.stop)
             database_url = await asyncio.to_thread(postgres.start)
         ui = None
         if not embedded:
@@ -186,6 +186,7 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
                 ui_port=settings.temporal_ui_port,
                 namespace=settings.temporal_namespace,
             )
+            stopped_at_exit.callback(temporal.stop)
             address = await temporal.start()
             ui = f"http://localhost:{settings.temporal_ui_port}"
         stop = asyncio.Event()
@@ -209,12 +210,6 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
         )
         banner.cancel()
         log.info("outbox-bridge stopped")
-    finally:
-        if temporal is not None:
-            temporal.stop()
-        if postgres is not None:
-            postgres.stop()
-        telemetry.shutdown()  # the process leaves with os._exit: export what is held
 
 
 async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:

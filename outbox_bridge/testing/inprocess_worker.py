@@ -15,7 +15,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.db.schema import shard_where
+from outbox_bridge.db.schema import shard_columns, shard_where
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import shard_status
 from outbox_bridge.runtime.temporal import connect
@@ -239,8 +239,7 @@ class OutboxWorker:
         lines = [f"{what} not handled within {timeout:g} s"]
         with self.database.engine.connect() as conn:
             for outbox, where in left:
-                names = ("region", "shard_scope", "shard_identifier")
-                keys = [outbox.c[name] for name in names if name in outbox.c]
+                keys = [outbox.c[name] for name in shard_columns("region" in outbox.c)]
                 first_id = func.min(outbox.c.id)
                 query = select(*keys, func.count(), first_id).where(where).group_by(*keys)
                 for *key, rows, first in conn.execute(query.order_by(first_id).limit(5)):

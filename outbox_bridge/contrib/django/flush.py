@@ -99,8 +99,6 @@ class OutboxContext(FlushingContext):
         waiting = [] if failed else [row for row in pending if row.still_pending()]
         for row in pending:
             row.owner = None
-        if not waiting:
-            return []
         if self._parent is None:
             return list(dict.fromkeys(row.shard.key for row in waiting))
         # Commits with an enclosing transaction: the enclosing context waits for it.

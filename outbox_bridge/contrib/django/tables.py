@@ -50,7 +50,5 @@ def _migrated_tables(alias: str) -> set[str]:
 def outbox_flush_sql(style: Style, connection: BaseDatabaseWrapper) -> list[str]:
     """The statement that empties the outbox tables of ``connection`` (their identity kept),
     or none when it has none."""
-    statements: list[str] = connection.ops.sql_flush(
-        style, outbox_tables(connection), reset_sequences=False
-    )
-    return statements
+    tables = outbox_tables(connection)
+    return connection.ops.sql_flush(style, tables, reset_sequences=False)

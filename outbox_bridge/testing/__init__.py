@@ -1,9 +1,8 @@
 """Testing an application's outbox: its handlers without Temporal (:func:`drain_outbox`), its
-upgrades against its own exported histories (:func:`assert_replays`), and the real path through
-a worker with the pytest plugin's fixtures (:mod:`outbox_bridge.testing.plugin`).
+upgrades against its exported histories (:func:`assert_replays`), and the real path through a
+worker with the pytest plugin's fixtures (:mod:`outbox_bridge.testing.plugin`).
 
-The names below are loaded on first use, like the package's own: pytest loads the plugin in
-every run, and importing it must not load the worker's side of the package.
+Names load on first use: pytest loads the plugin in every run, which must not load the worker.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Handling an app's outbox rows in-process, without Temporal: for tests of handlers. Heads
-are read, handlers called and rows deleted with the worker's own code (:func:`read_shard_heads`,
-:class:`HandlerCalls`, :func:`delete_handled`), without a shard lock or a workflow: for a
-database no worker drains at the same time.
-"""
+"""Handling an app's outbox rows in-process, without Temporal, with the worker's own reads,
+calls and deletes but no shard lock: for a database no worker drains at the same time."""
 
 from __future__ import annotations
 
@@ -32,10 +29,8 @@ from outbox_bridge.workflows.models import ShardRef
 
 T = TypeVar("T")
 
-# Head groups taken per read of a shard, as the worker's drain_max_groups would.
-MAX_GROUPS = 500
-# Reads in one drain before it gives up: handlers that write a new row for every row they
-# handle would keep it going forever.
+MAX_GROUPS = 500  # head groups per read of a shard, as the worker's drain_max_groups
+# Handlers that write a new row for every row they handle would keep a drain going forever.
 MAX_READS = 10_000
 
 SyncBind = Engine | Connection | Session
@@ -56,25 +51,17 @@ class _UsageError(TypeError):
 
 
 class _Drain:
-    """One drain (:meth:`run`) over a connection: shard after shard, each up to its end, its
-    first failure or its first row not yet due; then again, for rows the handlers wrote
-    meanwhile."""
+    """One drain over a connection: shard after shard, each up to its end, first failure or
+    first row not yet due; again while rows were handled (handlers may write more)."""
 
     def __init__(
-        self,
-        app: OutboxApp,
-        invoke: Callable[[Call], Awaitable[None]],
-        *,
-        shard: str | ShardRef | None = None,
-        table: str | None = None,
-        run_deferred: bool = False,
-        raise_on_failure: bool = True,
+        self, app: OutboxApp, invoke: Callable[[Call], Awaitable[None]], options: DrainOptions
     ) -> None:
         self.app = app
         self.invoke = invoke
-        self.targets = shard_targets(app, shard, table)
-        self.run_deferred = run_deferred
-        self.raise_on_failure = raise_on_failure
+        self.targets = shard_targets(app, options.get("shard"), options.get("table"))
+        self.run_deferred = options.get("run_deferred", False)
+        self.raise_on_failure = options.get("raise_on_failure", True)
         self.report = DrainReport()
         self._reports: dict[tuple[str, str], ShardReport] = {}
         self._reads = 0
@@ -103,8 +90,7 @@ class _Drain:
                 if report is None:
                     report = self._reports[table.name, ref.key] = ShardReport(table.name, ref.key)
                     self.report.shards.append(report)
-                stopped = report.failure is not None or report.deferred_until is not None
-                if stopped or report.skipped:
+                if report.skipped or report.failure or report.deferred_until:
                     continue
                 if (ref.region, ref.scope, ref.shard_identifier) in skipped:
                     report.skipped = True
@@ -166,8 +152,8 @@ class _Drain:
     async def _handle(
         self, table: Table, ref: ShardRef, group: GroupRows, row: Row[Any], report: ShardReport
     ) -> bool:
-        """Call the handler of ``group`` with its newest ``row``, then delete the group's rows;
-        False if the handler failed (recorded in ``report``, the rows kept)."""
+        """Handle ``group`` with its newest ``row`` and delete its rows; False if the handler
+        failed (recorded in ``report``, the rows kept)."""
         call = self.calls.prepare(ref, group, row)
         try:
             if call.error is not None:
@@ -176,8 +162,7 @@ class _Drain:
         except _UsageError:
             raise
         except Exception as exc:
-            # Only an Exception is a handler's failure: a test's own outcome (pytest's fail or
-            # skip, a KeyboardInterrupt) goes through as it is.
+            # Not BaseException: pytest's fail or skip and KeyboardInterrupt go through.
             report.failure = DrainFailure(
                 table.name, ref.key, call.category, call.message, tuple(group.ids), exc
             )
@@ -207,8 +192,8 @@ def shard_targets(
 
 
 class _Blocking:
-    """A sync ``Connection`` behind the awaitable ``execute`` that the statements of
-    :mod:`outbox_bridge.db.store` use: its statements run at once, in the calling thread."""
+    """A sync ``Connection`` behind the awaitable ``execute`` of :mod:`outbox_bridge.db.store`:
+    statements run at once, in the calling thread."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -218,8 +203,7 @@ class _Blocking:
 
 
 class _SyncCalls:
-    """Calls handlers in the calling thread; an ``async def`` handler runs to its end on an
-    event loop of the drain's own."""
+    """Calls handlers in the calling thread; ``async def`` ones on an event loop of its own."""
 
     def __init__(self) -> None:
         self._runner: asyncio.Runner | None = None
@@ -229,8 +213,7 @@ class _SyncCalls:
         if call.is_sync:
             call.handler(call.message)
             return
-        if self._runner is None:
-            # A loop of its own, never set as the thread's current one.
+        if self._runner is None:  # never set as the thread's current loop
             self._runner = asyncio.Runner(loop_factory=asyncio.new_event_loop)
         running = cast(Coroutine[Any, Any, None], call.handler(call.message))
         try:
@@ -266,8 +249,7 @@ def _sync_connection(bind: SyncBind) -> Iterator[Connection]:
         yield bind.connection()
     elif isinstance(bind, Connection):
         yield bind
-    elif isinstance(bind, Engine):
-        # Each statement commits on its own, like the worker's deletes.
+    elif isinstance(bind, Engine):  # each statement commits on its own, like the worker's
         with bind.connect() as conn:
             yield conn.execution_options(isolation_level="AUTOCOMMIT")
     else:
@@ -311,18 +293,14 @@ def drain_outbox(
         shard=shard, table=table, run_deferred=run_deferred, raise_on_failure=raise_on_failure
     )
     calls = _SyncCalls()
-    try:
-        drain = _Drain(app, calls, **options)
-        with _sync_connection(bind) as conn:
-            return _to_the_end(drain.run(cast(AsyncConnection, _Blocking(conn))))
-    finally:
-        calls.close()
+    drain = _Drain(app, calls, options)
+    with contextlib.closing(calls), _sync_connection(bind) as conn:
+        return _to_the_end(drain.run(cast(AsyncConnection, _Blocking(conn))))
 
 
 async def _call_async(call: Call) -> None:
     assert call.handler is not None
-    if call.is_sync:
-        # In a thread, as the worker runs plain-def handlers.
+    if call.is_sync:  # in a thread, as the worker runs plain-def handlers
         await asyncio.to_thread(call.handler, call.message)
     else:
         await cast(Awaitable[None], call.handler(call.message))
@@ -351,7 +329,7 @@ async def drain_outbox_async(
     """:func:`drain_outbox` in the running event loop, with an ``AsyncEngine``,
     ``AsyncConnection`` or ``AsyncSession``, and its options. Async handlers run in this loop;
     plain-def handlers in a thread, one at a time, as the worker runs them."""
-    drain = _Drain(app, _call_async, **options)
+    drain = _Drain(app, _call_async, options)
     async with _async_connection(bind) as conn:
         return await drain.run(conn)
 

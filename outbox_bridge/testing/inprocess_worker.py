@@ -1,11 +1,10 @@
-"""The app's worker in a test: :class:`OutboxWorker` runs the bridge and the Temporal worker
-in an :class:`~outbox_bridge.testing.servers.EventLoopThread`, as ``outbox-bridge worker``
-would, and waits for rows to be handled, explaining a shard left unhandled.
-"""
+"""The app's worker in a test (:class:`OutboxWorker`), which waits for rows to be handled and
+explains a shard left unhandled."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -16,7 +15,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.db.schema import shard_where
+from outbox_bridge.db.schema import shard_columns, shard_where
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import shard_status
 from outbox_bridge.runtime.temporal import connect
@@ -27,9 +26,8 @@ from outbox_bridge.workflows.models import PartitionRef, ShardRef
 
 
 def worker_settings(**overrides: Any) -> OutboxSettings:
-    """Settings for a worker under test: short retry and sweep timers (a test sees a retry or
-    a sweep within a second or two), a task queue of its own, no health endpoints.
-    ``overrides`` are :class:`~outbox_bridge.OutboxSettings` fields."""
+    """Settings for a worker under test: short retry and sweep timers, a task queue of its own,
+    no health endpoints; ``overrides`` are :class:`~outbox_bridge.OutboxSettings` fields."""
     values: dict[str, Any] = {
         "initial_retry_interval": 0.2,
         "max_retry_interval": 1.0,
@@ -38,9 +36,7 @@ def worker_settings(**overrides: Any) -> OutboxSettings:
         "poll_interval": 0.2,
         "sweep_interval": 1.5,
         "task_queue": f"outbox-test-{uuid.uuid4().hex[:8]}",
-        # No health endpoints unless asked for: the default port (8080) belongs to the machine,
-        # and a taken one is logged as an error.
-        "health_port": 0,
+        "health_port": 0,  # the default (8080) belongs to the machine; a taken one logs an error
     }
     values.update(overrides)
     return OutboxSettings(**values)
@@ -73,8 +69,7 @@ class OutboxWorker:
         self._stop: asyncio.Event | None = None
 
     def start(self, timeout: float = 60.0) -> OutboxWorker:
-        """Start the worker; returns once its bridge is ready (it found the tables and its
-        first sweep ran)."""
+        """Start the worker; returns once its bridge found the tables and swept once."""
         self.loop.run(self._start(timeout))
         return self
 
@@ -108,8 +103,8 @@ class OutboxWorker:
             raise TimeoutError(f"the worker did not become ready within {timeout:g} s")
 
     def stop(self) -> None:
-        """Stop the worker, then terminate the workflows it left running (its shard and
-        partition workflows), so that none is found by the next test's worker."""
+        """Stop the worker, then terminate the workflows it left running, so that the next
+        test's worker finds none."""
         self.loop.run(self._stop_worker())
 
     async def _stop_worker(self) -> None:
@@ -129,22 +124,18 @@ class OutboxWorker:
         ]
 
     async def _end_partitions_of_other_queues(self) -> None:
-        """Partition workflow ids name the table, not the task queue: a worker that stopped
-        without ending its partitions (a test's ``worker.py`` run, a crash) leaves them on a
-        queue nobody polls, where this worker would find and keep them. On a test server they
-        are ended first."""
+        """Partition ids name the table, not the task queue: end those that a worker which did
+        not stop cleanly left on another queue, before this one finds them."""
         assert self.client is not None
         for workflow_id in self._partition_ids():
             handle = self.client.get_workflow_handle(workflow_id)
-            try:
+            with contextlib.suppress(RPCError):  # never started, or ended meanwhile
                 description = await handle.describe()
                 if (
                     description.status == WorkflowExecutionStatus.RUNNING
                     and description.task_queue != self.settings.task_queue
                 ):
                     await handle.terminate("left running by an earlier worker of the tests")
-            except RPCError:
-                pass  # never started, or ended meanwhile
 
     async def _terminate_workflows(self) -> None:
         client = self.client
@@ -157,10 +148,8 @@ class OutboxWorker:
         while quiet < 2 and time.monotonic() < deadline:
             running = [execution.id async for execution in client.list_workflows(query)]
             for workflow_id in [*known, *running]:
-                try:
+                with contextlib.suppress(RPCError):  # not running (any more)
                     await client.get_workflow_handle(workflow_id).terminate("the test is over")
-                except RPCError:
-                    pass  # not running (any more)
             known = []
             quiet = 0 if running else quiet + 1
             await asyncio.sleep(0.1)
@@ -250,8 +239,7 @@ class OutboxWorker:
         lines = [f"{what} not handled within {timeout:g} s"]
         with self.database.engine.connect() as conn:
             for outbox, where in left:
-                names = ("region", "shard_scope", "shard_identifier")
-                keys = [outbox.c[name] for name in names if name in outbox.c]
+                keys = [outbox.c[name] for name in shard_columns("region" in outbox.c)]
                 first_id = func.min(outbox.c.id)
                 query = select(*keys, func.count(), first_id).where(where).group_by(*keys)
                 for *key, rows, first in conn.execute(query.order_by(first_id).limit(5)):

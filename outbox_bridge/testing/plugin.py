@@ -1,11 +1,8 @@
-"""outbox-bridge's pytest plugin (the ``pytest11`` entry point ``outbox_bridge``; ``-p
-no:outbox_bridge`` leaves it out): a PostgreSQL database per test, a Temporal server and the
-app's worker in-process. docs/how-to/testing.md lists the fixtures.
+"""outbox-bridge's pytest plugin (the ``pytest11`` entry point ``outbox_bridge``): a PostgreSQL
+database per test, a Temporal server and the app's worker in-process (see the testing page).
 
-Loading it costs nothing: the worker's side of the package (Temporal's client and worker, the
-embedded servers) is imported only when a test uses a fixture. Once an embedded server has
-stopped, a test that needs it fails before it starts, saying why (the end of the server's log,
-and the likely cause); so does the report of the test that was running when it stopped.
+Loading it costs nothing: the worker's side of the package is imported only in fixtures. A test
+that needs an embedded server that stopped fails before it starts, saying why.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ def watch_server(
     config: pytest.Config, fixture: str, why_stopped: Callable[[], str | None]
 ) -> None:
     """Before each test that uses ``fixture`` (directly or not), and after each such test that
-    failed, ask ``why_stopped()`` whether the server behind it stopped: the test then fails
-    before it starts, or its report gets the answer. The first failure says why in full, the
-    later ones name it."""
+    failed, ask ``why_stopped()`` whether its server stopped: the test then fails before it
+    starts, or its report gets the answer (in full the first time, then naming that failure)."""
     config.stash.setdefault(_WATCHES, []).append(_Watch(fixture, why_stopped))
 
 
@@ -140,8 +136,7 @@ def outbox_app(pytestconfig: pytest.Config) -> OutboxApp:
 
 @pytest.fixture(scope="session")
 def outbox_metadata(outbox_app: OutboxApp) -> Sequence[MetaData]:
-    """The tables of every test database: the app's outbox tables. Override it to add your
-    models' (``return [outbox_app.metadata, Base.metadata]``)."""
+    """The tables of every test database: the app's outbox tables; override it to add yours."""
     return [outbox_app.metadata]
 
 
@@ -219,8 +214,7 @@ def _outbox_template(
 
 @pytest.fixture
 def outbox_database(_outbox_template: DatabaseTemplate) -> Iterator[OutboxDatabase]:
-    """A database of the test's own, with the tables of ``outbox_metadata`` (``.url``,
-    ``.engine``); dropped when the test ends."""
+    """A database of the test's own with the tables of ``outbox_metadata``, dropped after it."""
     database = _outbox_template.clone()
     yield database
     database.drop()
@@ -236,8 +230,7 @@ def outbox_session_database(_outbox_template: DatabaseTemplate) -> Iterator[Outb
 
 @pytest.fixture
 def outbox_settings() -> OutboxSettings:
-    """The settings of the test's worker: short timers and a task queue of its own. Override
-    it to change a setting (``return worker_settings(partitions=2)``)."""
+    """The settings of the test's worker (:func:`worker_settings`); override it to change one."""
     from outbox_bridge.testing.inprocess_worker import worker_settings
 
     return worker_settings()
@@ -251,9 +244,8 @@ def outbox_worker(
     outbox_settings: OutboxSettings,
     _outbox_loop: EventLoopThread,
 ) -> Iterator[OutboxWorker]:
-    """The app's worker, running on ``outbox_database`` for the test (in a thread of its own),
-    with ``wait_handled(row id or shard, timeout=...)``; stopped after the test, and its
-    workflows terminated."""
+    """The app's worker on ``outbox_database``, in a thread of its own; stopped after the test,
+    and its workflows terminated."""
     from outbox_bridge.testing.inprocess_worker import OutboxWorker
 
     worker = OutboxWorker(

@@ -1,10 +1,6 @@
 """Where a test session's embedded servers keep their data: a folder of the session's own under
-the system's temporary directory. Not under pytest's: every new pytest session of the same user
-resets ``pytest-of-<user>`` to mode 0700, and an embedded PostgreSQL started by root runs as a
-system user of its own, which then cannot reach its files any more.
-
-A session holds a lock on its folder while it runs; the next session removes the folder of one
-that died, after stopping its servers.
+the system's temporary directory, not pytest's (see the testing page). A session holds a lock on
+its folder while it runs; the next session stops the servers of one that died and removes it.
 """
 
 from __future__ import annotations
@@ -28,21 +24,20 @@ if sys.platform != "win32":
 log = logging.getLogger(__name__)
 
 PREFIX = "outbox-bridge-servers-"
-# Holds the owning session's process id, written once the session holds the file's lock.
-OWNER_FILE = ".owner"
+OWNER_FILE = ".owner"  # the owning session's pid, written once it holds the file's lock
 # A folder whose owner file is missing or empty after this long was never claimed (seconds).
 UNCLAIMED_AFTER = 3600.0
 
 
 class ServerFolder:
-    """A folder for one test session's servers, made with :func:`tempfile.mkdtemp` under
-    ``parent`` (the system's temporary directory), removed by :meth:`remove`. Making one first
-    removes the folders of sessions that died (see the module)."""
+    """A folder for one test session's servers under ``parent`` (the system's temporary
+    directory), removed by :meth:`remove`; making one first removes those of dead sessions."""
 
     def __init__(self, parent: Path | None = None) -> None:
         parent = Path(parent or tempfile.gettempdir())
         for stale in stale_folders(parent):
-            remove_stale(stale)
+            log.info("removing %s, left by a test session that ended without removing it", stale)
+            _remove(stale)
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
         self._owner: IO[str] | None = _claim(self.path / OWNER_FILE)
 
@@ -52,8 +47,7 @@ class ServerFolder:
 
     def remove(self) -> None:
         """Remove the folder, stopping first whatever server still runs in it."""
-        stop_servers(self.path)
-        shutil.rmtree(self.path, ignore_errors=True)
+        _remove(self.path)
         if self._owner is not None:
             self._owner.close()
             self._owner = None
@@ -82,31 +76,24 @@ def stale_folders(parent: Path) -> list[Path]:
 
 
 def _abandoned(folder: Path) -> bool:
+    never_claimed = time.time() - folder.stat().st_mtime > UNCLAIMED_AFTER
     try:
         owner = open(folder / OWNER_FILE)  # closed below, and its lock with it
     except FileNotFoundError:
-        return time.time() - folder.stat().st_mtime > UNCLAIMED_AFTER
+        return never_claimed
     with owner:
         try:
             fcntl.flock(owner, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # its session runs
         # Unlocked and empty: being claimed right now, or never claimed.
-        return bool(owner.read().strip()) or (
-            time.time() - folder.stat().st_mtime > UNCLAIMED_AFTER
-        )
+        return bool(owner.read().strip()) or never_claimed
 
 
-def remove_stale(folder: Path) -> None:
-    """Stop the servers a dead session left running in ``folder``, and remove it."""
-    log.info("removing %s, left by a test session that ended without removing it", folder)
-    stop_servers(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def stop_servers(folder: Path) -> None:
-    """Stop the embedded servers still running with their data in ``folder``."""
+def _remove(folder: Path) -> None:
+    """Stop the embedded servers still running with their data in ``folder``, and remove it."""
     for pid_file in folder.glob("**/postmaster.pid"):
         stop_left_over(pid_file, signal.SIGINT, str(pid_file.parent.resolve()))  # fast shutdown
     for pid_file in folder.glob("**/temporal.pid"):
         stop_left_over(pid_file, signal.SIGTERM, "temporal")
+    shutil.rmtree(folder, ignore_errors=True)

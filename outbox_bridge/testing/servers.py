@@ -1,8 +1,6 @@
-"""Real servers for an application's integration tests, behind the pytest plugin's fixtures: a
-PostgreSQL server with a database per test cloned from a template, and a Temporal dev server.
-Embedded ones say why they stopped if they did. Everything asynchronous runs in an
-:class:`EventLoopThread`, so that the worker goes on running while a test blocks, and the tests'
-own event loops are left alone.
+"""Real servers behind the pytest plugin's fixtures: PostgreSQL with a database per test cloned
+from a template, and a Temporal dev server. Asynchronous work runs in an
+:class:`EventLoopThread`: the worker goes on while a test blocks, and tests' loops are left alone.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ from outbox_bridge.testing.server_folder import ServerFolder as ServerFolder  # 
 if sys.platform != "win32":
     import pwd
 
-# Lines of a server's log that a report of its death shows.
-LOG_TAIL_LINES = 20
+LOG_TAIL_LINES = 20  # of a server's log, in a report of its death
 
 
 def load_app(spec: str) -> OutboxApp:
@@ -48,8 +45,7 @@ def _quoted(name: str) -> str:
 
 class PostgresServer:
     """The PostgreSQL server that test databases are created in, at ``url`` (its role needs
-    the ``CREATEDB`` privilege), or an embedded one (:meth:`embedded`); :meth:`stop` stops an
-    embedded server."""
+    ``CREATEDB``), or an embedded one (:meth:`embedded`, stopped by :meth:`stop`)."""
 
     def __init__(self, url: str, *, embedded: EmbeddedPostgres | None = None) -> None:
         self._embedded = embedded
@@ -64,9 +60,8 @@ class PostgresServer:
         return cls(server.start(), embedded=server)
 
     def why_stopped(self) -> str | None:
-        """Why the embedded server stopped, or None while it runs (and for a server that is not
-        embedded): that it stopped (the first line), the end of its log, and the likely cause
-        when it could not reach its files."""
+        """None while it runs (or is not embedded); else that it stopped (the first line), the
+        end of its log, and the likely cause when it could not reach its files."""
         if self._embedded is None or self._pid is None or _running(self._pid):
             return None
         data_dir = self._embedded.data_dir
@@ -137,9 +132,8 @@ class OutboxDatabase:
 
 
 class DatabaseTemplate:
-    """A database holding the tables of ``metadata`` (the outbox tables and their NOTIFY
-    triggers for an app's metadata), from which :meth:`clone` makes a database per test: a
-    copy of a few empty tables takes milliseconds."""
+    """A database holding the tables of ``metadata`` from which :meth:`clone` makes a database
+    per test (a copy of a few empty tables takes milliseconds)."""
 
     def __init__(
         self, server: PostgresServer, metadata: Sequence[MetaData], loop: EventLoopThread
@@ -178,7 +172,7 @@ async def _create_tables(url: str, metadata: Sequence[MetaData]) -> None:
 
 class TemporalServer:
     """The Temporal server of the test workers, at ``address``, or a dev server in memory
-    (:meth:`embedded`); :meth:`stop` stops a dev server."""
+    (:meth:`embedded`, stopped by :meth:`stop`)."""
 
     def __init__(self, address: str, *, embedded: EmbeddedTemporal | None = None) -> None:
         self.address = address
@@ -192,10 +186,9 @@ class TemporalServer:
         return cls(loop.run(server.start()), embedded=server)
 
     def why_stopped(self) -> str | None:
-        """Why the dev server exited, or None while it runs (and for a server that is not
-        embedded): its exit code (the first line) and the end of its log."""
-        code = None if self._embedded is None else self._embedded.exit_code()
-        if self._embedded is None or code is None:
+        """None while it runs (or is not embedded); else its exit code (the first line) and the
+        end of its log."""
+        if self._embedded is None or (code := self._embedded.exit_code()) is None:
             return None
         log_file = self._embedded.data_dir / "temporal.log"
         return (

@@ -1,9 +1,6 @@
-"""outbox-bridge's settings in a Django project: the ``OUTBOX_BRIDGE`` dict of the Django
-settings (``APP``, ``DATABASE``, ``FLUSH_TIMEOUT`` and any :class:`~outbox_bridge.OutboxSettings`
-field, named like its environment variable without the prefix), then the environment, and the
-``DATABASES`` entry of the outbox's database for the database URL.
-
-This module reads settings only: it connects to nothing and loads nothing of the worker.
+"""outbox-bridge's settings in a Django project: the ``OUTBOX_BRIDGE`` dict (see the Django
+page), then the environment, and the outbox's ``DATABASES`` entry for the database URL. Reads
+settings only: it connects to nothing and loads nothing of the worker.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ class OutboxConfigurationError(ConfigurationError, ImproperlyConfigured):
 
 
 def bridge_settings() -> dict[str, Any]:
-    """The ``OUTBOX_BRIDGE`` dict, its keys in upper case; refused when it is not a dict or
-    names a key that is no setting."""
+    """The ``OUTBOX_BRIDGE`` dict, its keys in upper case, checked."""
     given = getattr(django_settings, SETTING, {})
     if not isinstance(given, Mapping):
         raise OutboxConfigurationError(f"{SETTING} must be a dict, got {type(given).__name__}")

@@ -1,8 +1,6 @@
-"""Waiting after the commit until a request's rows are handled, for Django:
-:func:`outbox_context` (a row counts once its ``transaction.on_commit`` callback ran), around
-one view (:func:`flush_outbox`) or every request (:class:`OutboxFlushMiddleware`). The flush
-itself is :class:`~outbox_bridge.Flusher`'s.
-"""
+"""Waiting after the commit until a request's rows are handled, for Django: around a block
+(:func:`outbox_context`), a view (:func:`flush_outbox`) or every request
+(:class:`OutboxFlushMiddleware`), with :class:`~outbox_bridge.Flusher`'s flush."""
 
 from __future__ import annotations
 
@@ -30,16 +28,14 @@ from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger("outbox_bridge.contrib.django.flush")
 
-# The response attribute that flush_outbox and OutboxFlushMiddleware attach the report to.
-REPORT_ATTRIBUTE = "outbox_report"
+REPORT_ATTRIBUTE = "outbox_report"  # of a response, set by flush_outbox and the middleware
 
 View = TypeVar("View", bound=Callable[..., Any])
 
 
 @dataclass(eq=False)
 class _Row:
-    """A row written in a context, until its transaction commits (``committed``, called by
-    ``on_commit``) or the context that holds it ends."""
+    """A row written in a context, until its ``on_commit`` callback runs or its context ends."""
 
     app: OutboxApp
     connection: Any
@@ -61,8 +57,7 @@ class _Row:
 
 
 class OutboxContext(FlushingContext):
-    """See :func:`outbox_context`. Use with ``with`` in sync code, ``async with`` in async code;
-    ``report`` holds the answer once the block has ended."""
+    """See :func:`outbox_context`."""
 
     _log = log
     _commit_hint = (
@@ -104,8 +99,6 @@ class OutboxContext(FlushingContext):
         waiting = [] if failed else [row for row in pending if row.still_pending()]
         for row in pending:
             row.owner = None
-        if not waiting:
-            return []
         if self._parent is None:
             return list(dict.fromkeys(row.shard.key for row in waiting))
         # Commits with an enclosing transaction: the enclosing context waits for it.
@@ -115,8 +108,8 @@ class OutboxContext(FlushingContext):
         return []
 
     def _flusher_for(self, app: OutboxApp) -> Flusher | str:
-        """The app's flusher, configured from the Django settings when ``app`` is the one
-        ``OUTBOX_BRIDGE`` names and nothing configured it; or why there is none."""
+        """The app's flusher, configured from the Django settings for ``OUTBOX_BRIDGE``'s app
+        when nothing configured it; or why there is none."""
         route = app.flush_route
         unconfigured = route.settings is None and route.client is None and route.flusher is None
         if self._flusher is None and unconfigured:
@@ -169,8 +162,7 @@ def flush_report(response: HttpResponseBase) -> FlushReport | None:
 
 
 def _flushing(view: View, timeout: Callable[[], float]) -> View:
-    """``view`` (sync or async) run in ``outbox_context(flush=True)``, its response carrying
-    the report."""
+    """``view`` (sync or async) in ``outbox_context(flush=True)``, its response with the report."""
 
     def attach(response: Any, report: FlushReport) -> Any:
         if isinstance(response, HttpResponseBase):

@@ -1,9 +1,6 @@
-"""Handlers that use Django's ORM, in the worker.
-
-A handler runs outside any request, so nothing closes its database connections the way Django
-does around a request: a connection broken by a database restart would stay broken in its
-thread, and the handler would fail at every retry. :func:`with_django_connections` makes each
-call start and end like a request.
+"""Handlers that use Django's ORM, in the worker: outside a request, nothing closes a
+connection broken by a database restart, and the handler would fail at every retry.
+:func:`with_django_connections` makes each call start and end like a request.
 """
 
 from __future__ import annotations

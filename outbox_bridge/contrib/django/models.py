@@ -1,11 +1,7 @@
-"""Outbox rows from Django models.
-
-A model that inherits :class:`OutboxModel` writes one outbox row each time an instance is
-saved or deleted, in the same transaction: ``save()`` runs in ``transaction.atomic()``, and the
-rows are written by ``post_save`` and ``post_delete`` receivers (so ``QuerySet.delete()`` and
-cascades write theirs too). The declaration is the SQLAlchemy mixin's
-(:mod:`outbox_bridge.declarations`). Bulk operations and raw SQL send no signal:
-:func:`write_outbox_rows` writes their rows.
+"""Outbox rows from Django models (:class:`OutboxModel`), written by ``post_save`` and
+``post_delete`` receivers in the change's transaction, so ``QuerySet.delete()`` and cascades
+write theirs too; :func:`write_outbox_rows` writes those of changes that send no signal. The
+declaration is the SQLAlchemy mixin's (:mod:`outbox_bridge.declarations`).
 """
 
 from __future__ import annotations
@@ -24,9 +20,6 @@ from outbox_bridge.contrib.django.writes import write_row
 from outbox_bridge.declarations import Declaration, ModelRow, Operation, declare, model_row
 from outbox_bridge.errors import OutboxModelError
 from outbox_bridge.registry import OutboxApp
-
-# When an instance's identifiers must be set, for the message that refuses them.
-_WHEN = "before saving it"
 
 
 class OutboxModel(models.Model):
@@ -120,17 +113,13 @@ def _describe(instance: Any) -> str:
     return f"{type(instance).__name__} {key!r}"
 
 
-def _declaration(instance: Any) -> Declaration:
+def _row_of(instance: Any, operation: Operation) -> ModelRow:
     declaration = _declarations.get(type(instance))
     if declaration is None:
         raise OutboxModelError(
             f"{type(instance).__name__} is not a concrete model declared with OutboxModel"
         )
-    return declaration
-
-
-def _row_of(instance: Any, operation: Operation) -> ModelRow:
-    return model_row(_declaration(instance), instance, operation, _describe, _WHEN)
+    return model_row(declaration, instance, operation, _describe, "before saving it")
 
 
 def _write(row: ModelRow, using: str | None) -> int:
@@ -177,8 +166,7 @@ def write_outbox_rows(
     """
     if operation not in get_args(Operation):
         raise ValueError(f"operation must be one of {get_args(Operation)}, got {operation!r}")
-    objects = list(instances)
-    rows = [(_row_of(instance, operation), _database(instance, using)) for instance in objects]
+    rows = [(_row_of(instance, operation), _database(instance, using)) for instance in instances]
     return [_write(row, alias) for row, alias in rows]
 
 

@@ -1,10 +1,7 @@
-"""Django migration operations that create and drop the outbox tables.
-
-The statements are those of ``outbox-bridge init-db`` and the Alembic operations
-(:func:`outbox_bridge.db.migrations.create_statements`), compiled for PostgreSQL. The outbox
-tables are not Django models (an identity column, covering indexes, a statement-level trigger):
-the operations change no model state, and like ``RunSQL`` they run on a database when the
-routers allow the migration's app there.
+"""Django migration operations that create and drop the outbox tables, with the statements of
+``outbox-bridge init-db`` (:func:`outbox_bridge.db.migrations.create_statements`). The tables
+are not Django models: the operations change no model state, and like ``RunSQL`` they run on a
+database when the routers allow the migration's app there.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ class _OutboxOperation(Operation):
     def outbox_app(self) -> OutboxApp:
         return load_app(self.app)
 
-    # Whether the operation creates the tables forwards (and drops them backwards).
-    creates: bool
+    creates: bool  # forwards (and drops them backwards)
 
     def _run(self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, create: bool) -> None:
         connection = schema_editor.connection

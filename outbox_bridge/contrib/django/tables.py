@@ -1,8 +1,5 @@
 """The outbox tables of a Django database, for Django's ``flush`` (after every transactional
-test, and ``manage.py flush``): they are not Django models, so Django's own flush leaves their
-rows. The tables are those that ``CreateOutbox`` operations in the project's migrations create
-on the database, and those of the ``OUTBOX_BRIDGE`` app on the outbox's database (a worker
-creates them where no migration did), as far as they exist there.
+test, and ``manage.py flush``), which leaves the rows of tables that are not models.
 
 The owner tables are kept: a worker that outlives the flush still needs to know which workflow
 holds a shard. The identity is not restarted: a row id is the order within a shard, and a
@@ -21,9 +18,10 @@ from outbox_bridge.contrib.django.operations import CreateOutbox
 
 
 def outbox_tables(connection: BaseDatabaseWrapper) -> list[str]:
-    """The outbox tables on ``connection``'s database: those the migrations' ``CreateOutbox``
-    operations create there (the routers allowing), and the ``OUTBOX_BRIDGE`` app's tables on
-    the outbox's database; only those that exist, sorted."""
+    """The outbox tables on ``connection``'s database, sorted: those that exist of the
+    migrations' ``CreateOutbox`` operations there (the routers allowing), and of the
+    ``OUTBOX_BRIDGE`` app on the outbox's database (a worker creates them where no migration
+    did)."""
     if connection.vendor != "postgresql":
         return []
     names = set(_migrated_tables(connection.alias))
@@ -52,7 +50,5 @@ def _migrated_tables(alias: str) -> set[str]:
 def outbox_flush_sql(style: Style, connection: BaseDatabaseWrapper) -> list[str]:
     """The statement that empties the outbox tables of ``connection`` (their identity kept),
     or none when it has none."""
-    statements: list[str] = connection.ops.sql_flush(
-        style, outbox_tables(connection), reset_sequences=False
-    )
-    return statements
+    tables = outbox_tables(connection)
+    return connection.ops.sql_flush(style, tables, reset_sequences=False)

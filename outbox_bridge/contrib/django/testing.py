@@ -1,10 +1,6 @@
-"""The outbox in a Django test: drained in the test without a worker or Temporal
-(:func:`drain_outbox_django`, :func:`drain_outbox_django_async`), or handled by the app's worker
-on the test database (:func:`outbox_worker_django`).
-
-The rows must have committed, as for a worker: a test in a transaction that never commits (the
-``db`` fixture, ``TestCase``) keeps its rows where no other connection sees them, and the drain
-refuses to run there (:class:`UncommittedTransactionError`).
+"""The outbox in a Django test: drained without a worker (:func:`drain_outbox_django`), or
+handled by the app's worker on the test database (:func:`outbox_worker_django`). Either needs
+committed rows (:class:`UncommittedTransactionError`).
 """
 
 from __future__ import annotations
@@ -42,21 +38,18 @@ from outbox_bridge.testing.servers import EventLoopThread
 
 
 class UncommittedTransactionError(ConfigurationError, TransactionManagementError):
-    """A drain called inside a transaction that has not committed: in a ``TestCase`` (or
-    pytest-django's ``django_db`` without ``transaction=True``), whose transaction never
-    commits, or inside ``transaction.atomic()``. The drain reads with a connection of its own,
-    which cannot see the rows written in that transaction. Both a
-    :class:`~outbox_bridge.ConfigurationError` and Django's ``TransactionManagementError``."""
+    """A drain called inside a transaction that has not committed (``transaction.atomic()``, or
+    a ``TestCase`` or ``django_db`` without ``transaction=True``, which never commit): its own
+    connection cannot see those rows. Both a :class:`~outbox_bridge.ConfigurationError` and
+    Django's ``TransactionManagementError``."""
 
 
 def drain_outbox_django(
     app: OutboxApp, using: str | None = None, **options: Unpack[DrainOptions]
 ) -> DrainReport:
     """Handle the committed rows of ``app`` on the Django database ``using`` (default
-    ``"default"``) in the calling thread: :func:`~outbox_bridge.testing.drain_outbox` with an
-    engine on that database, disposed afterwards, and the same options (``shard``, ``table``,
-    ``run_deferred``, ``raise_on_failure``) and report. Handlers that use the ORM run in the
-    test's thread, on the test database."""
+    ``"default"``) in the calling thread: :func:`~outbox_bridge.testing.drain_outbox` on that
+    database, with its options and report. ORM handlers run in the test's thread and database."""
     engine = create_engine(_committed_rows_url(using))
     try:
         return drain_outbox(app, engine, **options)
@@ -68,8 +61,8 @@ async def drain_outbox_django_async(
     app: OutboxApp, using: str | None = None, **options: Unpack[DrainOptions]
 ) -> DrainReport:
     """:func:`drain_outbox_django` in the running event loop
-    (:func:`~outbox_bridge.testing.drain_outbox_async` with an async engine). Async handlers run
-    in this loop; plain-def handlers in a thread, where the ORM has a connection of its own."""
+    (:func:`~outbox_bridge.testing.drain_outbox_async`); plain-def handlers run in a thread,
+    where the ORM has a connection of its own."""
     engine = create_async_engine(_committed_rows_url(using))
     try:
         return await drain_outbox_async(app, engine, **options)
@@ -104,22 +97,18 @@ def outbox_worker_django(
     using: str | None = None,
     settings: OutboxSettings | None = None,
 ) -> Iterator[OutboxWorker]:
-    """The worker of ``app`` (default: ``OUTBOX_BRIDGE["APP"]``'s) running in this process,
-    in a thread of its own, on the Django database ``using`` (default: the outbox's): in a
-    test, its test database. Yields the testing toolkit's
-    :class:`~outbox_bridge.testing.OutboxWorker` (``wait_handled(...)``) once it is ready.
+    """The worker of ``app`` (default: ``OUTBOX_BRIDGE["APP"]``'s) running in this process, in
+    a thread of its own, on the Django database ``using`` (default: the outbox's; in a test, its
+    test database). Yields the :class:`~outbox_bridge.testing.OutboxWorker` once it is ready.
 
-    As ``manage.py outbox_worker`` does, every handler is wrapped with
-    :func:`~outbox_bridge.contrib.django.handlers.with_django_connections`: ORM handlers run in
-    the worker's threads on the test database, and close their connections. Meanwhile the
-    app's flushes (``outbox_context(flush=True)``, ``flush_outbox``, the middleware) go to this
-    worker. When the block ends, the worker stops and the workflows it left running are
-    terminated.
+    As in ``manage.py outbox_worker``, every handler is wrapped with
+    :func:`~outbox_bridge.contrib.django.handlers.with_django_connections`. Meanwhile the app's
+    flushes go to this worker. When the block ends, the worker stops and the workflows it left
+    running are terminated.
 
-    ``temporal_address`` defaults to the Django settings' ``TEMPORAL_ADDRESS`` (the testing
-    plugin's ``outbox_temporal`` fixture starts a dev server: pass ``outbox_temporal.address``);
-    ``settings`` to :func:`~outbox_bridge.testing.worker_settings` (short timers, a task queue
-    of its own), whose database and Temporal address are replaced by these.
+    ``temporal_address`` defaults to the Django settings' ``TEMPORAL_ADDRESS`` (in pytest, pass
+    the ``outbox_temporal`` fixture's ``.address``); ``settings`` to
+    :func:`~outbox_bridge.testing.worker_settings`, its database and Temporal address replaced.
     """
     app = app if app is not None else outbox_app()
     alias = outbox_database(using)

@@ -1,7 +1,6 @@
 """Writing outbox rows with Django's connections: :func:`write_row` is ``app.write`` for
-Django, with the same checks, the same INSERT (built by SQLAlchemy, run on the Django
-connection's cursor) and the same producer span. Each row is reported to the innermost open
-outbox context (:mod:`outbox_bridge.contrib.django.flush`, which flushes through Temporal).
+Django (the same checks, INSERT and producer span, run on the connection's cursor). Each row is
+reported to the innermost open outbox context (:mod:`outbox_bridge.contrib.django.flush`).
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from outbox_bridge.producer import RowFields, RowSpec
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import ShardRef
 
-# Django's PostgreSQL backend runs on psycopg 3 next to outbox-bridge (which requires it), and
-# psycopg takes the dialect's pyformat parameters and its adapted values (Jsonb) as they are.
+# Django's PostgreSQL backend runs on psycopg 3 (outbox-bridge requires it), which takes the
+# dialect's pyformat parameters and adapted values (Jsonb) as they are.
 _DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
 
 
@@ -37,8 +36,8 @@ class RowRecorder(Protocol):
 
 Stack = tuple[RowRecorder, ...]
 
-# The open contexts, innermost last: a stack per thread or task, so that the rows written with
-# ``sync_to_async`` for an async view reach the context the view opened.
+# The open contexts, innermost last, per thread or task: rows written with ``sync_to_async``
+# for an async view reach the context the view opened.
 OPEN: ContextVar[Stack] = ContextVar("outbox_bridge_django_contexts", default=())
 
 
@@ -61,13 +60,12 @@ def compiled(statement: Insert) -> tuple[str, dict[str, Any]]:
 
 def write_row(app: OutboxApp, *, using: str | None = None, **row: Unpack[RowFields]) -> int:
     """Write one outbox row of ``app`` with the connection of database ``using`` (default:
-    ``"default"``) and return its id. The row's keyword arguments are those of
-    :meth:`OutboxApp.write <outbox_bridge.OutboxApp.write>`.
+    ``"default"``) and return its id. The row's keyword arguments and checks are those of
+    :meth:`OutboxApp.write <outbox_bridge.OutboxApp.write>` (a row that does not fit the
+    registry raises :class:`~outbox_bridge.InvalidRowError` and writes nothing).
 
-    Checked like :meth:`OutboxApp.write <outbox_bridge.OutboxApp.write>`: a row that does not
-    fit the registry raises :class:`~outbox_bridge.InvalidRowError` and writes nothing. It must
-    run inside ``transaction.atomic(using=...)`` (else :class:`NotInTransactionError`), and
-    never commits: the row commits or rolls back with the caller's transaction, and an open
+    It must run inside ``transaction.atomic(using=...)`` (else :class:`NotInTransactionError`)
+    and never commits: the row commits or rolls back with the caller's transaction, and an open
     :func:`~outbox_bridge.contrib.django.flush.outbox_context` waits for it once it committed.
     """
     prepared = app.prepare(RowSpec(**row))
@@ -98,15 +96,13 @@ def write_row(app: OutboxApp, *, using: str | None = None, **row: Unpack[RowFiel
 async def write_row_async(
     app: OutboxApp, *, using: str | None = None, **row: Unpack[RowFields]
 ) -> int:
-    """:func:`write_row` for async code (an async view): runs it with ``sync_to_async`` (in
-    the thread Django gives the request's database work) inside ``transaction.atomic(using)``.
+    """:func:`write_row` for async code: run with ``sync_to_async`` inside
+    ``transaction.atomic(using)``, so the row commits on its own when this returns (unless the
+    thread is already inside ``atomic()``).
 
-    Async code cannot hold a transaction open across ``await``: the row commits on its own when
-    this returns (unless the thread is already inside ``atomic()``, when the call is nested in
-    a sync function). To write it in one transaction with a model change, do both in one sync
-    function under ``transaction.atomic()`` and call that with ``sync_to_async``; models
-    declared with :class:`~outbox_bridge.contrib.django.models.OutboxModel` do it in
-    ``asave()`` and ``adelete()``.
+    To write it in one transaction with a model change, do both in one sync function under
+    ``transaction.atomic()`` and call that with ``sync_to_async``, as
+    :class:`~outbox_bridge.contrib.django.models.OutboxModel`'s ``asave()`` and ``adelete()`` do.
     """
 
     def write() -> int:

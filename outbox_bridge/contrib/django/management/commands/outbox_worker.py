@@ -43,9 +43,7 @@ class Command(BaseCommand):
         except OutboxError as exc:
             raise CommandError(str(exc), returncode=2) from None
         app.wrap_handlers(with_django_connections)
-        if not logging.getLogger().handlers:
-            # The project's LOGGING leaves the root logger alone: log like outbox-bridge worker
-            # (LOG_LEVEL, LOG_FORMAT). Otherwise its own configuration stands.
+        if not logging.getLogger().handlers:  # else the project's LOGGING stands
             configure_logging(settings.log_level, settings.log_format)
         quiet_sdk_loggers()
         try:

@@ -15,6 +15,7 @@ import itertools
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -143,12 +144,14 @@ async def keep_flushing(
     seconds: float,
     every: float = 0.1,
     at_least: int = 3,
+    until: Callable[[], bool] = lambda: True,
 ) -> tuple[list[int], set[str]]:
     """Write a row of its own group to ``shard`` and flush it, every ``every`` seconds, until
     the shard's workflow has continued as new ``runs`` times, or ``seconds`` passed and it has
     made ``at_least`` runs (on a loaded machine each flush takes longer, so the runs do: up to
     three times ``seconds`` are given for those): the rows written and the flushes' answers
-    (each flush is an update in the workflow's history)."""
+    (each flush is an update in the workflow's history). It goes on, up to that last limit,
+    until ``until()`` holds too."""
     written: list[int] = []
     answers: set[str] = set()
     end = time.monotonic() + seconds
@@ -163,7 +166,8 @@ async def keep_flushing(
         if obj % 20 == 0:
             chain = await runs_from(client, shard.workflow_id, first_run)
             now = time.monotonic()
-            if len(chain) > runs or (now > end and len(chain) >= at_least) or now > last:
+            enough = len(chain) > runs or (now > end and len(chain) >= at_least)
+            if (enough and until()) or now > last:
                 break
     return written, answers
 
@@ -297,8 +301,19 @@ async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
         await asyncio.sleep(7.5)
         capped_from = time.monotonic()
         flusher = Flusher(app, settings, client=client)
+        # On a quiet machine six runs can pass within one capped interval: flushing goes on
+        # until the capped attempts show two gaps.
         await keep_flushing(
-            engine, app, flusher, shard, client, first_run, runs=6, seconds=30, every=0.05
+            engine,
+            app,
+            flusher,
+            shard,
+            client,
+            first_run,
+            runs=6,
+            seconds=30,
+            every=0.05,
+            until=lambda: sum(at >= capped_from for at in gate.attempts) >= 3,
         )
         chain = await runs_from(client, shard.workflow_id, first_run)
         await handle.signal("skip", SkipInput(reason="test over"))

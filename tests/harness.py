@@ -202,10 +202,8 @@ async def running_worker(
         await asyncio.wait_for(task, timeout=30)
 
 
-# The suite's workers share two cores, and a poll costs CPU in the test, the worker and the servers
-# (a query is a workflow task): a wait polls five times a second unless it must catch a moment
-# shorter than that. A predicate that runs a command starts a process (a second of CPU): once a
-# second, not back to back.
+# A predicate that runs a command starts a process (a second of CPU): poll it once a second, not back
+# to back, or the waits alone keep a core busy while the other test workers share two.
 COMMAND_POLL_INTERVAL = 1.0
 
 
@@ -213,7 +211,7 @@ async def wait_until(
     predicate: Callable[[], Awaitable[bool] | bool],
     *,
     timeout: float = 30.0,
-    interval: float = 0.2,
+    interval: float = 0.05,
     what: str = "condition",
 ) -> None:
     deadline = time.monotonic() + timeout

@@ -81,8 +81,12 @@ def carried_round(details: Sequence[object]) -> PartitionRound | None:
     )
 
 
-class PartitionUnavailableError(RuntimeError):
-    """This worker cannot drain the partition now; the activity is retried elsewhere."""
+def elsewhere(why: str) -> ApplicationError:
+    """This worker leaves the drain to another: a benign failure (logged at debug level), which
+    the server retries on any worker of the task queue."""
+    return ApplicationError(
+        why, type="PartitionElsewhere", category=ApplicationErrorCategory.BENIGN
+    )
 
 
 class PartitionDrain:
@@ -128,17 +132,14 @@ class PartitionDrain:
 
     async def run(self) -> PartitionRound:
         if self._hub.closed:  # not a return: the next round would start here again at once
-            raise PartitionUnavailableError("this worker is shutting down")
+            raise elsewhere("this worker is stopping: another worker takes the partition")
         if self._share is not None:
             running = len(self._hub.drains())
             refusal = await self._share.refusal(
                 self._ref, running, self._attempt, ran_before=self._ran_before
             )
             if refusal is not None:
-                # Benign: logged at debug level, retried by the server on any worker.
-                raise ApplicationError(
-                    refusal, type="PartitionElsewhere", category=ApplicationErrorCategory.BENIGN
-                )
+                raise elsewhere(refusal)
         options = self._options
         began = time.monotonic()
         end = began + options.round_seconds
@@ -191,11 +192,7 @@ class PartitionDrain:
             # on another worker, which takes it without a refusal (it ran before) and carries
             # on these counts from the heartbeat details.
             self._heartbeat(report)
-            raise ApplicationError(
-                "this worker is stopping: another worker takes the partition",
-                type="PartitionElsewhere",
-                category=ApplicationErrorCategory.BENIGN,
-            )
+            raise elsewhere("this worker is stopping: another worker takes the partition")
         return report
 
     async def _wait(self, inbox: PartitionInbox, seconds: float) -> None:

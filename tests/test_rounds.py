@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow, read_shard_ranges
 from outbox_bridge.db.store import read_rows as store_read_rows
@@ -431,6 +431,31 @@ async def stopped(running: asyncio.Task[PartitionRound]) -> None:
     it at once on another worker."""
     with pytest.raises(ApplicationError, match="this worker is stopping"):
         await running
+
+
+async def test_a_drain_that_starts_on_a_stopping_worker_leaves_the_partition_benignly(
+    engine,
+) -> None:
+    """Started after its worker began to stop, a drain fails at once with the benign failure
+    its other refusals use: the server retries it on another worker, and the worker logs it at
+    debug level only."""
+    _, _, app = await fresh_app(engine)
+    hub = ShardHub()
+    hub.close()
+    calls = HandlerCalls(app, redact_errors=False, threads=1)
+    drain = PartitionDrain(
+        DrainEngine(engine, app, calls=calls),
+        NoHandovers(),  # type: ignore[arg-type]
+        hub,
+        PartitionDrainInput(PartitionRef(app.table().name, 0, 1), PartitionOptions()),
+    )
+    try:
+        with pytest.raises(ApplicationError, match="this worker is stopping") as left:
+            await drain.run()
+    finally:
+        calls.close()
+    assert left.value.type == "PartitionElsewhere"
+    assert left.value.category == ApplicationErrorCategory.BENIGN
 
 
 def test_a_partition_s_inbox_asks_for_a_scan_past_its_cap(monkeypatch) -> None:

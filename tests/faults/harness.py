@@ -254,9 +254,11 @@ async def command(
     *args: str,
     ok: tuple[int, ...] = (0,),
     module: str | None = "outbox_bridge",
+    timeout: float = 60.0,
 ) -> str:
     """``python -m outbox_bridge ARGS`` (``python worker.py ARGS`` without a module); its
-    output. Its exit code must be one of ``ok``."""
+    output. Its exit code must be one of ``ok``; it is given ``timeout`` seconds (more than
+    a timeout of its own, such as a flush's ``--timeout``)."""
     argv = ["-m", module, *args] if module else ["worker.py", *args]
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -266,7 +268,7 @@ async def command(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
+    out, err = await asyncio.wait_for(process.communicate(), timeout)
     output = out.decode() + err.decode()
     assert process.returncode in ok, output
     return output

@@ -304,7 +304,9 @@ async def test_a_flush_of_a_shard_that_a_drain_is_in_the_middle_of(
     scenario.clock.fault()
 
     async def flush(shard: int) -> str:
-        output = await command(env, "flush", shard_name(shard), "--timeout", "120", "--json")
+        output = await command(
+            env, "flush", shard_name(shard), "--timeout", "120", "--json", timeout=150
+        )
         assert not await pending_rows(engine, scenario.table, shard, up_to[shard]), (
             f"the flush of shard {shard} answered while rows it waited for were pending"
         )

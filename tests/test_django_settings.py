@@ -31,7 +31,9 @@ from outbox_bridge.contrib.django.conf import (
     outbox_app,
     outbox_settings,
 )
+from outbox_bridge.contrib.django.flush import outbox_context
 from outbox_bridge.contrib.django.handlers import with_django_connections
+from outbox_bridge.flush import DEFAULT_TIMEOUT
 from tests.django_app import outbox as test_outbox
 from tests.harness import SCOPES, Category
 
@@ -266,3 +268,16 @@ def test_handlers_run_between_two_connection_checks(monkeypatch) -> None:
     with pytest.raises(RuntimeError):
         with_django_connections(failing)(message)
     assert events == ["close", "close"]
+
+
+def test_flush_timeout_is_the_default_wait_of_every_django_flush(settings) -> None:
+    """``outbox_context``, like ``flush_outbox`` and the middleware, waits ``FLUSH_TIMEOUT``
+    seconds unless given its own; a value that does not fit is refused when the block opens."""
+    settings.OUTBOX_BRIDGE = {"APP": APP, "FLUSH_TIMEOUT": 3}
+    assert outbox_context(flush=True)._timeout == 3
+    assert outbox_context(flush=True, timeout=5)._timeout == 5
+    settings.OUTBOX_BRIDGE = {"APP": APP}
+    assert outbox_context(flush=True)._timeout == DEFAULT_TIMEOUT
+    settings.OUTBOX_BRIDGE = {"APP": APP, "FLUSH_TIMEOUT": "10"}
+    with pytest.raises(OutboxConfigurationError, match=r"FLUSH_TIMEOUT'\] must be a number"):
+        outbox_context(flush=True)

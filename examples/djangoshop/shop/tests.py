@@ -89,6 +89,13 @@ def test_the_handlers_index_what_the_models_wrote() -> None:
 # -- with a worker: the app's worker on the test database ------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def patient_flushes(settings: Any) -> None:
+    """The views wait up to a minute here, not the app's 10 s: on a busy CI machine a handler
+    call can take longer than a request should wait in production."""
+    settings.OUTBOX_BRIDGE = {**settings.OUTBOX_BRIDGE, "FLUSH_TIMEOUT": 60}
+
+
 @pytest.fixture(scope="session")
 def worker(django_db_setup: None, outbox_temporal: TemporalServer) -> Iterator[OutboxWorker]:
     """The app's worker, in this process, on the test database, until the tests are done; the

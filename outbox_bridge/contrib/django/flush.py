@@ -124,11 +124,12 @@ class OutboxContext(FlushingContext):
 
 
 def outbox_context(
-    *, flush: bool = False, timeout: float = DEFAULT_TIMEOUT, flusher: Flusher | None = None
+    *, flush: bool = False, timeout: float | None = None, flusher: Flusher | None = None
 ) -> OutboxContext:
     """Track the outbox rows written inside the block with ``write_row`` (and by
     ``OutboxModel`` saves and deletes), on any database: :func:`outbox_bridge.outbox_context`
-    for Django, with the same ``flush``, ``timeout``, ``flusher``, nesting and ``.report``.
+    for Django, with the same ``flush``, ``timeout``, ``flusher``, nesting and ``.report``;
+    ``timeout`` defaults to ``OUTBOX_BRIDGE["FLUSH_TIMEOUT"]``, like :func:`flush_outbox`'s.
     End the transaction inside the block::
 
         with outbox_context(flush=True) as outbox:
@@ -141,6 +142,8 @@ def outbox_context(
     callback registered before it; rows of a transaction or savepoint that rolled back are not
     waited for.
     """
+    if timeout is None:
+        timeout = flush_timeout(DEFAULT_TIMEOUT)
     return OutboxContext(flush=flush, timeout=timeout, flusher=flusher)
 
 

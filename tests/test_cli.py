@@ -13,6 +13,8 @@ import contextlib
 import json
 import re
 import signal
+import subprocess
+import sys
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -673,3 +675,17 @@ async def test_init_db_refusals(args, expected) -> None:
 def test_the_settings_1_0_retired_are_named_when_still_set() -> None:
     environ = {"OUTBOX_LINGER": "10", "OUTBOX_IDLE_TIMEOUT": "0", "OUTBOX_PARTITIONS": "4"}
     assert retired_variables(environ) == ["OUTBOX_LINGER", "OUTBOX_IDLE_TIMEOUT"]
+
+
+def test_the_tools_start_without_loading_the_worker() -> None:
+    """``outbox-bridge status`` and the other tools import the command line, not the worker's
+    runtime, the demo or the replayer: each of those loads only in its own command."""
+    probe = (
+        "import sys, outbox_bridge.cli; "
+        "print(sorted(m for m in ('outbox_bridge.runtime.worker', 'outbox_bridge.demo', "
+        "'outbox_bridge.runtime.replayer') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import click
 
-from outbox_bridge import __version__, demo
+from outbox_bridge import __version__
 from outbox_bridge.cli.connections import command_app, database, tables_of, worker_app
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
@@ -23,8 +23,6 @@ from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.logs import configure_logging, quiet_sdk_loggers
-from outbox_bridge.runtime.replayer import HistoryReplayer
-from outbox_bridge.runtime.worker import run as run_worker
 
 
 def run() -> None:
@@ -65,6 +63,10 @@ def worker(**overrides: Any) -> None:
     Every option is also an environment variable (shown with each). With no database URL and
     no Temporal address, embedded servers are started under --data-dir.
     """
+    # The worker's modules load here, not with the command line: the tools start faster.
+    from outbox_bridge import demo
+    from outbox_bridge.runtime.worker import run as run_worker
+
     code = 0
     try:
         settings = build_settings(overrides)
@@ -115,6 +117,8 @@ history.add_command(history_export)
 def replay(files: tuple[Path, ...]) -> None:
     """Replay exported histories against the current workflow code, as the worker runs it and
     under the sandbox; exit 1 on nondeterminism, naming the first event that differs."""
+    from outbox_bridge.runtime.replayer import HistoryReplayer
+
     click.echo(f"replaying {len(files)} histories, several at once", err=True)
     failures = asyncio.run(HistoryReplayer().replay_all(files))
     for path, failure in zip(files, failures, strict=True):

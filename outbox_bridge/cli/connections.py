@@ -12,7 +12,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from temporalio.client import Client
 
-from outbox_bridge import demo, registry
+from outbox_bridge import registry
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.errors import ConfigurationError, RegistryError
 from outbox_bridge.registry import OutboxApp, OutboxTable
@@ -42,6 +42,8 @@ def command_app(settings: OutboxSettings) -> OutboxApp | None:
     if settings.demo and settings.app:
         raise RegistryError("--demo runs the demo app; do not also give --app")
     if settings.demo:
+        from outbox_bridge import demo  # the worker's modules: only the demo needs them here
+
         return demo.app
     return load_app(settings.app) if settings.app else None
 

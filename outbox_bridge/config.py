@@ -202,7 +202,10 @@ class OutboxSettings(BaseSettings):
         10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
     )
     poll_interval: float = Field(
-        1.0, gt=0, description="Seconds between a partition's scans for new rows."
+        1.0,
+        gt=0,
+        description="Seconds between a partition's scans for new rows (while LISTEN works, "
+        "doubled after each scan that finds nothing, up to the sweep interval).",
     )
     sweep_interval: float = Field(
         30.0,

@@ -458,6 +458,62 @@ async def test_a_drain_that_starts_on_a_stopping_worker_leaves_the_partition_ben
     assert left.value.category == ApplicationErrorCategory.BENIGN
 
 
+async def test_an_idle_partition_scans_less_while_its_worker_listens(engine) -> None:
+    """Without LISTEN a partition scans for new rows every poll interval. While its worker's
+    bridge listens, each scan that finds nothing doubles the wait before the next (the
+    notifications bring the rows), up to the full scans' interval; a row whose notification
+    never reached the drain is still found by a scan, and the wait starts over from the poll
+    interval. When the bridge stops listening, the drain polls at the interval again."""
+    recorder, table_name, app = await fresh_app(engine)
+    calls = HandlerCalls(app, redact_errors=False, threads=1)
+    hub = ShardHub()
+    options = PartitionOptions(
+        round_seconds=120.0, poll_interval_seconds=0.05, rescan_interval_seconds=3600.0
+    )
+    drain = PartitionDrain(
+        DrainEngine(engine, app, calls=calls),
+        NoHandovers(),  # type: ignore[arg-type]
+        hub,
+        PartitionDrainInput(PartitionRef(table_name, 0, 1), options),
+    )
+    polls: list[float] = []  # when each scan for new rows (not a full scan) began
+    scan = drain._scan
+
+    async def counted(*, full: bool) -> bool:
+        if not full:
+            polls.append(time.monotonic())
+        return await scan(full=full)
+
+    drain._scan = counted  # type: ignore[method-assign]
+
+    def polls_within(seconds: float) -> int:
+        since = time.monotonic()
+        return sum(1 for at in polls if at >= since - seconds)
+
+    running = asyncio.create_task(drain.run())
+    try:
+        await asyncio.sleep(1.5)
+        not_listening = polls_within(1.5)
+        hub.set_listening(True)
+        await asyncio.sleep(3.0)
+        listening = polls_within(3.0)  # waits of 0.05, 0.1, 0.2, 0.4, 0.8, 1.6 s
+        assert listening <= 6 and not_listening >= 6, (not_listening, listening)
+        # A row the drain hears nothing of: the next scan finds it.
+        await write_rows(
+            engine,
+            app,
+            [{"category": Category.PROJECT_UPDATE, "shard_identifier": 7, "object_identifier": 1}],
+        )
+        await wait_until(lambda: len(recorder.calls) == 1, timeout=30, what="the row")
+        hub.set_listening(False)
+        await asyncio.sleep(1.0)
+        assert polls_within(1.0) >= 4
+    finally:
+        hub.close()
+        await stopped(running)
+        calls.close()
+
+
 def test_a_partition_s_inbox_asks_for_a_scan_past_its_cap(monkeypatch) -> None:
     monkeypatch.setattr(hub_module, "MAX_NEWS", 3)
     inbox = PartitionInbox("outbox", 0, 1)

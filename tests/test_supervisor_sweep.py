@@ -20,10 +20,12 @@ from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.store import FirstRow, HeldShard
 from outbox_bridge.runtime import supervisor as supervisor_module
+from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.supervisor import CHECK_CONCURRENCY, PartitionSupervisor
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
+    PartitionRef,
     ShardRef,
     ShardState,
 )
@@ -71,6 +73,7 @@ class Client:
     def __init__(self, running: list[str]) -> None:
         self.running = set(running)
         self.queried: list[str] = []
+        self.started: list[str] = []
 
     async def list_workflows(self, query: str) -> AsyncIterator[Any]:
         for running in sorted(self.running):
@@ -79,6 +82,9 @@ class Client:
 
     def get_workflow_handle(self, workflow_id: str) -> Handle:
         return Handle(self, workflow_id)
+
+    async def start_workflow(self, workflow: str, arg: Any, *, id: str, **options: Any) -> None:
+        self.started.append(id)
 
 
 class Starter:
@@ -119,6 +125,7 @@ async def test_a_status_query_that_waits_out_its_timeout_holds_up_no_restart(
         client=client,  # type: ignore[arg-type]
         starter=starter,  # type: ignore[arg-type]
         settings=OutboxSettings(task_queue="sweep", partitions=1),
+        hub=ShardHub(),
     )
     sweep = asyncio.create_task(supervisor.check_held())
     try:
@@ -133,3 +140,30 @@ async def test_a_status_query_that_waits_out_its_timeout_holds_up_no_restart(
             await sweep
     assert starter.started == [workflow_id(gone)]
     assert supervisor.restarted == 1
+
+
+async def test_the_sweep_asks_temporal_nothing_of_the_partitions_this_worker_drains() -> None:
+    """Once the partitions are configured, a sweep starts (or finds running) only those whose
+    drain does not run in this worker: a drain that runs here shows its workflow runs."""
+    client = Client([])
+    hub = ShardHub()
+    supervisor = PartitionSupervisor(
+        app=OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(TABLE)]),
+        engine=Engine(),  # type: ignore[arg-type]
+        client=client,  # type: ignore[arg-type]
+        starter=Starter(),  # type: ignore[arg-type]
+        settings=OutboxSettings(task_queue="sweep", partitions=3),
+        hub=hub,
+    )
+    ids = [PartitionRef(TABLE, n, 3).workflow_id for n in range(3)]
+    drain = hub.open_partition(TABLE, 1, 3)
+    hub.open_partition(TABLE, 2, 5)  # a drain of another partition count: not partition 2 of 3
+    await supervisor.ensure_partitions()  # the first sweep configures every partition
+    assert client.started == ids
+    client.started.clear()
+    await supervisor.ensure_partitions()
+    assert client.started == [ids[0], ids[2]]
+    client.started.clear()
+    hub.close_partition(drain)  # the drain ended (its workflow may be gone): checked again
+    await supervisor.ensure_partitions()
+    assert client.started == ids

@@ -205,6 +205,7 @@ def build_bridge(
         client=client,
         starter=_starter(client, settings, skip_shards),
         settings=settings,
+        hub=hub,
     )
     return Bridge(
         app=app,

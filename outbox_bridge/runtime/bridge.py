@@ -99,9 +99,11 @@ class Bridge:
                 for table in self._tables():
                     await listen_conn.execute(f'LISTEN "{notify_channel(table.name)}"')
                 listener = asyncio.create_task(self._listen(listen_conn))
+                self._hub.set_listening(True)
             try:
                 await self._loop(stop, listener, lock_conn)
             finally:
+                self._hub.set_listening(False)
                 self.is_leader = False
                 metrics = active_metrics()
                 if metrics is not None:

@@ -85,6 +85,16 @@ class ShardHub:
     def __init__(self) -> None:
         self._partitions: dict[tuple[str, int], PartitionInbox] = {}
         self.closed = False
+        self.listening = False  # the bridge LISTENs: notifications bring the new rows
+
+    def set_listening(self, listening: bool) -> None:
+        """The bridge started or stopped listening. Every drain scans every shard now (rows
+        may have come while nobody listened) and sets its polling again."""
+        if listening != self.listening:
+            self.listening = listening
+            for inbox in self._partitions.values():
+                inbox.rescan = True
+                inbox.event.set()
 
     def close(self) -> None:
         """Shutting down: wake every drain so that it returns now."""
@@ -103,6 +113,11 @@ class ShardHub:
     def drains(self) -> list[PartitionInbox]:
         """This worker's partition drains, the oldest first."""
         return list(self._partitions.values())
+
+    def drains_partition(self, table: str, partition: int, partitions: int) -> bool:
+        """True if this worker runs the drain of ``partition`` (of ``partitions``) of ``table``."""
+        inbox = self._partitions.get((table, partition))
+        return inbox is not None and inbox.partitions == partitions
 
     def close_partition(self, inbox: PartitionInbox) -> None:
         if self._partitions.get((inbox.table, inbox.partition)) is inbox:

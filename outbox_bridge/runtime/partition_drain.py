@@ -147,21 +147,25 @@ class PartitionDrain:
         rounds: set[asyncio.Task[None]] = set()
         try:
             await self._scan(full=True)
-            next_poll = time.monotonic() + options.poll_interval_seconds
+            last_poll = time.monotonic()
+            empty_polls = 0  # scans in a row that found no new row while the bridge listens
             next_rescan = time.monotonic() + options.rescan_interval_seconds
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
             while not self._hub.closed and time.monotonic() < end:
                 rescan = self._take_news(inbox)
                 now = time.monotonic()
+                next_poll = last_poll + self._poll_wait(empty_polls)
                 if self._overflowed and not self._queue:
                     next_rescan = min(next_rescan, next_poll)  # the left-out shards are next
                 if now >= next_rescan or rescan:
                     await self._scan(full=True)
                     next_rescan = now + options.rescan_interval_seconds
-                    next_poll = now + options.poll_interval_seconds
+                    last_poll = now
                 elif now >= next_poll:
-                    await self._scan(full=False)
-                    next_poll = now + options.poll_interval_seconds
+                    found = await self._scan(full=False)
+                    empty = not found and self._hub.listening
+                    last_poll, empty_polls = now, empty_polls + 1 if empty else 0
+                next_poll = last_poll + self._poll_wait(empty_polls)
                 while len(rounds) < options.max_rounds:
                     shards = self._next_round()
                     if not shards:
@@ -194,6 +198,15 @@ class PartitionDrain:
             self._heartbeat(report)
             raise elsewhere("this worker is stopping: another worker takes the partition")
         return report
+
+    def _poll_wait(self, empty_polls: int) -> float:
+        """Seconds between scans for new rows: the poll interval; while the bridge of this
+        worker listens, doubled after each scan that found nothing, up to the interval of full
+        scans (notifications bring the new rows; the scans only catch what they missed)."""
+        interval = self._options.poll_interval_seconds
+        if not self._hub.listening:
+            return interval
+        return min(interval * (1 << min(empty_polls, 16)), self._options.rescan_interval_seconds)
 
     async def _wait(self, inbox: PartitionInbox, seconds: float) -> None:
         if seconds <= 0 or inbox.event.is_set():
@@ -256,11 +269,11 @@ class PartitionDrain:
 
     # -- finding shards with rows --------------------------------------------------------------
 
-    async def _scan(self, *, full: bool) -> None:
+    async def _scan(self, *, full: bool) -> bool:
         """Queue this partition's shards with rows: every one (``full``), or those with rows
-        above the newest id seen so far. The database returns only this partition's shards,
-        and no more than the queue has room for (those with the oldest rows first): a scan
-        holds a page of shards, however many the table has."""
+        above the newest id seen so far; True if it found any. The database returns only this
+        partition's shards, and no more than the queue has room for (those with the oldest rows
+        first): a scan holds a page of shards, however many the table has."""
         room = self._max_queued - len(self._queue)
         try:
             async with self._engine.engine.connect() as conn:
@@ -278,7 +291,7 @@ class PartitionDrain:
             log.warning(
                 "partition %s cannot scan %s: %s", self._ref.workflow_id, self._table.name, exc
             )
-            return
+            return False
         if full:
             self._overflowed = False  # this scan finds every shard the queue left out
         if len(ranges) > room:
@@ -287,6 +300,7 @@ class PartitionDrain:
         self._watermark = max([self._watermark, *(r.max_id for r in ranges)])
         for shard_range in ranges:
             self._enqueue(self._key(shard_range))
+        return bool(ranges)
 
     def _key(self, r: ShardRange) -> ShardKey:
         return ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)

@@ -118,6 +118,11 @@ class PartitionShare:
                 task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
             )
         )
+        if all(poller.identity == self.identity for poller in answer.pollers):
+            # No other worker polled in minutes (the task queue lists a poller that long), and a
+            # worker polls while it has a free activity slot: no other runs a drain, and the
+            # partitions need not be read.
+            return {}
         seen_since = datetime.now(UTC) - timedelta(seconds=POLLER_SECONDS)
         others = {
             poller.identity: 0

@@ -26,7 +26,7 @@ from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardKey, ref_of
+from outbox_bridge.runtime.hub import ShardHub, ShardKey, ref_of
 from outbox_bridge.runtime.pause_control import ControlViews, PauseControl
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
@@ -64,8 +64,10 @@ class PartitionSupervisor:
         client: Client,
         starter: ShardStarter,
         settings: OutboxSettings,
+        hub: ShardHub,
     ) -> None:
         self._app = app
+        self._hub = hub
         self._engine = engine
         self.client = client
         self._starter = starter
@@ -93,13 +95,21 @@ class PartitionSupervisor:
         also hand the running ones the current options and retire those beyond the number."""
         for table in self._app.tables:
             started = await asyncio.gather(
-                *(self._start(ref) for ref in self.partition_refs(table))
+                *(self._start(ref) for ref in self.partition_refs(table) if not self._here(ref))
             )
             if not all(started):
                 return
             if not self._configured:
                 await self._retire_extra(table)
         self._configured = True
+
+    def _here(self, ref: PartitionRef) -> bool:
+        """True once configured if this worker runs the drain of ``ref``: its workflow runs
+        (were it gone, the drain's next heartbeat would end the drain, and the next sweep start
+        it), so the sweep asks Temporal nothing about it."""
+        return self._configured and self._hub.drains_partition(
+            ref.table, ref.partition, ref.partitions
+        )
 
     async def _start(self, ref: PartitionRef) -> bool:
         try:

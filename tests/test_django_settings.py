@@ -272,7 +272,8 @@ def test_handlers_run_between_two_connection_checks(monkeypatch) -> None:
 
 def test_flush_timeout_is_the_default_wait_of_every_django_flush(settings) -> None:
     """``outbox_context``, like ``flush_outbox`` and the middleware, waits ``FLUSH_TIMEOUT``
-    seconds unless given its own; a value that does not fit is refused when the block opens."""
+    seconds unless given its own; a value that does not fit is refused when a block that waits
+    opens."""
     settings.OUTBOX_BRIDGE = {"APP": APP, "FLUSH_TIMEOUT": 3}
     assert outbox_context(flush=True)._timeout == 3
     assert outbox_context(flush=True, timeout=5)._timeout == 5
@@ -281,3 +282,4 @@ def test_flush_timeout_is_the_default_wait_of_every_django_flush(settings) -> No
     settings.OUTBOX_BRIDGE = {"APP": APP, "FLUSH_TIMEOUT": "10"}
     with pytest.raises(OutboxConfigurationError, match=r"FLUSH_TIMEOUT'\] must be a number"):
         outbox_context(flush=True)
+    assert outbox_context()._timeout == DEFAULT_TIMEOUT  # it waits for nothing: not read

@@ -1,7 +1,8 @@
-"""The sweep of held shards (``PartitionSupervisor.check_held``) with Temporal stood in for: a
-status query that waits out its timeout holds up no other shard's check, least of all the
-restart of a held shard whose workflow is gone (the end-to-end case, a workflow terminated by
-hand, is in tests/faults/test_handovers.py)."""
+"""The sweep (``PartitionSupervisor``) with Temporal stood in for: a status query of a held
+shard that waits out its timeout holds up no other shard's check, least of all the restart of a
+held shard whose workflow is gone (the end-to-end case, a workflow terminated by hand, is in
+tests/faults/test_handovers.py); and the partitions whose drains run in this worker are not
+asked about."""
 
 from __future__ import annotations
 

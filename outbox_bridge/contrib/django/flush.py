@@ -142,8 +142,8 @@ def outbox_context(
     callback registered before it; rows of a transaction or savepoint that rolled back are not
     waited for.
     """
-    if timeout is None:
-        timeout = flush_timeout(DEFAULT_TIMEOUT)
+    if timeout is None:  # a context that waits for nothing reads no setting
+        timeout = flush_timeout(DEFAULT_TIMEOUT) if flush else DEFAULT_TIMEOUT
     return OutboxContext(flush=flush, timeout=timeout, flusher=flusher)
 
 

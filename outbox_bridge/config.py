@@ -292,9 +292,11 @@ class OutboxSettings(BaseSettings):
         description="Port of the Prometheus scrape endpoint /metrics.",
     )
     metrics_host: str = Field(
-        "0.0.0.0",
+        "127.0.0.1",
         validation_alias=_or_otel("metrics_host", "OTEL_EXPORTER_PROMETHEUS_HOST"),
-        description="Address the Prometheus scrape endpoint listens on.",
+        description="Address the Prometheus scrape endpoint listens on. This host only by "
+        "default; 0.0.0.0 (all interfaces) lets a scraper on another host or outside a "
+        "container reach it (the container image sets it), :: an IPv6-only cluster.",
     )
     otel_sdk_disabled: bool = Field(
         False,
@@ -311,10 +313,10 @@ class OutboxSettings(BaseSettings):
         "(readiness); 0 disables them.",
     )
     health_host: str = Field(
-        "0.0.0.0",
-        description="Address the health endpoints listen on. All interfaces by default, so "
-        "that probes reach a container from outside; 127.0.0.1 keeps them local, :: serves "
-        "an IPv6-only cluster.",
+        "127.0.0.1",
+        description="Address the health endpoints listen on. This host only by default; "
+        "0.0.0.0 (all interfaces) lets probes reach a container from outside (the container "
+        "image sets it), :: serves an IPv6-only cluster.",
     )
     shutdown_grace: float = Field(
         10.0,

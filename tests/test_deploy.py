@@ -382,6 +382,20 @@ def test_dockerfile_env_is_valid_settings(monkeypatch) -> None:
     assert settings.metrics_port == METRICS_PORT
 
 
+def test_endpoints_listen_on_this_host_unless_the_image_or_configmap_says_otherwise(
+    monkeypatch,
+) -> None:
+    """Outside a container, nothing of the worker listens beyond the host: the image and the
+    ConfigMap open both endpoints to the container's network themselves."""
+    assert FIELDS["health_host"].default == FIELDS["metrics_host"].default == "127.0.0.1"
+    for env in (image_env(), k8s_env()):
+        settings = settings_from(env, monkeypatch)
+        assert (settings.health_host, settings.metrics_host) == ("0.0.0.0", "0.0.0.0")
+    # The Compose worker runs the image: its published ports reach the endpoints.
+    worker_env = services()["worker"].get("environment", {})
+    assert not {"OUTBOX_HEALTH_HOST", "OUTBOX_METRICS_HOST"} & set(worker_env)
+
+
 def test_deploy_files_run_commands_of_the_cli() -> None:
     """The subcommands the image, the Compose worker and the Kubernetes Job run exist."""
     used = {image_command()[1]}

@@ -13,10 +13,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.connection import ConnectionDoesNotExist
 from pydantic import ValidationError
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
 from outbox_bridge import registry
-from outbox_bridge.config import OutboxSettings
+from outbox_bridge.config import SECRET_QUERY_PARAMETERS, OutboxSettings, safe_url
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 
@@ -39,6 +40,42 @@ class OutboxConfigurationError(ConfigurationError, ImproperlyConfigured):
     :class:`~outbox_bridge.ConfigurationError` and Django's ``ImproperlyConfigured``."""
 
 
+class MaskedURL(str):
+    """A URL of ``OUTBOX_BRIDGE`` whose ``repr``, what Django's DEBUG error pages and
+    ``SafeExceptionReporterFilter.get_safe_settings()`` show of a value, masks its password
+    and secret query parameters; as text (``str()``, formatting, a connection) it is the URL
+    itself."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(safe_url(make_url(str(self))))
+
+
+def _holds_a_password(value: object) -> bool:
+    if not isinstance(value, str) or isinstance(value, MaskedURL) or "://" not in value:
+        return False
+    try:
+        url = make_url(value)
+    except (ArgumentError, ValueError):
+        return False
+    secret_query = any(key.lower() in SECRET_QUERY_PARAMETERS for key in url.query)
+    return url.password is not None or secret_query
+
+
+def mask_urls_in_error_pages() -> int:
+    """Wrap every URL of ``OUTBOX_BRIDGE`` that holds a password in :class:`MaskedURL`, in
+    place (Django's error pages hide only the keys that look secret, and ``DATABASE_URL``
+    does not); returns how many. A mapping that cannot be changed is left as it is."""
+    given = getattr(django_settings, SETTING, None)
+    if not isinstance(given, dict):
+        return 0
+    masked = [key for key, value in given.items() if _holds_a_password(value)]
+    for key in masked:
+        given[key] = MaskedURL(given[key])
+    return len(masked)
+
+
 def bridge_settings() -> dict[str, Any]:
     """The ``OUTBOX_BRIDGE`` dict, its keys in upper case, checked."""
     given = getattr(django_settings, SETTING, {})
@@ -56,7 +93,7 @@ def bridge_settings() -> dict[str, Any]:
             )
         if name in values:
             raise OutboxConfigurationError(f"{SETTING} gives {name} twice")
-        values[name] = value
+        values[name] = str(value) if isinstance(value, MaskedURL) else value
     return values
 
 

@@ -215,7 +215,18 @@ class OutboxSettings(BaseSettings):
     )
     listen: bool = Field(True, description="Wake the bridge with LISTEN/NOTIFY (else poll only).")
     redact_errors: bool = Field(
-        False, description="Keep only exception class names in Temporal failures."
+        False,
+        description="Keep only exception class names in Temporal failures (else their "
+        "messages go there, at most 2,000 characters, with credentials masked).",
+    )
+    payload_codec: str | None = Field(
+        None,
+        description="A Temporal PayloadCodec of yours (e.g. your encryption codec), as "
+        "module:attribute (an instance, or a class or function that makes one without "
+        "arguments): the outbox's workflow inputs, signals, results and failures (messages and "
+        "stack traces) go to Temporal encoded with it. Every outbox-bridge process of the app "
+        "needs the same one. Unset: plain JSON.",
+        json_schema_extra=_in(SettingGroup.TEMPORAL),
     )
     handler_threads: int = Field(
         64,

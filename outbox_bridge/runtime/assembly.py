@@ -37,7 +37,7 @@ from outbox_bridge.runtime.shards import ShardStarter, static_skips
 from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
-from outbox_bridge.runtime.temporal import ensure_search_attributes
+from outbox_bridge.runtime.temporal import ensure_search_attributes, outbox_data_converter
 from outbox_bridge.workflows import control as control_workflow
 from outbox_bridge.workflows import models as workflow_models
 from outbox_bridge.workflows import partition as partition_workflow
@@ -178,12 +178,14 @@ async def _no_partitions(
     raise RuntimeError("the flush task queue drains no partition")
 
 
-def outbox_client(client: Client) -> Client:
-    """``client``'s connection and namespace with the default data converter and the outbox's
-    interceptors only (an application's converter, codec and plugins stay on its own client)."""
+def outbox_client(client: Client, settings: OutboxSettings) -> Client:
+    """``client``'s connection and namespace with the outbox's data converter (the default
+    one, with the ``payload_codec`` setting's codec if set) and interceptors only (an
+    application's converter, codec and plugins stay on its own client)."""
     return Client(
         client.service_client,
         namespace=client.namespace,
+        data_converter=outbox_data_converter(settings),
         interceptors=[tracing_interceptor()],
     )
 
@@ -321,7 +323,7 @@ async def run_outbox(
     drains = build_drains(engine, app, settings)
     try:
         await prepare_database(engine, app.metadata)
-        own = outbox_client(client)
+        own = outbox_client(client, settings)
         await ensure_search_attributes(own)
         outbox = RunningOutbox(app, settings, engine=engine, drains=drains, client=own)
         outbox.start()

@@ -31,6 +31,7 @@ from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_contex
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Held, RoundShards
+from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger(__name__)
@@ -387,14 +388,18 @@ class HandlerCalls:
         return HandlerFailure(type(error).__qualname__, self._history_text(error))
 
     def _history_text(self, exc: BaseException) -> str:
-        """The exception's message as Temporal may keep it: none when redacted, else bounded."""
+        """The exception's message as Temporal may keep it: none when redacted, else bounded
+        and scrubbed of credentials."""
         if self._redact:
             return ""
         text = str(exc)
+        # Scrubbed before the cut, which would leave a password without its URL's "@"; with
+        # a margin, so that what masking shortened is still filled with scrubbed text.
+        scrubbed = scrub_credentials(text[: 2 * MAX_ERROR_MESSAGE])
         if len(text) > MAX_ERROR_MESSAGE:
             cut = len(text) - MAX_ERROR_MESSAGE
-            text = f"{text[:MAX_ERROR_MESSAGE]}… ({cut} more characters in the worker's log)"
-        return text
+            return f"{scrubbed[:MAX_ERROR_MESSAGE]}… ({cut} more characters in the worker's log)"
+        return scrubbed
 
     def _check_returned(self, call: Call, returned: object) -> None:
         if returned is not None:

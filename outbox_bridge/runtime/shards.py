@@ -150,9 +150,10 @@ async def shard_report(client: Client, shard: ShardRef) -> ShardReport:
         # Attempt n is pending once n - 1 attempts failed; the drain's failure is the first.
         status.attempts = max(status.attempts, pending.attempt)
         if pending.HasField("last_failure"):
-            failure = pending.last_failure
-            error_type = failure.application_failure_info.type or "Error"
-            status.last_error = HandlerFailure(error_type, failure.message)
+            # Through the client's converter: its codec may have encoded the message.
+            error = await client.data_converter.decode_failure(pending.last_failure)
+            error_type = pending.last_failure.application_failure_info.type or "Error"
+            status.last_error = HandlerFailure(error_type, getattr(error, "message", str(error)))
     running = description.status == WorkflowExecutionStatus.RUNNING
     return ShardReport(status, running, description.start_time, description.close_time)
 

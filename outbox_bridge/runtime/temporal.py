@@ -1,9 +1,12 @@
 """Connecting to Temporal (what the settings do not set comes from a ``temporal.toml`` profile:
-see the Temporal Cloud how-to), and the custom search attributes of shard workflows."""
+see the Temporal Cloud how-to), the outbox's data converter (a codec of yours, if set), and the
+custom search attributes of shard workflows."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib
 import logging
 import re
 import time
@@ -18,6 +21,11 @@ from temporalio.api.operatorservice.v1 import (
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
+from temporalio.converter import (
+    DataConverter,
+    DefaultFailureConverterWithEncodedAttributes,
+    PayloadCodec,
+)
 from temporalio.envconfig import ClientConfigProfile
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
@@ -107,14 +115,49 @@ def client_options(settings: OutboxSettings) -> dict[str, Any]:
     return options
 
 
+def load_payload_codec(spec: str) -> PayloadCodec:
+    """The codec that ``spec`` (``module:attribute``) names: a :class:`PayloadCodec`, or what
+    makes one when called without arguments."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(
+            f"payload_codec must look like module:attribute (e.g. myapp.codecs:codec), got {spec!r}"
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"cannot load payload_codec {spec}: {exc}") from None
+    codec = found() if not isinstance(found, PayloadCodec) and callable(found) else found
+    if not isinstance(codec, PayloadCodec):
+        raise ConfigurationError(
+            f"payload_codec {spec} is a {type(codec).__name__}, not a "
+            "temporalio.converter.PayloadCodec (or a class or function that makes one)"
+        )
+    return codec
+
+
+def outbox_data_converter(settings: OutboxSettings) -> DataConverter:
+    """The converter of every client that talks to the outbox's workflows: the default one,
+    with ``payload_codec`` if set. The codec then also encodes failures' messages and stack
+    traces (which the default failure converter leaves in plain text)."""
+    if settings.payload_codec is None:
+        return DataConverter.default
+    return dataclasses.replace(
+        DataConverter.default,
+        payload_codec=load_payload_codec(settings.payload_codec),
+        failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
+    )
+
+
 async def connect(
     settings: OutboxSettings, address: str, *, runtime: Runtime | None = None
 ) -> Client:
-    """A client of the configured namespace at ``address``; :class:`ConfigurationError` in one
-    line, with what to check, when it cannot connect."""
+    """A client of the configured namespace at ``address``, with the outbox's data converter;
+    :class:`ConfigurationError` in one line, with what to check, when it cannot connect."""
     options = client_options(settings)
+    converter = outbox_data_converter(settings)
     try:
-        return await Client.connect(address, runtime=runtime, **options)
+        return await Client.connect(address, runtime=runtime, data_converter=converter, **options)
     except (RuntimeError, ValueError) as exc:
         raise ConfigurationError(
             f"cannot connect to Temporal at {address} (namespace {options['namespace']!r}): "

@@ -7,8 +7,10 @@ and never restarts its bridge over it (integration tests).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from functools import partial
 from unittest.mock import MagicMock
 
@@ -16,7 +18,7 @@ import pytest
 from sqlalchemy import text
 
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.runtime.bridge import Bridge
+from outbox_bridge.runtime.bridge import NOTIFIED_SCAN_INTERVAL, NOTIFIED_SWEEP_INTERVAL, Bridge
 from outbox_bridge.runtime.hub import ShardHub, ShardKey, partition_of
 from outbox_bridge.runtime.notifications import (
     MAX_PAYLOAD_BYTES,
@@ -223,11 +225,15 @@ def test_refusals_are_logged_as_warnings_with_the_message_cut_short(
         bridge._take_notification(app.table(), "x" * 5000)
         bridge._take_notification(app.table(), '[["eu", 1, 2, 3]]')
         bridge._take_notification(app.table(), "[[1, 2, 3]]")
+        # The second is counted, and logged when a minute has passed (or the bridge stops).
+        assert len(caplog.records) == 1
+        bridge._refusals["t_forged"].flush(now=True)
     assert bridge.notifications_refused == 2
     refusals = [r.getMessage() for r in caplog.records]
     assert len(refusals) == 2
     assert all(len(r) < 400 for r in refusals)
     assert "not JSON" in refusals[0] and "an entry is not" in refusals[1]
+    assert refusals[0].startswith("refused a notification on t_forged_rows (not JSON)")
     assert inbox.rescan
     assert inbox.news == {ShardKey("t_forged", None, 1, 2): 3}
     assert bridge.handed_to_drains == 1
@@ -261,9 +267,10 @@ LONG_REGION = "x" * 7000
 async def test_forged_notifications_never_restart_the_bridge(
     servers, engine, client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Garbage sent with NOTIFY on a table's channel is refused and answered with a scan: a
-    row inserted without its notification (the trigger off, for that transaction) is handled
-    at once, although the worker's scans and sweeps are an hour apart. The bridge never fails
+    """Garbage sent with NOTIFY on a table's channel is refused and answered with a scan (at
+    most one a second): a row inserted without its notification (the trigger off, for that
+    transaction) is handled within moments, although the worker's scans and sweeps are an hour
+    apart. The bridge never fails
     or reconnects over a message, and no shard gets a workflow for news (the partitions drain
     them)."""
     recorder = Recorder()
@@ -321,8 +328,11 @@ async def test_forged_notifications_never_restart_the_bridge(
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("outbox_bridge")]
     assert not [m for m in messages if "bridge failed" in m or "bridge lost" in m]
     assert len([m for m in messages if m.startswith("bridge active")]) == 1  # no reconnect
-    refused = [m for m in messages if m.startswith("refused a notification")]
-    assert len(refused) == len(FORGED)
+    # The first refusal at once; the others within the minute counted in one record.
+    refused = [m for m in messages if m.startswith("refused ") and "notification" in m]
+    assert refused[0].startswith("refused a notification")
+    assert f"refused {len(FORGED) - 1} notifications on {channel}" in refused[1], refused
+    assert len(refused) == 2
     assert len({c.id for c in recorder.calls}) == len(FORGED) + 2
     assert {c.shard for c in recorder.calls} == {"eu:1:1", "eu:1:2", "eu:1:3"}
     ids = [
@@ -332,3 +342,96 @@ async def test_forged_notifications_never_restart_the_bridge(
         )
     ]
     assert ids == []  # partitions drained every real shard; nothing was started for news
+
+
+FLOOD = 5000
+
+
+async def test_a_flood_of_forged_notifications_costs_a_bounded_number_of_logs_and_scans(
+    servers, engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5,000 forged notifications of each kind (garbage, ``*``, ``pauses``) sent while a real
+    row is written: the row is handled at once; the refusals are logged in two or three
+    records, and the scans and sweeps the notifications ask for stay within one a second and
+    one every five seconds."""
+    recorder = Recorder()
+    table = unique_table()
+    app = make_app(table, recorder)
+    await create_tables(engine, app)
+    settings = fast_settings(poll_interval=3600.0, sweep_interval=3600.0)
+    channel = f"{table}_rows"
+    scans: list[float] = []
+    sweeps: list[float] = []
+    rescan, sweep = ShardHub.rescan, Bridge._sweep
+
+    def counted_rescan(hub: ShardHub, name: str) -> None:
+        if name == table:
+            scans.append(time.monotonic())
+        rescan(hub, name)
+
+    async def counted_sweep(bridge: Bridge) -> None:
+        sweeps.append(time.monotonic())
+        await sweep(bridge)
+
+    monkeypatch.setattr(ShardHub, "rescan", counted_rescan)
+    monkeypatch.setattr(Bridge, "_sweep", counted_sweep)
+
+    async def flood(kind: str) -> None:
+        """5,000 forged messages in one round trip. PostgreSQL sends identical messages of one
+        transaction once: distinct garbage in one, and '*' and 'pauses' one transaction each."""
+        async with engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            if kind == "garbage":
+                await conn.execute(
+                    text("SELECT pg_notify(:c, 'garbage ' || g) FROM generate_series(1, :n) g"),
+                    {"c": channel, "n": FLOOD},
+                )
+                return
+            block = (
+                f"DO $$ BEGIN FOR g IN 1..{FLOOD} LOOP "
+                f"PERFORM pg_notify('{channel}', '{kind}'); COMMIT; END LOOP; END $$"
+            )
+            await conn.execute(text(block))
+
+    with caplog.at_level(logging.INFO, logger="outbox_bridge"):
+        async with running_worker(servers, app, settings):
+            [first] = await write_rows(engine, app, [_row(1)])
+            await wait_until(lambda: first in recorder.ids(), what="a notified row")
+            began = time.monotonic()
+            scans.clear()
+            sweeps.clear()
+            for kind in ("garbage", "*", "pauses"):
+                flooding = asyncio.create_task(flood(kind))
+                [row_id] = await write_rows(engine, app, [_row(2)])
+                await wait_until(
+                    partial(_handled, recorder, row_id), what=f"a row in a {kind} flood"
+                )
+                await flooding
+            # Its notification comes after every forged one, read in order: all were taken.
+            [last] = await write_rows(engine, app, [_row(3)])
+            await wait_until(lambda: last in recorder.ids(), what="a row after the floods")
+            took = time.monotonic() - began
+    refused = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("refused ") and channel in r.getMessage()
+    ]
+    # The first logged at once, the rest in a minute's record or the stopping bridge's.
+    assert 2 <= len(refused) <= 3, refused
+    assert sum(_refused_count(m) for m in refused) == FLOOD
+    assert len(scans) <= took / NOTIFIED_SCAN_INTERVAL + 2, (len(scans), took)
+    assert len(sweeps) <= took / NOTIFIED_SWEEP_INTERVAL + 2, (len(sweeps), took)
+
+
+def _handled(recorder: Recorder, row_id: int) -> bool:
+    return row_id in recorder.ids()
+
+
+def _row(shard: int) -> dict[str, object]:
+    return {"category": Category.PROJECT_UPDATE, "shard_identifier": shard, "object_identifier": 1}
+
+
+def _refused_count(message: str) -> int:
+    if message.startswith("refused a notification"):
+        return 1
+    return int(message.split()[1].replace(",", ""))

@@ -63,6 +63,12 @@ class OutboxMetrics:
             description="Time from a handled row's date_added to its handler's success.",
             explicit_bucket_boundaries_advisory=QUEUE_BUCKETS,
         )
+        self.notifications_refused = meter.create_counter(
+            "outbox.notifications.refused",
+            unit="{notification}",
+            description="Notifications on a table's channel that were not the trigger's "
+            "(anyone who can connect can NOTIFY), by table.",
+        )
         self._observed: dict[int, dict[str, dict[Attributes, float]]] = {}
         self._lock = threading.Lock()
         gauges = {

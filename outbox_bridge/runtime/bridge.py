@@ -29,13 +29,18 @@ from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.hub import ShardHub, ShardKey, wait_any
-from outbox_bridge.runtime.notifications import parse_notification
+from outbox_bridge.runtime.notifications import RefusalLog, Throttle, parse_notification
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
 log = logging.getLogger(__name__)
 
 # Seconds between a standby bridge's attempts to become the active one.
 STANDBY_RETRY = 5.0
+# Seconds between the scans of every shard of a table that notifications ask for ('*', a
+# refused message), and between the sweeps they ask for ('pauses'), at least: anyone who can
+# connect can NOTIFY, as often as they like.
+NOTIFIED_SCAN_INTERVAL = 1.0
+NOTIFIED_SWEEP_INTERVAL = 5.0
 
 
 class Bridge:
@@ -56,7 +61,10 @@ class Bridge:
         self._supervisor = supervisor
         self._hub = hub
         self._wake = asyncio.Event()
-        self._sweep_now = False  # a pause changed: the held shards that waited for it go on
+        # A pause changed: the held shards that waited for it go on.
+        self._sweep_asked = Throttle(NOTIFIED_SWEEP_INTERVAL)
+        self._scans_asked: dict[str, Throttle] = {}  # by table
+        self._refusals: dict[str, RefusalLog] = {}  # by table
         self._cannot_analyze: set[str] = set()  # tables this role may not analyze (said once)
         self.handed_to_drains = 0
         self.notifications_refused = 0
@@ -103,6 +111,8 @@ class Bridge:
             try:
                 await self._loop(stop, listener, lock_conn)
             finally:
+                for refusals in self._refusals.values():
+                    refusals.flush(now=True)
                 self._hub.set_listening(False)
                 self.is_leader = False
                 metrics = active_metrics()
@@ -154,12 +164,17 @@ class Bridge:
                 if await self._try_lead(lock_conn):
                     next_sweep = now
                 next_lead = now + STANDBY_RETRY
-            if self.is_leader and (now >= next_sweep or self._sweep_now):
-                self._sweep_now = False
+            if self.is_leader and (now >= next_sweep or self._sweep_asked.take()):
+                self._sweep_asked.pending = False
                 await self._sweep()
                 next_sweep = time.monotonic() + self._settings.sweep_interval
+            if not self.is_leader:
+                self._sweep_asked.pending = False  # a standby bridge sweeps nothing
+            self._answer_notifications()
             self.ready.set()
             deadline = next_sweep if self.is_leader else next_lead
+            held = [t.due_in() for t in [*self._scans_asked.values(), self._sweep_asked]]
+            deadline = min([deadline, *(time.monotonic() + d for d in held if d is not None)])
             await wait_any(stop, self._wake, timeout=max(0.0, deadline - time.monotonic()))
             self._wake.clear()
             if listener is not None and listener.done():
@@ -170,24 +185,44 @@ class Bridge:
 
     def _take_notification(self, table: Table, payload: str) -> None:
         if payload in (SWEEP_NOTIFICATION, PAUSES_CHANGED):
-            self._sweep_now = self._sweep_now or payload == PAUSES_CHANGED
-            self._hub.rescan(table.name)
+            if payload == PAUSES_CHANGED:
+                self._sweep_asked.request()
+            self._scan_asked(table.name)
             return
         parsed = parse_notification(payload, regional="region" in table.c)
         if isinstance(parsed, str):  # any role can NOTIFY: answered with a scan, never trusted
             self.notifications_refused += 1
-            log.warning(
-                "refused a notification on %s (%s): %r; scanning instead",
-                notify_channel(table.name),
-                parsed,
-                payload[:200],
-            )
-            self._hub.rescan(table.name)
+            metrics = active_metrics()
+            if metrics is not None:
+                metrics.notifications_refused.add(1, {"outbox.table": table.name})
+            refusals = self._refusals.get(table.name)
+            if refusals is None:
+                refusals = self._refusals[table.name] = RefusalLog(notify_channel(table.name))
+            refusals.refuse(parsed, payload)
+            self._scan_asked(table.name)
             return
         for entry in parsed:
             key = ShardKey(table.name, entry.region, entry.scope, entry.shard_identifier)
             if self._wanted_region(key.region) and self._hub.offer_to_partition(key, entry.max_id):
                 self.handed_to_drains += 1
+
+    def _scan_asked(self, table: str) -> None:
+        """A notification asks for a scan of every shard of ``table``: now, unless one was
+        asked less than :data:`NOTIFIED_SCAN_INTERVAL` ago (then the loop asks when it may)."""
+        throttle = self._scans_asked.get(table)
+        if throttle is None:
+            throttle = self._scans_asked[table] = Throttle(NOTIFIED_SCAN_INTERVAL)
+        throttle.request()
+        if throttle.take():
+            self._hub.rescan(table)
+
+    def _answer_notifications(self) -> None:
+        """The scans held back by their throttle that may run now, and the refusals' log."""
+        for table, throttle in self._scans_asked.items():
+            if throttle.take():
+                self._hub.rescan(table)
+        for refusals in self._refusals.values():
+            refusals.flush()
 
     # -- the sweep ------------------------------------------------------------------------------
 

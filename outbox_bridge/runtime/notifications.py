@@ -1,17 +1,28 @@
 """Reading the notifications of an outbox table's trigger, ``[[scope, shard identifier, highest
-id], ...]`` (the region first in a regional table), trusting nothing: any role can ``NOTIFY``.
+id], ...]`` (the region first in a regional table), trusting nothing: any role can ``NOTIFY``,
+as often as it likes. What a notification may cost is bounded: a refused one is counted and
+logged at most once a minute, and the scans and sweeps notifications ask for are throttled.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 # PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more: a longer message is not read.
 MAX_PAYLOAD_BYTES = 7999
+# Seconds between two log records of refused notifications on one channel, at least.
+REFUSALS_LOG_INTERVAL = 60.0
+# Characters of a refused message that its log record shows.
+REFUSED_SHOWN = 200
+
+log = logging.getLogger("outbox_bridge.runtime.bridge")
 
 
 @dataclass(frozen=True)
@@ -82,3 +93,78 @@ def _integer(value: Any, bounds: tuple[int, int]) -> bool:
     return (
         isinstance(value, int) and not isinstance(value, bool) and bounds[0] <= value <= bounds[1]
     )
+
+
+@dataclass
+class RefusalLog:
+    """The refused notifications of one channel: each counted, logged at most once per
+    ``interval`` (the first at once; later ones as how many, and the last one's reason and
+    start)."""
+
+    channel: str
+    interval: float = REFUSALS_LOG_INTERVAL
+    clock: Callable[[], float] = time.monotonic
+    unlogged: int = 0
+    _last: tuple[str, str] = ("", "")
+    _since: float = field(default=-float("inf"))
+
+    def refuse(self, reason: str, payload: str) -> None:
+        self.unlogged += 1
+        self._last = (reason, payload[:REFUSED_SHOWN])
+        self.flush()
+
+    def flush(self, *, now: bool = False) -> None:
+        """Log what is unlogged if ``interval`` has passed since the last record (``now``: at
+        once, as the bridge stops)."""
+        at = self.clock()
+        if not self.unlogged or (at - self._since < self.interval and not now):
+            return
+        reason, shown = self._last
+        if self.unlogged == 1:
+            log.warning(
+                "refused a notification on %s (%s): %r; scanning instead",
+                self.channel,
+                reason,
+                shown,
+            )
+        else:
+            log.warning(
+                "refused %s notifications on %s in the last %.0f s; last: (%s) %r; scanning "
+                "instead, at most once a second",
+                f"{self.unlogged:,}",
+                self.channel,
+                min(at - self._since, self.interval),
+                reason,
+                shown,
+            )
+        self.unlogged = 0
+        self._since = at
+
+
+@dataclass
+class Throttle:
+    """Lets a costly answer to notifications (a scan of every shard, a sweep) run at most once
+    per ``interval``: the first request runs at once, later ones are held and coalesced into
+    one run when the interval has passed."""
+
+    interval: float
+    clock: Callable[[], float] = time.monotonic
+    pending: bool = False
+    _last: float = field(default=-float("inf"))
+
+    def request(self) -> None:
+        self.pending = True
+
+    def due_in(self) -> float | None:
+        """Seconds until a held request may run (0: now); None when none is held."""
+        if not self.pending:
+            return None
+        return max(0.0, self._last + self.interval - self.clock())
+
+    def take(self) -> bool:
+        """Whether a request may run now (then it is no longer held)."""
+        if self.due_in() != 0.0:
+            return False
+        self.pending = False
+        self._last = self.clock()
+        return True

@@ -24,6 +24,7 @@ from outbox_bridge.activities.control import ControlActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
 from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
+from outbox_bridge.db.tls import refuse_tls_failures
 from outbox_bridge.observability.sdk import tracing_interceptor
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge
@@ -61,6 +62,7 @@ def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
         pool_pre_ping=True,
     )
     load_infinite_timestamps(engine)  # a plain-SQL scheduled_for = 'infinity' must not fail drains
+    refuse_tls_failures(engine)
     return engine
 
 

@@ -11,6 +11,7 @@ import time
 
 import psycopg
 from sqlalchemy import Table
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,6 +25,8 @@ from outbox_bridge.db.store import (
     lacks_statistics,
     read_shard_ranges,
 )
+from outbox_bridge.db.tls import tls_refusal
+from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.observability.backlog import observe_backlog, observe_shard_states
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
@@ -81,6 +84,8 @@ class Bridge:
             try:
                 await self._run_connected(stop)
                 delay = 1.0
+            except ConfigurationError as exc:  # TLS refused the server: said in one line
+                log.error("bridge cannot connect: %s; trying again in %.0fs", exc, delay)
             except Exception as exc:
                 if connection_lost(exc):
                     log.warning(
@@ -99,8 +104,8 @@ class Bridge:
     async def _run_connected(self, stop: asyncio.Event) -> None:
         # Each entered as soon as it is open: a stop while the second connects closes the first.
         async with (
-            await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True) as listen_conn,
-            await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True) as lock_conn,
+            await self._connect() as listen_conn,
+            await self._connect() as lock_conn,
         ):
             listener = None
             if self._settings.listen:
@@ -122,6 +127,15 @@ class Bridge:
                     listener.cancel()
                     with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
                         await listener
+
+    async def _connect(self) -> psycopg.AsyncConnection[tuple[object, ...]]:
+        try:
+            return await psycopg.AsyncConnection.connect(self._listen_url, autocommit=True)
+        except psycopg.OperationalError as exc:
+            refused = tls_refusal(exc, make_url(self._listen_url))
+            if refused is None:
+                raise
+            raise refused from None
 
     async def _try_lead(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> bool:
         # Bridges of other regions on the same tables must not stand by for this one.

@@ -219,6 +219,14 @@ class OutboxSettings(BaseSettings):
         description="Keep only exception class names in Temporal failures (else their "
         "messages go there, at most 2,000 characters, with credentials masked).",
     )
+    max_unhandled_shards: int = Field(
+        100,
+        ge=1,
+        description="Shard workflows at most, per table, for shards whose head row no handler "
+        "of this app can take (a category it does not register, or registers in another "
+        "scope): the other such shards wait, their rows kept, until one of those is fixed, "
+        "skipped or deleted (the outbox.shards.held_back metric counts them).",
+    )
     payload_codec: str | None = Field(
         None,
         description="A Temporal PayloadCodec of yours (e.g. your encryption codec), as "

@@ -69,6 +69,12 @@ class OutboxMetrics:
             description="Notifications on a table's channel that were not the trigger's "
             "(anyone who can connect can NOTIFY), by table.",
         )
+        self.shards_held_back = meter.create_counter(
+            "outbox.shards.held_back",
+            unit="{shard}",
+            description="Shards that failed on a row the app cannot handle and were left "
+            "without a workflow, max_unhandled_shards being reached, by table.",
+        )
         self._observed: dict[int, dict[str, dict[Attributes, float]]] = {}
         self._lock = threading.Lock()
         gauges = {

@@ -39,6 +39,7 @@ from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.shutdown import ShutdownGrace
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 from outbox_bridge.runtime.temporal import ensure_search_attributes, outbox_data_converter
+from outbox_bridge.runtime.unhandled import UnhandledShards
 from outbox_bridge.workflows import control as control_workflow
 from outbox_bridge.workflows import models as workflow_models
 from outbox_bridge.workflows import partition as partition_workflow
@@ -127,6 +128,7 @@ def build_worker(
 ) -> Worker:
     starter = _starter(client, settings, skip_shards)
     share = PartitionShare(client, settings.task_queue, list(drains.engine.app.tables))
+    unhandled = UnhandledShards(drains.engine.app, settings.max_unhandled_shards)
 
     async def drain_partition(
         request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
@@ -141,6 +143,7 @@ def build_worker(
             share=share,
             attempt=info.attempt,
             carried=carried_round(info.heartbeat_details),
+            unhandled=unhandled,
         )
         return await drain.run()
 

@@ -13,6 +13,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +36,7 @@ from outbox_bridge.runtime.hub import (
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare
+from outbox_bridge.runtime.unhandled import UnhandledShards
 from outbox_bridge.workflows.models import (
     HandoverInput,
     HeldFor,
@@ -104,6 +106,7 @@ class PartitionDrain:
         share: PartitionShare | None = None,
         attempt: int = 1,
         carried: PartitionRound | None = None,
+        unhandled: UnhandledShards | None = None,
     ) -> None:
         self._engine = engine
         self._app = engine.app
@@ -127,6 +130,7 @@ class PartitionDrain:
         self._share = share  # None: this drain runs wherever the task queue gives it
         self._attempt = attempt
         self._ran_before = carried is not None  # an earlier attempt ran: its worker left
+        self._unhandled = unhandled  # the cap on shards held for rows the app cannot handle
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -178,7 +182,7 @@ class PartitionDrain:
                     next_beat = now + HEARTBEAT_SECONDS
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
-                wake = min(next_poll, next_rescan, next_beat, end)
+                wake = min(next_poll, next_rescan, next_beat, end, await self._count_unhandled())
                 await self._wait(inbox, wake - time.monotonic())
             # Rounds end within their time budget (or their handlers' timeout): finish them.
             while rounds:
@@ -222,8 +226,9 @@ class PartitionDrain:
         return rescan
 
     def _enqueue(self, key: ShardKey) -> None:
-        """Queue ``key`` unless it is queued already or the queue is full."""
-        if key in self._queue:
+        """Queue ``key`` unless it is queued already, waits for room under the cap on shards
+        the app cannot handle, or the queue is full."""
+        if key in self._queue or (self._unhandled is not None and self._unhandled.waits(key)):
             return
         if len(self._queue) >= self._max_queued:
             if not self._overflowed:
@@ -396,13 +401,41 @@ class PartitionDrain:
         )
         return held
 
-    @staticmethod
-    def _settle(batch: LockedShards, outcome: ShardOutcome) -> None:
+    def _settle(self, batch: LockedShards, outcome: ShardOutcome) -> None:
         """Under the shard's lock: a shard that failed or waits for a deferred head is held for
-        its workflow, unless one holds it already."""
+        its workflow, unless one holds it already, or it failed on a row the app cannot handle
+        and the cap on such shards is reached (it waits, unheld)."""
         handover = _handover(outcome)
-        if handover is not None and not outcome.lock_lost:
-            batch.hold(outcome.shard, handover.held_for, if_free=True)
+        if handover is None or outcome.lock_lost:
+            return
+        cap = self._unhandled
+        if (
+            cap is not None
+            and cap.applies(outcome.failure)
+            and not cap.admit(key_of(outcome.shard))
+        ):
+            return
+        batch.hold(outcome.shard, handover.held_for, if_free=True)
+
+    async def _count_unhandled(self) -> float:
+        """Count the held shards the app cannot handle when shards wait for room (a scan of
+        every shard of this worker's partitions meets the ones that have it now); returns when
+        to count next (the loop's clock)."""
+        cap = self._unhandled
+        due = None if cap is None else cap.count_due(self._table.name)
+        if cap is None or due is None:
+            return math.inf
+        if due > 0:
+            return time.monotonic() + due
+        try:
+            async with self._engine.engine.connect() as conn:
+                released = await cap.count(conn, self._table)
+        except SQLAlchemyError as exc:
+            log.warning("partition %s cannot count its held shards: %s", self._ref.workflow_id, exc)
+            released = []
+        if released:
+            self._hub.rescan(self._table.name)
+        return time.monotonic() + (cap.count_due(self._table.name) or math.inf)
 
     def _count(self, outcomes: list[ShardOutcome], handed: set[ShardKey]) -> None:
         stats = self._stats

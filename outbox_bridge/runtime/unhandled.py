@@ -1,0 +1,139 @@
+"""A cap on the shard workflows that hold shards whose head row this app cannot handle (a
+category it does not register, or registers in another scope): anyone who can INSERT can spread
+such rows over many shard ids, and each held shard is a workflow retrying an activity forever.
+
+Up to ``max_unhandled_shards`` of them per table get their workflow, as any failing shard does;
+the others wait, their rows kept, out of this worker's drain queues, until one of those is
+fixed, skipped or deleted. The count comes from the owners table (every worker's shards), read
+again every :data:`COUNT_INTERVAL` seconds while shards wait."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import Table
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_bridge.db.store import read_held_shards
+from outbox_bridge.errors import CategoryScopeError, UnknownCategoryError
+from outbox_bridge.observability.metrics import active_metrics
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.hub import ShardKey
+from outbox_bridge.workflows.models import HandlerFailure, HeldFor
+
+log = logging.getLogger(__name__)
+
+# The failures of a row that no handler of the app can take, whatever the handler does.
+UNHANDLEABLE = frozenset({UnknownCategoryError.__qualname__, CategoryScopeError.__qualname__})
+# Seconds between two counts of a table's held shards, while shards wait for room.
+COUNT_INTERVAL = 5.0
+# Seconds between two log records of held-back shards of one table, at least.
+LOG_INTERVAL = 60.0
+# Waiting shards remembered per table; past that, a scan finds the others again.
+MAX_WAITING = 100_000
+
+
+@dataclass
+class _TableCap:
+    held: set[ShardKey] = field(default_factory=set)  # held by their workflow for such a row
+    waiting: dict[ShardKey, None] = field(default_factory=dict)  # held back, oldest first
+    counted_at: float = -float("inf")
+    unlogged: int = 0
+    logged_at: float = -float("inf")
+
+
+class UnhandledShards:
+    """One worker's books of the cap, by table."""
+
+    def __init__(
+        self, app: OutboxApp, cap: int, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._app = app
+        self.cap = cap
+        self._clock = clock
+        self._tables: dict[str, _TableCap] = {}
+
+    @staticmethod
+    def applies(failure: HandlerFailure | None) -> bool:
+        """Whether a shard failed on a row no handler of the app can take."""
+        return failure is not None and failure.error_type in UNHANDLEABLE
+
+    def admit(self, key: ShardKey) -> bool:
+        """Whether the shard ``key``, failing on such a row, may be held for its workflow now;
+        if not, it waits (counted in ``outbox.shards.held_back``, logged at most once a
+        minute)."""
+        books = self._books(key.table)
+        if key in books.held:
+            return True
+        if len(books.held) < self.cap:
+            books.held.add(key)
+            books.waiting.pop(key, None)
+            return True
+        if len(books.waiting) < MAX_WAITING:
+            books.waiting[key] = None
+        books.unlogged += 1
+        metrics = active_metrics()
+        if metrics is not None:
+            metrics.shards_held_back.add(1, {"outbox.table": key.table})
+        self._log(key.table, books)
+        return False
+
+    def waits(self, key: ShardKey) -> bool:
+        """Whether ``key`` waits for room (its partition leaves it alone meanwhile)."""
+        books = self._tables.get(key.table)
+        return books is not None and key in books.waiting
+
+    def count_due(self, table: str) -> float | None:
+        """Seconds until ``table``'s held shards should be counted again (0: now); None when
+        no shard waits."""
+        books = self._tables.get(table)
+        if books is None or not books.waiting:
+            return None
+        return max(0.0, books.counted_at + COUNT_INTERVAL - self._clock())
+
+    async def count(self, conn: AsyncConnection, table: Table) -> list[ShardKey]:
+        """Count the shards of ``table`` held for such a row; returns the waiting shards that
+        now have room (no longer waiting: the next round that meets them admits them)."""
+        books = self._books(table.name)
+        books.counted_at = self._clock()
+        books.held = {
+            ShardKey(table.name, held.region, held.scope, held.shard_identifier)
+            for held in await read_held_shards(conn, table)
+            if held.held_for == HeldFor.FAILED
+            and held.head is not None
+            and not self._handleable(held.scope, held.head.category)
+        }
+        room = max(0, self.cap - len(books.held))
+        released = list(books.waiting)[:room]
+        for key in released:
+            del books.waiting[key]
+        return released
+
+    def _handleable(self, scope: int, category: int) -> bool:
+        owner = self._app.scope_of(category)
+        return owner is not None and int(owner) == scope
+
+    def _books(self, table: str) -> _TableCap:
+        books = self._tables.get(table)
+        if books is None:
+            books = self._tables[table] = _TableCap()
+        return books
+
+    def _log(self, table: str, books: _TableCap) -> None:
+        now = self._clock()
+        if now - books.logged_at < LOG_INTERVAL:
+            return
+        log.warning(
+            "held back %s shards of %s whose head row this app cannot handle (a category it "
+            "does not register, or registers in another scope): %s shard workflows hold such "
+            "shards, the most max_unhandled_shards allows; the others wait with their rows "
+            "until one of those is fixed, skipped or deleted",
+            f"{books.unlogged:,}",
+            table,
+            len(books.held),
+        )
+        books.unlogged = 0
+        books.logged_at = now

@@ -232,6 +232,26 @@ async def test_a_taken_health_port_does_not_stop_the_worker(servers, caplog) -> 
     assert "OUTBOX_HEALTH_PORT" in caplog.text
 
 
+async def test_by_default_the_endpoints_listen_on_this_host_only_and_say_so(caplog) -> None:
+    """Unset, health_host is 127.0.0.1: the endpoints answer there, and the log line that
+    announces them (the demo's too) names that address."""
+    port = free_port()
+    settings = OutboxSettings(health_port=port)
+    assert settings.health_host == "127.0.0.1"
+    health = HealthServer(settings, database_url="postgresql://u@h/db", stop=asyncio.Event())
+    with caplog.at_level(logging.INFO, logger="outbox_bridge.observability.health"):
+        await health.start()
+    try:
+        assert f"health endpoints on http://127.0.0.1:{port}{LIVENESS_PATH}" in caplog.text
+        answer = await http(port, LIVENESS_PATH)
+        assert answer.status == 200
+        # Another address of this host (one all interfaces would answer on): refused.
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.2", port), 2):
+            pass
+    finally:
+        await health.close()
+
+
 async def test_the_temporal_worker_is_built_with_the_configured_shutdown_grace(
     client, engine
 ) -> None:

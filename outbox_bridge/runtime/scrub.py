@@ -13,10 +13,12 @@ _SECRET_WORDS = (
     r"pass(?:word|wd|phrase)?|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key|"
     r"credentials?|auth|authorization|session[_-]?id|cookie|signature|sslpassword"
 )
-# A key with one of those words (maybe quoted, maybe prefixed: `db_password`, `X-Api-Key`),
-# `=` or `:`, then the value: quoted, or up to a space or a separator.
-_SECRET_PAIR = re.compile(
-    rf"""(?P<key>["']?[\w.-]*?(?:{_SECRET_WORDS})(?![a-z])[\w.-]*["']?\s*[=:]\s*)"""
+_SECRET_KEY = re.compile(rf"(?:{_SECRET_WORDS})(?![a-z])", re.IGNORECASE)
+# A key (maybe quoted, maybe prefixed: `db_password`, `X-Api-Key`), `=` or `:`, then the value:
+# quoted, or up to a space or a separator. A key starts where no key character precedes it, so
+# that a long word is read once, not from each of its characters.
+_PAIR = re.compile(
+    r"""(?P<key>(?<![\w.-])["']?[\w.-]+["']?\s*[=:]\s*)"""
     r"""(?P<scheme>(?:Bearer|Basic|Token|Digest)\s+)?"""
     r"""(?P<value>"[^"]*"|'[^']*'|[^\s,;&)}\]]+)""",
     re.IGNORECASE,
@@ -29,10 +31,13 @@ _URL_PASSWORD = re.compile(
 _BEARER = re.compile(r"(?P<head>\bBearer\s+)(?P<value>[\w.~+/=-]{8,})", re.IGNORECASE)
 
 
-def _masked_value(found: re.Match[str]) -> str:
+def _masked_pair(found: re.Match[str]) -> str:
+    key = found.group("key")
+    if not _SECRET_KEY.search(key):
+        return found.group(0)
     value = found.group("value")
     quote = value[0] if value[:1] in ("'", '"') and len(value) > 1 else ""
-    return f"{quote}{MASK}{quote}"
+    return f"{key}{found.group('scheme') or ''}{quote}{MASK}{quote}"
 
 
 def scrub_credentials(text: str) -> str:
@@ -44,7 +49,5 @@ def scrub_credentials(text: str) -> str:
     is not recognised. Keep secrets out of messages, or keep messages out of Temporal (the
     ``redact_errors`` setting) or encode them with your codec (``temporal_codec``)."""
     text = _URL_PASSWORD.sub(lambda m: m.group("head") + MASK, text)
-    text = _SECRET_PAIR.sub(
-        lambda m: m.group("key") + (m.group("scheme") or "") + _masked_value(m), text
-    )
+    text = _PAIR.sub(_masked_pair, text)
     return _BEARER.sub(lambda m: m.group("head") + MASK, text)

@@ -68,6 +68,7 @@ def view_of(app: OutboxApp | None, pauses: list[Pause]) -> PausesView:
                 reason=p.reason,
                 paused_by=p.paused_by,
                 since=iso_utc(p.since),
+                paused_via=p.paused_via,
             )
             for p in pauses
         ]
@@ -81,9 +82,10 @@ class PauseControl:
         self._app = app
         self._engine = engine
 
-    async def change(self, request: PauseChangeInput) -> PausesView:
-        """Pause or resume what ``request`` names, and return the table's pauses. Raises
-        :class:`ConfigurationError` for a name the app does not know."""
+    async def change(self, request: PauseChangeInput, *, via: str | None = None) -> PausesView:
+        """Pause or resume what ``request`` names, and return the table's pauses (``via``: the
+        sender of the pause as Temporal recorded it). Raises :class:`ConfigurationError` for a
+        name the app does not know."""
         change = request.change
         if (change.category is None) == (change.scope is None):
             raise ConfigurationError("give exactly one of category and scope")
@@ -94,7 +96,7 @@ class PauseControl:
         async with self._engine.begin() as conn:
             if request.paused:
                 by = change.by.strip() or "the control workflow"
-                await add_pause(conn, table, kind, number, change.reason.strip(), by)
+                await add_pause(conn, table, kind, number, change.reason.strip(), by, via=via)
             else:
                 await remove_pause(conn, table, kind, number)
             return view_of(self._app, await read_pauses(conn, table))

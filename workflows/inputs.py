@@ -84,7 +84,7 @@ PARTITION_BOUNDS: dict[str, Bound] = {
     "poll_interval_seconds": Bound(0, DAY, open_low=True),
     "rescan_interval_seconds": Bound(0, DAY, open_low=True),
     "heartbeat_timeout_seconds": Bound(0, 3600, open_low=True),
-    "max_history_events": Bound(20, 50_000, integer=True),
+    "max_history_events": Bound(10, 50_000, integer=True),
 }
 SHARD_BOUNDS: dict[str, Bound] = {
     "handler_timeout_seconds": Bound(0, DAY, open_low=True),
@@ -93,7 +93,7 @@ SHARD_BOUNDS: dict[str, Bound] = {
     "max_retry_interval_seconds": Bound(0, WEEK, open_low=True),
     "drain_max_groups": Bound(1, 10_000, integer=True),
     "drain_time_budget_seconds": Bound(0, 3600, open_low=True),
-    "max_history_events": Bound(20, 50_000, integer=True),
+    "max_history_events": Bound(10, 50_000, integer=True),
 }
 ID = Bound(0, MAX_ID, integer=True)
 

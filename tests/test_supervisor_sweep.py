@@ -200,7 +200,6 @@ async def test_a_partition_running_with_other_options_is_reconfigured_at_the_nex
     hub.open_partition(TABLE, 1, 3)
     await supervisor.ensure_partitions()
     forged = PartitionOptions(max_shards=1, round_seconds=3600, poll_interval_seconds=86_400)
-    client.options[ids[1]] = forged
-    client.options[ids[2]] = forged
+    client.options = {ids[0]: WANTED, ids[1]: forged, ids[2]: forged}
     await supervisor.ensure_partitions()
     assert client.signalled == [(ids[1], "reconfigure", WANTED), (ids[2], "reconfigure", WANTED)]

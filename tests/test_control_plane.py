@@ -34,6 +34,7 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
+from tests.workflows.doubles import current_details
 
 PARTITIONS = 2
 # Within bounds, and as harmful as bounds allow: one shard a round, a day between scans.
@@ -231,3 +232,14 @@ async def test_a_pause_by_update_records_its_sender_beside_by(servers, engine) -
                 await conn.execute(text(f"SELECT paused_by, paused_via FROM {table}_pauses"))
             ).one()
         assert tuple(stored) == ("bob", "temporal:ann-laptop")
+        assert "**Paused** category PROJECT_UPDATE (2) by bob (via temporal:ann-laptop)" in (
+            await current_details(control)
+        )
+        # A forged view of the pauses is refused; the pause stays shown.
+        await control.signal("refresh", {"pauses": "nothing"})
+
+        async def refused() -> bool:
+            return "**Refused 1 signal; last: refresh at " in await current_details(control)
+
+        await wait_until(refused, what="the refused refresh shown")
+        assert "by bob (via temporal:ann-laptop)" in await current_details(control)

@@ -7,10 +7,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import click
 import pytest
 
+from outbox_bridge.cli.flags import required_reason
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.errors import InvalidControlInput
+from outbox_bridge.runtime.calls import MAX_ERROR_MESSAGE
 from outbox_bridge.runtime.shards import ShardStarter, checked
 from outbox_bridge.workflows.inputs import (
     MAX_SKIP_SHARDS,
@@ -26,7 +29,10 @@ from outbox_bridge.workflows.inputs import (
     decode,
 )
 from outbox_bridge.workflows.models import (
+    HandlerFailure,
     HandoverInput,
+    HeadGroup,
+    HeldFor,
     PartitionOptions,
     PauseChange,
     ShardOptions,
@@ -117,3 +123,30 @@ def test_the_reference_documents_every_bound() -> None:
     reference = REFERENCE.read_text()
     for name, bound in {**PARTITION_BOUNDS, **SHARD_BOUNDS}.items():
         assert f"| `{name}` | {bound.text()} |" in reference, name
+
+
+def test_what_the_worker_itself_hands_over_is_within_bounds() -> None:
+    """A handler's longest error message, as the worker cuts it, and a row deferred by
+    centuries: a partition's handover of them is never refused."""
+    message = "x" * MAX_ERROR_MESSAGE + "… (123456 more characters in the worker's log)"
+    check_handover(
+        HandoverInput(
+            max_id=2**63 - 1,
+            held_for=HeldFor.FAILED,
+            head=HeadGroup(2, "PROJECT_UPDATE", -(2**63), 1, 2**63 - 1, 3),
+            failure=HandlerFailure("ReplicaUnavailable", message),
+        )
+    )
+    check_handover(
+        HandoverInput(
+            held_for=HeldFor.DEFERRED,
+            deferred_until="2300-01-01T00:00:00+00:00",
+            deferred_seconds=9.0e9,
+        )
+    )
+
+
+def test_the_command_line_refuses_a_reason_the_workflows_would_refuse() -> None:
+    assert required_reason(" " + "x" * MAX_TEXT + " ", "skip") == "x" * MAX_TEXT
+    with pytest.raises(click.BadParameter, match=re.escape("a skip's reason has at most 1,000")):
+        required_reason("x" * (MAX_TEXT + 1), "skip")

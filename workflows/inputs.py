@@ -40,6 +40,11 @@ T = TypeVar("T")
 
 # Operator text (a reason, a name in ``by``), a category's or scope's name, a timestamp.
 MAX_TEXT = 1000
+# A handler's error message as a handover carries it (the worker cuts it at 2,000 characters
+# and says how many more the log has).
+MAX_ERROR_TEXT = 4000
+# Seconds until a deferred head is due: any time a timestamp can name.
+MAX_DEFERRAL = 1e12
 # Shards listed in ``skip_shards``, and the length of each one's workflow id.
 MAX_SKIP_SHARDS = 10_000
 MAX_WORKFLOW_ID = 1000
@@ -110,15 +115,22 @@ def check_number(name: str, value: object, bound: Bound) -> None:
         raise InvalidInput(f"{name} {_shown(value)} is outside {bound.text()}")
 
 
-def check_text(name: str, value: object, *, optional: bool = False, required: bool = False) -> None:
-    """Raise unless ``value`` is text of at most :data:`MAX_TEXT` characters (None if
-    ``optional``; not blank if ``required``)."""
+def check_text(
+    name: str,
+    value: object,
+    *,
+    optional: bool = False,
+    required: bool = False,
+    limit: int = MAX_TEXT,
+) -> None:
+    """Raise unless ``value`` is text of at most ``limit`` characters (None if ``optional``;
+    not blank if ``required``)."""
     if value is None and optional:
         return
     if not isinstance(value, str):
         raise InvalidInput(f"{name} must be text, got {_shown(value)}")
-    if len(value) > MAX_TEXT:
-        raise InvalidInput(f"{name} is {len(value):,} characters long, at most {MAX_TEXT:,}")
+    if len(value) > limit:
+        raise InvalidInput(f"{name} is {len(value):,} characters long, at most {limit:,}")
     if required and not value.strip():
         raise InvalidInput(f"{name} is required (it is shown to every operator)")
 
@@ -174,10 +186,11 @@ def check_handover(handover: HandoverInput) -> None:
         _check_head(handover.head)
     if handover.failure is not None:
         check_text("failure.error_type", handover.failure.error_type)
-        check_text("failure.message", handover.failure.message)
+        check_text("failure.message", handover.failure.message, limit=MAX_ERROR_TEXT)
     check_text("deferred_until", handover.deferred_until, optional=True)
     if handover.deferred_seconds is not None:
-        check_number("deferred_seconds", handover.deferred_seconds, Bound(-WEEK * 520, WEEK * 520))
+        deferral = Bound(-MAX_DEFERRAL, MAX_DEFERRAL)
+        check_number("deferred_seconds", handover.deferred_seconds, deferral)
     if handover.skip is not None:
         _check_skip_info(handover.skip)
 
@@ -216,6 +229,12 @@ def check_pauses_view(view: PausesView) -> None:
         for name in ("name", "reason", "paused_by", "since"):
             check_text(name, getattr(pause, name))
         check_text("paused_via", pause.paused_via, optional=True)
+
+
+def clipped(text: str) -> str:
+    """``text`` cut to :data:`MAX_TEXT` characters: operator text read from a table (which
+    takes any length) as a workflow is shown it."""
+    return text if len(text) <= MAX_TEXT else f"{text[: MAX_TEXT - 1]}…"
 
 
 def decode(args: Sequence[Any], model: type[T], check: Callable[[T], None]) -> T:

@@ -16,6 +16,7 @@ from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import workflow_code_memo
+from outbox_bridge.workflows.inputs import clipped
 from outbox_bridge.workflows.models import (
     ControlInput,
     PauseChangeInput,
@@ -64,11 +65,11 @@ def view_of(app: OutboxApp | None, pauses: list[Pause]) -> PausesView:
             PauseInfo(
                 kind=p.kind,
                 number=p.number,
-                name=member_name(app, p.kind, p.number),
-                reason=p.reason,
-                paused_by=p.paused_by,
+                name=clipped(member_name(app, p.kind, p.number)),
+                reason=clipped(p.reason),
+                paused_by=clipped(p.paused_by),
                 since=iso_utc(p.since),
-                paused_via=p.paused_via,
+                paused_via=None if p.paused_via is None else clipped(p.paused_via),
             )
             for p in pauses
         ]

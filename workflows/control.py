@@ -89,7 +89,7 @@ class OutboxControl:
         except InvalidInput as exc:
             line = note_refusal(self._refused, "refresh", workflow.now(), exc)
             workflow.logger.warning("outbox:%s:control refused: %s", self._table, line)
-            self._changed = True
+            self._publish()  # the details only: the headline timer stands
             return
         if view != self._view:  # the bridge also refreshes after the updates' own changes
             self._view = view

@@ -500,7 +500,7 @@ class OutboxShard:
         except InvalidInput as exc:
             line = note_refusal(self._r.refused, signal, workflow.now(), exc)
             workflow.logger.warning("%s refused: %s", self._shard.workflow_id, line)
-            self._show()
+            self._describe()  # the details only: a refused signal changes no search attribute
             return None
 
     # The same two as updates: the caller learns whether they were taken; validators refuse.

@@ -34,9 +34,12 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
+from tests.test_cli_shards import cli
 from tests.workflows.doubles import current_details
 
 PARTITIONS = 2
+# The command line's tables, one line a row.
+WIDE = {"COLUMNS": "400"}
 # Within bounds, and as harmful as bounds allow: one shard a round, a day between scans.
 HARMFUL = PartitionOptions(
     round_seconds=3600,
@@ -134,7 +137,7 @@ async def reasserted(handles: list[WorkflowHandle[Any, Any]]) -> bool:
 async def test_forged_shard_signals_change_nothing_and_skips_name_their_sender(
     servers, engine
 ) -> None:
-    recorder, _, app = await fresh_app(engine)
+    recorder, table, app = await fresh_app(engine)
     fixed = asyncio.Event()
 
     async def failing_until_fixed(message: OutboxMessage) -> None:
@@ -199,6 +202,10 @@ async def test_forged_shard_signals_change_nothing_and_skips_name_their_sender(
         await wait_until(skipped_by_signal, what="the signal's sender")
         skip = (await shard_status(shard)).skip
         assert skip is not None and (skip.by, skip.via) == ("carol", "temporal:mallory")
+        code, out, err = await cli(servers, table, "status", "ORGANIZATION:8", env=WIDE)
+        assert code == 0, err
+        assert "by carol (via temporal:mallory) at " in out
+        assert "Refused 3 signals; last: notify at " in out
         fixed.set()
         await carol.get_workflow_handle(shard.id).execute_update(
             "resume", ResumeInput(by="carol"), result_type=ShardStatus
@@ -232,6 +239,10 @@ async def test_a_pause_by_update_records_its_sender_beside_by(servers, engine) -
                 await conn.execute(text(f"SELECT paused_by, paused_via FROM {table}_pauses"))
             ).one()
         assert tuple(stored) == ("bob", "temporal:ann-laptop")
+        code, out, err = await cli(servers, table, "pauses", env=WIDE)
+        assert code == 0, err
+        [row] = [line for line in out.splitlines() if "PROJECT_UPDATE" in line]
+        assert [cell.strip() for cell in row.split("│")[5:7]] == ["bob", "temporal:ann-laptop"]
         assert "**Paused** category PROJECT_UPDATE (2) by bob (via temporal:ann-laptop)" in (
             await current_details(control)
         )

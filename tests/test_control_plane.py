@@ -110,7 +110,7 @@ async def test_a_forged_reconfigure_is_refused_or_lasts_one_sweep(servers, engin
         for handle in handles:
             await handle.signal("reconfigure", HARMFUL)
         await wait_until(lambda: reasserted(handles), what="the worker's options reasserted")
-        assert await on(wanted)
+        await wait_until(lambda: on(wanted), what="the partitions on the worker's options again")
         # Rows written after the forged signal are all handled.
         await write_rows(engine, app, rows(200))
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="200 rows handled")

@@ -480,7 +480,8 @@ class OutboxShard:
     @workflow.signal
     def resume(self, *args: Any) -> None:
         """Continue a skipped shard; its head is retried at once, from scratch."""
-        if args and self._decoded("resume", args, ResumeInput, check_resume) is None:
+        given = args != () and args != (None,)  # its input is optional
+        if given and self._decoded("resume", args, ResumeInput, check_resume) is None:
             return
         self._resume()
 

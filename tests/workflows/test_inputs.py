@@ -13,7 +13,9 @@ from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from outbox_bridge.workflows.models import (
     PartitionCarry,
     PartitionOptions,
+    Refusals,
     ShardState,
+    ShardStatus,
     SkipInput,
 )
 from tests.harness import refusal, wait_until
@@ -147,3 +149,16 @@ async def test_a_skip_update_out_of_bounds_is_rejected_without_a_history_event(w
     history = await events(handle)
     assert not of_type(history, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
     assert (await shard_status(handle)).state == ShardState.DEFERRED
+
+
+@pytest.mark.parametrize("args", [[], [None]], ids=["no-input", "null"])
+async def test_resume_without_input_is_taken(wf: Bench, args: list[Any]) -> None:
+    handle = await deferred_shard(wf)
+    await handle.execute_update("skip", SkipInput(reason="bad deploy"), result_type=ShardStatus)
+    await handle.signal("resume", args=args)
+
+    async def resumed() -> bool:
+        return (await shard_status(handle)).skip is None
+
+    await wait_until(resumed, timeout=10, interval=0.01, what="the shard resumed")
+    assert (await shard_status(handle)).refused == Refusals()

@@ -8,6 +8,7 @@ from typing import Any
 from temporalio import activity
 
 from outbox_bridge.runtime.pause_control import PauseControl
+from outbox_bridge.runtime.senders import update_sender
 from outbox_bridge.workflows.models import PauseChangeInput, PausesView
 
 
@@ -19,8 +20,15 @@ class ControlActivities:
 
     @activity.defn(name="change_pauses")
     async def change_pauses(self, request: PauseChangeInput) -> PausesView:
-        """Pause or resume a category or a scope of the table; the table's pauses after it."""
-        return await self._control.change(request)
+        """Pause or resume a category or a scope of the table; the table's pauses after it. A
+        pause records its sender as Temporal recorded the update (``temporal:<identity>``)."""
+        via = None
+        if request.paused and request.update_id:
+            info = activity.info()
+            via = await update_sender(
+                activity.client(), info.workflow_id, info.workflow_run_id, request.update_id
+            )
+        return await self._control.change(request, via=via)
 
     def all(self) -> list[Callable[..., Any]]:
         return [self.change_pauses]

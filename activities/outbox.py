@@ -16,6 +16,7 @@ from temporalio.exceptions import ApplicationError
 
 from outbox_bridge.observability.logs import log_context
 from outbox_bridge.runtime.calls import HandlerFailed
+from outbox_bridge.runtime.senders import skip_sender
 from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.workflows.models import (
     DrainInput,
@@ -55,10 +56,17 @@ class OutboxActivities:
             return await self._drainer.drain(request)
 
     @activity.defn(name="hold_shard")
-    async def hold_shard(self, request: HoldInput) -> None:
-        """Record that the shard's workflow holds it (partitions leave it alone)."""
+    async def hold_shard(self, request: HoldInput) -> str | None:
+        """Record that the shard's workflow holds it (partitions leave it alone). Held for a
+        skip: the skip's sender as Temporal recorded it (``temporal:<identity>``), if found."""
         with log_context(shard=request.shard.key):
             await self._drainer.hold(request)
+            if request.skip is None:
+                return None
+            info = activity.info()
+            return await skip_sender(
+                activity.client(), info.workflow_id, info.workflow_run_id, request.skip
+            )
 
     @activity.defn(name="flush_check")
     async def flush_check(self, request: FlushCheckInput) -> FlushCheck:

@@ -181,22 +181,28 @@ class OutboxSettings(BaseSettings):
         "partitions spread the work over more workers.",
     )
     handler_timeout: float = Field(
-        300.0, gt=0, description="Seconds one handler call may take before it is retried."
+        300.0,
+        gt=0,
+        le=86_400,
+        description="Seconds one handler call may take before it is retried.",
     )
     heartbeat_timeout: float = Field(
-        30.0, gt=0, description="Seconds without heartbeat before a category activity is retried."
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds without heartbeat before a category activity is retried.",
     )
     initial_retry_interval: float = Field(
-        1.0, gt=0, description="First retry delay of a failing handler (seconds)."
+        1.0, gt=0, le=86_400, description="First retry delay of a failing handler (seconds)."
     )
     max_retry_interval: float = Field(
-        3600.0, gt=0, description="Cap of the exponential retry delay (seconds)."
+        3600.0, gt=0, le=604_800, description="Cap of the exponential retry delay (seconds)."
     )
     drain_max_groups: int = Field(
         1000, ge=1, le=10_000, description="Coalescing groups handled per drain call at most."
     )
     drain_time_budget: float = Field(
-        2.0, gt=0, description="Seconds after which a drain call stops taking new groups."
+        2.0, gt=0, le=3600, description="Seconds after which a drain call stops taking new groups."
     )
     max_history_events: int = Field(
         10_000, ge=100, le=40_000, description="History length at which a shard continues as new."
@@ -204,12 +210,14 @@ class OutboxSettings(BaseSettings):
     poll_interval: float = Field(
         1.0,
         gt=0,
+        le=86_400,
         description="Seconds between a partition's scans for new rows (while LISTEN works, "
         "doubled after each scan that finds nothing, up to the sweep interval).",
     )
     sweep_interval: float = Field(
         30.0,
         gt=0,
+        le=86_400,
         description="Seconds between full sweeps (late commits, lost notifications, lost "
         "workflows).",
     )

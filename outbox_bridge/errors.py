@@ -15,6 +15,10 @@ class ConfigurationError(OutboxError):
     """The settings are incomplete or contradict each other."""
 
 
+class InvalidControlInput(OutboxError, ValueError):
+    """A signal or update input the outbox's workflows would refuse: nothing was sent."""
+
+
 class RegistryError(OutboxError):
     """The scope/category registry is malformed (a category in two scopes, in none, ...)."""
 

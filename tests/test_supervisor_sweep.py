@@ -1,8 +1,8 @@
 """The sweep (``PartitionSupervisor``) with Temporal stood in for: a status query of a held
 shard that waits out its timeout holds up no other shard's check, least of all the restart of a
 held shard whose workflow is gone (the end-to-end case, a workflow terminated by hand, is in
-tests/faults/test_handovers.py); and the partitions whose drains run in this worker are not
-asked about."""
+tests/faults/test_handovers.py); the partitions whose drains run in this worker are not started
+again; and every partition running with other options than this worker's gets them again."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from outbox_bridge.runtime.supervisor import CHECK_CONCURRENCY, PartitionSupervi
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
+    PartitionOptions,
     PartitionRef,
+    PartitionStatus,
     ShardRef,
     ShardState,
 )
@@ -63,9 +65,14 @@ class Handle:
         raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
 
     async def query(self, *args: Any, **kwargs: Any) -> Any:
-        # A workflow whose task stays open answers no query until the query times out.
         self.client.queried.append(self.id)
+        if self.client.options is not None:  # a partition's status: the options it runs with
+            return PartitionStatus(self.id, 0, 0, 0, 0, options=self.client.options.get(self.id))
+        # A workflow whose task stays open answers no query until the query times out.
         await asyncio.Event().wait()
+
+    async def signal(self, name: str, argument: Any) -> None:
+        self.client.signalled.append((self.id, name, argument))
 
 
 class Client:
@@ -75,6 +82,9 @@ class Client:
         self.running = set(running)
         self.queried: list[str] = []
         self.started: list[str] = []
+        self.signalled: list[tuple[str, str, Any]] = []
+        # Partition workflow id -> the options its status query answers with.
+        self.options: dict[str, PartitionOptions] | None = None
 
     async def list_workflows(self, query: str) -> AsyncIterator[Any]:
         for running in sorted(self.running):
@@ -143,10 +153,15 @@ async def test_a_status_query_that_waits_out_its_timeout_holds_up_no_restart(
     assert supervisor.restarted == 1
 
 
-async def test_the_sweep_asks_temporal_nothing_of_the_partitions_this_worker_drains() -> None:
-    """Once the partitions are configured, a sweep starts (or finds running) only those whose
-    drain does not run in this worker: a drain that runs here shows its workflow runs."""
+# The options a partition runs with, as this worker's settings give them.
+WANTED = OutboxSettings(task_queue="sweep").partition_options()
+
+
+def three_partitions() -> tuple[Client, list[str], ShardHub, PartitionSupervisor]:
+    """A sweep of three partitions, each answering this worker's options to ``status``."""
     client = Client([])
+    ids = [PartitionRef(TABLE, n, 3).workflow_id for n in range(3)]
+    client.options = dict.fromkeys(ids, WANTED)
     hub = ShardHub()
     supervisor = PartitionSupervisor(
         app=OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(TABLE)]),
@@ -156,7 +171,14 @@ async def test_the_sweep_asks_temporal_nothing_of_the_partitions_this_worker_dra
         settings=OutboxSettings(task_queue="sweep", partitions=3),
         hub=hub,
     )
-    ids = [PartitionRef(TABLE, n, 3).workflow_id for n in range(3)]
+    return client, ids, hub, supervisor
+
+
+async def test_the_sweep_starts_none_of_the_partitions_this_worker_drains() -> None:
+    """Once the partitions are configured, a sweep starts (or finds running) only those whose
+    drain does not run in this worker: a drain that runs here shows its workflow runs. Each
+    answers the options it runs with, which are this worker's: nothing is signalled."""
+    client, ids, hub, supervisor = three_partitions()
     drain = hub.open_partition(TABLE, 1, 3)
     hub.open_partition(TABLE, 2, 5)  # a drain of another partition count: not partition 2 of 3
     await supervisor.ensure_partitions()  # the first sweep configures every partition
@@ -168,3 +190,16 @@ async def test_the_sweep_asks_temporal_nothing_of_the_partitions_this_worker_dra
     hub.close_partition(drain)  # the drain ended (its workflow may be gone): checked again
     await supervisor.ensure_partitions()
     assert client.started == ids
+    assert client.queried == ids * 3 and client.signalled == []
+
+
+async def test_a_partition_running_with_other_options_is_reconfigured_at_the_next_sweep() -> None:
+    """A forged reconfigure lasts one sweep: the partition that answers other options than this
+    worker's gets them again, the one whose drain runs here too; the others get no signal."""
+    client, ids, hub, supervisor = three_partitions()
+    hub.open_partition(TABLE, 1, 3)
+    await supervisor.ensure_partitions()
+    forged = PartitionOptions(max_shards=1, round_seconds=3600, poll_interval_seconds=86_400)
+    client.options = {ids[0]: WANTED, ids[1]: forged, ids[2]: forged}
+    await supervisor.ensure_partitions()
+    assert client.signalled == [(ids[1], "reconfigure", WANTED), (ids[2], "reconfigure", WANTED)]

@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from outbox_bridge.workflows.inputs import (
+        InvalidInput,
+        check_pause_change,
+        check_pauses_view,
+        decode,
+        note_refusal,
+    )
     from outbox_bridge.workflows.models import (
         ControlInput,
         PauseChange,
         PauseChangeInput,
         PausesView,
+        Refusals,
+        via_text,
     )
 
 CHANGE_TIMEOUT = timedelta(seconds=30)
@@ -31,6 +41,7 @@ class OutboxControl:
         self._table = input.table
         self._view = input.view
         self._changed = False  # the view changed since it was last shown
+        self._refused = Refusals()  # refresh signals not applied (this run)
 
     @workflow.run
     async def run(self, input: ControlInput) -> None:
@@ -56,9 +67,9 @@ class OutboxControl:
 
     @pause.validator
     def _check_pause(self, change: PauseChange) -> None:
-        _check(change)
-        if not change.reason.strip():
-            raise ValueError("a pause needs a reason")
+        if isinstance(change.reason, str) and not change.reason.strip():
+            raise InvalidInput("a pause needs a reason")
+        check_pause_change(change, pausing=True)
 
     @workflow.update
     async def unpause(self, change: PauseChange) -> PausesView:
@@ -67,11 +78,19 @@ class OutboxControl:
 
     @unpause.validator
     def _check_unpause(self, change: PauseChange) -> None:
-        _check(change)
+        check_pause_change(change, pausing=False)
 
     @workflow.signal
-    def refresh(self, view: PausesView) -> None:
-        """The table's pauses, as the worker read them after a change made elsewhere."""
+    def refresh(self, *args: Any) -> None:
+        """The table's pauses (:class:`PausesView`), as the worker read them after a change made
+        elsewhere. A view out of bounds or of another shape is refused and shown."""
+        try:
+            view = decode(args, PausesView, check_pauses_view)
+        except InvalidInput as exc:
+            line = note_refusal(self._refused, "refresh", workflow.now(), exc)
+            workflow.logger.warning("outbox:%s:control refused: %s", self._table, line)
+            self._publish()  # the details only: the headline timer stands
+            return
         if view != self._view:  # the bridge also refreshes after the updates' own changes
             self._view = view
             self._changed = True
@@ -81,9 +100,10 @@ class OutboxControl:
         return self._view
 
     async def _change(self, change: PauseChange, *, paused: bool) -> PausesView:
+        update = workflow.current_update_info()
         view: PausesView = await workflow.execute_activity(
             "change_pauses",
-            PauseChangeInput(self._table, change, paused),
+            PauseChangeInput(self._table, change, paused, update.id if update else None),
             result_type=PausesView,
             start_to_close_timeout=CHANGE_TIMEOUT,
             # A name the app does not know fails at once; a database outage is retried.
@@ -102,7 +122,10 @@ class OutboxControl:
         pauses = self._view.pauses
         if not pauses:
             return "nothing paused (the pause update pauses a category or a scope)"
-        named = [f"{p.kind} {p.name} by {p.paused_by}: {p.reason}" for p in pauses]
+        named = [
+            f"{p.kind} {p.name} by {p.paused_by}{via_text(p.paused_via)}: {p.reason}"
+            for p in pauses
+        ]
         more = len(named) - HEADLINE_PAUSES
         shown = "; ".join(named[:HEADLINE_PAUSES]) + (f"; and {more} more" if more > 0 else "")
         return f"paused: {shown}"
@@ -116,13 +139,10 @@ class OutboxControl:
         if not self._view.pauses:
             lines.append("**Paused** nothing")
         for p in self._view.pauses:
+            by = f"{p.paused_by}{via_text(p.paused_via)}"
             lines.append(
-                f"**Paused** {p.kind} {p.name} ({p.number}) by {p.paused_by} since {p.since}: "
-                f"{p.reason}"
+                f"**Paused** {p.kind} {p.name} ({p.number}) by {by} since {p.since}: {p.reason}"
             )
+        if self._refused.summary is not None:
+            lines.append(f"**{self._refused.summary}**")
         workflow.set_current_details("\n\n".join(lines))
-
-
-def _check(change: PauseChange) -> None:
-    if (change.category is None) == (change.scope is None):
-        raise ValueError("give exactly one of category and scope (a name or a number)")

@@ -85,11 +85,41 @@ class ShardOptions:
     max_history_events: int = 10_000
 
 
+def via_text(via: str | None) -> str:
+    """Who Temporal recorded as the sender, beside the declared name: `` (via temporal:ann)``."""
+    return f" (via {via})" if via else ""
+
+
 @dataclass
 class SkipInfo:
+    """Why a shard is skipped: ``by`` as the sender declared it, ``via`` as Temporal recorded
+    the sender (``temporal:<client identity>``, with the Cloud principal when there is one)."""
+
     reason: str
     by: str | None = None
     at: str | None = None
+    via: str | None = None
+
+    @property
+    def who(self) -> str:
+        """``by`` as declared, and beside it the sender Temporal recorded, when known."""
+        return f"{self.by or 'an operator'}{via_text(self.via)}"
+
+
+@dataclass
+class Refusals:
+    """Signals a workflow refused (nothing of them was applied): how many, and the last one,
+    e.g. ``reconfigure at 2026-11-29 07:00:00 UTC: max_shards 0 is outside 1..10,000``."""
+
+    count: int = 0
+    last: str | None = None
+
+    @property
+    def summary(self) -> str | None:
+        if not self.count:
+            return None
+        plural = "s" if self.count > 1 else ""
+        return f"Refused {self.count} signal{plural}; last: {self.last}"
 
 
 @dataclass
@@ -154,6 +184,7 @@ class ShardRecord:
     deferred_seconds: float | None = None
     paused: PauseInfo | None = None  # the pause the deferred head waits for, if it is paused
     parked: list[ParkedNote] = field(default_factory=list)  # as the last drain read them
+    refused: Refusals = field(default_factory=Refusals)  # signals it did not apply
 
     @property
     def state(self) -> ShardState:
@@ -254,6 +285,8 @@ class HoldInput:
     shard: ShardRef
     held_for: HeldFor = HeldFor.WORKFLOW
     wait_seconds: float = 30.0
+    # Held for a skip: the skip, whose sender the activity looks up in the run's history.
+    skip: SkipInfo | None = None
 
 
 @dataclass
@@ -316,6 +349,7 @@ class ShardStatus:
     blocked_since: str | None = None
     deferred_until: str | None = None
     skip: SkipInfo | None = None
+    refused: Refusals | None = None
 
 
 FLUSH_MAX_TIMEOUT_SECONDS = 3600.0
@@ -395,6 +429,9 @@ class PauseInfo:
     reason: str
     paused_by: str
     since: str
+    # Who Temporal recorded as the sender of the pause update (``temporal:<identity>``); None
+    # for a pause made otherwise (the command line, SQL).
+    paused_via: str | None = None
 
 
 @dataclass
@@ -416,6 +453,8 @@ class PauseChangeInput:
     table: str
     change: PauseChange
     paused: bool
+    # The update that asked for the change: its sender is looked up in the run's history.
+    update_id: str | None = None
 
 
 @dataclass
@@ -478,6 +517,7 @@ class PartitionCarry:
     groups_handled: int = 0
     handed_over: int = 0
     rounds: int = 0
+    refused: Refusals = field(default_factory=Refusals)  # signals it did not apply
 
 
 @dataclass
@@ -526,3 +566,5 @@ class PartitionStatus:
     handed_over: int
     rounds: int
     last_round: PartitionRound | None = None
+    options: PartitionOptions | None = None  # what its drains run with
+    refused: Refusals | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -14,6 +15,12 @@ from temporalio.exceptions import ActivityError
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
+    from outbox_bridge.workflows.inputs import (
+        InvalidInput,
+        check_partition_options,
+        decode,
+        note_refusal,
+    )
     from outbox_bridge.workflows.models import (
         PartitionCarry,
         PartitionDrainInput,
@@ -32,11 +39,16 @@ class OutboxPartition:
     @workflow.init
     def __init__(self, input: PartitionInput) -> None:
         self._partition = input.partition
-        self._options = input.options
         self._carry = input.carry or PartitionCarry()
         self._last: PartitionRound | None = None
         self._retired = False
         self._reconfigured = False
+        self._options = input.options
+        try:
+            check_partition_options(input.options)
+        except InvalidInput as exc:  # a start by hand: the bridge's next sweep reconfigures it
+            self._options = PartitionOptions()
+            note_refusal(self._carry.refused, "start options (defaults used)", workflow.now(), exc)
 
     @workflow.run
     async def run(self, input: PartitionInput) -> PartitionCarry:
@@ -97,15 +109,24 @@ class OutboxPartition:
 
     # -- signals and queries ------------------------------------------------------------------
 
+    # Signal handlers take their arguments undecoded (``*args``): an input of any shape is
+    # refused here and shown, never a failed workflow task.
+
     @workflow.signal
-    def reconfigure(self, options: PartitionOptions) -> None:
-        """New options: the running drain stops and the next one uses them."""
+    def reconfigure(self, *args: Any) -> None:
+        """New :class:`PartitionOptions`: the running drain stops and the next one uses them.
+        Options outside their bounds (``workflows/inputs.py``) are refused and shown."""
+        try:
+            options = decode(args, PartitionOptions, check_partition_options)
+        except InvalidInput as exc:
+            self._refuse("reconfigure", exc)
+            return
         if options != self._options:
             self._options = options
             self._reconfigured = True
 
     @workflow.signal
-    def retire(self) -> None:
+    def retire(self, *args: Any) -> None:
         """The table has fewer partitions now: stop draining and complete."""
         self._retired = True
 
@@ -119,7 +140,14 @@ class OutboxPartition:
             handed_over=carry.handed_over,
             rounds=carry.rounds,
             last_round=self._last,
+            options=self._options,
+            refused=carry.refused,
         )
+
+    def _refuse(self, what: str, error: InvalidInput) -> None:
+        line = note_refusal(self._carry.refused, what, workflow.now(), error)
+        workflow.logger.warning("%s refused: %s", self._partition.workflow_id, line)
+        self._publish()
 
     # -- what the UI shows ----------------------------------------------------------------------
 
@@ -145,5 +173,8 @@ class OutboxPartition:
             if last.oldest:
                 oldest = ", ".join(f"`{b.shard}` {b.age_seconds:.0f} s" for b in last.oldest)
                 lines.append(f"**Oldest rows** {oldest}")
+        refused = carry.refused.summary
+        if refused is not None:
+            lines.append(f"**{refused}**")
         lines.append("Live figures: the pending drain_partition activity's heartbeat details.")
         workflow.set_current_details("\n\n".join(lines))

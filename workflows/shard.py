@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -21,10 +22,21 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
+    from outbox_bridge.workflows.inputs import (
+        InvalidInput,
+        check_flush,
+        check_handover,
+        check_notify,
+        check_recheck,
+        check_resume,
+        check_shard_options,
+        check_skip,
+        decode,
+        note_refusal,
+    )
     from outbox_bridge.workflows.models import (
         BLOCKED_CATEGORY_ATTRIBUTE,
         BLOCKED_SINCE_ATTRIBUTE,
-        FLUSH_MAX_TIMEOUT_SECONDS,
         STATE_ATTRIBUTE,
         DrainInput,
         DrainResult,
@@ -43,6 +55,7 @@ with workflow.unsafe.imports_passed_through():
         RecheckInput,
         ResumeInput,
         ShardInput,
+        ShardOptions,
         ShardRecord,
         ShardState,
         ShardStatus,
@@ -88,6 +101,11 @@ class OutboxShard:
         self._news = 0
         # Until the run's body starts: a handover that starts the run comes before it.
         self._starting = True
+        try:
+            check_shard_options(self._options)
+        except InvalidInput as exc:  # started by hand with options out of bounds
+            self._options = ShardOptions()
+            note_refusal(self._r.refused, "start options (defaults used)", workflow.now(), exc)
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
@@ -271,7 +289,10 @@ class OutboxShard:
     async def _stay_skipped(self) -> None:
         r = self._r
         if not r.skip_held:  # in the table: from now on no drain takes the shard
-            await self._hold(HeldFor.SKIPPED)
+            skip = r.skip
+            via = await self._hold(HeldFor.SKIPPED, skip)
+            if skip is not None and isinstance(via, str):  # None in runs of older code
+                skip.via = via
             r.skip_held = True
             self._show()
         # The timer is there for its summary, the first thing the UI shows of a skipped shard.
@@ -307,16 +328,17 @@ class OutboxShard:
         r.deferred_until = r.paused = None
         r.pending = True
 
-    async def _hold(self, held_for: HeldFor) -> None:
-        """Record in the table that this workflow holds the shard."""
-        handle = workflow.start_activity(
+    async def _hold(self, held_for: HeldFor, skip: SkipInfo | None = None) -> object:
+        """Record in the table that this workflow holds the shard. Held for ``skip``: the
+        sender of the skip as Temporal recorded it (``temporal:<identity>``), if found."""
+        handle: ActivityHandle[object] = workflow.start_activity(
             "hold_shard",
-            HoldInput(self._shard, held_for),
+            HoldInput(self._shard, held_for, skip=skip),
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=self._retry_policy(maximum_interval=10.0),
             summary=f"hold {self._shard.key}",
         )
-        await self._until_done(handle, cancel_on_skip=False, interruptible=False)
+        return await self._until_done(handle, cancel_on_skip=False, interruptible=False)
 
     # -- waiting -----------------------------------------------------------------------------------
 
@@ -381,14 +403,23 @@ class OutboxShard:
 
     # -- signals, updates and queries ----------------------------------------------------------
 
-    @workflow.signal
-    def notify(self, input: NotifyInput) -> None:
-        """Rows up to ``max_id`` are committed in this shard (see :class:`NotifyInput`)."""
-        self._rows_committed(input.max_id, late=input.late)
+    # Signal handlers take their arguments undecoded (``*args``) and decode them here: an input
+    # of any shape or out of bounds (``workflows/inputs.py``) is refused, counted and shown,
+    # never applied, and never a failed workflow task.
 
     @workflow.signal
-    def handover(self, input: HandoverInput) -> None:
+    def notify(self, *args: Any) -> None:
+        """Rows up to ``max_id`` are committed in this shard (see :class:`NotifyInput`)."""
+        notice = self._decoded("notify", args, NotifyInput, check_notify)
+        if notice is not None:
+            self._rows_committed(notice.max_id, late=notice.late)
+
+    @workflow.signal
+    def handover(self, *args: Any) -> None:
         """A partition gives the shard, held for this workflow already (:class:`HandoverInput`)."""
+        input = self._decoded("handover", args, HandoverInput, check_handover)
+        if input is None:
+            return
         r = self._r
         r.max_known_id = max(r.max_known_id, input.max_id)
         if input.skip is not None and r.skip is None:
@@ -418,8 +449,10 @@ class OutboxShard:
         return self._starting and workflow.patched(DRAIN_HANDED_DEFERRED)
 
     @workflow.signal
-    def recheck(self, input: RecheckInput) -> None:
+    def recheck(self, *args: Any) -> None:
         """The head in the table is no longer the group this shard is blocked on: try again."""
+        if self._decoded("recheck", args, RecheckInput, check_recheck) is None:
+            return
         if self._r.state == ShardState.BLOCKED:
             self._recheck = True
 
@@ -431,48 +464,68 @@ class OutboxShard:
             self._news += 1
 
     @workflow.signal
-    def skip(self, input: SkipInput) -> None:
+    def skip(self, *args: Any) -> None:
         """Pause the shard: the attempt under way is cancelled, every row is kept."""
-        reason = (input.reason or "").strip()
-        if not reason:
-            workflow.logger.warning("skip ignored for %s: a reason is required", self._shard.key)
-            return
-        self._r.skip = SkipInfo(reason=reason, by=input.by, at=workflow.now().isoformat())
+        input = self._decoded("skip", args, SkipInput, check_skip)
+        if input is not None:
+            self._skip(input)
+
+    def _skip(self, input: SkipInput) -> None:
+        # Skipped again while held, the new skip's sender is not looked up (shown as unknown).
+        self._r.skip = SkipInfo(
+            reason=input.reason.strip(), by=input.by, at=workflow.now().isoformat()
+        )
         self._show()
 
     @workflow.signal
-    def resume(self, input: ResumeInput | None = None) -> None:
+    def resume(self, *args: Any) -> None:
         """Continue a skipped shard; its head is retried at once, from scratch."""
+        given = args != () and args != (None,)  # its input is optional
+        if given and self._decoded("resume", args, ResumeInput, check_resume) is None:
+            return
+        self._resume()
+
+    def _resume(self) -> None:
         r = self._r
         if r.skip is not None:
             r.skip = None
             r.clear_head()
             r.pending = True
 
+    def _decoded(
+        self, signal: str, args: Sequence[Any], model: type[T], check: Callable[[T], None]
+    ) -> T | None:
+        """The signal's argument as ``model``, or None when it is refused (and shown)."""
+        try:
+            return decode(args, model, check)
+        except InvalidInput as exc:
+            line = note_refusal(self._r.refused, signal, workflow.now(), exc)
+            workflow.logger.warning("%s refused: %s", self._shard.workflow_id, line)
+            self._describe()  # the details only: a refused signal changes no search attribute
+            return None
+
     # The same two as updates: the caller learns whether they were taken; validators refuse.
 
     @workflow.update(name="skip")
     async def skip_update(self, input: SkipInput) -> ShardStatus:
         """:meth:`skip`, answered once the skip is recorded in the table."""
-        self.skip(input)
+        self._skip(input)
         await workflow.wait_condition(lambda: self._r.skip_held or self._r.skip is None)
         return self.status()
 
     @skip_update.validator
     def _validate_skip(self, input: SkipInput) -> None:
-        if not isinstance(input.reason, str) or not input.reason.strip():
-            raise ValueError("skip needs a reason (it is shown to every operator)")
-        if input.by is not None and not isinstance(input.by, str):
-            raise ValueError(f"skip's by must be a name, got {input.by!r}")
+        check_skip(input)
 
     @workflow.update(name="resume")
     def resume_update(self, input: ResumeInput) -> ShardStatus:
         """:meth:`resume`, answered with the shard's status."""
-        self.resume(input)
+        self._resume()
         return self.status()
 
     @resume_update.validator
     def _validate_resume(self, input: ResumeInput) -> None:
+        check_resume(input)
         if self._r.skip is None:
             raise ValueError(f"shard {self._shard.key} is not skipped")
 
@@ -520,18 +573,7 @@ class OutboxShard:
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
-        up_to, timeout = input.up_to_id, input.timeout_seconds
-        if not isinstance(up_to, int) or isinstance(up_to, bool) or up_to < 1:
-            raise ValueError(f"flush needs up_to_id, a positive integer row id; got {up_to!r}")
-        if (
-            not isinstance(timeout, int | float)
-            or isinstance(timeout, bool)
-            or not 0 < timeout <= FLUSH_MAX_TIMEOUT_SECONDS
-        ):
-            raise ValueError(
-                f"flush needs timeout_seconds between 0 and {FLUSH_MAX_TIMEOUT_SECONDS:.0f}; "
-                f"got {timeout!r}"
-            )
+        check_flush(input)
 
     def _flush_stopped(self, up_to: int) -> FlushResult | None:
         """Why rows up to ``up_to`` cannot be handled now, if they cannot."""
@@ -564,6 +606,7 @@ class OutboxShard:
             blocked_since=r.blocked_since,
             deferred_until=r.deferred_until,
             skip=r.skip,
+            refused=r.refused,
         )
 
     # -- what the UI shows ---------------------------------------------------------------------
@@ -635,7 +678,9 @@ class OutboxShard:
             ]
         if r.skip is not None:
             skip = r.skip
-            lines.append(f"**Skipped** by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
+            lines.append(f"**Skipped** by {skip.who} at {skip.at}: {skip.reason}")
+        if r.refused.summary is not None:
+            lines.append(f"**{r.refused.summary}**")
         workflow.set_current_details("\n\n".join(lines))
 
 

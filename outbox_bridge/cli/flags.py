@@ -21,6 +21,7 @@ from outbox_bridge.config import (
     tools_description,
 )
 from outbox_bridge.errors import ConfigurationError
+from outbox_bridge.workflows.inputs import MAX_TEXT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,9 +88,15 @@ def shard_options(*groups: SettingGroup) -> Callable[[Callable[..., Any]], Calla
 
 
 def required_reason(reason: str, what: str) -> str:
-    """``reason`` stripped; refused when blank (a ``what`` needs a reason)."""
+    """``reason`` stripped; refused when blank (a ``what`` needs a reason) or longer than the
+    workflows show (:data:`MAX_TEXT` characters)."""
     if not reason.strip():
         raise click.BadParameter(f"a {what} needs a reason", param_hint="--reason")
+    if len(reason.strip()) > MAX_TEXT:
+        raise click.BadParameter(
+            f"{len(reason.strip()):,} characters; a {what}'s reason has at most {MAX_TEXT:,}",
+            param_hint="--reason",
+        )
     return reason.strip()
 
 

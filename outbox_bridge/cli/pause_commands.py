@@ -24,7 +24,7 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.pause_control import member_name, member_number, view_of
 from outbox_bridge.runtime.scope_directory import NO_APP_HINT
-from outbox_bridge.workflows.models import PauseKind, ShardRef
+from outbox_bridge.workflows.models import PauseKind, ShardRef, via_text
 
 # The state `shards` and `status` show of a shard whose workflow waits for a paused row.
 PAUSED = "paused"
@@ -124,10 +124,10 @@ def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
         click.echo(json.dumps([dataclasses.asdict(p) for p in found], indent=2))
         return
     view = Table(title="paused categories and scopes")
-    for column in ("kind", "name", "number", "reason", "by", "since"):
+    for column in ("kind", "name", "number", "reason", "by", "via", "since"):
         view.add_column(column)
     for p in found:
-        view.add_row(p.kind, p.name, str(p.number), p.reason, p.paused_by, p.since)
+        view.add_row(p.kind, p.name, str(p.number), p.reason, p.paused_by, p.paused_via, p.since)
     Console().print(view)
 
 
@@ -145,4 +145,5 @@ def describe(app: OutboxApp | None, pause: Pause) -> str:
     """A pause in one line: ``category PROJECT_UPDATE by ann since ...: search is down``."""
     name = member_name(app, pause.kind, pause.number)
     since = pause.since.isoformat(timespec="seconds")
-    return f"{pause.kind} {name} by {pause.paused_by} since {since}: {pause.reason}"
+    by = f"{pause.paused_by}{via_text(pause.paused_via)}"
+    return f"{pause.kind} {name} by {by} since {since}: {pause.reason}"

@@ -29,14 +29,22 @@ from outbox_bridge.db.parked import ParkedGroup
 from outbox_bridge.db.store import read_shard_max_id
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.flush import Flusher
-from outbox_bridge.runtime.shards import WORKFLOW, ShardReport, shard_report, start_arguments
+from outbox_bridge.runtime.shards import (
+    WORKFLOW,
+    ShardReport,
+    checked,
+    shard_report,
+    start_arguments,
+)
 from outbox_bridge.runtime.temporal import task_queue_polled
+from outbox_bridge.workflows.inputs import check_resume, check_skip
 from outbox_bridge.workflows.models import (
     FlushOutcome,
     FlushResult,
     ResumeInput,
     ShardStatus,
     SkipInput,
+    via_text,
 )
 
 # What `flush` says of a shard with nothing pending: handled, there is nothing to wait for.
@@ -127,7 +135,9 @@ def _status_table(report: ShardReport, paused: str | None = None) -> Table:
         view.add_row("deferred until", status.deferred_until)
     if status.skip is not None:
         skip = status.skip
-        view.add_row("skipped", f"by {skip.by or 'an operator'} at {skip.at}: {skip.reason}")
+        view.add_row("skipped", f"by {skip.who} at {skip.at}: {skip.reason}")
+    if status.refused is not None and status.refused.summary is not None:
+        view.add_row("refused", status.refused.summary)
     if paused is not None:
         view.add_row("paused", paused)
     return view
@@ -148,7 +158,7 @@ def skip(shard: str, table: str | None, reason: str, **overrides: Any) -> None:
     async def work() -> None:
         settings = build_settings(overrides)
         client, ref = await named_shard(settings, shard, table)
-        request = SkipInput(reason=reason, by=flags.who())
+        request = checked(check_skip, SkipInput(reason=reason, by=flags.who()), "skip")
         handle = client.get_workflow_handle(ref.workflow_id)
         with contextlib.suppress(RPCError):
             if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -182,7 +192,9 @@ def resume(shard: str, table: str | None, **overrides: Any) -> None:
     async def work() -> None:
         client, ref = await named_shard(build_settings(overrides), shard, table)
         await client.get_workflow_handle(ref.workflow_id).execute_update(
-            "resume", ResumeInput(by=flags.who()), result_type=ShardStatus
+            "resume",
+            checked(check_resume, ResumeInput(by=flags.who()), "resume"),
+            result_type=ShardStatus,
         )
 
     run_or_exit(work(), shard=shard)
@@ -238,14 +250,15 @@ def _flush_table(result: FlushResult) -> Table:
     if result.blocked_since:
         view.add_row("blocked since", result.blocked_since)
     if result.skip is not None:
-        view.add_row("skipped", f"by {result.skip.by or 'an operator'}: {result.skip.reason}")
+        view.add_row("skipped", f"by {result.skip.who}: {result.skip.reason}")
     if result.deferred_until:
         view.add_row("deferred until", result.deferred_until)
     if result.paused is not None:
         pause = result.paused
         view.add_row(
             "paused",
-            f"{pause.kind} {pause.name} by {pause.paused_by} since {pause.since}: {pause.reason}",
+            f"{pause.kind} {pause.name} by {pause.paused_by}{via_text(pause.paused_via)} since "
+            f"{pause.since}: {pause.reason}",
         )
     if result.detail:
         view.add_row("detail", result.detail)

@@ -35,6 +35,7 @@ class Pause:
     reason: str
     paused_by: str
     since: datetime
+    paused_via: str | None = None  # the Temporal sender of the pause update, if one made it
 
 
 # -- the clause every head read uses -------------------------------------------------------------
@@ -92,15 +93,28 @@ def due_at(table: Table) -> ColumnElement[Any]:
 
 
 async def add_pause(
-    conn: AsyncConnection, table: Table, kind: PauseKind, number: int, reason: str, by: str
+    conn: AsyncConnection,
+    table: Table,
+    kind: PauseKind,
+    number: int,
+    reason: str,
+    by: str,
+    *,
+    via: str | None = None,
 ) -> Pause:
     """Pause a category or a scope of ``table`` and tell the bridge (pausing again records the
-    new reason and who, and keeps when it began)."""
+    new reason and who, and keeps when it began). ``via``: the sender as Temporal recorded it."""
     pauses = pauses_of(table)
-    insert = pg_insert(pauses).values(kind=kind, number=number, reason=reason, paused_by=by)
+    insert = pg_insert(pauses).values(
+        kind=kind, number=number, reason=reason, paused_by=by, paused_via=via
+    )
     statement = insert.on_conflict_do_update(
         index_elements=[pauses.c.kind, pauses.c.number],
-        set_={"reason": insert.excluded.reason, "paused_by": insert.excluded.paused_by},
+        set_={
+            "reason": insert.excluded.reason,
+            "paused_by": insert.excluded.paused_by,
+            "paused_via": insert.excluded.paused_via,
+        },
     ).returning(*pauses.c)
     row = (await conn.execute(statement)).one()
     await _announce(conn, table)
@@ -135,7 +149,7 @@ async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef)
     where = " AND ".join(f"t.{name} = :{name}" for name in values)
     statement = text(
         f"""
-        SELECT p.kind, p.number, p.reason, p.paused_by, p.since
+        SELECT p.kind, p.number, p.reason, p.paused_by, p.since, p.paused_via
         FROM (SELECT t.category, t.shard_scope FROM {table.name} t
               WHERE {where} AND {not_due_sql(table, "t")}
               ORDER BY t.id LIMIT 1) h
@@ -154,5 +168,12 @@ async def _announce(conn: AsyncConnection, table: Table) -> None:
 
 
 def _pause(row: Any) -> Pause:
-    kind, number, reason, paused_by, since = row
-    return Pause(PauseKind(kind), int(number), reason, paused_by, since)
+    p = row._mapping
+    return Pause(
+        PauseKind(p["kind"]),
+        int(p["number"]),
+        p["reason"],
+        p["paused_by"],
+        p["since"],
+        p["paused_via"],
+    )

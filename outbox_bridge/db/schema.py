@@ -154,6 +154,9 @@ def pause_table(outbox: Table) -> Table:
         Column("reason", Text, nullable=False),
         Column("paused_by", Text, nullable=False),
         Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        # Who Temporal recorded as the sender of the control workflow's pause update
+        # (``temporal:<identity>``); NULL for a pause made otherwise.
+        Column("paused_via", Text, nullable=True),
         CheckConstraint("kind IN ('category', 'scope')", name=f"{outbox.name}_pauses_kind"),
     )
     return _beside(outbox, "pauses", pauses)

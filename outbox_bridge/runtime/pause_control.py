@@ -16,6 +16,7 @@ from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import workflow_code_memo
+from outbox_bridge.workflows.inputs import clipped
 from outbox_bridge.workflows.models import (
     ControlInput,
     PauseChangeInput,
@@ -64,10 +65,11 @@ def view_of(app: OutboxApp | None, pauses: list[Pause]) -> PausesView:
             PauseInfo(
                 kind=p.kind,
                 number=p.number,
-                name=member_name(app, p.kind, p.number),
-                reason=p.reason,
-                paused_by=p.paused_by,
+                name=clipped(member_name(app, p.kind, p.number)),
+                reason=clipped(p.reason),
+                paused_by=clipped(p.paused_by),
                 since=iso_utc(p.since),
+                paused_via=None if p.paused_via is None else clipped(p.paused_via),
             )
             for p in pauses
         ]
@@ -81,9 +83,10 @@ class PauseControl:
         self._app = app
         self._engine = engine
 
-    async def change(self, request: PauseChangeInput) -> PausesView:
-        """Pause or resume what ``request`` names, and return the table's pauses. Raises
-        :class:`ConfigurationError` for a name the app does not know."""
+    async def change(self, request: PauseChangeInput, *, via: str | None = None) -> PausesView:
+        """Pause or resume what ``request`` names, and return the table's pauses (``via``: the
+        sender of the pause as Temporal recorded it). Raises :class:`ConfigurationError` for a
+        name the app does not know."""
         change = request.change
         if (change.category is None) == (change.scope is None):
             raise ConfigurationError("give exactly one of category and scope")
@@ -94,7 +97,7 @@ class PauseControl:
         async with self._engine.begin() as conn:
             if request.paused:
                 by = change.by.strip() or "the control workflow"
-                await add_pause(conn, table, kind, number, change.reason.strip(), by)
+                await add_pause(conn, table, kind, number, change.reason.strip(), by, via=via)
             else:
                 await remove_pause(conn, table, kind, number)
             return view_of(self._app, await read_pauses(conn, table))

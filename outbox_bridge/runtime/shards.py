@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 
 from outbox_bridge.db.store import FirstRow
-from outbox_bridge.errors import ConfigurationError, RegistryError, ShardNameError
+from outbox_bridge.errors import (
+    ConfigurationError,
+    InvalidControlInput,
+    RegistryError,
+    ShardNameError,
+)
 from outbox_bridge.producer import BIGINT_MAX, BIGINT_MIN
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.workflows.inputs import InvalidInput, check_shard_options
 from outbox_bridge.workflows.models import (
     MEMO_CODE_KEY,
     SCOPE_ATTRIBUTE,
@@ -41,6 +48,21 @@ SCOPE_MIN, SCOPE_MAX = -(2**31), 2**31 - 1
 STATUS_QUERY_TIMEOUT = timedelta(seconds=10)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def checked(check: Callable[[T], None], value: T, what: str) -> T:
+    """``value``, if the outbox's workflows would take it (``check``, from
+    ``workflows/inputs.py``); else :class:`InvalidControlInput`, and nothing is sent."""
+    try:
+        check(value)
+    except InvalidInput as exc:
+        raise InvalidControlInput(
+            f"{what}: {exc}; nothing was sent (the workflows would refuse it). Give a value "
+            "within the bounds the workflows reference lists"
+        ) from None
+    return value
 
 
 def parse_shard(name: str, app: OutboxApp, *, table: str | None = None) -> ShardRef:
@@ -214,6 +236,9 @@ class ShardStarter:
     task_queue: str
     options: ShardOptions
     skip_shards: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        checked(check_shard_options, self.options, "the shard options from the settings")
 
     async def notify(
         self, shard: ShardRef, max_id: int, *, late: bool = False, skip: SkipInfo | None = None

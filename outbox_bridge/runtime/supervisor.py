@@ -1,6 +1,7 @@
 """What the active bridge repairs at every sweep, making Temporal match the table: every table
-has its ``OutboxPartition`` workflows running on this worker's task queue with the current
-options, and every shard held in ``<table>_owners`` that has rows has its ``OutboxShard``
+has its ``OutboxPartition`` workflows running on this worker's task queue with this worker's
+options (reasserted at every sweep: options changed by a signal from elsewhere last one sweep at
+most), and every shard held in ``<table>_owners`` that has rows has its ``OutboxShard``
 workflow running, woken when its deferred or blocked head changed in the table.
 """
 
@@ -33,15 +34,18 @@ from outbox_bridge.runtime.shards import (
     WORKFLOW,
     ShardStarter,
     blocked_on_another_head,
+    checked,
     static_skip,
     workflow_code_memo,
 )
 from outbox_bridge.runtime.temporal import task_queue_polled
+from outbox_bridge.workflows.inputs import check_partition_options
 from outbox_bridge.workflows.models import (
     STATE_ATTRIBUTE,
     HeldFor,
     PartitionInput,
     PartitionRef,
+    PartitionStatus,
     ShardRef,
     ShardState,
     ShardStatus,
@@ -73,7 +77,11 @@ class PartitionSupervisor:
         self._starter = starter
         self._task_queue = settings.task_queue
         self._partitions = settings.partitions
-        self._options = settings.partition_options(starter.skip_shards)
+        self._options = checked(
+            check_partition_options,
+            settings.partition_options(starter.skip_shards),
+            "the partition options from the settings",
+        )
         self._regions = tuple(sorted(settings.regions)) if settings.regions else None
         self._configured = False
         self.restarted = 0  # held shards whose workflow the sweep started again
@@ -91,22 +99,46 @@ class PartitionSupervisor:
     # -- partitions ----------------------------------------------------------------------------
 
     async def ensure_partitions(self) -> None:
-        """Start the partition workflows that are not running, all at once. The first time,
-        also hand the running ones the current options and retire those beyond the number."""
+        """Start the partition workflows that are not running, all at once, and give every
+        one whose options differ from this worker's (its ``status`` says) these options. The
+        first time, also retire those beyond the number."""
         for table in self._app.tables:
+            refs = self.partition_refs(table)
             started = await asyncio.gather(
-                *(self._start(ref) for ref in self.partition_refs(table) if not self._here(ref))
+                *(self._start(ref) for ref in refs if not self._here(ref))
             )
             if not all(started):
                 return
+            await asyncio.gather(*(self._reassert(ref) for ref in refs))
             if not self._configured:
                 await self._retire_extra(table)
         self._configured = True
 
+    async def _reassert(self, ref: PartitionRef) -> None:
+        """Signal ``reconfigure`` to the partition if it runs with other options than this
+        worker's: a query (no history event) when they match, as they do but after a change
+        made elsewhere (a signal by hand, a worker with other settings)."""
+        handle = self.client.get_workflow_handle(ref.workflow_id)
+        try:
+            status: PartitionStatus = await handle.query(
+                "status", result_type=PartitionStatus, rpc_timeout=STATUS_QUERY_TIMEOUT
+            )
+            if status.options == self._options:
+                return
+            log.warning(
+                "partition %s runs with options other than this worker's (changed by a "
+                "reconfigure signal from elsewhere, or a worker with other settings): "
+                "reconfiguring it",
+                ref.workflow_id,
+            )
+            await handle.signal("reconfigure", self._options)
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as exc:
+            log.warning("cannot check the options of partition %s: %s", ref.workflow_id, exc)
+
     def _here(self, ref: PartitionRef) -> bool:
         """True once configured if this worker runs the drain of ``ref``: its workflow runs
         (were it gone, the drain's next heartbeat would end the drain, and the next sweep start
-        it), so the sweep asks Temporal nothing about it."""
+        it), so the sweep does not start it; it still checks its options."""
         return self._configured and self._hub.drains_partition(
             ref.table, ref.partition, ref.partitions
         )
@@ -125,17 +157,7 @@ class PartitionSupervisor:
             ours = await self._on_this_queue(ref.workflow_id, what="partition")
             if ours is None:
                 return await self._start(ref)  # it runs no more: start it here
-            if not ours:
-                return False
-            if self._configured:
-                return True
-            try:  # running since an earlier worker: it gets this worker's options
-                await self.client.get_workflow_handle(ref.workflow_id).signal(
-                    "reconfigure", self._options
-                )
-            except RPCError as exc:
-                log.warning("cannot reconfigure partition %s: %s", ref.workflow_id, exc.message)
-                return False
+            return ours  # running: the sweep checks its options next
         except RPCError as exc:
             log.warning("cannot start partition %s: %s", ref.workflow_id, exc.message)
             return False

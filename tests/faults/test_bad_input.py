@@ -254,8 +254,8 @@ async def test_bad_input_is_refused_or_held_with_a_clear_error_and_nothing_is_lo
     for error in {*HELD_ERRORS.values()}:
         assert f": {error}" in output, f"{error} not logged"
     assert "returned 'int'; handlers should return None" in output
-    for name in ("skip", "resume", "notify"):
-        assert f"Failed deserializing signal input for {name} " in output
+    for name in ("skip", "resume", "notify"):  # refused by the workflow, which says why
+        assert f"refused: {name} at " in output
     assert password not in output
     nested = "[" * 50
     found = await histories_containing(fault_client, [BIG_CANARY, nested])
@@ -331,9 +331,9 @@ async def check_malformed_messages(address: str, client: Client, worker, shard: 
     before = await status(client, shard)
     assert before is not None and before.state == "blocked"
     signals = [
-        ("skip", "{}"),  # no reason: ignored with a warning
+        ("skip", "{}"),  # no reason: refused, counted and shown, with a warning
         ("skip", '{"reason": "   "}'),
-        ("skip", '{"reason": 5}'),  # not decodable: dropped by the SDK with a warning
+        ("skip", '{"reason": 5}'),  # not text: refused the same way
         ("resume", "[1]"),
         ("notify", '{"max_id": "x"}'),
     ]
@@ -358,7 +358,13 @@ async def check_malformed_messages(address: str, client: Client, worker, shard: 
         with pytest.raises(WorkflowUpdateFailedError) as refused:
             await handle.execute_update("flush", bad)
         assert refused_by in refusal(refused.value)
-    await wait_until(lambda: "skip ignored" in worker.output(), timeout=30, what="the skip warning")
+
+    async def all_refused() -> bool:
+        shown = await status(client, shard)
+        return shown is not None and shown.refused is not None and shown.refused.count == 6
+
+    await wait_until(all_refused, timeout=30, what="six refused signals")
+    assert "refused: skip at " in worker.output()
     after = await status(client, shard)
     assert after is not None and after.state == "blocked" and after.skip is None
     assert after.head == before.head

@@ -19,7 +19,7 @@ from sqlalchemy.pool import NullPool
 from bench.app import CATEGORIES, GroupKey, Scope, fails
 from outbox_bridge import OutboxApp
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.db.schema import create_outbox_tables
+from outbox_bridge.db.install import create_outbox_tables
 
 Row = tuple[int, int, int, int]
 SCOPE = int(Scope.TENANT)

@@ -233,7 +233,7 @@ async def count_rows(engine: AsyncEngine, app: OutboxApp) -> int:
 
 
 async def create_tables(engine: AsyncEngine, app: OutboxApp) -> None:
-    from outbox_bridge.db.schema import create_outbox_tables
+    from outbox_bridge.db.install import create_outbox_tables
 
     async with engine.begin() as conn:
         await create_outbox_tables(conn, app.metadata)

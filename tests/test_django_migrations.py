@@ -1,6 +1,6 @@
 """The outbox tables in a Django project's migrations (CreateOutbox, DropOutbox): pytest-django
-migrated the test databases with tests/django_app/migrations, and the schema is the one the
-worker creates; the operations are reversible, print their SQL, leave the model state alone,
+migrated the test databases with tests/django_app/migrations, and the schema is the one
+`init-db` creates; the operations are reversible, print their SQL, leave the model state alone,
 serialize into migration files, and follow the database routers."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.contrib.django.conf import database_url
 from outbox_bridge.contrib.django.operations import CreateOutbox, DropOutbox
-from outbox_bridge.db.schema import prepare_database
+from outbox_bridge.db.install import install_schema
 from tests.harness import SCOPES, unique_table
 from tests.test_alembic import catalog
 
@@ -44,9 +44,9 @@ def schema(engine: Engine, table: str) -> dict[str, Any]:
     return {**found, "owners": owners["columns"], "owner_indexes": owners["indexes"]}
 
 
-async def test_the_migrated_tables_are_the_ones_the_worker_creates(sync_engine) -> None:
+async def test_the_migrated_tables_are_the_ones_init_db_creates(sync_engine) -> None:
     reference = OutboxApp(scopes=SCOPES, tables=[OutboxTable(unique_table())])
-    await create_like_the_worker(reference)
+    await create_like_init_db(reference)
     try:
         for migrated in ("django_outbox", "django_archive_outbox"):
             found = schema(sync_engine, migrated)
@@ -59,10 +59,10 @@ async def test_the_migrated_tables_are_the_ones_the_worker_creates(sync_engine) 
             conn.execute(text(f"DROP TABLE {name}, {name}_owners; DROP FUNCTION {name}_notify()"))
 
 
-async def create_like_the_worker(app: OutboxApp) -> None:
+async def create_like_init_db(app: OutboxApp) -> None:
     engine = create_async_engine(database_url())
     try:
-        await prepare_database(engine, app.metadata)
+        await install_schema(engine, app.metadata)
     finally:
         await engine.dispose()
 

@@ -16,7 +16,13 @@ from sqlalchemy import Boolean, ColumnElement, Table, delete, func, literal_colu
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import notify_channel, pauses_of, shard_values
+from outbox_bridge.db.schema import (
+    PAUSED_ROLE,
+    SESSION_USER,
+    notify_channel,
+    pauses_of,
+    shard_values,
+)
 from outbox_bridge.workflows.models import PauseKind, ShardRef
 
 # A shard workflow waiting at a paused row reads the shard again after this long at most (in
@@ -35,6 +41,7 @@ class Pause:
     reason: str
     paused_by: str
     since: datetime
+    paused_role: str = ""  # the role PostgreSQL authenticated, beside the declared paused_by
 
 
 # -- the clause every head read uses -------------------------------------------------------------
@@ -100,7 +107,11 @@ async def add_pause(
     insert = pg_insert(pauses).values(kind=kind, number=number, reason=reason, paused_by=by)
     statement = insert.on_conflict_do_update(
         index_elements=[pauses.c.kind, pauses.c.number],
-        set_={"reason": insert.excluded.reason, "paused_by": insert.excluded.paused_by},
+        set_={
+            "reason": insert.excluded.reason,
+            "paused_by": insert.excluded.paused_by,
+            PAUSED_ROLE: SESSION_USER,
+        },
     ).returning(*pauses.c)
     row = (await conn.execute(statement)).one()
     await _announce(conn, table)
@@ -135,7 +146,7 @@ async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef)
     where = " AND ".join(f"t.{name} = :{name}" for name in values)
     statement = text(
         f"""
-        SELECT p.kind, p.number, p.reason, p.paused_by, p.since
+        SELECT p.kind, p.number, p.reason, p.paused_by, p.since, p.paused_role
         FROM (SELECT t.category, t.shard_scope FROM {table.name} t
               WHERE {where} AND {not_due_sql(table, "t")}
               ORDER BY t.id LIMIT 1) h
@@ -154,5 +165,12 @@ async def _announce(conn: AsyncConnection, table: Table) -> None:
 
 
 def _pause(row: Any) -> Pause:
-    kind, number, reason, paused_by, since = row
-    return Pause(PauseKind(kind), int(number), reason, paused_by, since)
+    row = row._mapping
+    return Pause(
+        PauseKind(row["kind"]),
+        int(row["number"]),
+        row["reason"],
+        row["paused_by"],
+        row["since"],
+        row[PAUSED_ROLE],
+    )

@@ -93,7 +93,10 @@ def _role_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @tool_command("grants")
 @_role_options
 @click.option(
-    "--schema", default="public", show_default=True, help="The schema of the outbox tables."
+    "--schema",
+    default="public",
+    show_default=True,
+    help="The schema the roles get USAGE on (the tables' names are found on the search_path).",
 )
 @click.option("--apply", is_flag=True, help="Run the GRANTs (as the tables' owner) after printing.")
 @settings_options(SettingGroup.DATABASE, SettingGroup.APP)

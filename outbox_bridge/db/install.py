@@ -13,16 +13,16 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import CheckConstraint, MetaData, text
+from sqlalchemy import CheckConstraint, MetaData, TextClause, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable, ExecutableDDLElement
 
 from outbox_bridge.config import safe_url
-from outbox_bridge.db.catalog import TableState, is_outbox, read_schema_state
+from outbox_bridge.db.catalog import TableState, column_type, is_outbox, read_schema_state
 from outbox_bridge.db.schema import notify_function_ddl, notify_trigger_ddl
-from outbox_bridge.errors import ConfigurationError, SchemaLockError
+from outbox_bridge.errors import ConfigurationError, SchemaLockError, SchemaMismatchError
 
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
 
@@ -40,6 +40,12 @@ class SchemaChange:
 
     table: str
     statement: str
+
+
+def lock_timeout_statement(seconds: float = LOCK_TIMEOUT_SECONDS) -> str:
+    """The statement that bounds how long the rest of the transaction's statements wait for a
+    lock: a schema change waiting for a lock makes every producer's INSERT queue behind it."""
+    return f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'"
 
 
 def ddl_sql(statement: ExecutableDDLElement | CreateColumn | str) -> str:
@@ -98,25 +104,44 @@ async def create_outbox_tables(
     (tables, columns, indexes, checks, NOTIFY triggers) in ``conn``'s transaction, as a schema
     owner; returns the statements run (none on an up-to-date database: no lock taken).
 
-    A column mistyped by hand is reported by the worker, never changed here."""
-    await conn.execute(_INSTALL_LOCK)
-    changes = [c for state in await read_schema_state(conn, metadata) for c in changes_for(state)]
+    Raises:
+        SchemaMismatchError: a column has another type than the metadata's (changed by hand:
+            nothing is changed here, the message says what to do).
+    """
+    await _execute(conn, "the advisory lock of another init-db", _INSTALL_LOCK)
+    states = await read_schema_state(conn, metadata)
+    mistyped = [
+        f"column {state.table.name}.{column.name} is {actual}, expected {column_type(column)}"
+        for state in states
+        for column, actual in state.mistyped_columns()
+    ]
+    if mistyped:
+        raise SchemaMismatchError(
+            f"{'; '.join(mistyped)}: init-db changes no column's type (that could rewrite the "
+            "table); change it with ALTER TABLE ... ALTER COLUMN ... TYPE, then run init-db again"
+        )
+    changes = [c for state in states for c in changes_for(state)]
     for change in changes:
         if progress is not None:
             progress(f"{change.table}: {change.statement.split(' (')[0].strip()}")
-        try:
-            await conn.execute(text(change.statement))
-        except DBAPIError as exc:
-            if getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
-                raise _LockWait(change.table) from exc
-            raise
+        await _execute(conn, f"table {change.table}", text(change.statement))
     return changes
 
 
+async def _execute(conn: AsyncConnection, locking: str, statement: TextClause) -> None:
+    """Run ``statement``, whose lock is ``locking`` (``table <name>``, ...)."""
+    try:
+        await conn.execute(statement)
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            raise _LockWait(locking) from exc
+        raise
+
+
 class _LockWait(Exception):
-    def __init__(self, table: str) -> None:
-        super().__init__(table)
-        self.table = table
+    def __init__(self, locking: str) -> None:
+        super().__init__(locking)
+        self.locking = locking
 
 
 async def install_schema(
@@ -139,22 +164,24 @@ async def install_schema(
     for attempt in range(1, attempts + 1):
         try:
             async with engine.begin() as conn:
-                await conn.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms'"))
+                await conn.execute(text(lock_timeout_statement(lock_timeout)))
                 return await create_outbox_tables(conn, metadata, progress=progress)
         except _LockWait as wait:
             if attempt == attempts:
                 raise SchemaLockError(
-                    f"could not lock table {wait.table} in {safe_url(engine.url)} within "
+                    f"could not get a lock on {wait.locking} in {safe_url(engine.url)} within "
                     f"{lock_timeout:g} s, {attempts} times: a long transaction holds a lock on "
                     "it (see pg_stat_activity and pg_locks). Nothing was changed; run "
                     "`outbox-bridge init-db` again once it has ended"
                 ) from None
             if progress is not None:
-                progress(f"waiting for a lock on {wait.table}: attempt {attempt + 1} of {attempts}")
+                progress(
+                    f"waiting for a lock on {wait.locking}: attempt {attempt + 1} of {attempts}"
+                )
             await asyncio.sleep(min(2.0**attempt, 30.0) * 0.5)
         except DBAPIError as exc:
             raise ConfigurationError(
-                f"cannot install the outbox tables in {safe_url(engine.url)}: "
+                f"cannot create the outbox tables in {safe_url(engine.url)}: "
                 f"{str(exc.orig).strip()}. Run `outbox-bridge init-db` as the tables' owner "
                 "(a role that may create them)"
             ) from None

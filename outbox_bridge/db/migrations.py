@@ -38,7 +38,7 @@ from sqlalchemy.schema import (
     ExecutableDDLElement,
 )
 
-from outbox_bridge.db.install import LOCK_TIMEOUT_SECONDS, add_column_ddl, ddl_sql
+from outbox_bridge.db.install import add_column_ddl, ddl_sql, lock_timeout_statement
 from outbox_bridge.db.schema import (
     drop_notify_ddl,
     notify_ddl,
@@ -79,12 +79,6 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
         statements += _create_parked(table)
         statements.append(CreateTable(pauses_of(table)))
     return statements
-
-
-def lock_timeout_statement(seconds: float = LOCK_TIMEOUT_SECONDS) -> str:
-    """The statement that bounds how long the rest of the transaction's statements wait for a
-    lock: a schema change waiting for a lock makes every producer's INSERT queue behind it."""
-    return f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'"
 
 
 def upgrade_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:

@@ -44,6 +44,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.test_cli_shards import cli
+from tests.test_statistics import table_without_statistics
 
 ROW: dict[str, Any] = {
     "category": Category.PROJECT_UPDATE,
@@ -349,3 +350,18 @@ async def test_a_right_revoked_while_the_worker_runs_holds_its_shard_not_the_wor
         assert await count_rows(engine, app) == 1  # its delete was refused: kept
         await sql(engine, f"GRANT DELETE ON {table} TO {worker}")
         await wait_until(lambda: _empty(engine, app), what="the row deleted once granted")
+
+
+async def test_a_worker_that_may_not_analyze_says_so_once_and_drains(
+    servers: Servers, engine: AsyncEngine, roles: dict[Role, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before PostgreSQL 17 a role that does not own the table cannot ANALYZE it (PostgreSQL
+    skips it with a warning): the worker says what to do once, and drains all the same."""
+    recorder, table, app = await table_without_statistics(engine, 1_500)
+    worker = roles[Role.WORKER]
+    await grant(engine, app, {Role.WORKER: worker})
+    async with running_worker(servers, app, database_url=role_url(servers, worker)):
+        await wait_until(lambda: _empty(engine, app), timeout=60, what="the rows")
+    assert len(recorder.calls) == 1_500
+    said = [r.getMessage() for r in caplog.records if "cannot analyze it" in r.getMessage()]
+    assert len(said) == 1 and f"run ANALYZE {table}" in said[0], said

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.contrib.django.conf import database_url
-from outbox_bridge.contrib.django.operations import CreateOutbox, DropOutbox
+from outbox_bridge.contrib.django.operations import CreateOutbox, DropOutbox, UpgradeOutbox
 from outbox_bridge.db.install import install_schema
 from tests.harness import SCOPES, unique_table
 from tests.test_alembic import catalog
@@ -93,6 +93,40 @@ def test_create_and_drop_are_reversible(sync_engine) -> None:
     before = state.clone()
     create.state_forwards("django_app", state)
     assert state.models == before.models
+
+
+def test_upgrade_outbox_gives_an_older_table_this_version_s_columns(sync_engine) -> None:
+    """A table created by an earlier version (here: without the columns that record the
+    PostgreSQL role) gains them from UpgradeOutbox; a second run changes nothing, and backwards
+    it does nothing."""
+    state = ProjectState()
+    table = "django_scratch_outbox"
+
+    def run(operation: Any, forwards: bool = True) -> None:
+        with connection.schema_editor() as editor:
+            method = operation.database_forwards if forwards else operation.database_backwards
+            method("django_app", editor, state, state)
+
+    run(CreateOutbox(SCRATCH))
+    try:
+        created = schema(sync_engine, table)
+        with sync_engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {table}_pauses DROP COLUMN paused_role"))
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN trace_context"))
+        assert schema(sync_engine, table) != created
+        upgrade = UpgradeOutbox(SCRATCH)
+        for _ in range(2):
+            run(upgrade)
+        assert schema(sync_engine, table) == created
+        with sync_engine.connect() as conn:
+            pauses = catalog(conn, f"{table}_pauses")["columns"]
+        assert any(
+            c.startswith("paused_role text NO") and "session_user" in c.lower() for c in pauses
+        )
+        run(upgrade, forwards=False)
+        assert schema(sync_engine, table) == created
+    finally:
+        run(CreateOutbox(SCRATCH), forwards=False)
 
 
 def test_migrate_backwards_drops_the_outbox_and_forwards_creates_it(sync_engine) -> None:

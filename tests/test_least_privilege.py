@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox_bridge import MissingPrivilegeError, SchemaMismatchError
-from outbox_bridge.db.grants import Role, grant_statements
+from outbox_bridge.db.grants import MissingPrivilege, Role, grant_statements, missing_privileges
 from outbox_bridge.db.install import install_schema
 from outbox_bridge.db.migrations import upgrade_statements
 from outbox_bridge.db.parked import park_head, unpark
@@ -365,3 +365,24 @@ async def test_a_worker_that_may_not_analyze_says_so_once_and_drains(
     assert len(recorder.calls) == 1_500
     said = [r.getMessage() for r in caplog.records if "cannot analyze it" in r.getMessage()]
     assert len(said) == 1 and f"run ANALYZE {table}" in said[0], said
+
+
+async def test_the_grants_command_prints_and_applies_exactly_the_statements_of_each_role(
+    servers: Servers, engine: AsyncEngine, roles: dict[Role, str], as_role: Any
+) -> None:
+    _recorder, table, app = await fresh_app(engine)
+    flags = [f"--{role.value}={name}" for role, name in roles.items()]
+    code, out, err = await cli(servers, table, "grants", *flags, "--apply")
+    assert code == 0, err
+    assert out.splitlines() == [f"{s};" for s in grant_statements(app.metadata, roles)]
+    for role, name in roles.items():
+        async with as_role(name).connect() as conn:
+            assert await missing_privileges(conn, [app.table()], role) == []
+    # Nothing more than its own: a reader cannot pause, a worker cannot insert rows.
+    async with as_role(roles[Role.WORKER]).connect() as conn:
+        assert await missing_privileges(conn, [app.table()], Role.PRODUCER) == [
+            MissingPrivilege("INSERT", table)
+        ]
+    async with as_role(roles[Role.READER]).connect() as conn:
+        missing = await missing_privileges(conn, [app.table()], Role.OPERATOR)
+    assert {m.privilege for m in missing} == {"INSERT", "UPDATE", "DELETE"}

@@ -71,7 +71,7 @@ async def _apply(settings: OutboxSettings, statements: list[str]) -> None:
             raise ConfigurationError(
                 f"cannot apply the GRANTs in {safe_url(engine.url)}: "
                 f"{' '.join(str(exc.orig).split())}. Run them as the tables' owner (the role "
-                "that ran init-db), and create the roles first (CREATE ROLE ... LOGIN)"
+                "that ran init-db), once the roles exist"
             ) from None
 
 

@@ -107,7 +107,7 @@ class TableState:
         if not self.trigger_current:
             found.append(
                 f"trigger {notify_function(self.table)} on {name} is missing or does not call "
-                f"{notify_function(self.table)}() after each INSERT statement"
+                f"{notify_function(self.table)}() after each insert statement"
             )
         return found
 

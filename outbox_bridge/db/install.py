@@ -118,7 +118,7 @@ async def create_outbox_tables(
     if mistyped:
         raise SchemaMismatchError(
             f"{'; '.join(mistyped)}: init-db changes no column's type (that could rewrite the "
-            "table); change it with ALTER TABLE ... ALTER COLUMN ... TYPE, then run init-db again"
+            "table); change the column's type yourself, then run init-db again"
         )
     changes = [c for state in states for c in changes_for(state)]
     for change in changes:

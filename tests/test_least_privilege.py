@@ -339,7 +339,7 @@ async def test_postgresql_records_the_role_that_paused_parked_and_unparked(
 
 
 async def test_a_right_revoked_while_the_worker_runs_holds_its_shard_not_the_worker(
-    servers: Servers, engine: AsyncEngine, roles: dict[Role, str]
+    servers: Servers, engine: AsyncEngine, roles: dict[Role, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     recorder, table, app, worker = await granted_app(engine, roles, Role.WORKER)
     async with running_worker(servers, app, database_url=role_url(servers, worker)):
@@ -348,6 +348,13 @@ async def test_a_right_revoked_while_the_worker_runs_holds_its_shard_not_the_wor
             row = await app.write_async(conn, **ROW)
         await wait_until(lambda: row in recorder.ids(), what="the row handled")
         assert await count_rows(engine, app) == 1  # its delete was refused: kept
+        refused = f"permission denied for table {table}"
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if refused in r.getMessage()]
+
+        await wait_until(lambda: bool(said()), what="the refusal logged")
+        assert "outbox-bridge grants --worker ROLE" in said()[0], said()
         await sql(engine, f"GRANT DELETE ON {table} TO {worker}")
         await wait_until(lambda: _empty(engine, app), what="the row deleted once granted")
 

@@ -170,6 +170,14 @@ async def privilege_error(engine: AsyncEngine, error: DBAPIError, role: Role) ->
     )
 
 
+def privilege_advice(error: BaseException, role: Role) -> str:
+    """For a driver error refused for a missing privilege, what a ``role`` runs to get it (to
+    append to the error's message); else nothing."""
+    if getattr(error, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+        return ""
+    return f" (grant the {role.value}'s privileges with `{grants_command(role, 'ROLE')}`)"
+
+
 def grants_command(role: Role, name: str) -> str:
     """The command that prints the GRANT statements ``name`` needs as a ``role``."""
     return f"outbox-bridge grants --{role.value} {name}"

@@ -19,7 +19,7 @@ from sqlalchemy.pool import NullPool
 from bench.app import CATEGORIES, GroupKey, Scope, fails
 from outbox_bridge import OutboxApp
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.db.schema import create_outbox_tables
+from outbox_bridge.db.install import create_outbox_tables
 
 Row = tuple[int, int, int, int]
 SCOPE = int(Scope.TENANT)
@@ -90,7 +90,7 @@ def connect(database_url: str, *, autocommit: bool = False) -> psycopg.Connectio
 
 
 async def create_table(database_url: str, app: OutboxApp) -> None:
-    """Create the app's table with its indexes and NOTIFY trigger, as the worker would."""
+    """Create the app's table with its indexes and NOTIFY trigger, as `init-db` would."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     engine = create_async_engine(sqlalchemy_url(database_url), poolclass=NullPool)

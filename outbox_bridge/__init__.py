@@ -17,17 +17,21 @@ if TYPE_CHECKING:
     __version__: str
 
     from outbox_bridge.config import OutboxSettings
-    from outbox_bridge.db.schema import create_outbox_tables, outbox_table
+    from outbox_bridge.db.install import create_outbox_tables
+    from outbox_bridge.db.schema import outbox_table
     from outbox_bridge.errors import (
         CategoryScopeError,
         ConfigurationError,
         EmbeddedServiceError,
         InvalidRowError,
         MissingHandlerError,
+        MissingPrivilegeError,
         OutboxError,
         OutboxModelError,
         PayloadDecodeError,
         RegistryError,
+        SchemaLockError,
+        SchemaMismatchError,
         ShardFaultError,
         ShardLockedError,
         ShardNameError,
@@ -43,17 +47,21 @@ if TYPE_CHECKING:
 # Where each public name lives.
 _MODULES = {
     "outbox_bridge.config": ["OutboxSettings"],
-    "outbox_bridge.db.schema": ["create_outbox_tables", "outbox_table"],
+    "outbox_bridge.db.install": ["create_outbox_tables"],
+    "outbox_bridge.db.schema": ["outbox_table"],
     "outbox_bridge.errors": [
         "CategoryScopeError",
         "ConfigurationError",
         "EmbeddedServiceError",
         "InvalidRowError",
         "MissingHandlerError",
+        "MissingPrivilegeError",
         "OutboxError",
         "OutboxModelError",
         "PayloadDecodeError",
         "RegistryError",
+        "SchemaLockError",
+        "SchemaMismatchError",
         "ShardFaultError",
         "ShardLockedError",
         "ShardNameError",
@@ -78,6 +86,7 @@ __all__ = [
     "Handler",
     "InvalidRowError",
     "MissingHandlerError",
+    "MissingPrivilegeError",
     "OutboxApp",
     "OutboxContext",
     "OutboxError",
@@ -89,6 +98,8 @@ __all__ = [
     "OutboxTable",
     "PayloadDecodeError",
     "RegistryError",
+    "SchemaLockError",
+    "SchemaMismatchError",
     "ShardFaultError",
     "ShardLockedError",
     "ShardNameError",

@@ -81,3 +81,19 @@ class OutboxModelError(OutboxError):
     Raised when the class is mapped for a declaration that does not fit, and from the flush for
     an instance; a failed flush rolls back, so a model change never commits without its row.
     """
+
+
+class SchemaMismatchError(ConfigurationError):
+    """The outbox tables in the database are not what this version expects (a table, column,
+    index or the NOTIFY trigger missing or different); the worker refuses to start, naming what
+    differs and the command that fixes it. The worker never changes the schema itself."""
+
+
+class SchemaLockError(OutboxError):
+    """``init-db`` could not get a lock on an outbox table in time, however many times it tried:
+    a long transaction holds it. Nothing was changed."""
+
+
+class MissingPrivilegeError(ConfigurationError):
+    """The database role lacks a privilege on an outbox table that the work needs; the message
+    names the role, the privilege and the table, and the command that prints the GRANT."""

@@ -22,10 +22,12 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 from temporalio.client import Client, WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
+from outbox_bridge.db.install import install_schema
 from outbox_bridge.runtime.embedded import EmbeddedTemporal, free_port
 from outbox_bridge.runtime.worker import serve
 from outbox_bridge.testing import PostgresServer, worker_settings
@@ -174,9 +176,17 @@ async def running_worker(
     servers: Servers,
     app: OutboxApp,
     settings: OutboxSettings | None = None,
+    *,
+    database_url: str | None = None,
+    install: bool = True,
 ) -> AsyncIterator[OutboxSettings]:
-    """Run the bridge and the Temporal worker in-process until the block ends."""
+    """Run the bridge and the Temporal worker in-process until the block ends, on
+    ``database_url`` (the test database by default). With ``install``, the app's tables are
+    installed first, as a deploy runs ``init-db`` before its workers: the worker only checks
+    them."""
     settings = settings or fast_settings()
+    if install:
+        await install_tables(servers.database_url, app)
     stop = asyncio.Event()
     ready = asyncio.Event()
     task = asyncio.create_task(
@@ -184,7 +194,7 @@ async def running_worker(
             settings,
             app,
             stop=stop,
-            database_url=servers.database_url,
+            database_url=database_url or servers.database_url,
             temporal_address=servers.temporal_address,
             ready=ready,
         )
@@ -200,6 +210,15 @@ async def running_worker(
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=30)
+
+
+async def install_tables(database_url: str, app: OutboxApp) -> None:
+    """What ``outbox-bridge init-db`` does for ``app`` (nothing on an up-to-date database)."""
+    engine = create_async_engine(database_url, poolclass=NullPool)
+    try:
+        await install_schema(engine, app.metadata)
+    finally:
+        await engine.dispose()
 
 
 # A predicate that runs a command starts a process (a second of CPU): poll it once a second, not back
@@ -233,7 +252,7 @@ async def count_rows(engine: AsyncEngine, app: OutboxApp) -> int:
 
 
 async def create_tables(engine: AsyncEngine, app: OutboxApp) -> None:
-    from outbox_bridge.db.schema import create_outbox_tables
+    from outbox_bridge.db.install import create_outbox_tables
 
     async with engine.begin() as conn:
         await create_outbox_tables(conn, app.metadata)

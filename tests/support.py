@@ -85,6 +85,13 @@ async def run_python(*args: str, env: dict[str, str], timeout: float = 60) -> Ru
     return Run(proc.returncode, out.decode(), err.decode())
 
 
+async def init_db(env: dict[str, str], *args: str) -> None:
+    """``outbox-bridge init-db ARGS`` with ``env``'s settings, as a deploy runs it before its
+    workers (which only check the tables)."""
+    result = await run_python("-m", "outbox_bridge", "init-db", *args, env=env)
+    assert result.code == 0, result.output
+
+
 class WorkerProcess:
     """A ``python worker.py`` subprocess, and what it has printed so far."""
 

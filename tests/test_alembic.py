@@ -23,7 +23,11 @@ from sqlalchemy import Connection, Engine, MetaData, text
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.db.migrations import create_parked_groups, exclude_outbox_tables
+from outbox_bridge.db.migrations import (
+    create_parked_groups,
+    exclude_outbox_tables,
+    upgrade_outbox,
+)
 from outbox_bridge.db.schema import notify_channel, parked_name
 from tests.harness import SCOPES, Category, Scope, create_tables, unique_table
 
@@ -184,6 +188,23 @@ async def test_create_parked_groups_adds_the_parked_group_tables_to_an_older_sch
         for upgraded, created in zip(app.tables, reference.tables, strict=True):
             parked = catalog(conn, parked_name(upgraded))
             assert parked["columns"] and parked == catalog(conn, parked_name(created))
+
+
+async def test_upgrade_outbox_brings_an_older_schema_to_this_version_s(engine, sync_engine) -> None:
+    app, reference = two_tables(), two_tables()
+    await create_tables(engine, app)
+    await create_tables(engine, reference)
+    with sync_engine.begin() as conn:
+        for table in app.tables:  # as an earlier version created them
+            conn.execute(text(f"DROP TABLE {parked_name(table)}"))
+            conn.execute(text(f"ALTER TABLE {table}_pauses DROP COLUMN paused_role"))
+            conn.execute(text(f"DROP TRIGGER {table}_notify ON {table}"))
+        operations = Operations(MigrationContext.configure(conn))
+        for _ in range(2):  # a second run changes nothing
+            upgrade_outbox(operations, app)
+        for upgraded, created in zip(app.tables, reference.tables, strict=True):
+            for name in (str, parked_name, lambda t: f"{t}_pauses"):
+                assert catalog(conn, name(upgraded)) == catalog(conn, name(created))
 
 
 async def test_migrated_table_notifies_the_bridge(servers, sync_engine, tmp_path) -> None:

@@ -47,6 +47,7 @@ from tests.support import (
     WorkerProcess,
     clean_env,
     clear_settings,
+    init_db,
     run_python,
     with_password,
     worker_process,
@@ -248,6 +249,7 @@ SHARD_COMMAND = {SettingGroup.TEMPORAL, SettingGroup.APP}
 COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "worker": set(SettingGroup),
     "init-db": {SettingGroup.DATABASE, SettingGroup.APP},
+    "grants": {SettingGroup.DATABASE, SettingGroup.APP},
     "status": SHARD_COMMAND | {SettingGroup.DATABASE},  # it lists the parked groups
     "skip": SHARD_COMMAND | {SettingGroup.SHARDS},  # it may start the shard's workflow
     "resume": SHARD_COMMAND,
@@ -352,8 +354,9 @@ async def test_worker_end_to_end(servers, engine) -> None:
         )
         await conn.execute(text(CALLS_DDL))
     _, canary = canary_url(servers)
+    await init_db(worker_env(servers, table), "--app", SAMPLE_APP)
     async with worker_process("--app", SAMPLE_APP, env=worker_env(servers, table)) as output:
-        # The worker created its table; rows come from a plain SQL producer.
+        # init-db created its table; rows come from a plain SQL producer.
         async with engine.begin() as conn:
             insert = text(
                 f"INSERT INTO {table} (shard_scope, shard_identifier, category, "
@@ -476,6 +479,7 @@ async def demo_worker(
     block's end stops it with SIGINT (it must exit 0) and empties the demo's table."""
     env = worker_env(servers, unique_table(), OUTBOX_HEALTH_PORT="0")
     env["OUTBOX_TASK_QUEUE"] = DEMO_TASK_QUEUE
+    await init_db(env, "--demo")  # a demo on a database of its own installs nothing itself
     try:
         async with worker_process(
             "--demo", *args, env=env, ready=ready, timeout=90, what=what

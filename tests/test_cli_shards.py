@@ -33,13 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def cli(
-    servers, table: str, *args: str, env: dict[str, str] | None = None
+    servers,
+    table: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    database_url: str | None = None,
 ) -> tuple[int, str, str]:
     env = {
         **os.environ,
         **(env or {}),
         "TEMPORAL_ADDRESS": servers.temporal_address,
-        "OUTBOX_DATABASE_URL": servers.database_url,
+        "OUTBOX_DATABASE_URL": database_url or servers.database_url,
         "OUTBOX_APP": "tests.sample_app:app",  # same scope and category names as the harness
         "SAMPLE_OUTBOX_TABLE": table,
     }

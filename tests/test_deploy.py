@@ -438,6 +438,7 @@ def test_compose_services_and_images() -> None:
         "temporal",
         "temporal-create-namespace",
         "temporal-ui",
+        "outbox-init-db",
         "worker",
     }
     for name, service in found.items():
@@ -463,6 +464,13 @@ def test_compose_services_and_images() -> None:
         DEPLOY / "Dockerfile"
     )
     assert worker["image"] == f"{CLI_NAME}:{VERSION}"
+    init_db = found["outbox-init-db"]
+    assert (init_db["image"], init_db["build"]) == (worker["image"], worker["build"])
+    assert init_db["command"] == ["init-db"]
+    same = ("OUTBOX_DATABASE_URL", "OUTBOX_DEMO")
+    assert [compose_env("outbox-init-db")[k] for k in same] == [
+        compose_env("worker")[k] for k in same
+    ]
 
 
 def test_compose_start_order() -> None:
@@ -492,6 +500,8 @@ def test_compose_start_order() -> None:
     waits_for("worker", "postgres", "service_healthy")
     waits_for("worker", "temporal", "service_healthy")
     waits_for("worker", "temporal-create-namespace", "service_completed_successfully")
+    waits_for("outbox-init-db", "postgres", "service_healthy")
+    waits_for("worker", "outbox-init-db", "service_completed_successfully")
 
 
 def test_compose_temporal_server_on_postgres_with_dynamic_config() -> None:

@@ -1,6 +1,6 @@
 """The outbox tables in a Django project's migrations (CreateOutbox, DropOutbox): pytest-django
-migrated the test databases with tests/django_app/migrations, and the schema is the one the
-worker creates; the operations are reversible, print their SQL, leave the model state alone,
+migrated the test databases with tests/django_app/migrations, and the schema is the one
+`init-db` creates; the operations are reversible, print their SQL, leave the model state alone,
 serialize into migration files, and follow the database routers."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.contrib.django.conf import database_url
-from outbox_bridge.contrib.django.operations import CreateOutbox, DropOutbox
-from outbox_bridge.db.schema import prepare_database
+from outbox_bridge.contrib.django.operations import CreateOutbox, DropOutbox, UpgradeOutbox
+from outbox_bridge.db.install import install_schema
 from tests.harness import SCOPES, unique_table
 from tests.test_alembic import catalog
 
@@ -44,9 +44,9 @@ def schema(engine: Engine, table: str) -> dict[str, Any]:
     return {**found, "owners": owners["columns"], "owner_indexes": owners["indexes"]}
 
 
-async def test_the_migrated_tables_are_the_ones_the_worker_creates(sync_engine) -> None:
+async def test_the_migrated_tables_are_the_ones_init_db_creates(sync_engine) -> None:
     reference = OutboxApp(scopes=SCOPES, tables=[OutboxTable(unique_table())])
-    await create_like_the_worker(reference)
+    await create_like_init_db(reference)
     try:
         for migrated in ("django_outbox", "django_archive_outbox"):
             found = schema(sync_engine, migrated)
@@ -59,10 +59,10 @@ async def test_the_migrated_tables_are_the_ones_the_worker_creates(sync_engine) 
             conn.execute(text(f"DROP TABLE {name}, {name}_owners; DROP FUNCTION {name}_notify()"))
 
 
-async def create_like_the_worker(app: OutboxApp) -> None:
+async def create_like_init_db(app: OutboxApp) -> None:
     engine = create_async_engine(database_url())
     try:
-        await prepare_database(engine, app.metadata)
+        await install_schema(engine, app.metadata)
     finally:
         await engine.dispose()
 
@@ -93,6 +93,40 @@ def test_create_and_drop_are_reversible(sync_engine) -> None:
     before = state.clone()
     create.state_forwards("django_app", state)
     assert state.models == before.models
+
+
+def test_upgrade_outbox_gives_an_older_table_this_version_s_columns(sync_engine) -> None:
+    """A table created by an earlier version (here: without the columns that record the
+    PostgreSQL role) gains them from UpgradeOutbox; a second run changes nothing, and backwards
+    it does nothing."""
+    state = ProjectState()
+    table = "django_scratch_outbox"
+
+    def run(operation: Any, forwards: bool = True) -> None:
+        with connection.schema_editor() as editor:
+            method = operation.database_forwards if forwards else operation.database_backwards
+            method("django_app", editor, state, state)
+
+    run(CreateOutbox(SCRATCH))
+    try:
+        created = schema(sync_engine, table)
+        with sync_engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {table}_pauses DROP COLUMN paused_role"))
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN trace_context"))
+        assert schema(sync_engine, table) != created
+        upgrade = UpgradeOutbox(SCRATCH)
+        for _ in range(2):
+            run(upgrade)
+        assert schema(sync_engine, table) == created
+        with sync_engine.connect() as conn:
+            pauses = catalog(conn, f"{table}_pauses")["columns"]
+        assert any(
+            c.startswith("paused_role text NO") and "session_user" in c.lower() for c in pauses
+        )
+        run(upgrade, forwards=False)
+        assert schema(sync_engine, table) == created
+    finally:
+        run(CreateOutbox(SCRATCH), forwards=False)
 
 
 def test_migrate_backwards_drops_the_outbox_and_forwards_creates_it(sync_engine) -> None:

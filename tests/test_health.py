@@ -40,7 +40,7 @@ from tests.harness import (
     unique_table,
     wait_until,
 )
-from tests.support import WorkerProcess, clean_env, with_password, worker_process
+from tests.support import WorkerProcess, clean_env, init_db, with_password, worker_process
 
 CANARY = "h3alth-canary"
 
@@ -308,6 +308,7 @@ async def hold_worker(
         HOLD_DIR=str(tmp_path),
         **settings,
     )
+    await init_db(env)
     async with worker_process(env=env) as process:
         running = HoldWorker(process, port, table)
         yield running

@@ -38,6 +38,8 @@ DJANGO_PRODUCER_SIDE = (
 PRODUCER_SIDE = frozenset(
     {
         "outbox_bridge.config",
+        "outbox_bridge.db.catalog",  # what the migrations' upgrades read and plan
+        "outbox_bridge.db.install",
         "outbox_bridge.db.migrations",
         "outbox_bridge.db.schema",
         "outbox_bridge.declarations",

@@ -24,12 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp
 from outbox_bridge.config import libpq_url, sqlalchemy_url
-from outbox_bridge.db.schema import (
-    NOTIFY_PAYLOAD_LIMIT,
-    SWEEP_NOTIFICATION,
-    create_outbox_tables,
-    notify_channel,
-)
+from outbox_bridge.db.install import create_outbox_tables
+from outbox_bridge.db.schema import NOTIFY_PAYLOAD_LIMIT, SWEEP_NOTIFICATION, notify_channel
 from tests.harness import (
     Recorder,
     Servers,

@@ -246,13 +246,18 @@ APP_FILES = {
         import uuid
         from enum import IntEnum
 
-        from sqlalchemy import text
         from sqlalchemy.ext.asyncio import create_async_engine
         from temporalio import activity
         from temporalio.client import Client
         from temporalio.worker import Worker
 
-        from outbox_bridge import OutboxApp, OutboxMessage, OutboxPlugin, OutboxTable
+        from outbox_bridge import (
+            OutboxApp,
+            OutboxMessage,
+            OutboxPlugin,
+            OutboxTable,
+            create_outbox_tables,
+        )
         from workflows.orders import OrderWorkflow
 
         database_url, address, table = sys.argv[1:]
@@ -301,13 +306,9 @@ APP_FILES = {
             raise SystemExit(f"timed out waiting for {what}")
 
 
-        async def table_exists():
-            async with engine.connect() as conn:
-                found = await conn.execute(text("SELECT to_regclass(:t)"), {"t": table})
-                return found.scalar() is not None
-
-
         async def main():
+            async with engine.begin() as conn:  # what init-db does; the plugin only checks
+                await create_outbox_tables(conn, app.metadata)
             client = await Client.connect(address)
             suffix = uuid.uuid4().hex[:8]
             orders, outbox = f"orders-{suffix}", f"outbox-{suffix}"
@@ -320,7 +321,6 @@ APP_FILES = {
             )
             run = asyncio.create_task(worker.run())
             try:
-                await until(table_exists, "the plugin to create the table")
                 placed = await client.execute_workflow(
                     OrderWorkflow.run, 42, id=f"order-{suffix}", task_queue=orders
                 )

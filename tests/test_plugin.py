@@ -270,7 +270,9 @@ async def test_a_database_the_outbox_cannot_reach_stops_the_worker_and_says_why(
         workflows=[OrderWorkflow],
         plugins=[OutboxPlugin(app, database_url=unreachable)],
     )
-    with pytest.raises(ConfigurationError, match="cannot create the outbox tables") as raised:
+    with pytest.raises(
+        ConfigurationError, match=r"cannot read the outbox tables. catalog"
+    ) as raised:
         await asyncio.wait_for(worker.run(), 60)
     assert password not in str(raised.value)
     assert worker.is_shutdown  # a shutdown() after this returns at once, never hangs
@@ -401,7 +403,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from temporalio.client import Client
 from temporalio.worker import Worker
 from outbox_bridge import OutboxPlugin
-from tests.harness import Category, Recorder, make_app, table_empty, unique_table, wait_until, write_rows
+from tests.harness import Category, Recorder, install_tables, make_app, table_empty, unique_table, wait_until, write_rows
 from tests.user_workflows import OrderWorkflow
 
 database_url, address, ending = sys.argv[1:]
@@ -409,16 +411,13 @@ recorder = Recorder()
 app = make_app(unique_table(), recorder)
 
 async def main():
+    await install_tables(database_url, app)  # what init-db does: the plugin only checks
     client = await Client.connect(address)
     suffix = uuid.uuid4().hex[:8]
     plugin = OutboxPlugin(app, database_url=database_url, task_queue=f"outbox-{suffix}")
     worker = Worker(client, task_queue=f"orders-{suffix}", workflows=[OrderWorkflow], plugins=[plugin])
     running = asyncio.create_task(worker.run())
     engine = create_async_engine(database_url)
-    async def table_exists():
-        async with engine.connect() as conn:
-            return await conn.run_sync(lambda c: c.dialect.has_table(c, app.table().name))
-    await wait_until(table_exists, timeout=60, what="the table")
     await write_rows(engine, app, [{"category": Category.USER_UPDATE, "shard_identifier": 1, "object_identifier": 1}])
     await wait_until(lambda: table_empty(engine, app), timeout=60, what="the row handled")
     await engine.dispose()

@@ -12,15 +12,13 @@ from typing import Any, NoReturn
 import click
 
 from outbox_bridge import __version__
-from outbox_bridge.cli.connections import command_app, database, tables_of, worker_app
-from outbox_bridge.cli.failures import run_or_exit
-from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.connections import worker_app
+from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.cli.listing import shards
 from outbox_bridge.cli.park_commands import park, parked, unpark_command
 from outbox_bridge.cli.pause_commands import pause, pauses, unpause
+from outbox_bridge.cli.schema_commands import grants, init_db
 from outbox_bridge.cli.shard_commands import flush, history_export, resume, skip, status
-from outbox_bridge.config import OutboxSettings, SettingGroup, safe_url
-from outbox_bridge.db.schema import prepare_database
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.observability.logs import configure_logging, quiet_sdk_loggers
 
@@ -86,22 +84,6 @@ def worker(**overrides: Any) -> None:
     leave(code)
 
 
-async def _init_db(settings: OutboxSettings) -> list[str]:
-    app = tables_of(command_app(settings), None)
-    async with database(settings, create=True) as engine:
-        await prepare_database(engine, app.metadata)
-        click.echo(f"database: {safe_url(engine.url)}")
-    return list(app.tables)
-
-
-@tool_command("init-db")
-@settings_options(SettingGroup.DATABASE, SettingGroup.APP)
-def init_db(**overrides: Any) -> None:
-    """Create the outbox tables, indexes and NOTIFY triggers that are missing (idempotent)."""
-    tables = run_or_exit(_init_db(build_settings(overrides)))
-    click.echo(f"tables ready: {', '.join(tables)}")
-
-
 @main.group("history")
 def history() -> None:
     """Export shard workflow histories (to keep a replay corpus of your own)."""
@@ -130,6 +112,7 @@ def replay(files: tuple[Path, ...]) -> None:
 
 for command in (
     init_db,
+    grants,
     status,
     skip,
     resume,

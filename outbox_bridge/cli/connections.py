@@ -8,12 +8,14 @@ import os
 import sys
 from collections.abc import AsyncIterator
 
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from temporalio.client import Client
 
 from outbox_bridge import registry
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
+from outbox_bridge.db.grants import INSUFFICIENT_PRIVILEGE, Role, privilege_error
 from outbox_bridge.errors import ConfigurationError, RegistryError
 from outbox_bridge.registry import OutboxApp, OutboxTable
 from outbox_bridge.runtime.embedded import EmbeddedPostgres
@@ -23,6 +25,9 @@ from outbox_bridge.workflows.models import ShardRef
 
 # SQLSTATE of a table that does not exist.
 UNDEFINED_TABLE = "42P01"
+# The commands that only read run in a read-only transaction: they work for a role with SELECT
+# alone, and cannot change anything whatever role runs them.
+READ_ONLY = text("SET TRANSACTION READ ONLY")
 
 
 def load_app(spec: str) -> OutboxApp:
@@ -114,20 +119,28 @@ async def database(settings: OutboxSettings, *, create: bool = False) -> AsyncIt
 
 @contextlib.asynccontextmanager
 async def connected(
-    settings: OutboxSettings, table: str, *, begin: bool = False
+    settings: OutboxSettings, table: str, *, begin: bool = False, read_only: bool = False
 ) -> AsyncIterator[AsyncConnection]:
-    """A connection to the database (in a transaction with ``begin``) to work on ``table``; a
-    database error in the block becomes one line that says what to do."""
+    """A connection to the database (in a transaction with ``begin``; in a read-only one with
+    ``read_only``: a role with SELECT alone is enough) to work on ``table``; a database error in
+    the block becomes one line that says what to do."""
     async with database(settings) as engine:
         where = safe_url(engine.url)
         try:
             async with engine.begin() if begin else engine.connect() as conn:
+                if read_only:
+                    await conn.execute(READ_ONLY)
                 yield conn
         except DBAPIError as exc:
-            if getattr(exc.orig, "sqlstate", None) == UNDEFINED_TABLE:
+            state = getattr(exc.orig, "sqlstate", None)
+            if state == UNDEFINED_TABLE:
                 raise ConfigurationError(
                     f"table {table} does not exist in {where}: give the worker's app (--app, or "
                     "OUTBOX_APP) and --table, or create it with `outbox-bridge init-db`"
+                ) from None
+            if state == INSUFFICIENT_PRIVILEGE:
+                raise await privilege_error(
+                    engine, exc, Role.READER if read_only else Role.OPERATOR
                 ) from None
             # The driver's message names host and port, never the password.
             reason = " ".join(str(exc.orig).split())

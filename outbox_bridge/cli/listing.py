@@ -115,7 +115,7 @@ async def _list(
     table = tables_of(app, table_name).table(table_name)
     names = _ScopeNames(app, ScopeDirectory(client, table.name))
     scope = await names.number(scope_name) if scope_name else None
-    async with connected(settings, table.name) as conn:
+    async with connected(settings, table.name, read_only=True) as conn:
         # With a state filter, look further down the list for matches.
         limit = top if state is None else top * 20
         depths = await read_shard_depths(

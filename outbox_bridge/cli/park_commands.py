@@ -190,7 +190,7 @@ def parked(table: str | None, with_unparked: bool, as_json: bool, **overrides: A
     outbox = tables_of(app, table).table(table)
 
     async def work() -> list[ParkedGroup]:
-        async with connected(settings, outbox.name) as conn:
+        async with connected(settings, outbox.name, read_only=True) as conn:
             return await read_parked(conn, outbox, with_unparked=with_unparked)
 
     groups = run_or_exit(work())
@@ -216,7 +216,7 @@ def parked_table(
 ) -> View:
     """Parked groups as a table: with a shard column unless they are ``one_shard``'s (as
     ``status`` shows them), with an unparked column if one was put back."""
-    columns = ["group", "rows", "parked", "by", "reason"]
+    columns = ["group", "rows", "parked", "by", "role", "reason"]
     if not one_shard:
         columns.insert(0, "shard")
     if any(group.unparked_at is not None for group in groups):
@@ -227,13 +227,16 @@ def parked_table(
     for group in groups:
         unparked = ""
         if group.unparked_at is not None:
-            unparked = f"{_utc(group.unparked_at)} by {group.unparked_by}"
+            unparked = (
+                f"{_utc(group.unparked_at)} by {group.unparked_by} (role {group.unparked_role})"
+            )
         values = {
             "shard": shard_key(group, app),
             "group": group_text(group, app),
             "rows": str(group.rows),
             "parked": _utc(group.parked_at),
             "by": group.parked_by,
+            "role": group.parked_role,  # as PostgreSQL authenticated it
             "reason": group.reason,
             "unparked": unparked,
         }
@@ -249,7 +252,7 @@ async def shard_parked(settings: OutboxSettings, shard: ShardRef) -> list[Parked
     """The parked groups of ``shard``, or why they cannot be read (no database configured,
     tables not created): ``status`` shows the workflow whatever the database says."""
     try:
-        async with connected(settings, shard.table) as conn:
+        async with connected(settings, shard.table, read_only=True) as conn:
             return await read_parked(conn, shard_app(settings, shard).table(shard.table), shard)
     except ConfigurationError as exc:
         return str(exc)

@@ -64,12 +64,20 @@ def _target(
 async def _in_table(
     settings: OutboxSettings, table_name: str | None, change: Callable[[Any, Any], Any]
 ) -> Any:
-    """``change(conn, table)`` in a transaction, the pause table created if an older database
-    lacks it (the worker creates it too, when it starts)."""
+    """``change(conn, table)`` in a transaction (a missing pause table is refused, naming
+    ``init-db``: the command changes no schema)."""
     table = tables_of(command_app(settings), table_name).table(table_name)
-    async with connected(settings, table.name, begin=True) as conn:
-        await conn.run_sync(lambda sync: pauses_of(table).create(sync, checkfirst=True))
+    async with connected(settings, pauses_of(table).name, begin=True) as conn:
         return await change(conn, table)
+
+
+async def _read_only(
+    settings: OutboxSettings, table_name: str | None, read: Callable[[Any, Any], Any]
+) -> Any:
+    """``read(conn, table)`` in a read-only transaction."""
+    table = tables_of(command_app(settings), table_name).table(table_name)
+    async with connected(settings, pauses_of(table).name, read_only=True) as conn:
+        return await read(conn, table)
 
 
 @tool_command("pause")
@@ -118,16 +126,24 @@ def unpause(category: str | None, scope: str | None, table: str | None, **overri
 def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
     """The paused categories and scopes of a table, oldest first."""
     settings = build_settings(overrides)
-    paused = run_or_exit(_in_table(settings, table, read_pauses))
+    paused = run_or_exit(_read_only(settings, table, read_pauses))
     found = view_of(command_app(settings), paused).pauses
+    # The role PostgreSQL authenticated beside each declared ``by``.
+    roles = [p.paused_role for p in paused]
     if as_json:
-        click.echo(json.dumps([dataclasses.asdict(p) for p in found], indent=2))
+        rows = [
+            {**dataclasses.asdict(p), "paused_role": role}
+            for p, role in zip(found, roles, strict=True)
+        ]
+        click.echo(json.dumps(rows, indent=2))
         return
     view = Table(title="paused categories and scopes")
-    for column in ("kind", "name", "number", "reason", "by", "via", "since"):
+    for column in ("kind", "name", "number", "reason", "by", "role", "via", "since"):
         view.add_column(column)
-    for p in found:
-        view.add_row(p.kind, p.name, str(p.number), p.reason, p.paused_by, p.paused_via, p.since)
+    for p, role in zip(found, roles, strict=True):
+        view.add_row(
+            p.kind, p.name, str(p.number), p.reason, p.paused_by, role, p.paused_via, p.since
+        )
     Console().print(view)
 
 
@@ -135,7 +151,7 @@ async def shard_pause(settings: OutboxSettings, ref: ShardRef) -> Pause | None:
     """The pause ``ref`` waits for (its first row not due is paused), None when it waits for
     none, or when the database cannot be read (the command shows the workflow's state)."""
     try:
-        async with connected(settings, ref.table) as conn:
+        async with connected(settings, ref.table, read_only=True) as conn:
             return await read_shard_pause(conn, shard_app(settings, ref).table(ref.table), ref)
     except (ConfigurationError, SQLAlchemyError):
         return None

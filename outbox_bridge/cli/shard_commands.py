@@ -220,7 +220,7 @@ def flush(shard: str, table: str | None, timeout: float, as_json: bool, **overri
         settings = build_settings(overrides)
         client, ref = await named_shard(settings, shard, table)
         app = shard_app(settings, ref)
-        async with connected(settings, ref.table) as conn:
+        async with connected(settings, ref.table, read_only=True) as conn:
             up_to = await read_shard_max_id(conn, app.table(ref.table), ref)
         if up_to is None:
             return FlushResult(ref.key, FlushOutcome.HANDLED, detail=NO_PENDING_ROWS)

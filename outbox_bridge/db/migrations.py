@@ -9,14 +9,15 @@
 
 
     def upgrade() -> None:
-        create_outbox(op, app)
+        create_outbox(op, app)  # a later migration, after an upgrade: upgrade_outbox(op, app)
 
 
     def downgrade() -> None:
         drop_outbox(op, app)
 
-The statements are those of the worker and ``init-db`` (:mod:`outbox_bridge.db.schema`): a
-migrated database and one the worker created are the same. They go through ``op.execute``, so
+The statements are those of ``init-db`` (:mod:`outbox_bridge.db.install`): a migrated database
+and one ``init-db`` created are the same, and the worker checks either at start without
+changing it. They go through ``op.execute``, so
 offline mode (``alembic upgrade --sql``) prints them too. Importing this module does not need
 Alembic; calling its functions does. Django's migration operations
 (:mod:`outbox_bridge.contrib.django.operations`) run :func:`create_statements` and
@@ -29,8 +30,15 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sqlalchemy import Table
-from sqlalchemy.schema import CreateIndex, CreateTable, DropTable, ExecutableDDLElement
+from sqlalchemy.schema import (
+    CreateColumn,
+    CreateIndex,
+    CreateTable,
+    DropTable,
+    ExecutableDDLElement,
+)
 
+from outbox_bridge.db.install import add_column_ddl, ddl_sql, lock_timeout_statement
 from outbox_bridge.db.schema import (
     drop_notify_ddl,
     notify_ddl,
@@ -73,6 +81,31 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
     return statements
 
 
+def upgrade_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
+    """The statements that bring the app's outbox tables (all, or those named in ``tables``),
+    created by any earlier version, to this version's schema: missing tables, columns (each
+    nullable or with a default that needs no table rewrite) and indexes, and the NOTIFY
+    function and trigger. Idempotent, and they need no database to be planned (offline
+    migrations print them); each waits at most a few seconds for its lock
+    (:func:`lock_timeout_statement`), and a migration that times out is rolled back whole:
+    run it again."""
+    statements: list[DDL] = [lock_timeout_statement()]
+    for table in _tables(app, tables):
+        for each in (table, owners_of(table), parked_of(table), pauses_of(table)):
+            statements.append(CreateTable(each, if_not_exists=True))
+            statements += [
+                add_column_ddl(each.name, ddl_sql(CreateColumn(column)))
+                for column in each.columns
+                if not column.primary_key and (column.nullable or column.server_default is not None)
+            ]
+            statements += [
+                CreateIndex(index, if_not_exists=True)
+                for index in sorted(each.indexes, key=lambda i: str(i.name))
+            ]
+        statements += notify_ddl(table)
+    return statements
+
+
 def _create_parked(table: Table, *, if_not_exists: bool = False) -> list[DDL]:
     parked = parked_of(table)
     return [
@@ -104,7 +137,8 @@ def create_shard_owners(
     op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
 ) -> None:
     """Create the owner tables (``<table>_owners``, added in 0.2) in a database migrated with
-    :func:`create_outbox` before them. (The worker and ``init-db`` create missing tables too.)"""
+    :func:`create_outbox` before them. (``init-db`` and :func:`upgrade_outbox` create missing
+    tables too.)"""
     for table in _tables(app, tables):
         op.execute(CreateTable(owners_of(table), if_not_exists=True))
 
@@ -113,7 +147,8 @@ def create_parked_groups(
     op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
 ) -> None:
     """Create the parked-group tables (``<table>_parked`` and their index) in a database
-    migrated with :func:`create_outbox` before them. (The worker and ``init-db`` too.)"""
+    migrated with :func:`create_outbox` before them. (``init-db`` and :func:`upgrade_outbox`
+    too.)"""
     for table in _tables(app, tables):
         for statement in _create_parked(table, if_not_exists=True):
             op.execute(statement)
@@ -123,9 +158,17 @@ def create_shard_pauses(
     op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None
 ) -> None:
     """Create the pause tables (``<table>_pauses``, added in 1.0) in a database migrated with
-    :func:`create_outbox` before them. (The worker and ``init-db`` create them too.)"""
+    :func:`create_outbox` before them. (``init-db`` and :func:`upgrade_outbox` create them too.)"""
     for table in _tables(app, tables):
         op.execute(CreateTable(pauses_of(table), if_not_exists=True))
+
+
+def upgrade_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
+    """Bring the app's outbox tables to the installed version's schema
+    (:func:`upgrade_statements`): the migration to add after upgrading outbox-bridge, before
+    the new workers start (they refuse a schema that is not theirs)."""
+    for statement in upgrade_statements(app, tables=tables):
+        op.execute(statement)
 
 
 def drop_outbox(op: Operations, app: OutboxApp, *, tables: Iterable[str] | None = None) -> None:
@@ -139,7 +182,7 @@ def exclude_outbox_tables(
     app: OutboxApp,
 ) -> Callable[[str | None, str, Mapping[str, str | None]], bool]:
     """An ``include_name`` hook for Alembic's ``context.configure`` that hides the app's outbox
-    tables (and the tables beside them) from autogenerate, where the worker or ``init-db``
+    tables (and the tables beside them) from autogenerate, where ``init-db`` or these operations
     manages them (otherwise autogenerate proposes to drop them)::
 
         context.configure(..., include_name=exclude_outbox_tables(app))

@@ -17,7 +17,15 @@ from sqlalchemy import Table, func, literal, null, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import notify_channel, parked_of, shard_columns, shard_where
+from outbox_bridge.db.schema import (
+    PARKED_ROLE,
+    SESSION_USER,
+    UNPARKED_ROLE,
+    notify_channel,
+    parked_of,
+    shard_columns,
+    shard_where,
+)
 from outbox_bridge.workflows.models import ShardRef
 
 # The columns that name a coalescing group, after the shard's.
@@ -53,6 +61,8 @@ class ParkedGroup:
     parked_at: datetime
     unparked_by: str | None
     unparked_at: datetime | None
+    parked_role: str  # the role PostgreSQL authenticated, beside the declared parked_by
+    unparked_role: str | None
     rows: int
 
     @property
@@ -71,6 +81,7 @@ def _record(table: Table) -> list[Any]:
         region,
         *(parked.c[c] for c in ("shard_scope", "shard_identifier", *GROUP_COLUMNS, "first_id")),
         *(parked.c[c] for c in ("reason", "parked_by", "parked_at", "unparked_by", "unparked_at")),
+        *(parked.c[c] for c in (PARKED_ROLE, UNPARKED_ROLE)),
         rows.scalar_subquery(),
     ]
 
@@ -118,7 +129,7 @@ async def unpark(
     statement = (
         update(parked)
         .where(*where)
-        .values(unparked_at=func.now(), unparked_by=by)
+        .values(unparked_at=func.now(), unparked_by=by, **{UNPARKED_ROLE: SESSION_USER})
         .returning(parked.c.id)
     )
     ids = list((await conn.execute(statement)).scalars())

@@ -16,7 +16,13 @@ from sqlalchemy import Boolean, ColumnElement, Table, delete, func, literal_colu
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import notify_channel, pauses_of, shard_values
+from outbox_bridge.db.schema import (
+    PAUSED_ROLE,
+    SESSION_USER,
+    notify_channel,
+    pauses_of,
+    shard_values,
+)
 from outbox_bridge.workflows.models import PauseKind, ShardRef
 
 # A shard workflow waiting at a paused row reads the shard again after this long at most (in
@@ -36,6 +42,7 @@ class Pause:
     paused_by: str
     since: datetime
     paused_via: str | None = None  # the Temporal sender of the pause update, if one made it
+    paused_role: str = ""  # the role PostgreSQL authenticated, beside the declared paused_by
 
 
 # -- the clause every head read uses -------------------------------------------------------------
@@ -114,6 +121,7 @@ async def add_pause(
             "reason": insert.excluded.reason,
             "paused_by": insert.excluded.paused_by,
             "paused_via": insert.excluded.paused_via,
+            PAUSED_ROLE: SESSION_USER,
         },
     ).returning(*pauses.c)
     row = (await conn.execute(statement)).one()
@@ -149,7 +157,7 @@ async def read_shard_pause(conn: AsyncConnection, table: Table, shard: ShardRef)
     where = " AND ".join(f"t.{name} = :{name}" for name in values)
     statement = text(
         f"""
-        SELECT p.kind, p.number, p.reason, p.paused_by, p.since, p.paused_via
+        SELECT p.kind, p.number, p.reason, p.paused_by, p.since, p.paused_via, p.paused_role
         FROM (SELECT t.category, t.shard_scope FROM {table.name} t
               WHERE {where} AND {not_due_sql(table, "t")}
               ORDER BY t.id LIMIT 1) h
@@ -176,4 +184,5 @@ def _pause(row: Any) -> Pause:
         p["paused_by"],
         p["since"],
         p["paused_via"],
+        p[PAUSED_ROLE],
     )

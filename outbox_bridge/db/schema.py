@@ -1,7 +1,8 @@
 """The outbox tables as SQLAlchemy Core, and the NOTIFY trigger that wakes the bridge.
 
 Add ``app.metadata`` (or :func:`outbox_table` on your own ``MetaData``) to your migrations to
-manage these tables yourself; :func:`create_outbox_tables` creates whatever is missing.
+manage these tables yourself; ``outbox-bridge init-db`` (:mod:`outbox_bridge.db.install`)
+creates whatever is missing, and the worker only checks them (:mod:`outbox_bridge.db.catalog`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from outbox_bridge.config import safe_url
-from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.workflows.models import ShardRef
 
 # A NOTIFY payload is limited to 8,000 bytes; past this many bytes (octet_length: a region of
@@ -38,6 +35,11 @@ NOTIFY_PAYLOAD_LIMIT = 7000
 SWEEP_NOTIFICATION = "*"
 # The producer's W3C trace context, a JSON object: {"traceparent": ..., "tracestate": ...}.
 TRACE_CONTEXT_COLUMN = "trace_context"
+# Who acted, as PostgreSQL authenticated them (not as they declared): filled by PostgreSQL.
+SESSION_USER = text("session_user")
+PAUSED_ROLE = "paused_role"
+PARKED_ROLE = "parked_role"
+UNPARKED_ROLE = "unparked_role"
 
 
 def notify_channel(table: str) -> str:
@@ -153,6 +155,8 @@ def pause_table(outbox: Table) -> Table:
         Column("number", Integer, primary_key=True),  # the category's or the scope's value
         Column("reason", Text, nullable=False),
         Column("paused_by", Text, nullable=False),
+        # The role PostgreSQL authenticated, beside the declared ``paused_by``.
+        Column(PAUSED_ROLE, Text, nullable=False, server_default=SESSION_USER),
         Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
         # Who Temporal recorded as the sender of the control workflow's pause update
         # (``temporal:<identity>``); NULL for a pause made otherwise.
@@ -193,6 +197,9 @@ def parked_table(outbox: Table) -> Table:
         Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
         Column("unparked_by", Text, nullable=True),
         Column("unparked_at", DateTime(timezone=True), nullable=True),
+        # The roles PostgreSQL authenticated, beside the declared ``parked_by``/``unparked_by``.
+        Column(PARKED_ROLE, Text, nullable=False, server_default=SESSION_USER),
+        Column(UNPARKED_ROLE, Text, nullable=True),
     ]
     parked = Table(parked_name(outbox.name), outbox.metadata, *columns)
     # One open park per group; the drains' lookups go through this index.
@@ -229,19 +236,17 @@ def _side(outbox: Table, kind: str) -> Table:
     return side
 
 
-def notify_ddl(table: Table) -> list[str]:
-    """Statements that install the statement-level NOTIFY trigger on ``table`` (idempotent).
+def notify_function(table: Table) -> str:
+    """The name of the function the NOTIFY trigger of ``table`` runs (also its trigger's)."""
+    return f"{table.name}_notify"
 
-    One notification per INSERT statement, with the highest new id of each shard it touched
-    (``*``, a sweep, past the payload limit), delivered at commit: a rolled-back row is never
-    announced.
-    """
-    name = table.name
+
+def notify_function_body(table: Table) -> str:
+    """The PL/pgSQL body of :func:`notify_function`, as PostgreSQL keeps it (``prosrc``): the
+    catalog's copy is compared with it to tell whether the installed function is this one."""
     regional = bool(table.info.get("regional"))
     shard = ", ".join(shard_columns(regional))
-    return [
-        f"""
-        CREATE OR REPLACE FUNCTION {name}_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+    return f"""
         DECLARE
             message text;
         BEGIN
@@ -253,17 +258,38 @@ def notify_ddl(table: Table) -> list[str]:
             IF octet_length(message) > {NOTIFY_PAYLOAD_LIMIT} THEN
                 message := '{SWEEP_NOTIFICATION}';
             END IF;
-            PERFORM pg_notify('{notify_channel(name)}', message);
+            PERFORM pg_notify('{notify_channel(table.name)}', message);
             RETURN NULL;
         END
-        $$
-        """,
-        f"""
-        CREATE OR REPLACE TRIGGER {name}_notify AFTER INSERT ON {name}
-        REFERENCING NEW TABLE AS new_rows
-        FOR EACH STATEMENT EXECUTE FUNCTION {name}_notify()
-        """,
-    ]
+        """
+
+
+def notify_ddl(table: Table) -> list[str]:
+    """Statements that install the statement-level NOTIFY trigger on ``table`` (idempotent).
+
+    One notification per INSERT statement, with the highest new id of each shard it touched
+    (``*``, a sweep, past the payload limit), delivered at commit: a rolled-back row is never
+    announced.
+    """
+    return [notify_function_ddl(table), notify_trigger_ddl(table)]
+
+
+def notify_function_ddl(table: Table) -> str:
+    """The statement that installs (or replaces) :func:`notify_function`."""
+    return (
+        f"CREATE OR REPLACE FUNCTION {notify_function(table)}() RETURNS trigger "
+        f"LANGUAGE plpgsql AS $${notify_function_body(table)}$$"
+    )
+
+
+def notify_trigger_ddl(table: Table) -> str:
+    """The statement that installs (or replaces) the trigger that runs :func:`notify_function`
+    after each INSERT statement on ``table``."""
+    name = notify_function(table)
+    return (
+        f"CREATE OR REPLACE TRIGGER {name} AFTER INSERT ON {table.name} "
+        f"REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION {name}()"
+    )
 
 
 def drop_notify_ddl(table: Table) -> list[str]:
@@ -275,70 +301,7 @@ def drop_notify_ddl(table: Table) -> list[str]:
     ]
 
 
-def add_trace_context_ddl(table: Table) -> str:
-    """The statement that adds the ``trace_context`` column to an older outbox table
-    (idempotent; nullable without default: no table rewrite)."""
-    return f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} jsonb"
-
-
 def date_added_check(table_name: str) -> CheckConstraint:
     """The CHECK constraint that refuses an infinite ``date_added`` (ages are computed from it,
     and Python has no infinite datetime)."""
     return CheckConstraint("isfinite(date_added)", name=f"{table_name}_date_added_finite")
-
-
-async def _absent(conn: AsyncConnection, catalog_query: str, **params: str) -> bool:
-    # The catalog is read first: ALTER TABLE locks the table out even when it has nothing to
-    # do, and this runs at every worker start.
-    return (await conn.execute(text(catalog_query), params)).first() is None
-
-
-async def add_date_added_check(conn: AsyncConnection, table: Table) -> None:
-    """Add :func:`date_added_check` to an older outbox table, ``NOT VALID``: existing rows are
-    not scanned, new writes are checked."""
-    name = f"{table.name}_date_added_finite"
-    query = "SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(:table) AND conname = :n"
-    if await _absent(conn, query, table=table.name, n=name):
-        await conn.execute(
-            text(
-                f"ALTER TABLE {table.name} ADD CONSTRAINT {name} CHECK (isfinite(date_added)) "
-                "NOT VALID"
-            )
-        )
-
-
-async def add_missing_columns(conn: AsyncConnection, table: Table) -> None:
-    """Add the columns that later versions added to an existing outbox table."""
-    query = (
-        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(:table) "
-        "AND attname = :column AND NOT attisdropped"
-    )
-    if await _absent(conn, query, table=table.name, column=TRACE_CONTEXT_COLUMN):
-        await conn.execute(text(add_trace_context_ddl(table)))
-
-
-async def create_outbox_tables(conn: AsyncConnection, metadata: MetaData) -> None:
-    """Create missing outbox tables, indexes and NOTIFY triggers. Safe to run at every start."""
-    # Two workers starting at once must not race on CREATE TABLE.
-    await conn.execute(
-        text("SELECT pg_advisory_xact_lock(hashtextextended('outbox-bridge:ddl', 0))")
-    )
-    await conn.run_sync(metadata.create_all, checkfirst=True)
-    for table in metadata.sorted_tables:
-        if "regional" in table.info:
-            await add_missing_columns(conn, table)
-            await add_date_added_check(conn, table)
-            for statement in notify_ddl(table):
-                await conn.execute(text(statement))
-
-
-async def prepare_database(engine: AsyncEngine, metadata: MetaData) -> None:
-    """:func:`create_outbox_tables` with the engine's own connection; a driver error becomes a
-    :class:`ConfigurationError` naming the database (the driver's message has no password)."""
-    try:
-        async with engine.begin() as conn:
-            await create_outbox_tables(conn, metadata)
-    except DBAPIError as exc:
-        raise ConfigurationError(
-            f"cannot create the outbox tables in {safe_url(engine.url)}: {str(exc.orig).strip()}"
-        ) from None

@@ -22,7 +22,8 @@ import outbox_bridge
 from outbox_bridge.activities import OutboxActivities
 from outbox_bridge.activities.control import ControlActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
-from outbox_bridge.db.schema import prepare_database
+from outbox_bridge.db.checks import check_database
+from outbox_bridge.db.grants import Role
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.db.tls import refuse_tls_failures
 from outbox_bridge.observability.sdk import tracing_interceptor
@@ -319,15 +320,16 @@ class RunningOutbox:
 async def run_outbox(
     app: OutboxApp, settings: OutboxSettings, client: Client
 ) -> AsyncIterator[RunningOutbox]:
-    """Create the missing tables and search attributes, then run the outbox's workers and
-    bridge on ``client``'s connection until the block ends. Leaving stops them (with the
+    """Check the outbox tables (the schema is this version's, the role may change their rows:
+    the worker runs no DDL), create the missing search attributes, then run the outbox's
+    workers and bridge on ``client``'s connection until the block ends. Leaving stops them (with the
     shutdown grace) and raises what stopped a part early, if the block itself raised nothing."""
     database_url = settings.database_url
     assert database_url is not None, "the settings name no database"
     engine = build_engine(database_url.get_secret_value(), settings)
     drains = build_drains(engine, app, settings)
     try:
-        await prepare_database(engine, app.metadata)
+        await check_database(engine, app.metadata, Role.WORKER)
         own = outbox_client(client, settings)
         await ensure_search_attributes(own)
         outbox = RunningOutbox(app, settings, engine=engine, drains=drains, client=own)

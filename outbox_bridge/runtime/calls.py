@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
+from outbox_bridge.db.grants import Role, privilege_advice
 from outbox_bridge.db.store import GroupRows
 from outbox_bridge.errors import (
     CategoryScopeError,
@@ -382,7 +383,10 @@ class HandlerCalls:
         """A step of a round (``what``: "its rows cannot be read") failed for ``shard`` alone:
         logged with its traceback; returns what may enter Temporal history about it."""
         cause = getattr(exc, "orig", None) or exc  # a driver's own message, not the statement
-        error = ShardFaultError(f"shard {shard.key}: {what}: {type(cause).__qualname__}: {cause}")
+        advice = privilege_advice(cause, Role.WORKER)  # a right revoked while it runs
+        error = ShardFaultError(
+            f"shard {shard.key}: {what}: {type(cause).__qualname__}: {cause}{advice}"
+        )
         with log_context(shard=shard.key):
             log.warning("%s", error, exc_info=exc)
         return HandlerFailure(type(error).__qualname__, self._history_text(error))

@@ -74,15 +74,17 @@ class OutboxPlugin(temporalio.worker.Plugin):
     )
     ```
 
-    When the worker starts, the plugin creates the app's missing outbox tables and the shard
-    workflows' search attributes, then runs the outbox's own Temporal workers, on the outbox's
-    task queue (``task_queue``, ``outbox`` by default) and its flush queue, and the bridge, in
-    the same process and on the same connection and namespace as your worker. Your worker's
-    workflows, activities, task queue, interceptors, data converter and sandbox are left as
-    they are. When your worker has stopped, the outbox stops too: the bridge at once, then
-    its workers, giving handler calls in flight ``shutdown_grace`` seconds; every database
-    connection is closed. If a part of the outbox stops on its own (a fatal worker error),
-    the plugin stops your worker too, and its ``run()`` raises why.
+    When the worker starts, the plugin checks the app's outbox tables against PostgreSQL's
+    catalog (it changes no schema: ``outbox-bridge init-db`` or your migrations create them; a
+    difference, or a privilege the role lacks, stops it with the fix), creates the shard
+    workflows' missing search attributes, then runs the outbox's own Temporal workers, on the
+    outbox's task queue (``task_queue``, ``outbox`` by default) and its flush queue, and the
+    bridge, in the same process and on the same connection and namespace as your worker. Your
+    worker's workflows, activities, task queue, interceptors, data converter and sandbox are
+    left as they are. When your worker has stopped, the outbox stops too: the bridge at once,
+    then its workers, giving handler calls in flight ``shutdown_grace`` seconds; every database
+    connection is closed. If a part of the outbox stops on its own (a fatal worker error), the
+    plugin stops your worker too, and its ``run()`` raises why.
 
     Args:
         app: The outbox app whose rows are handled; every category needs a handler.

@@ -17,9 +17,12 @@ from typing import Any
 from urllib.parse import quote
 
 from pydantic import SecretStr
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from outbox_bridge import demo
 from outbox_bridge.config import OutboxSettings, retired_variables, safe_url, sqlalchemy_url
+from outbox_bridge.db.install import install_schema
 from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime
 from outbox_bridge.observability.summary import (
@@ -176,6 +179,9 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
             postgres = EmbeddedPostgres(settings.data_dir / "postgres")
             stopped_at_exit.callback(postgres.stop)
             database_url = await asyncio.to_thread(postgres.start)
+            # This process started the database and owns it: it installs the schema itself,
+            # as no worker on a database of its own does.
+            await install_embedded_schema(database_url, app)
         ui = None
         if not embedded:
             address = temporal_address(settings)
@@ -210,6 +216,15 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
         )
         banner.cancel()
         log.info("outbox-bridge stopped")
+
+
+async def install_embedded_schema(database_url: str, app: OutboxApp) -> None:
+    """Install ``app``'s outbox tables in the embedded database (``init-db`` for the demo)."""
+    engine = create_async_engine(sqlalchemy_url(database_url), poolclass=NullPool)
+    try:
+        await install_schema(engine, app.metadata)
+    finally:
+        await engine.dispose()
 
 
 async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.pool import NullPool
 
 from outbox_bridge import registry
 from outbox_bridge.config import sqlalchemy_url
-from outbox_bridge.db.schema import create_outbox_tables
+from outbox_bridge.db.install import create_outbox_tables
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port

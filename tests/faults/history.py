@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox_bridge.db.schema import create_outbox_tables
+from outbox_bridge.db.install import create_outbox_tables
 from tests.faults.fault_app import (
     PAYLOAD_CANARY,
     FaultCategory,

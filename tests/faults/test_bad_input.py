@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowUpdateFailedError
 
-from outbox_bridge.db.schema import create_outbox_tables
+from outbox_bridge.db.install import create_outbox_tables
 from outbox_bridge.runtime.shards import shard_status
 from outbox_bridge.workflows.models import ShardRef, ShardStatus, SkipInput
 from tests.faults.bad_input_app import make_app

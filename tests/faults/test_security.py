@@ -163,6 +163,15 @@ SQL_NAMES = {
     "wait_seconds_sql(table, 't')",
     "wait_seconds_sql(table, 'w', 's.scope')",
     "due_at_sql(table, 'w', 's.scope')",
+    # What init-db adds to an existing table (db/install.py): the table's name, a column and a
+    # check constraint compiled from the metadata, and the NOTIFY function's name and body
+    # (db/schema.py), built from the table's name and the shard key columns.
+    "table",
+    "column_sql",
+    "check.name",
+    "sqltext",
+    "notify_function(table)",
+    "notify_function_body(table)",
 }
 SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|LISTEN|NOTIFY|WHERE)\b")
 

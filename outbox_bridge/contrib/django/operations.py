@@ -6,27 +6,18 @@ database when the routers allow the migration's app there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import router
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.operations.base import Operation
 from django.db.migrations.state import ProjectState
-from sqlalchemy.dialects import postgresql
-from sqlalchemy.schema import ExecutableDDLElement
 
 from outbox_bridge.contrib.django.conf import OutboxConfigurationError, load_app
-from outbox_bridge.db.migrations import DDL, create_statements, drop_statements
+from outbox_bridge.db.install import ddl_sql
+from outbox_bridge.db.migrations import DDL, create_statements, drop_statements, upgrade_statements
 from outbox_bridge.registry import OutboxApp
-
-_DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it bare
-
-
-def _sql(statement: DDL) -> str:
-    if isinstance(statement, ExecutableDDLElement):
-        return str(statement.compile(dialect=_DIALECT)).strip()
-    return statement.strip()
 
 
 class _OutboxOperation(Operation):
@@ -65,6 +56,14 @@ class _OutboxOperation(Operation):
     creates: bool  # forwards (and drops them backwards)
 
     def _run(self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, create: bool) -> None:
+        self._execute(app_label, schema_editor, create_statements if create else drop_statements)
+
+    def _execute(
+        self,
+        app_label: str,
+        schema_editor: BaseDatabaseSchemaEditor,
+        statements: Callable[..., list[DDL]],
+    ) -> None:
         connection = schema_editor.connection
         if not router.allow_migrate(connection.alias, app_label, **self.hints):
             return
@@ -74,9 +73,8 @@ class _OutboxOperation(Operation):
                 f"{connection.vendor}; keep the migration off it with a router (allow_migrate) "
                 "or hints"
             )
-        statements = create_statements if create else drop_statements
         for statement in statements(self.outbox_app(), tables=self.tables):
-            schema_editor.execute(_sql(statement), params=None)
+            schema_editor.execute(ddl_sql(statement), params=None)
 
     def database_forwards(
         self,
@@ -119,4 +117,27 @@ class DropOutbox(_OutboxOperation):
     creates = False
 
 
-__all__ = ["CreateOutbox", "DropOutbox"]
+class UpgradeOutbox(_OutboxOperation):
+    """Bring the outbox tables of ``app`` (all, or those named in ``tables``), created by an
+    earlier version, to the installed version's schema (the statements of
+    :func:`outbox_bridge.db.migrations.upgrade_statements`: missing tables, columns, indexes,
+    the NOTIFY trigger; each waits a few seconds at most for its lock). Add it in a migration
+    after upgrading outbox-bridge, before the new workers start. Backwards, it does nothing:
+    the columns stay."""
+
+    creates = True
+
+    def _run(self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, create: bool) -> None:
+        if create:
+            self._execute(app_label, schema_editor, upgrade_statements)
+
+    def describe(self) -> str:
+        tables = ", ".join(self.tables) if self.tables is not None else f"every table of {self.app}"
+        return f"Upgrade the outbox tables ({tables})"
+
+    @property
+    def migration_name_fragment(self) -> str:
+        return "upgrade_outbox"
+
+
+__all__ = ["CreateOutbox", "DropOutbox", "UpgradeOutbox"]

@@ -20,8 +20,8 @@ from outbox_bridge.contrib.django.operations import CreateOutbox
 def outbox_tables(connection: BaseDatabaseWrapper) -> list[str]:
     """The outbox tables on ``connection``'s database, sorted: those that exist of the
     migrations' ``CreateOutbox`` operations there (the routers allowing), and of the
-    ``OUTBOX_BRIDGE`` app on the outbox's database (a worker creates them where no migration
-    did)."""
+    ``OUTBOX_BRIDGE`` app on the outbox's database (``init-db`` creates them where no
+    migration did)."""
     if connection.vendor != "postgresql":
         return []
     names = set(_migrated_tables(connection.alias))

@@ -63,7 +63,8 @@ HANGUP = (
     if hasattr(select, "poll")
     else 0
 )
-# Payload bytes (as stored) one round reads at most (at least one group, however large).
+# Payload bytes (their JSON text) one round reads at most (at least one group, never a
+# payload over the limit).
 ROUND_MAX_BYTES = 64 * 2**20
 
 
@@ -638,6 +639,7 @@ class DrainEngine:
             skip_paused=skip_paused,
             with_trace_context=BatchObserver.tracing(),
             max_bytes=self.max_round_bytes,
+            max_payload_bytes=self.calls.max_payload_bytes,
         )
         heads: list[ShardHead] = []
 
@@ -823,6 +825,7 @@ async def read_shard_heads(
     *,
     max_groups: int,
     skip_held: bool,
+    max_payload_bytes: int,
     skip_paused: bool = False,
     with_trace_context: bool = False,
     deferred_as_due: bool = False,
@@ -832,7 +835,9 @@ async def read_shard_heads(
     rows, in a few statements for all of them: the windows, the groups' tails past a full
     window, then the rows. ``deferred_as_due`` (``drain_outbox(run_deferred=True)``) counts
     rows not yet due as due in the windows; ``max_bytes`` keeps each shard's prefix of groups
-    whose newest rows fit that many payload bytes in all."""
+    whose newest rows fit that many payload bytes in all (their JSON text). A payload over
+    ``max_payload_bytes`` is never read (its row comes without it, and its call fails), and
+    its shard's later groups wait for a later round."""
     window = max(2 * max_groups, 16)
     windows = await execute(
         lambda conn: read_windows(
@@ -867,20 +872,29 @@ async def read_shard_heads(
     newest = [group.last_id for head in heads for group in head.groups]
     if max_bytes is not None and len(newest) > 1:
         sizes = await execute(lambda conn: read_payload_sizes(conn, table, newest))
-        if _keep_within(heads, sizes, max_bytes):
+        if _keep_within(heads, sizes, max_bytes, max_payload_bytes):
             newest = [group.last_id for head in heads for group in head.groups]
     rows = await execute(
-        lambda conn: read_rows(conn, table, newest, with_trace_context=with_trace_context)
+        lambda conn: read_rows(
+            conn,
+            table,
+            newest,
+            with_trace_context=with_trace_context,
+            max_payload_bytes=max_payload_bytes,
+        )
     )
     for head in heads:
         head.rows = {g.last_id: rows[g.last_id] for g in head.groups if g.last_id in rows}
     return heads
 
 
-def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int) -> bool:
+def _keep_within(
+    heads: Sequence[ShardHead], sizes: dict[int, int], budget: int, limit: int
+) -> bool:
     """Keep, of each shard's groups, the prefix whose newest rows' payloads (``sizes``, by row
     id) fit ``budget`` bytes in all, every shard's first group before any shard's second; at
-    least one group. True if any group was left for a later round."""
+    least one group. A payload over ``limit`` is not read (it costs nothing) and ends its
+    shard's prefix: its call fails. True if any group was left for a later round."""
     kept = [0] * len(heads)
     used = taken = 0
     open_ = [index for index, head in enumerate(heads) if head.groups]
@@ -890,12 +904,15 @@ def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int)
         for index in open_:
             groups = heads[index].groups
             size = sizes.get(groups[level].last_id, 0)
-            if taken and used + size > budget:
+            unread = size > limit
+            if unread:
+                size = 0
+            elif taken and used + size > budget:
                 continue  # this shard stops here
             used += size
             taken += 1
             kept[index] += 1
-            if level + 1 < len(groups):
+            if level + 1 < len(groups) and not unread:
                 still.append(index)
         open_ = still
         level += 1

@@ -463,9 +463,7 @@ class _CallClock:
             self._timer = None
 
 
-def _decode_payload(
-    shard: ShardRef, row: Row[Any], limit: int
-) -> tuple[Any, OutboxError | None]:
+def _decode_payload(shard: ShardRef, row: Row[Any], limit: int) -> tuple[Any, OutboxError | None]:
     """The row's payload, or why it cannot be decoded: over ``limit`` bytes (left unread), or
     JSON PostgreSQL stores and Python cannot read (nested 10,000 deep, 5,000 digits)."""
     size = row.payload_bytes or 0

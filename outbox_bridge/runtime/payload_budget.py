@@ -16,8 +16,8 @@ from outbox_bridge.runtime.waiters import Waiters
 
 # What the rounds of one worker hold at once by default, in bytes of JSON text. Decoded, a
 # payload takes 1x (one long string) to 4-6x (records, numbers, short strings) its text, and up
-# to about 18x for thousands of empty objects: 32 MiB stays under 600 MiB at worst.
-PAYLOAD_BUDGET_BYTES = 32 * 2**20
+# to about 18x for thousands of empty objects: about 300 MiB at worst.
+PAYLOAD_BUDGET_BYTES = 16 * 2**20
 
 
 class PayloadBudget:

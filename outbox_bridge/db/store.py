@@ -505,7 +505,7 @@ async def read_group_tails(
 def payload_bytes(payload: Any) -> ColumnElement[Any]:
     """The UTF-8 bytes of ``payload``'s JSON text as the worker reads it (``payload::text``):
     the uncompressed size, not the stored one. PostgreSQL builds the text to measure it, which
-    costs the database what reading the payload would (about a second for 100 MB), and the
+    costs the database what reading the payload would (half a second for 100 MB), and the
     worker nothing."""
     return func.octet_length(cast(payload, Text))
 

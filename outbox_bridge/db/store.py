@@ -524,22 +524,42 @@ async def read_rows(
     and its ``payload_bytes`` says how large it is (None for the other rows)."""
     if not ids:
         return {}
-    # OFFSET 0 keeps the subquery apart, so that the text is built once per row.
-    text_of = (
-        select(cast(table.c.payload, Text).label("text")).correlate(table).offset(0).lateral("p")
+    statement = _rows_statement(table, with_trace_context)
+    result = await conn.execute(
+        statement, {"ids": list(ids), "max_payload_bytes": max_payload_bytes}
     )
-    size = func.octet_length(text_of.c.text)
-    columns: list[Any] = [
-        c
-        for c in table.c
-        if c.name != "payload" and (with_trace_context or c.name != TRACE_CONTEXT_COLUMN)
-    ]
-    fits = size <= max_payload_bytes
-    columns.append(case((fits, text_of.c.text)).label("payload"))
-    columns.append(case((~fits, size)).label("payload_bytes"))
-    statement = select(*columns).select_from(table.join(text_of, true()))
-    result = await conn.execute(statement.where(table.c.id == _any_id(ids)))
     return {row.id: row for row in result}
+
+
+_ROWS_STATEMENTS: dict[tuple[Table, bool], Any] = {}
+
+
+def _rows_statement(table: Table, with_trace_context: bool) -> Any:
+    """:func:`read_rows`' statement, built once per table (building it was a fifth of its
+    cost): its parameters are ``ids`` and ``max_payload_bytes``."""
+    key = (table, with_trace_context)
+    if key not in _ROWS_STATEMENTS:
+        # OFFSET 0 keeps the subquery apart, so that the text is built once per row.
+        text_of = (
+            select(cast(table.c.payload, Text).label("text"))
+            .correlate(table)
+            .offset(0)
+            .lateral("p")
+        )
+        size = func.octet_length(text_of.c.text)
+        fits = size <= bindparam("max_payload_bytes", type_=BigInteger)
+        columns: list[Any] = [
+            c
+            for c in table.c
+            if c.name != "payload" and (with_trace_context or c.name != TRACE_CONTEXT_COLUMN)
+        ]
+        columns.append(case((fits, text_of.c.text)).label("payload"))
+        columns.append(case((~fits, size)).label("payload_bytes"))
+        ids = any_(bindparam("ids", type_=ARRAY(BigInteger)))
+        _ROWS_STATEMENTS[key] = (
+            select(*columns).select_from(table.join(text_of, true())).where(table.c.id == ids)
+        )
+    return _ROWS_STATEMENTS[key]
 
 
 async def read_payload_sizes(

@@ -16,6 +16,13 @@ from sqlalchemy.engine import URL, make_url
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.workflows.models import PartitionOptions, ShardOptions
 
+# The payload limit (the UTF-8 bytes of a payload's JSON text) an OutboxApp has unless told
+# otherwise, and the range a limit may take: at least room for a small object, at most what
+# one jsonb value can hold.
+DEFAULT_MAX_PAYLOAD_BYTES = 2**20
+MIN_PAYLOAD_LIMIT = 2**10
+MAX_PAYLOAD_LIMIT = 2**28
+
 
 class SettingGroup(StrEnum):
     """Which commands offer a setting as a flag (every setting is an environment variable, which
@@ -267,6 +274,21 @@ class OutboxSettings(BaseSettings):
             "By default as many as the worker can run calls at once (max_concurrent_calls, or "
             "handler_threads if every handler is plain def); lower repeats less after a crash "
             "and drains more slowly where deletes take a while."
+        ),
+    )
+    max_payload_bytes: int | None = Field(
+        None,
+        ge=MIN_PAYLOAD_LIMIT,
+        le=MAX_PAYLOAD_LIMIT,
+        description=(
+            "Largest payload, in bytes of its JSON text, this worker reads; a row over it is "
+            "never read whole, and its shard blocks on it (PayloadTooLargeError) until its group "
+            "is parked, the row shrunk, or this limit raised. By default the app's limit, "
+            "OutboxApp(max_payload_bytes=...), which producers enforce at write (1 MiB unless "
+            "the app sets it: with the worker's payload budget it keeps the decoded payloads "
+            "of a worker well under the 1 GiB of the Kubernetes manifest). Set it to raise the "
+            "limit for one worker (to handle a row written past it with plain SQL) or to lower "
+            "it, between 1 KiB and 256 MiB."
         ),
     )
     max_concurrent_activities: int = Field(

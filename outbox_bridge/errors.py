@@ -31,6 +31,15 @@ class InvalidRowError(OutboxError, ValueError):
     """A row refused at write time: nothing was written."""
 
 
+class PayloadTooLargeError(InvalidRowError):
+    """A payload larger than ``max_payload_bytes`` (the UTF-8 bytes of its JSON text).
+
+    Refused at write time (nothing is written). A row written past the producer (a plain SQL
+    ``INSERT``) is never read whole by the worker: its shard blocks on it with this error until
+    an operator parks its group, the limit is raised, or the row is shrunk or deleted.
+    """
+
+
 class UnknownCategoryError(OutboxError):
     """A row in the table carries a category this worker's registry does not know.
 

@@ -18,7 +18,7 @@ from typing import Any, Required, TypedDict
 from pydantic import BaseModel
 from sqlalchemy import Insert, Table, insert
 
-from outbox_bridge.errors import InvalidRowError
+from outbox_bridge.errors import InvalidRowError, PayloadTooLargeError
 from outbox_bridge.workflows.models import ShardRef
 
 BIGINT_MIN = -(2**63)
@@ -67,9 +67,18 @@ def bigint(name: str, value: object) -> int:
     return int(value)
 
 
-def _json_safe(payload: Any) -> Any:
-    """``payload`` as a JSON value jsonb accepts, else :class:`InvalidRowError`: refused here,
-    a database error would abort the caller's transaction, model change included."""
+def byte_size(count: int) -> str:
+    """``count`` bytes as people read them: ``3.2 MiB (3,355,443 bytes)``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit} ({count:,} bytes)"
+    return f"{count:,} bytes"
+
+
+def _json_safe(payload: Any) -> tuple[Any, int]:
+    """``payload`` as a JSON value jsonb accepts, and the UTF-8 bytes of its JSON text, else
+    :class:`InvalidRowError`: refused here, a database error would abort the caller's
+    transaction, model change included."""
     if isinstance(payload, BaseModel):
         try:
             payload = payload.model_dump(mode="json")
@@ -86,12 +95,12 @@ def _json_safe(payload: Any) -> Any:
             "payload contains a NUL character (\\u0000), which PostgreSQL cannot store in JSON"
         )
     try:
-        dumped.encode("utf-8")
+        size = len(dumped.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidRowError(
             "payload contains a lone surrogate (invalid Unicode), which PostgreSQL cannot store"
         ) from None
-    return payload
+    return payload, size
 
 
 def _when(value: datetime | timedelta | None) -> datetime | None:
@@ -125,17 +134,33 @@ class PreparedRow:
 
 
 def build_insert(
-    table: Table, spec: RowSpec, *, regional: bool, category: IntEnum, scope: IntEnum
+    table: Table,
+    spec: RowSpec,
+    *,
+    regional: bool,
+    category: IntEnum,
+    scope: IntEnum,
+    max_payload_bytes: int,
 ) -> PreparedRow:
     """Check ``spec``'s values and build its INSERT ... RETURNING id into ``table``, for the
-    ``category`` and ``scope`` the registry resolved."""
+    ``category`` and ``scope`` the registry resolved. A payload whose JSON text (as
+    ``json.dumps`` writes it, which is how PostgreSQL prints jsonb) takes more than
+    ``max_payload_bytes`` UTF-8 bytes raises :class:`PayloadTooLargeError`."""
     values: dict[str, Any] = {
         "shard_scope": int(scope),
         "shard_identifier": bigint("shard_identifier", spec.shard_identifier),
         "category": int(category),
         "object_identifier": bigint("object_identifier", spec.object_identifier),
-        "payload": _json_safe(spec.payload),
     }
+    values["payload"], size = _json_safe(spec.payload)
+    if size > max_payload_bytes:
+        raise PayloadTooLargeError(
+            f"the payload of {category.name} for object {values['object_identifier']} is "
+            f"{byte_size(size)}, over the limit of {byte_size(max_payload_bytes)} "
+            "(max_payload_bytes): keep large data elsewhere (a table, object storage) and put "
+            "its key in the payload, or raise OutboxApp(max_payload_bytes=...) as far as the "
+            "workers' memory allows"
+        )
     if regional:
         if not isinstance(spec.region, str) or not spec.region:
             raise InvalidRowError(f"table {table.name} is regional: every row needs a region")

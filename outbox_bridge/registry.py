@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Unpack
 
 from sqlalchemy import MetaData, Table
 
+from outbox_bridge.config import DEFAULT_MAX_PAYLOAD_BYTES, MAX_PAYLOAD_LIMIT, MIN_PAYLOAD_LIMIT
 from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, OutboxError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
@@ -137,6 +138,19 @@ def _check_concurrency(value: object) -> None:
         )
 
 
+def _check_payload_limit(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RegistryError(
+            f"max_payload_bytes must be an integer, not {value!r} ({type(value).__name__})"
+        )
+    if not MIN_PAYLOAD_LIMIT <= value <= MAX_PAYLOAD_LIMIT:
+        raise RegistryError(
+            f"max_payload_bytes must be between {MIN_PAYLOAD_LIMIT:,} (1 KiB) and "
+            f"{MAX_PAYLOAD_LIMIT:,} (256 MiB, what one jsonb value holds), not {value:,}"
+        )
+    return int(value)
+
+
 def _enum_name(member: IntEnum | int) -> str:
     return member.name if isinstance(member, IntEnum) else str(int(member))
 
@@ -147,6 +161,11 @@ class OutboxApp:
     Building the app checks the registry once: every category belongs to exactly one scope and
     category values are unique. ``check_handlers()`` (called by the worker) refuses a category
     without a handler.
+
+    ``max_payload_bytes`` bounds a payload (the UTF-8 bytes of its JSON text) on both sides:
+    ``write`` refuses a larger one (:class:`~outbox_bridge.PayloadTooLargeError`, nothing
+    written), and the worker never reads a larger row whole: its shard blocks on it. A worker's
+    ``OUTBOX_MAX_PAYLOAD_BYTES`` replaces it for what that worker reads.
     """
 
     def __init__(
@@ -155,7 +174,9 @@ class OutboxApp:
         *,
         categories: Iterable[type[IntEnum]] = (),
         tables: Sequence[OutboxTable] = (OutboxTable(),),
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
+        self.max_payload_bytes = _check_payload_limit(max_payload_bytes)
         self._scope_of: dict[int, IntEnum] = {}
         self._categories: dict[int, IntEnum] = {}
         self._scopes: dict[int, IntEnum] = {}
@@ -386,7 +407,8 @@ class OutboxApp:
         """Write one outbox row with ``session`` (a SQLAlchemy ``Session`` or ``Connection``)
         and return its id. Never commits: the row commits or rolls back with the caller's
         transaction. Raises :class:`~outbox_bridge.InvalidRowError` without writing anything
-        when the row does not fit the registry.
+        when the row does not fit the registry, :class:`~outbox_bridge.PayloadTooLargeError`
+        (one of them) when its payload is over ``max_payload_bytes``.
 
         The scope follows from the category; pass ``shard_scope`` to have it checked.
         ``scheduled_for`` (an aware datetime, or a delay) defers the row: its shard waits.
@@ -435,7 +457,14 @@ class OutboxApp:
                 f"category {category.name} belongs to scope {scope.name}, not {given}"
             )
         regional = self.tables[table.name].regional
-        return build_insert(table, spec, regional=regional, category=category, scope=scope)
+        return build_insert(
+            table,
+            spec,
+            regional=regional,
+            category=category,
+            scope=scope,
+            max_payload_bytes=self.max_payload_bytes,
+        )
 
     # -- flushing ------------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ REFUSED: list[dict[str, Any]] = [
     {"payload": {"when": datetime.now(UTC)}},
     {"payload": {"text": "nul \x00"}},
     {"payload": float("nan")},
+    {"payload": {"blob": "x" * 2**20}},
     {"region": "eu"},
     {"scheduled_for": datetime(2030, 1, 1)},
     {"scheduled_for": "tomorrow"},

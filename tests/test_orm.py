@@ -32,6 +32,7 @@ from outbox_bridge import (
     OutboxModel,
     OutboxModelError,
     OutboxTable,
+    PayloadTooLargeError,
     next_object_identifier,
     next_object_identifier_async,
     outbox_context,
@@ -179,6 +180,21 @@ async def test_insert_update_and_delete_write_their_rows(engine, sync_engine, wo
         project_row(41, 7, "update", "gemini"),
         project_row(41, 7, "delete", "gemini"),
     ]
+
+
+async def test_a_payload_over_the_limit_fails_the_flush_and_nothing_commits(
+    engine, sync_engine, world
+) -> None:
+    Organization, Project = world.models.Organization, world.models.Project
+    with Session(sync_engine) as session:
+        session.add(Organization(id=51, name="acme"))
+        session.commit()
+        session.add(Project(id=8, name="x" * 2**20, organization_id=51))
+        with pytest.raises(PayloadTooLargeError, match="PROJECT_UPDATE for object 8 is 1 MiB"):
+            session.commit()
+        session.rollback()
+        assert session.scalar(select(func.count()).select_from(Project)) == 0
+    assert await outbox_rows(engine, world.app) == [org_row(51)]
 
 
 async def test_database_generated_primary_keys_are_known(engine, sync_engine, world) -> None:

@@ -206,12 +206,15 @@ def kept(heads: list[ShardHead]) -> list[int]:
     return [len(head.groups) for head in heads]
 
 
+LIMIT = 1_000  # the payload limit of the budget tests: no payload is over it but where said
+
+
 def test_the_budget_takes_every_shard_s_first_group_before_any_second() -> None:
     a, sizes_a = head_with(1, [4, 4, 4], 100)
     b, sizes_b = head_with(2, [3, 3], 200)
     c, sizes_c = head_with(3, [8], 300)
     heads = [a, b, c]
-    assert _keep_within(heads, {**sizes_a, **sizes_b, **sizes_c}, 10)
+    assert _keep_within(heads, {**sizes_a, **sizes_b, **sizes_c}, 10, LIMIT)
     # Level 1: a (4) and b (3) fit, c (8) does not; level 2: a's second (4) does not, b's does.
     assert kept(heads) == [1, 2, 0]
     assert a.more and c.more and not b.more
@@ -220,36 +223,46 @@ def test_the_budget_takes_every_shard_s_first_group_before_any_second() -> None:
 def test_a_shard_keeps_a_prefix_of_its_groups() -> None:
     """Never a group skipped and a later one of the same shard taken: it would run first."""
     head, sizes = head_with(1, [1, 100, 1, 1], 100)
-    assert _keep_within([head], sizes, 10)
+    assert _keep_within([head], sizes, 10, LIMIT)
     assert [g.last_id for g in head.groups] == [100]
 
 
 def test_at_least_one_group_is_taken_however_large() -> None:
     big, sizes = head_with(1, [50, 1], 100)
     other, other_sizes = head_with(2, [50], 200)
-    assert _keep_within([big, other], {**sizes, **other_sizes}, 10)
+    assert _keep_within([big, other], {**sizes, **other_sizes}, 10, LIMIT)
     assert kept([big, other]) == [1, 0]
 
 
 def test_a_cut_shard_no_longer_reports_its_deferred_barrier() -> None:
     head, sizes = head_with(1, [5, 6], 100)
     head.deferred_seconds, head.deferred_until = 30.0, datetime(2030, 1, 1, tzinfo=UTC)
-    assert _keep_within([head], sizes, 10)
+    assert _keep_within([head], sizes, 10, LIMIT)
     assert head.more and head.deferred_seconds is None and head.deferred_until is None
+
+
+def test_a_payload_over_the_limit_costs_nothing_and_ends_its_shard_s_groups() -> None:
+    """It is not read (its call fails without it): it takes none of the budget, and its
+    shard's later groups wait, the other shards' groups go on."""
+    over, sizes = head_with(1, [5, 2_000, 1], 100)
+    other, other_sizes = head_with(2, [4, 1], 200)
+    assert _keep_within([over, other], {**sizes, **other_sizes}, 10, LIMIT)
+    assert [g.last_id for g in over.groups] == [100, 101] and over.more
+    assert kept([other]) == [2] and not other.more
 
 
 def test_what_fits_is_left_alone() -> None:
     a, sizes_a = head_with(1, [4, 4], 100)
     b, sizes_b = head_with(2, [2], 200)
     a.deferred_seconds = 5.0
-    assert not _keep_within([a, b], {**sizes_a, **sizes_b}, 10)
+    assert not _keep_within([a, b], {**sizes_a, **sizes_b}, 10, LIMIT)
     assert kept([a, b]) == [2, 1] and not a.more and a.deferred_seconds == 5.0
     # Unknown sizes (rows deleted meanwhile) count as nothing.
-    assert not _keep_within([a, b], {}, 0)
+    assert not _keep_within([a, b], {}, 0, LIMIT)
 
 
-PAYLOAD_CHARS = 300_000  # random hex: incompressible, stored at about this size
-BUDGET = 1_000_000
+PAYLOAD_CHARS = 150_000  # random hex: incompressible, stored at about this size
+BUDGET = 500_000
 
 
 async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monkeypatch) -> None:
@@ -276,7 +289,7 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
             "category": Category.MEMBER_UPDATE,
             "shard_identifier": 5,
             "object_identifier": 1,
-            "payload": {"blob": os.urandom(BUDGET).hex()},
+            "payload": {"blob": os.urandom(BUDGET // 2 + 1).hex()},
         }
     )
     ids = await write_rows(engine, app, rows)
@@ -284,9 +297,9 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
     real_read_rows = store_read_rows
 
     async def read_rows(
-        conn: AsyncConnection, table: Table, wanted: list[int], *, with_trace_context: bool
+        conn: AsyncConnection, table: Table, wanted: list[int], **options: Any
     ) -> dict[int, Row[Any]]:
-        found = await real_read_rows(conn, table, wanted, with_trace_context=with_trace_context)
+        found = await real_read_rows(conn, table, wanted, **options)
         reads.append((len(found), sum(len(str(row.payload)) for row in found.values())))
         return found
 
@@ -304,8 +317,8 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
     finally:
         calls.close()
     assert await count_rows(engine, app) == 0
-    # 12 groups of 300 kB, 3 a round at most; the large group in a round of its own.
-    assert all(size <= BUDGET for rows, size in reads if rows > 1)
+    # 12 groups of 150 kB, 3 a round at most; the large group in a round of its own.
+    assert all(size <= BUDGET for rows, size in reads if rows > 1), reads
     assert [rows for rows, size in reads if size > BUDGET] == [1]
     assert len(reads) >= 5
     handled: dict[str, list[int]] = defaultdict(list)

@@ -21,6 +21,7 @@ from outbox_bridge import (
     OutboxApp,
     OutboxMessage,
     OutboxTable,
+    PayloadTooLargeError,
     RegistryError,
     UnknownCategoryError,
 )
@@ -343,6 +344,25 @@ async def test_a_row_without_a_handler_is_a_failure(engine, sync_engine) -> None
         drain_outbox(app, sync_engine)
     assert isinstance(raised.value.__cause__, UnknownCategoryError)
     assert raised.value.failure.category == "UNKNOWN_CATEGORY_99"
+
+
+async def test_a_payload_over_the_app_s_limit_is_a_failure_left_unread(engine, sync_engine) -> None:
+    """As in the worker: a row written with SQL past the app's payload limit is not read."""
+    calls, app = await sync_app(engine)
+    with sync_engine.begin() as conn:
+        conn.execute(
+            text(
+                f"INSERT INTO {app.table().name} (shard_scope, shard_identifier, category, "
+                "object_identifier, payload) VALUES (1, 1, :category, 1, "
+                "jsonb_build_object('b', repeat('x', :chars)))"
+            ),
+            {"category": int(Category.PROJECT_UPDATE), "chars": app.max_payload_bytes},
+        )
+    with pytest.raises(HandlerFailedError) as raised:
+        drain_outbox(app, sync_engine)
+    assert isinstance(raised.value.__cause__, PayloadTooLargeError)
+    assert "over the limit of 1 MiB" in str(raised.value.__cause__)
+    assert raised.value.failure.message.payload is None and calls.messages == []
 
 
 # -- deferred rows, one shard, held shards ----------------------------------------------------------

@@ -24,6 +24,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
     cast,
     delete,
     exists,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, BIT
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -500,28 +502,72 @@ async def read_group_tails(
     return [(list(ids), _finite(deferred)) for _, ids, deferred in result]
 
 
+def payload_bytes(payload: Any) -> ColumnElement[Any]:
+    """The UTF-8 bytes of ``payload``'s JSON text as the worker reads it (``payload::text``):
+    the uncompressed size, not the stored one. PostgreSQL builds the text to measure it, which
+    costs the database what reading the payload would (half a second for 100 MB), and the
+    worker nothing."""
+    return func.octet_length(cast(payload, Text))
+
+
 async def read_rows(
-    conn: AsyncConnection, table: Table, ids: Sequence[int], *, with_trace_context: bool
+    conn: AsyncConnection,
+    table: Table,
+    ids: Sequence[int],
+    *,
+    with_trace_context: bool,
+    max_payload_bytes: int,
 ) -> dict[int, Row[Any]]:
     """The rows ``ids`` still there, payloads as JSON text: the caller decodes them, so that a
-    payload PostgreSQL stores but Python cannot decode fails its own row only."""
+    payload PostgreSQL stores but Python cannot decode fails its own row only. A payload over
+    ``max_payload_bytes`` (:func:`payload_bytes`) is never sent: its row's ``payload`` is None
+    and its ``payload_bytes`` says how large it is (None for the other rows)."""
     if not ids:
         return {}
-    columns: list[Any] = [
-        c.cast(Text).label(c.name) if c.name == "payload" else c
-        for c in table.c
-        if with_trace_context or c.name != TRACE_CONTEXT_COLUMN
-    ]
-    result = await conn.execute(select(*columns).where(table.c.id == _any_id(ids)))
+    statement = _rows_statement(table, with_trace_context)
+    result = await conn.execute(
+        statement, {"ids": list(ids), "max_payload_bytes": max_payload_bytes}
+    )
     return {row.id: row for row in result}
+
+
+_ROWS_STATEMENTS: dict[tuple[Table, bool], Any] = {}
+
+
+def _rows_statement(table: Table, with_trace_context: bool) -> Any:
+    """:func:`read_rows`' statement, built once per table (building it was a fifth of its
+    cost): its parameters are ``ids`` and ``max_payload_bytes``."""
+    key = (table, with_trace_context)
+    if key not in _ROWS_STATEMENTS:
+        # OFFSET 0 keeps the subquery apart, so that the text is built once per row.
+        text_of = (
+            select(cast(table.c.payload, Text).label("text"))
+            .correlate(table)
+            .offset(0)
+            .lateral("p")
+        )
+        size = func.octet_length(text_of.c.text)
+        fits = size <= bindparam("max_payload_bytes", type_=BigInteger)
+        columns: list[Any] = [
+            c
+            for c in table.c
+            if c.name != "payload" and (with_trace_context or c.name != TRACE_CONTEXT_COLUMN)
+        ]
+        columns.append(case((fits, text_of.c.text)).label("payload"))
+        columns.append(case((~fits, size)).label("payload_bytes"))
+        ids = any_(bindparam("ids", type_=ARRAY(BigInteger)))
+        _ROWS_STATEMENTS[key] = (
+            select(*columns).select_from(table.join(text_of, true())).where(table.c.id == ids)
+        )
+    return _ROWS_STATEMENTS[key]
 
 
 async def read_payload_sizes(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, int]:
-    """The stored payload size in bytes of each of ``ids`` still there (``pg_column_size``:
-    compressed if it was; the payload is not loaded)."""
-    return await _by_id(conn, table, func.coalesce(func.pg_column_size(table.c.payload), 0), ids)
+    """The :func:`payload_bytes` of each of ``ids`` still there (0 without a payload); no
+    payload is sent."""
+    return await _by_id(conn, table, func.coalesce(payload_bytes(table.c.payload), 0), ids)
 
 
 async def delete_handled(conn: AsyncConnection, table: Table, ids: Sequence[int]) -> list[int]:

@@ -87,6 +87,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         threads=settings.handler_threads,
         timeout=settings.handler_timeout,
         max_calls=settings.max_concurrent_calls,
+        max_payload_bytes=settings.max_payload_bytes,
     )
     drain_engine = DrainEngine(
         engine,

@@ -25,11 +25,13 @@ from outbox_bridge.errors import (
     CategoryScopeError,
     OutboxError,
     PayloadDecodeError,
+    PayloadTooLargeError,
     ShardFaultError,
     UnknownCategoryError,
 )
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
 from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.producer import byte_size
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Held, RoundShards
 from outbox_bridge.runtime.scrub import scrub_credentials
@@ -93,8 +95,11 @@ class HandlerCalls:
         threads: int,
         timeout: float = math.inf,
         max_calls: int = MAX_CONCURRENT_CALLS,
+        max_payload_bytes: int | None = None,
     ) -> None:
         self._app = app
+        # No row with a larger payload is read whole (the statement leaves its payload out).
+        self.max_payload_bytes = max_payload_bytes or app.max_payload_bytes
         self._redact = redact_errors
         # An async call is cancelled after this long (a plain-def call's thread cannot be
         # stopped: its shard stays locked until it returns).
@@ -126,8 +131,9 @@ class HandlerCalls:
 
     def prepare(self, shard: ShardRef, group: GroupRows, row: Row[Any]) -> Call:
         """The call of ``group`` with its newest ``row``; a row that cannot be handled (unknown
-        category, another scope's category, undecodable payload) gives a call that fails."""
-        payload, undecodable = _decode_payload(shard, row)
+        category, another scope's category, a payload over the limit or undecodable) gives a
+        call that fails."""
+        payload, undecodable = _decode_payload(shard, row, self.max_payload_bytes)
         message = self._message(group, row, payload, "region" in self._app.table(shard.table).c)
         category = self._app.category_name(group.category)
         try:
@@ -466,9 +472,18 @@ class _CallClock:
             self._timer = None
 
 
-def _decode_payload(shard: ShardRef, row: Row[Any]) -> tuple[Any, PayloadDecodeError | None]:
-    """The row's payload, or why it cannot be decoded (PostgreSQL stores JSON that Python
-    cannot read: nested 10,000 deep, an integer of 5,000 digits)."""
+def _decode_payload(shard: ShardRef, row: Row[Any], limit: int) -> tuple[Any, OutboxError | None]:
+    """The row's payload, or why it cannot be decoded: over ``limit`` bytes (left unread), or
+    JSON PostgreSQL stores and Python cannot read (nested 10,000 deep, 5,000 digits)."""
+    size = row.payload_bytes or 0
+    if size > limit:
+        return None, PayloadTooLargeError(
+            f"row {row.id}'s payload is {byte_size(size)}, over the limit of "
+            f"{byte_size(limit)} (max_payload_bytes), so it is not read: park its group "
+            f"(outbox-bridge park {shard.key} --reason ...), raise the limit "
+            "(OUTBOX_MAX_PAYLOAD_BYTES) for a worker with the memory for it, or shrink or "
+            "delete the row"
+        )
     text = row.payload
     if text is None:
         return None, None

@@ -5,13 +5,13 @@ Every write of a round goes through the one connection that holds its shard lock
 the locks are gone and so is every later write of the round (the fence), and its handled rows run
 again. Deletes are pipelined, and no round takes a further group while the worker's rounds have
 ``max_undeleted_groups`` handled and not deleted: a crash repeats at most those and the calls
-under way. A round is also bounded by the payload bytes of its groups' newest rows.
+under way. The rounds of a worker together are also bounded by the payload bytes of their
+groups' newest rows (:mod:`~outbox_bridge.runtime.payload_budget`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -53,6 +53,8 @@ from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, RoundShards
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
+from outbox_bridge.runtime.payload_budget import PAYLOAD_BUDGET_BYTES, PayloadBudget
+from outbox_bridge.runtime.waiters import Waiters
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, ShardRef
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,6 @@ HANGUP = (
     if hasattr(select, "poll")
     else 0
 )
-# Payload bytes (as stored) one round reads at most (at least one group, however large).
-ROUND_MAX_BYTES = 64 * 2**20
 
 
 class Undeleted:
@@ -78,7 +78,7 @@ class Undeleted:
         self.groups = 0  # changed on the event loop only
         self._unreported = 0
         self._lock = threading.Lock()
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters = Waiters(lambda: self.limit - self.groups - self._unreported)
 
     def ahead(self) -> bool:
         """Whether deletes should catch up first (also asked from handler threads)."""
@@ -94,27 +94,11 @@ class Undeleted:
     def done(self, groups: int) -> None:
         """``groups`` were deleted, or will never be deleted by their round (they run again)."""
         self.groups -= groups
-        self._wake()
-
-    def _wake(self) -> None:
-        room = self.limit - self.groups - self._unreported
-        while room > 0 and self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                room -= 1
+        self._waiters.wake()
 
     async def room(self) -> None:
         """Return once the rounds may take a further group."""
-        while self.ahead():
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # woken, then cancelled: the room goes to the next waiter
-                raise
+        await self._waiters.until(lambda: not self.ahead())
 
 
 @dataclass
@@ -200,6 +184,7 @@ class LockedShards:
         self._flusher: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self.undeleted = undeleted or Undeleted()
+        self.payload_bytes = 0  # taken from the worker's payload budget by this round
 
     async def attach(self) -> None:
         raw = await self.conn.get_raw_connection()
@@ -491,13 +476,15 @@ class DrainEngine:
         app: OutboxApp,
         *,
         calls: HandlerCalls,
-        max_round_bytes: int = ROUND_MAX_BYTES,
+        max_round_bytes: int = PAYLOAD_BUDGET_BYTES,
         max_undeleted_groups: int | None = None,
     ) -> None:
         self.engine = engine
         self.app = app
         self.calls = calls
+        # Payload bytes one round reads, and all the rounds of this worker hold, at most.
         self.max_round_bytes = max_round_bytes
+        self._payloads = PayloadBudget(max_round_bytes)
         self._running: dict[str, int] = {}
         # By default the work in flight bounds the repeats: as many as the calls under way.
         self._undeleted = Undeleted(max_undeleted_groups or calls.at_once)
@@ -553,6 +540,9 @@ class DrainEngine:
                 batch.unlock(shard)
             await batch.flush()
         finally:
+            if batch is not None:
+                self._payloads.give(batch.payload_bytes)
+                batch.payload_bytes = 0
             await self._close(conn, batch)
             if recover and batch is not None and batch.unwritten:
                 await self._delete_unwritten(batch)
@@ -638,6 +628,8 @@ class DrainEngine:
             skip_paused=skip_paused,
             with_trace_context=BatchObserver.tracing(),
             max_bytes=self.max_round_bytes,
+            max_payload_bytes=self.calls.max_payload_bytes,
+            reserve=functools.partial(self._reserve, batch),
         )
         heads: list[ShardHead] = []
 
@@ -647,6 +639,15 @@ class DrainEngine:
         for shard, exc in (await batch.apart(read_into, list(batch.locked))).items():
             heads.append(await self._unreadable(batch, shard, exc))
         return heads
+
+    async def _reserve(self, batch: LockedShards, size: int) -> None:
+        """Take ``size`` payload bytes for ``batch``'s round, waiting for room the first time;
+        then count what it read instead."""
+        if batch.payload_bytes:
+            self._payloads.add(size)
+        else:
+            await self._payloads.take(size)
+        batch.payload_bytes += size
 
     async def _unreadable(
         self, batch: LockedShards, shard: ShardRef, exc: BaseException
@@ -823,16 +824,21 @@ async def read_shard_heads(
     *,
     max_groups: int,
     skip_held: bool,
+    max_payload_bytes: int,
     skip_paused: bool = False,
     with_trace_context: bool = False,
     deferred_as_due: bool = False,
     max_bytes: int | None = None,
+    reserve: Callable[[int], Awaitable[None]] | None = None,
 ) -> list[ShardHead]:
     """The head groups of each of ``shards`` (at most ``max_groups`` each) and their newest
     rows, in a few statements for all of them: the windows, the groups' tails past a full
     window, then the rows. ``deferred_as_due`` (``drain_outbox(run_deferred=True)``) counts
     rows not yet due as due in the windows; ``max_bytes`` keeps each shard's prefix of groups
-    whose newest rows fit that many payload bytes in all."""
+    whose newest rows fit that many payload bytes in all (their JSON text). A payload over
+    ``max_payload_bytes`` is never read (its row comes without it, and its call fails), and
+    its shard's later groups wait for a later round. ``reserve(bytes)`` is awaited before the
+    rows are read, with what they may hold (given back, when negative, once they are read)."""
     window = max(2 * max_groups, 16)
     windows = await execute(
         lambda conn: read_windows(
@@ -865,22 +871,38 @@ async def read_shard_heads(
             if deferred is not None:
                 head.more = True  # the rows up to the barrier come first
     newest = [group.last_id for head in heads for group in head.groups]
+    # Without sizes (a lone group), what its payload may take at most, until it is read.
+    expected = max_payload_bytes * len(newest)
     if max_bytes is not None and len(newest) > 1:
         sizes = await execute(lambda conn: read_payload_sizes(conn, table, newest))
-        if _keep_within(heads, sizes, max_bytes):
+        if _keep_within(heads, sizes, max_bytes, max_payload_bytes):
             newest = [group.last_id for head in heads for group in head.groups]
+        expected = sum(size for i in newest if (size := sizes.get(i, 0)) <= max_payload_bytes)
+    if reserve is not None:
+        await reserve(expected)
     rows = await execute(
-        lambda conn: read_rows(conn, table, newest, with_trace_context=with_trace_context)
+        lambda conn: read_rows(
+            conn,
+            table,
+            newest,
+            with_trace_context=with_trace_context,
+            max_payload_bytes=max_payload_bytes,
+        )
     )
+    if reserve is not None:
+        await reserve(sum(len(row.payload or "") for row in rows.values()) - expected)
     for head in heads:
         head.rows = {g.last_id: rows[g.last_id] for g in head.groups if g.last_id in rows}
     return heads
 
 
-def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int) -> bool:
+def _keep_within(
+    heads: Sequence[ShardHead], sizes: dict[int, int], budget: int, limit: int
+) -> bool:
     """Keep, of each shard's groups, the prefix whose newest rows' payloads (``sizes``, by row
     id) fit ``budget`` bytes in all, every shard's first group before any shard's second; at
-    least one group. True if any group was left for a later round."""
+    least one group. A payload over ``limit`` is not read (it costs nothing) and ends its
+    shard's prefix: its call fails. True if any group was left for a later round."""
     kept = [0] * len(heads)
     used = taken = 0
     open_ = [index for index, head in enumerate(heads) if head.groups]
@@ -890,12 +912,15 @@ def _keep_within(heads: Sequence[ShardHead], sizes: dict[int, int], budget: int)
         for index in open_:
             groups = heads[index].groups
             size = sizes.get(groups[level].last_id, 0)
-            if taken and used + size > budget:
+            unread = size > limit
+            if unread:
+                size = 0
+            elif taken and used + size > budget:
                 continue  # this shard stops here
             used += size
             taken += 1
             kept[index] += 1
-            if level + 1 < len(groups):
+            if level + 1 < len(groups) and not unread:
                 still.append(index)
         open_ = still
         level += 1

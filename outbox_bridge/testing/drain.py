@@ -131,6 +131,7 @@ class _Drain:
                 [ref],
                 max_groups=MAX_GROUPS,
                 skip_held=False,
+                max_payload_bytes=self.calls.max_payload_bytes,
                 deferred_as_due=self.run_deferred,
             )
             if not heads:

@@ -236,13 +236,27 @@ async def test_a_pause_by_update_records_its_sender_beside_by(servers, engine) -
         assert (pause.paused_by, pause.paused_via) == ("bob", "temporal:ann-laptop")
         async with engine.connect() as conn:
             stored = (
-                await conn.execute(text(f"SELECT paused_by, paused_via FROM {table}_pauses"))
+                await conn.execute(
+                    text(
+                        f"SELECT paused_by, paused_via, paused_role, session_user FROM {table}_pauses"
+                    )
+                )
             ).one()
-        assert tuple(stored) == ("bob", "temporal:ann-laptop")
+        assert tuple(stored) == (
+            "bob",
+            "temporal:ann-laptop",
+            stored.session_user,
+            stored.session_user,
+        )
         code, out, err = await cli(servers, table, "pauses", env=WIDE)
         assert code == 0, err
         [row] = [line for line in out.splitlines() if "PROJECT_UPDATE" in line]
-        assert [cell.strip() for cell in row.split("│")[5:7]] == ["bob", "temporal:ann-laptop"]
+        # by, the role PostgreSQL authenticated (the worker's, which wrote the row), via
+        assert [cell.strip() for cell in row.split("│")[5:8]] == [
+            "bob",
+            stored.session_user,
+            "temporal:ann-laptop",
+        ]
         assert "**Paused** category PROJECT_UPDATE (2) by bob (via temporal:ann-laptop)" in (
             await current_details(control)
         )

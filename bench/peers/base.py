@@ -61,6 +61,9 @@ class Peer(ABC):
     coalescing: ClassVar[bool] = False  # whether a call may answer for older rows of its group
     coroutines: ClassVar[bool]  # whether its worker runs ``async def`` handlers
     needs_temporal: ClassVar[bool] = False
+    # The processes its worker side is made of, each started with its role (a relay and a
+    # worker, say); all run until SIGTERM, and their CPU is counted together.
+    roles: ClassVar[tuple[str, ...]] = ("worker",)
     setting: ClassVar[str]  # how it is configured for order per key (or why it is not)
 
     def missing(self) -> str | None:
@@ -95,8 +98,8 @@ class Peer(ABC):
         """A producer on one connection: each call enqueues its rows in one transaction."""
 
     @abstractmethod
-    def serve(self, spec: RunSpec) -> None:
-        """Run the system's worker in this process until SIGTERM, every job calling
+    def serve(self, spec: RunSpec, role: str) -> None:
+        """Run the system's process ``role`` (one of ``roles``) until SIGTERM; every job calls
         :func:`bench.peers.calls.handle` (or ``handle_async``) with its row."""
 
 

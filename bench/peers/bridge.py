@@ -70,7 +70,7 @@ class OutboxBridge(Peer):
 
             yield insert
 
-    def serve(self, spec: RunSpec) -> None:
+    def serve(self, spec: RunSpec, role: str) -> None:
         asyncio.run(_serve(spec))
 
 

@@ -48,6 +48,13 @@ def parser() -> argparse.ArgumentParser:
         default=50,
         help="calls at once a system's worker may make, where it has such a setting",
     )
+    parser.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        help="seconds a system may take to drain a workload before it is stopped and reported "
+        "as capped (default: each workload's own, 60 to 300 s)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument(
         "--work-dir",
@@ -96,6 +103,7 @@ def new_report(peers: list[str], workloads: list[str], args: argparse.Namespace)
         "kind": "peers",
         "scale": args.scale,
         "concurrency": args.concurrency,
+        "cap_s": args.cap,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} cores, {platform.python_implementation()} "
         f"{platform.python_version()}, load average at start {loadavg()}",
@@ -121,6 +129,7 @@ async def run(peers: list[str], workloads: list[str], args: argparse.Namespace) 
                 base_dir=base,
                 admin_url=url,
                 postgres=None if given else postgres_root(base / "postgres"),
+                cap=args.cap,
             )
             for workload in workloads:
                 for name in peers:

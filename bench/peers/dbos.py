@@ -73,7 +73,7 @@ class Dbos(Peer):
             client.destroy()
             engine.dispose()
 
-    def serve(self, spec: RunSpec) -> None:
+    def serve(self, spec: RunSpec, role: str) -> None:
         from dbos import DBOS
 
         DBOS(config={"name": f"peers-{spec.name}", "system_database_url": _url(spec)})

@@ -26,5 +26,5 @@ class Oban(Peer):
     def producer(self, spec: RunSpec) -> contextlib.AbstractContextManager[Enqueue]:
         raise NotImplementedError(self.setting)
 
-    def serve(self, spec: RunSpec) -> None:
+    def serve(self, spec: RunSpec, role: str) -> None:
         raise NotImplementedError(self.setting)

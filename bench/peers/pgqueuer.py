@@ -74,7 +74,7 @@ class PgQueuer(Peer):
             loop.run_until_complete(conn.close())
             loop.close()
 
-    def serve(self, spec: RunSpec) -> None:
+    def serve(self, spec: RunSpec, role: str) -> None:
         asyncio.run(_serve(spec))
 
 

@@ -83,7 +83,7 @@ class Procrastinate(Peer):
             loop.run_until_complete(app.connector.close_async())
             loop.close()
 
-    def serve(self, spec: RunSpec) -> None:
+    def serve(self, spec: RunSpec, role: str) -> None:
         async def work() -> None:
             app = _app(spec)
             async with app.open_async():

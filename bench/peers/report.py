@@ -16,7 +16,7 @@ COLUMNS = [
     ("cpu_workers", "worker CPU s/1k", "{:.2f}"),
     ("cpu_postgres", "PG CPU s/1k", "{:.2f}"),
     ("cpu_temporal", "Temporal CPU s/1k", "{:.2f}"),
-    ("statements_per_row", "stmts/row", "{:.1f}"),
+    ("statements_per_row", "stmts/row", "{:.2f}"),
     ("transactions_per_row", "xacts/row", "{:.2f}"),
     ("calls_per_row", "calls/row", "{:.3f}"),
     ("lost", "lost", "{:,}"),

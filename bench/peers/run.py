@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class Options:
     base_dir: Path
     admin_url: str
     postgres: psutil.Process | None = None  # the postmaster, for its CPU
+    cap: float | None = None  # seconds a drain may take (None: the workload's own)
     keep_databases: bool = False
 
 
@@ -59,6 +61,7 @@ class Drain:
     last_end: float | None = None
     cpu: dict[str, float | None] = field(default_factory=dict)
     stderr: str = ""
+    writer: subprocess.Popen[str] | None = None  # the latency writer, once started
 
 
 def _command(peer: str, log_dir: Path, *args: str) -> list[str]:
@@ -84,7 +87,7 @@ class StepFailed(RuntimeError):
 def _process(peer: str, log_dir: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
     """A process of the system's (in a session of its own), stopped at the end: SIGTERM to
     its group, SIGKILL after ``STOP_TIMEOUT``."""
-    stderr = (log_dir / f"{args[0]}.stderr").open("w")
+    stderr = (log_dir / f"{'-'.join(args[:2])}.stderr").open("w")
     process = subprocess.Popen(
         _command(peer, log_dir, *args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
         text=True, start_new_session=True,
@@ -137,6 +140,8 @@ async def measure(name: str, workload: PeerWorkload, options: Options) -> dict[s
                 "postgres": options.postgres,
                 "temporal": pid_process(embedded.pid_file) if embedded else None,
             }
+            if options.cap is not None:
+                workload = dataclasses.replace(workload, share=options.cap)
             entry.update(await _run(name, peer, workload, spec, rows, has_statements, roots))
         except (StepFailed, subprocess.TimeoutExpired) as exc:
             entry.update(status="crashed", reason=str(exc)[-2000:])
@@ -169,8 +174,22 @@ async def _run(
     counts = await asyncio.to_thread(statements.read)
     verdict = check(rows, drain.calls, coalescing=peer.coalescing)
     commits = read_commits(log_dir) if committed is None else {}
+    commits.pop(rows[0].seq, None)  # written alone, to know the workers were up: not timed
     figures.update(_figures(rows, drain, verdict, commits, committed, counts))
     return figures
+
+
+def _stopped(
+    workers: Iterable[subprocess.Popen[str]], drain: Drain, elapsed: float, overdue: bool
+) -> str | None:
+    """Why a drain stops before its rows are done, if it must."""
+    if any(worker.poll() is not None for worker in workers):
+        return "crashed"
+    if not drain.calls and elapsed > FIRST_CALL_TIMEOUT:
+        return "hung"
+    if overdue:
+        return "capped"
+    return None
 
 
 def _figures(
@@ -227,21 +246,25 @@ async def _drain(
     rows: list[Row],
     roots: dict[str, psutil.Process | None],
 ) -> Drain:
-    """Run the system's worker until every row is covered or the run's time is up."""
+    """Run the system's worker processes until every row is covered or the run's time is up.
+    With a rate, rows are written while they run: the first alone, once it is handled (the
+    workers are up) the others at the rate."""
     log_dir = Path(spec.log_dir)
     drain = Drain()
     reader = CallReader(log_dir)
     coverage = Coverage(rows, coalescing=peer.coalescing)
-    with _process(name, log_dir, "serve") as worker, contextlib.ExitStack() as stack:
-        # From the worker's start (its start-up included) to the last row.
-        meter = CpuMeter({"workers": psutil.Process(worker.pid), **roots}).start()
+    with contextlib.ExitStack() as stack:
+        workers = {
+            role: stack.enter_context(_process(name, log_dir, "serve", role)) for role in peer.roles
+        }
+        # From the workers' start (their start-up included) to the last row.
+        processes = {f"role:{role}": psutil.Process(p.pid) for role, p in workers.items()}
+        meter = CpuMeter({**processes, **roots}).start()
         began = time.monotonic()
+        deadline = began + workload.share
         if workload.rate is not None:
-            stack.enter_context(_process(name, log_dir, "write", str(workload.rate)))
-            writing = len(rows) / workload.rate
-            deadline = began + writing + workload.share
-        else:
-            deadline = began + workload.share
+            await asyncio.to_thread(_step, name, log_dir, "write", str(workload.rate), "0", "1")
+            deadline = began + FIRST_CALL_TIMEOUT
         while True:
             new = reader.new_calls()
             drain.calls += new
@@ -252,20 +275,23 @@ async def _drain(
             if coverage.complete():
                 break
             now = time.monotonic()
-            if worker.poll() is not None:
-                drain.status = "crashed"
-                break
-            if not drain.calls and now - began > FIRST_CALL_TIMEOUT:
-                drain.status = "hung"
-                break
-            if now > deadline:
-                drain.status = "capped"
+            if workload.rate is not None and coverage.covered and drain.writer is None:
+                arguments = ("write", str(workload.rate), "1", str(len(rows)))
+                drain.writer = stack.enter_context(_process(name, log_dir, *arguments))
+                deadline = now + (len(rows) - 1) / workload.rate + workload.share
+            status = _stopped(workers.values(), drain, now - began, now > deadline)
+            if status:
+                drain.status = status
                 break
             await asyncio.sleep(POLL)
-        drain.cpu = meter.stop()
+        cpu = meter.stop()
+        workers_cpu = [v for k, v in cpu.items() if k.startswith("role:") and v is not None]
+        drain.cpu = {"workers": round(sum(workers_cpu), 2), **{k: cpu[k] for k in roots}}
         if drain.status == "capped" and drain.first_start is not None:
             drain.last_end = time.time()
     drain.calls += reader.new_calls()
-    drain.stderr = (log_dir / "serve.stderr").read_text()[-1500:]
+    drain.stderr = "".join(
+        (log_dir / f"serve-{role}.stderr").read_text()[-1500:] for role in peer.roles
+    )
     say(name, f"{workload.name}: {drain.status}, {coverage.covered:,} of {len(rows):,} rows")
     return drain

@@ -3,9 +3,10 @@ COMMAND``, the run's :class:`~bench.peers.base.RunSpec` in ``LOG_DIR``.
 
 - ``schema``: the system creates its tables;
 - ``enqueue``: every row of ``rows.json`` in one transaction;
-- ``write RATE``: the rows of ``rows.json`` one transaction each at RATE rows/s, the wall time
-  at which each commit returned appended to ``commits.tsv`` (for commit → handler latency);
-- ``serve``: the system's worker, until SIGTERM.
+- ``write RATE START STOP``: the rows ``[START:STOP]`` of ``rows.json``, one transaction each at
+  RATE rows/s, the wall time at which each commit returned appended to ``commits.tsv`` (for
+  commit → handler latency);
+- ``serve ROLE``: one of the system's worker processes, until SIGTERM.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def read_commits(log_dir: Path) -> dict[int, float]:
     return {int(seq): float(moment) for seq, moment in pairs}
 
 
-def _write(peer_name: str, spec: RunSpec, rate: float) -> None:
-    rows = read_rows(Path(spec.log_dir))
+def _write(peer_name: str, spec: RunSpec, rate: float, start: int, stop: int) -> None:
+    rows = read_rows(Path(spec.log_dir))[start:stop]
     with (
         load(peer_name).producer(spec) as enqueue,
         (Path(spec.log_dir) / COMMITS_FILE).open("a", buffering=1) as commits,
@@ -68,9 +69,9 @@ def main(argv: list[str]) -> None:
         with peer.producer(spec) as enqueue:
             enqueue(read_rows(Path(log_dir)))
     elif command == "write":
-        _write(peer_name, spec, float(rest[0]))
+        _write(peer_name, spec, float(rest[0]), int(rest[1]), int(rest[2]))
     elif command == "serve":
-        peer.serve(spec)
+        peer.serve(spec, rest[0])
     else:
         raise SystemExit(f"unknown command {command!r}")
 

@@ -22,7 +22,8 @@ PEERS = {
 }
 
 
-def load(name: str) -> Peer:
+def load(name: str, interpreter: str | None = None) -> Peer:
+    """The system ``name``, its processes run by ``interpreter`` (default: this Python)."""
     module, _, cls = PEERS[name].partition(":")
-    peer: Peer = getattr(importlib.import_module(module), cls)()
+    peer: Peer = getattr(importlib.import_module(module), cls)(interpreter)
     return peer

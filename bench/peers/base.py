@@ -14,6 +14,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import subprocess
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from typing import Any, ClassVar
 
 from bench.peers.checker import Row
 
+ROOT = Path(__file__).resolve().parents[2]
 SPEC_FILE = "spec.json"
 # Enqueues one transaction of rows.
 Enqueue = Callable[[Sequence[Row]], None]
@@ -66,19 +68,45 @@ class Peer(ABC):
     roles: ClassVar[tuple[str, ...]] = ("worker",)
     setting: ClassVar[str]  # how it is configured for order per key (or why it is not)
 
+    def __init__(self, interpreter: str | None = None) -> None:
+        # The Python its processes run on: this one, or one with the system installed.
+        self.interpreter = interpreter or sys.executable
+
     def missing(self) -> str | None:
         """Why the system cannot run here (None when it can)."""
-        if sys.version_info[:2] < self.python:
+        found = self._probe()
+        version = tuple(found.pop("python"))
+        if version < self.python:
             wanted = ".".join(map(str, self.python))
-            return f"needs Python >= {wanted} (this is {sys.version.split()[0]})"
-        absent = [d for d in self.distributions if not _installed(d)]
-        if absent or importlib.util.find_spec(self.module) is None:
-            names = ", ".join(absent or [self.module])
-            return f"not installed ({names}): pip install -e '.[bench]'"
+            where = "" if self.interpreter == sys.executable else f" {self.interpreter}"
+            return (
+                f"needs Python >= {wanted} (this{where} is {'.'.join(map(str, version))}): "
+                f"give one where it is installed with --interpreter {self.name}=PATH"
+            )
+        absent = [d for d in self.distributions if d not in found] + found.get("no_module", [])
+        if absent:
+            return f"not installed ({', '.join(absent)}): pip install -e '.[bench]'"
         return None
 
     def versions(self) -> dict[str, str]:
-        return {d: importlib.metadata.version(d) for d in self.distributions if _installed(d)}
+        found = self._probe()
+        return {d: str(found[d]) for d in self.distributions if d in found}
+
+    def _probe(self) -> dict[str, Any]:
+        """The interpreter's version and the system's distributions' versions, asked of the
+        interpreter itself when it is not this one."""
+        if self.interpreter == sys.executable:
+            return _probe(self.distributions, self.module)
+        script = (
+            "import json, sys; from bench.peers.base import _probe; "
+            f"print(json.dumps(_probe({list(self.distributions)!r}, {self.module!r})))"
+        )
+        done = subprocess.run(
+            [self.interpreter, "-c", script], cwd=ROOT, capture_output=True, text=True,
+            timeout=60, check=True,
+        )  # fmt: skip
+        found: dict[str, Any] = json.loads(done.stdout)
+        return found
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -103,12 +131,16 @@ class Peer(ABC):
         :func:`bench.peers.calls.handle` (or ``handle_async``) with its row."""
 
 
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+def _probe(distributions: Sequence[str], module: str) -> dict[str, Any]:
+    """This Python's version, the versions of ``distributions`` installed, and ``module``
+    under ``no_module`` if it does not import."""
+    found: dict[str, Any] = {"python": list(sys.version_info[:2])}
+    for distribution in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[distribution] = importlib.metadata.version(distribution)
+    if importlib.util.find_spec(module) is None:
+        found["no_module"] = [module]
+    return found
 
 
 @contextlib.contextmanager

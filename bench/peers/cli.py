@@ -55,6 +55,14 @@ def parser() -> argparse.ArgumentParser:
         help="seconds a system may take to drain a workload before it is stopped and reported "
         "as capped (default: each workload's own, 60 to 300 s)",
     )
+    parser.add_argument(
+        "--interpreter",
+        action="append",
+        default=[],
+        metavar="SYSTEM=PYTHON",
+        help="run SYSTEM's processes on PYTHON, an environment with the system installed (Oban "
+        "needs Python 3.12); it imports bench/ from this repository",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument(
         "--work-dir",
@@ -76,14 +84,18 @@ def parse(argv: list[str]) -> tuple[list[str], list[str], argparse.Namespace]:
         p.error(f"unknown peers or workloads: {', '.join(unknown)}")
     if args.scale <= 0 or args.concurrency < 1:
         p.error("--scale must be positive and --concurrency at least 1")
+    pairs = [item.partition("=") for item in args.interpreter]
+    if any(not sep or name not in PEERS or not path for name, sep, path in pairs):
+        p.error(f"--interpreter takes SYSTEM=PYTHON, SYSTEM one of: {', '.join(PEERS)}")
+    args.interpreter = {name: path for name, _, path in pairs}
     return peers, workloads, args
 
 
-def systems(peers: list[str]) -> dict[str, dict[str, Any]]:
+def systems(peers: list[str], interpreters: dict[str, str]) -> dict[str, dict[str, Any]]:
     """What each system is and how it is set up, or why it cannot run here."""
     described = {}
     for name in peers:
-        peer = load(name)
+        peer = load(name, interpreters.get(name))
         reason = peer.missing()
         described[name] = {**peer.describe(), **({"reason": reason} if reason else {})}
         if not reason:
@@ -108,7 +120,7 @@ def new_report(peers: list[str], workloads: list[str], args: argparse.Namespace)
         "machine": f"{os.cpu_count()} cores, {platform.python_implementation()} "
         f"{platform.python_version()}, load average at start {loadavg()}",
         "statements_source": f"{PRELOAD} (top-level statements) and pg_stat_database",
-        "systems": systems(peers),
+        "systems": systems(peers, args.interpreter),
         "workloads": {
             w: {"name": w, "summary": WORKLOADS[w].summary, "entries": []} for w in workloads
         },
@@ -130,6 +142,7 @@ async def run(peers: list[str], workloads: list[str], args: argparse.Namespace) 
                 admin_url=url,
                 postgres=None if given else postgres_root(base / "postgres"),
                 cap=args.cap,
+                interpreters=args.interpreter,
             )
             for workload in workloads:
                 for name in peers:

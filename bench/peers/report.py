@@ -10,6 +10,7 @@ from typing import Any
 COLUMNS = [
     ("peer", "system", "{}"),
     ("status", "run", "{}"),
+    ("rows_done", "rows done", "{:,}"),
     ("rows_per_s", "rows/s", "{:,.0f}"),
     ("p50_ms", "p50 ms", "{:,.0f}"),
     ("p99_ms", "p99 ms", "{:,.0f}"),

@@ -12,7 +12,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ class Options:
     admin_url: str
     postgres: psutil.Process | None = None  # the postmaster, for its CPU
     cap: float | None = None  # seconds a drain may take (None: the workload's own)
+    interpreters: dict[str, str] = field(default_factory=dict)  # system → its Python
     keep_databases: bool = False
 
 
@@ -64,18 +64,20 @@ class Drain:
     writer: subprocess.Popen[str] | None = None  # the latency writer, once started
 
 
-def _command(peer: str, log_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "bench.peers.worker", peer, str(log_dir), *args]
+def _command(peer: Peer, log_dir: Path, *args: str) -> list[str]:
+    return [peer.interpreter, "-m", "bench.peers.worker", peer.name, str(log_dir), *args]
 
 
-def _step(peer: str, log_dir: Path, *args: str, timeout: float = STEP_TIMEOUT) -> float:
+def _step(peer: Peer, log_dir: Path, *args: str, timeout: float = STEP_TIMEOUT) -> float:
     """Run one step of a system to its end; returns its seconds."""
     began = time.monotonic()
     done = subprocess.run(
         _command(peer, log_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     if done.returncode != 0:
-        raise StepFailed(f"{peer} {args[0]} exited with {done.returncode}: {done.stderr[-2000:]}")
+        raise StepFailed(
+            f"{peer.name} {args[0]} exited with {done.returncode}: {done.stderr[-2000:]}"
+        )
     return time.monotonic() - began
 
 
@@ -84,7 +86,7 @@ class StepFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def _process(peer: str, log_dir: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+def _process(peer: Peer, log_dir: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
     """A process of the system's (in a session of its own), stopped at the end: SIGTERM to
     its group, SIGKILL after ``STOP_TIMEOUT``."""
     stderr = (log_dir / f"{'-'.join(args[:2])}.stderr").open("w")
@@ -117,7 +119,7 @@ async def _temporal(peer: Peer, base_dir: Path) -> AsyncIterator[tuple[str | Non
 
 async def measure(name: str, workload: PeerWorkload, options: Options) -> dict[str, Any]:
     """One system on one workload: its result entry."""
-    peer = load(name)
+    peer = load(name, options.interpreters.get(name))
     entry: dict[str, Any] = {"peer": name, **peer.describe()}
     reason = peer.missing()
     if reason:
@@ -142,7 +144,7 @@ async def measure(name: str, workload: PeerWorkload, options: Options) -> dict[s
             }
             if options.cap is not None:
                 workload = dataclasses.replace(workload, share=options.cap)
-            entry.update(await _run(name, peer, workload, spec, rows, has_statements, roots))
+            entry.update(await _run(peer, workload, spec, rows, has_statements, roots))
         except (StepFailed, subprocess.TimeoutExpired) as exc:
             entry.update(status="crashed", reason=str(exc)[-2000:])
     entry["failing_groups"] = len(failing)
@@ -152,7 +154,6 @@ async def measure(name: str, workload: PeerWorkload, options: Options) -> dict[s
 
 
 async def _run(
-    name: str,
     peer: Peer,
     workload: PeerWorkload,
     spec: RunSpec,
@@ -162,20 +163,22 @@ async def _run(
 ) -> dict[str, Any]:
     log_dir = Path(spec.log_dir)
     figures: dict[str, Any] = {}
-    figures["schema_s"] = round(await asyncio.to_thread(_step, name, log_dir, "schema"), 2)
+    figures["schema_s"] = round(await asyncio.to_thread(_step, peer, log_dir, "schema"), 2)
     committed: float | None = None
     if workload.rate is None:
-        figures["enqueue_s"] = round(await asyncio.to_thread(_step, name, log_dir, "enqueue"), 2)
+        figures["enqueue_s"] = round(await asyncio.to_thread(_step, peer, log_dir, "enqueue"), 2)
         committed = time.time()
     statements = Statements(spec.database_url, statements=has_statements)
     await asyncio.to_thread(statements.reset)
-    drain = await _drain(name, peer, workload, spec, rows, roots)
+    drain = await _drain(peer, workload, spec, rows, roots)
     await asyncio.sleep(1.5)  # pg_stat_database: every backend has flushed its counts
     counts = await asyncio.to_thread(statements.read)
     verdict = check(rows, drain.calls, coalescing=peer.coalescing)
     commits = read_commits(log_dir) if committed is None else {}
     commits.pop(rows[0].seq, None)  # written alone, to know the workers were up: not timed
     figures.update(_figures(rows, drain, verdict, commits, committed, counts))
+    if drain.status != "completed":  # rows not handled when the run stopped are not lost
+        figures["check"]["unhandled_at_stop"] = figures["check"].pop("lost")
     return figures
 
 
@@ -239,7 +242,6 @@ def _percentile(values: list[float], p: float) -> float:
 
 
 async def _drain(
-    name: str,
     peer: Peer,
     workload: PeerWorkload,
     spec: RunSpec,
@@ -255,7 +257,7 @@ async def _drain(
     coverage = Coverage(rows, coalescing=peer.coalescing)
     with contextlib.ExitStack() as stack:
         workers = {
-            role: stack.enter_context(_process(name, log_dir, "serve", role)) for role in peer.roles
+            role: stack.enter_context(_process(peer, log_dir, "serve", role)) for role in peer.roles
         }
         # From the workers' start (their start-up included) to the last row.
         processes = {f"role:{role}": psutil.Process(p.pid) for role, p in workers.items()}
@@ -263,7 +265,7 @@ async def _drain(
         began = time.monotonic()
         deadline = began + workload.share
         if workload.rate is not None:
-            await asyncio.to_thread(_step, name, log_dir, "write", str(workload.rate), "0", "1")
+            await asyncio.to_thread(_step, peer, log_dir, "write", str(workload.rate), "0", "1")
             deadline = began + FIRST_CALL_TIMEOUT
         while True:
             new = reader.new_calls()
@@ -277,7 +279,7 @@ async def _drain(
             now = time.monotonic()
             if workload.rate is not None and coverage.covered and drain.writer is None:
                 arguments = ("write", str(workload.rate), "1", str(len(rows)))
-                drain.writer = stack.enter_context(_process(name, log_dir, *arguments))
+                drain.writer = stack.enter_context(_process(peer, log_dir, *arguments))
                 deadline = now + (len(rows) - 1) / workload.rate + workload.share
             status = _stopped(workers.values(), drain, now - began, now > deadline)
             if status:
@@ -293,5 +295,5 @@ async def _drain(
     drain.stderr = "".join(
         (log_dir / f"serve-{role}.stderr").read_text()[-1500:] for role in peer.roles
     )
-    say(name, f"{workload.name}: {drain.status}, {coverage.covered:,} of {len(rows):,} rows")
+    say(peer.name, f"{workload.name}: {drain.status}, {coverage.covered:,} of {len(rows):,} rows")
     return drain

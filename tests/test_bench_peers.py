@@ -1,6 +1,6 @@
 """``python -m bench peers`` without the other systems installed: the one checker on made-up
-call logs, the command's parsing, how it names a system that cannot run, and the report it
-renders (tables, JSON, chart)."""
+call logs, the command's parsing, how it names a system that cannot run, the report it renders
+(tables, JSON, chart), and one run of outbox-bridge through it on the session's servers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ from bench.peers import PEERS, cli, load, report
 from bench.peers.base import Peer, RunSpec
 from bench.peers.calls import Call, CallReader
 from bench.peers.checker import Row, check
+from bench.peers.database import libpq
 from bench.peers.progress import Coverage
+from bench.peers.run import Options, measure
+from bench.peers.workloads import WORKLOADS
+from tests.harness import Servers
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -193,3 +197,27 @@ def test_the_report_renders_tables_json_and_a_chart(tmp_path: Path) -> None:
     if sys.version_info < (3, 12):
         assert "| oban | needs Python >= 3.12" in text
     assert report.chart(tmp_path, result).read_bytes().startswith(PNG_MAGIC)
+
+
+async def test_outbox_bridge_drains_through_the_peers_bench(servers: Servers, tmp_path: Path):
+    """The whole path of one run, for the system that needs nothing but this package: its own
+    database, schema, producer and worker processes, the calls logged and checked."""
+    options = Options(
+        scale=0.005,  # 500 rows over 5 keys, a few groups failing 3 times each
+        concurrency=5,
+        base_dir=tmp_path,
+        admin_url=libpq(servers.database_url),
+        temporal_address=servers.temporal_address,
+        cap=120.0,
+    )
+    entry = await measure("outbox-bridge", WORKLOADS["flaky"], options)
+    assert entry["status"] == "completed", entry
+    check = entry["check"]
+    assert (check["lost"], check["order_violations"], check["duplicates"]) == (0, 0, 0), check
+    assert check["overlaps"] == 0
+    assert entry["failing_groups"] > 0
+    assert check["failed_calls"] == 3 * entry["failing_groups"]
+    assert check["calls_per_row"] < 1  # coalesced: fewer calls than rows
+    assert entry["rows_done"] == entry["rows"] == 500
+    assert entry["rows_per_s"] > 0 and entry["cpu_s"]["workers"] > 0
+    assert entry["transactions_per_row"] > 0

@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m bench peers",
         description="The same outbox work through outbox-bridge and the systems a team could "
         "use instead, each configured for order per key where it offers it, on one embedded "
-        f"PostgreSQL (or OUTBOX_DATABASE_URL). The other systems install with: {INSTALL}",
+        f"PostgreSQL (or OUTBOX_DATABASE_URL; TEMPORAL_ADDRESS for outbox-bridge's Temporal). "
+        f"The other systems install with: {INSTALL}",
     )
     parser.add_argument(
         "--peers", default=",".join(PEERS), help=f"comma-separated, of: {', '.join(PEERS)}"
@@ -134,7 +135,8 @@ async def run(peers: list[str], workloads: list[str], args: argparse.Namespace) 
         say("peers", f"{name} will not run: {reason}")
     with _work_dir(args.work_dir) as base:
         given = os.environ.get("OUTBOX_DATABASE_URL")
-        with embedded(base / "postgres") if not given else _given(given) as url:
+        server = embedded(base / "postgres") if not given else contextlib.nullcontext(libpq(given))
+        with server as url:
             options = Options(
                 scale=args.scale,
                 concurrency=args.concurrency,
@@ -143,6 +145,7 @@ async def run(peers: list[str], workloads: list[str], args: argparse.Namespace) 
                 postgres=None if given else postgres_root(base / "postgres"),
                 cap=args.cap,
                 interpreters=args.interpreter,
+                temporal_address=os.environ.get("TEMPORAL_ADDRESS"),
             )
             for workload in workloads:
                 for name in peers:
@@ -168,19 +171,6 @@ def _work_dir(given: Path | None) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="outbox-peers-") as tmp:
         yield Path(tmp)
-
-
-class _given:
-    """A database given by URL: used as it is (its own statistics extensions or not)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = libpq(url)
-
-    def __enter__(self) -> str:
-        return self.url
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 def main(argv: list[str]) -> int:

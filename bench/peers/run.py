@@ -48,6 +48,7 @@ class Options:
     postgres: psutil.Process | None = None  # the postmaster, for its CPU
     cap: float | None = None  # seconds a drain may take (None: the workload's own)
     interpreters: dict[str, str] = field(default_factory=dict)  # system → its Python
+    temporal_address: str | None = None  # a Temporal server to use (else an embedded one)
     keep_databases: bool = False
 
 
@@ -109,11 +110,13 @@ def _process(peer: Peer, log_dir: Path, *args: str) -> Iterator[subprocess.Popen
 
 
 @contextlib.asynccontextmanager
-async def _temporal(peer: Peer, base_dir: Path) -> AsyncIterator[tuple[str | None, Any]]:
+async def _temporal(peer: Peer, options: Options) -> AsyncIterator[tuple[str | None, Any]]:
+    """The Temporal server of a system that needs one: the given one, or a fresh dev server on
+    its SQLite file (its CPU then counted)."""
     if not peer.needs_temporal:
         yield None, None
         return
-    async with temporal("file", base_dir, None) as server:
+    async with temporal("file", options.base_dir, options.temporal_address) as server:
         yield server.address, server.embedded
 
 
@@ -133,7 +136,7 @@ async def measure(name: str, workload: PeerWorkload, options: Options) -> dict[s
     failing = workload.failing(rows)
     write_rows(log_dir, rows)
     (log_dir / FAILING_FILE).write_text(json.dumps(failing))
-    async with _temporal(peer, options.base_dir) as (address, embedded):
+    async with _temporal(peer, options) as (address, embedded):
         spec = RunSpec(url, str(log_dir), database, workload.wait_seconds, options.concurrency,
                        address)  # fmt: skip
         spec.save()

@@ -2,7 +2,7 @@
 
 - ``backlog``: 100,000 rows over 1,000 keys, 20% of them coalescible (a pending duplicate of an
   earlier object), no-op handler;
-- ``io``: 10,000 rows over 1,000 keys, every call waits 50 ms (``asyncio.sleep``, or
+- ``io``: 10,000 rows at random over 1,000 keys, every call waits 50 ms (``asyncio.sleep``, or
   ``time.sleep`` where the system runs plain functions only);
 - ``latency``: 100 rows/s for 60 s over 1,000 keys, one transaction each, the workers running;
   p50/p99 from commit to handler start;
@@ -73,8 +73,8 @@ WORKLOADS: dict[str, PeerWorkload] = {
         ),
         PeerWorkload(
             "io",
-            "10,000 rows over 1,000 keys, every call waits 50 ms",
-            lambda s: distinct_rows(scaled(10_000, s), scaled(1_000, s)),
+            "10,000 rows at random over 1,000 keys, each its own group, every call waits 50 ms",
+            lambda s: backlog_rows(scaled(10_000, s), scaled(1_000, s), 0.0, seed=2),
             share=180.0,
             wait_seconds=IO_WAIT_SECONDS,
         ),

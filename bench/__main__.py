@@ -77,6 +77,11 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], BenchConfig]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["peers"]:
+        from bench.peers import cli
+
+        return cli.main(argv[1:])
     names, config = parse(argv)
     quiet_logs()
     corelog.install()

@@ -248,8 +248,8 @@ class OutboxSettings(BaseSettings):
         "module:attribute (an instance, or a class or function that makes one without "
         "arguments): the outbox's workflow inputs, signals, results and failures (messages and "
         "stack traces) go to Temporal encoded with it. Every outbox-bridge process of the app "
-        "needs the same one. Unset: plain JSON.",
-        json_schema_extra=_in(SettingGroup.TEMPORAL),
+        "needs the same one (the commands read it from the environment, like the TLS "
+        "settings). Unset: plain JSON.",
     )
     handler_threads: int = Field(
         64,

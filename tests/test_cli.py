@@ -218,6 +218,8 @@ def test_every_documented_env_var_is_read_and_flags_win(monkeypatch) -> None:
             raw, expected = "ORGANIZATION:42, USER:7", ["ORGANIZATION:42", "USER:7"]
         elif name == "shard_workflows":
             raw, expected = "on-demand", "on-demand"  # its only value; `always` is retired
+        elif name == "max_payload_bytes":
+            raw, expected = "2048", 2048  # at least 1 KiB
         elif name in ("temporal_tls_cert", "temporal_tls_key"):
             continue  # they go together; checked below
         with monkeypatch.context() as patch:

@@ -197,7 +197,7 @@ WORKER_ONLY = {
     name
     for name, field in OutboxSettings.model_fields.items()
     if name not in {"database_url", "data_dir", "temporal_address", "temporal_namespace"}
-    and name not in {"temporal_profile", "app", "demo", "task_queue", "payload_codec"}
+    and name not in {"temporal_profile", "app", "demo", "task_queue"}
 }
 
 

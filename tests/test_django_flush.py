@@ -156,7 +156,7 @@ def test_every_field_of_a_flush_report_is_json() -> None:
         "rows": 3,
     }
     assert blocked["error"] == {"error_type": "ValueError", "message": "no such project"}
-    assert skipped["skip"] == {"reason": "maintenance", "by": "ada", "at": None}
+    assert skipped["skip"] == {"reason": "maintenance", "by": "ada", "at": None, "via": None}
     assert json.loads(json.dumps(report.as_dict())) == answer  # plain json too
 
 

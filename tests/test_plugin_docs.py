@@ -18,7 +18,7 @@ from temporalio.client import Client
 
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
-from tests.support import ROOT, clean_env, worker_process
+from tests.support import ROOT, clean_env, run_python, worker_process
 
 PAGE = ROOT / "docs" / "how-to" / "plugin.md"
 
@@ -101,12 +101,15 @@ async def test_the_plugin_page_program_runs_the_outbox_in_the_teams_worker(
         OUTBOX_DATABASE_URL=servers.database_url,  # where the sample handlers record calls
         OUTBOX_TASK_QUEUE=f"outbox-docs-{uuid.uuid4().hex[:8]}",
     )
+    # As the page says: the tables first, by their owner; the plugin only checks them.
+    init = await run_python(
+        "-m", "outbox_bridge", "init-db", env={**env, "OUTBOX_APP": "tests.sample_app:app"}
+    )
+    assert init.code == 0, init.output
+    assert await table_exists(engine, table)
     async with worker_process(
         env=env, script=str(main), cwd=tmp_path, ready=lambda _: True, what="the program"
     ) as worker:
-        await wait_until(
-            lambda: table_exists(engine, table), timeout=120, what=f"the plugin's tables\n{worker}"
-        )
         rows = [(SampleScope.ORGANIZATION, 5, SampleCategory.PROJECT_UPDATE, n) for n in (1, 2)]
         rows.append((SampleScope.USER, 9, SampleCategory.USER_UPDATE, 3))
         async with engine.begin() as conn:

@@ -47,7 +47,7 @@ def scrub_credentials(text: str) -> str:
 
     A best effort on free text: a credential that no key names (a bare password in a sentence)
     is not recognised. Keep secrets out of messages, or keep messages out of Temporal (the
-    ``redact_errors`` setting) or encode them with your codec (``temporal_codec``)."""
+    ``redact_errors`` setting) or encode them with your codec (``payload_codec``)."""
     text = _URL_PASSWORD.sub(lambda m: m.group("head") + MASK, text)
     text = _PAIR.sub(_masked_pair, text)
     return _BEARER.sub(lambda m: m.group("head") + MASK, text)

@@ -131,6 +131,18 @@ class Recorder:
     def ids(self) -> list[int]:
         return [c.id for c in self.calls]
 
+    def fail_until_fixed(self, category: IntEnum) -> asyncio.Event:
+        """Make ``category``'s handler fail (a replica that is down) until the returned event
+        is set."""
+        fixed = asyncio.Event()
+
+        async def failing_until_fixed(message: OutboxMessage) -> None:
+            if not fixed.is_set():
+                raise ConnectionError("replica unavailable")
+
+        self.behaviour[int(category)] = failing_until_fixed
+        return fixed
+
 
 def coalesced_calls(
     written: Iterable[tuple[int, int, int, int]],

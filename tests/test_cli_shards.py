@@ -64,13 +64,7 @@ async def cli(
 
 async def test_status_skip_and_resume_from_the_command_line(servers, engine, client) -> None:
     recorder, table, app = await fresh_app(engine)
-    fixed = asyncio.Event()
-
-    async def failing_until_fixed(message: OutboxMessage) -> None:
-        if not fixed.is_set():
-            raise ConnectionError("replica unavailable")
-
-    recorder.behaviour[Category.PROJECT_UPDATE] = failing_until_fixed
+    fixed = recorder.fail_until_fixed(Category.PROJECT_UPDATE)
     [head] = await write_rows(
         engine,
         app,

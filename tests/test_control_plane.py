@@ -5,14 +5,12 @@ nothing, and the sender Temporal recorded is kept beside the declared ``by``."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from sqlalchemy import text
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 
-from outbox_bridge import OutboxMessage
 from outbox_bridge.workflows.models import (
     PartitionOptions,
     PartitionRef,
@@ -138,13 +136,7 @@ async def test_forged_shard_signals_change_nothing_and_skips_name_their_sender(
     servers, engine
 ) -> None:
     recorder, table, app = await fresh_app(engine)
-    fixed = asyncio.Event()
-
-    async def failing_until_fixed(message: OutboxMessage) -> None:
-        if not fixed.is_set():
-            raise ConnectionError("replica unavailable")
-
-    recorder.behaviour[Category.PROJECT_UPDATE] = failing_until_fixed
+    fixed = recorder.fail_until_fixed(Category.PROJECT_UPDATE)
     mallory = await as_someone(servers, "mallory")
     carol = await as_someone(servers, "carol-laptop")
     async with running_worker(servers, app, fast_settings()):

@@ -3,14 +3,12 @@ aside, the shard going on, the group kept and put back in its place."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import text
 
-from outbox_bridge import OutboxMessage
 from outbox_bridge.db.parked import park_head, read_parked, unpark
 from outbox_bridge.db.store import read_pending_up_to
 from outbox_bridge.testing import drain_outbox_async
@@ -44,13 +42,7 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
     servers, engine
 ) -> None:
     recorder, table, app = await fresh_app(engine)
-    fixed = asyncio.Event()
-
-    async def failing_until_fixed(message: OutboxMessage) -> None:
-        if not fixed.is_set():
-            raise ConnectionError("replica unavailable")
-
-    recorder.behaviour[Category.PROJECT_UPDATE] = failing_until_fixed
+    fixed = recorder.fail_until_fixed(Category.PROJECT_UPDATE)
     stuck, member, org = await write_rows(
         engine,
         app,

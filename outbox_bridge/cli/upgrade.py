@@ -15,6 +15,7 @@ from temporalio.service import RPCError
 
 from outbox_bridge.cli.commands import main
 from outbox_bridge.cli.connections import temporal_client
+from outbox_bridge.cli.failures import fail
 from outbox_bridge.cli.flags import build_settings, settings_options
 from outbox_bridge.config import SettingGroup
 from outbox_bridge.errors import OutboxError
@@ -78,14 +79,16 @@ async def _check(overrides: dict[str, Any], terminate: bool) -> list[OlderRun]:
 @settings_options(SettingGroup.TEMPORAL)
 def upgrade_check(terminate: bool, as_json: bool, **overrides: Any) -> None:
     """Find shard workflows started by an older generation of the workflow code, which this
-    version cannot run; exits 1 while any is left (after --terminate: 0).
+    version cannot run; exits 1 while any is left (after --terminate: 0), 2 when it cannot
+    look.
 
     Run it after the old workers stopped and before the new ones start (docs: Upgrade safely).
     """
     try:
         runs = asyncio.run(_check(overrides, terminate))
     except (OutboxError, RPCError) as exc:
-        raise click.ClickException(f"cannot check the shard workflows: {exc}") from None
+        # 2, not 1: a script tells "older runs left" from "could not look".
+        fail(f"cannot check the shard workflows: {exc}", code=2)
     if as_json:
         click.echo(json.dumps({"terminated": terminate, "runs": [asdict(r) for r in runs]}))
     elif not runs:

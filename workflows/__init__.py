@@ -1,5 +1,5 @@
-"""Temporal workflow definitions of outbox-bridge (the workflow is in ``workflows.shard``).
+"""Temporal workflow definitions of outbox-bridge, kept cheap to import: the sandbox re-imports
+them for every new run. Installed as ``outbox_bridge.workflows``, their only name."""
 
-Kept empty: every new workflow run re-imports its module in the sandbox, so this package must be
-cheap to import.
-"""
+if __name__ != "outbox_bridge.workflows":
+    raise ImportError(f"import outbox_bridge.workflows, not {__name__} (one name per module)")

@@ -72,7 +72,7 @@ LOCAL_DRAIN_ATTEMPTS = 3
 # How long one timer of a skipped shard lasts; when it fires, the shard waits on the next.
 SKIPPED_TIMER = timedelta(days=7)
 BACKOFF_COEFFICIENT = 2.0
-# Patches since the 1.0 baseline (docs: Upgrade safely).
+# Patches since the 1.0 baseline, deprecated in 1.0.0 (docs: Upgrade safely).
 CARRY_BACKOFF_FROM_NOW = "carry-backoff-from-now"
 # A run started by a deferred handover drains before it waits, to learn why the head waits.
 DRAIN_HANDED_DEFERRED = "drain-handed-deferred"
@@ -280,11 +280,9 @@ class OutboxShard:
             interval = min(interval * BACKOFF_COEFFICIENT, ceiling)
         r.attempts += attempts
         r.retry_interval_seconds = interval
-        next_attempt = self._blocked_at + timedelta(seconds=waited + interval)
-        if workflow.patched(CARRY_BACKOFF_FROM_NOW):
-            # The server's last attempt may be just behind us: a whole interval from now.
-            next_attempt = workflow.now() + timedelta(seconds=interval)
-        r.next_attempt_at = next_attempt.isoformat()
+        # The server's last attempt may be just behind us: a whole interval from now.
+        workflow.deprecate_patch(CARRY_BACKOFF_FROM_NOW)
+        r.next_attempt_at = (workflow.now() + timedelta(seconds=interval)).isoformat()
 
     async def _stay_skipped(self) -> None:
         r = self._r
@@ -444,9 +442,11 @@ class OutboxShard:
             r.pending = True
 
     def _drains_handed_deferral(self) -> bool:
-        """A run started by a deferred handover drains first. The patch is asked only then, in
-        the run's first activation (a later one may replay in another task)."""
-        return self._starting and workflow.patched(DRAIN_HANDED_DEFERRED)
+        """A run started by a deferred handover drains first. Its marker is recorded only then,
+        in the run's first activation (a later one may replay in another task)."""
+        if self._starting:
+            workflow.deprecate_patch(DRAIN_HANDED_DEFERRED)
+        return self._starting
 
     @workflow.signal
     def recheck(self, *args: Any) -> None:

@@ -2,7 +2,3 @@
 
 if __name__ != "outbox_bridge.activities":
     raise ImportError(f"import outbox_bridge.activities, not {__name__} (one name per module)")
-
-from outbox_bridge.activities.outbox import OutboxActivities
-
-__all__ = ["OutboxActivities"]

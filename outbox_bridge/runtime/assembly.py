@@ -19,8 +19,8 @@ from temporalio.client import Client
 from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
 import outbox_bridge
-from outbox_bridge.activities import OutboxActivities
 from outbox_bridge.activities.control import ControlActivities
+from outbox_bridge.activities.outbox import OutboxActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
 from outbox_bridge.db.checks import check_database
 from outbox_bridge.db.grants import Role

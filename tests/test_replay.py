@@ -80,6 +80,28 @@ def test_the_corpus_covers_the_required_scenarios() -> None:
     assert EventType.EVENT_TYPE_TIMER_STARTED in kinds
 
 
+def patch_markers(path: Path) -> set[str]:
+    """The patches a recorded run asked for: the ids of its patch markers."""
+    return {
+        json.loads(payload.data)["id"]
+        for event in load(path).events
+        if event.marker_recorded_event_attributes.marker_name == "core_patch"
+        for payload in event.marker_recorded_event_attributes.details["patch-data"].payloads
+    }
+
+
+def test_the_corpus_holds_only_runs_that_took_every_patched_branch() -> None:
+    """The code takes the patched branch of every patch it knows: a history whose run passed a
+    patch's place without its marker is of code this one no longer supports, and is not kept.
+    Each scenario recorded again later shows which markers its run records."""
+    newest_markers = {
+        p.stem.split("-", 1)[1]: patch_markers(p) for p in sorted(HISTORIES, key=version)
+    }
+    for path in HISTORIES:
+        missing = newest_markers[path.stem.split("-", 1)[1]] - patch_markers(path)
+        assert not missing, f"{path.name}: recorded without {sorted(missing)}"
+
+
 def test_every_recorded_history_replays() -> None:
     """Unsandboxed, as the worker runs the workflows, and under the sandbox, which proves the
     code makes no call the sandbox would refuse as nondeterministic."""

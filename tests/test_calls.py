@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import pytest
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.db.store import GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, HandlerTimeoutError
 from outbox_bridge.workflows.models import ShardRef

@@ -30,7 +30,7 @@ from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.db.store import lock_key
+from outbox_bridge.db.locks import lock_key
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.rounds import LockedShards
 from outbox_bridge.runtime.shards import parse_shard

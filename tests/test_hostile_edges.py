@@ -25,8 +25,8 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from outbox_bridge import OutboxApp, OutboxMessage
-from outbox_bridge.db import store
-from outbox_bridge.db.store import lock_key
+from outbox_bridge.db import reads
+from outbox_bridge.db.locks import lock_key
 from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import MAX_ERROR_MESSAGE, HandlerCalls
 from outbox_bridge.runtime.rounds import DrainEngine, LockedShards
@@ -126,7 +126,7 @@ async def test_a_deferred_row_committed_while_a_round_reads_the_head_never_runs_
         engine, app, [row(Category.PROJECT_UPDATE, 8, obj) for obj in range(1, 40)]
     )
     committed: list[int] = []
-    real_tails = store.read_group_tails
+    real_tails = reads.read_group_tails
 
     async def tails_after_a_commit(conn: AsyncConnection, table_: Table, tails: Any) -> Any:
         if not committed:

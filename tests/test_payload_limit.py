@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from outbox_bridge import InvalidRowError, OutboxApp, OutboxSettings, PayloadTooLargeError
 from outbox_bridge.config import DEFAULT_MAX_PAYLOAD_BYTES
-from outbox_bridge.db.store import read_rows as store_read_rows
+from outbox_bridge.db.reads import read_rows as store_read_rows
 from outbox_bridge.producer import RowSpec
 from outbox_bridge.registry import OutboxTable
 from outbox_bridge.runtime import rounds as rounds_module

@@ -19,7 +19,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError
 
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.db.store import lock_key
+from outbox_bridge.db.locks import lock_key
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.embedded import temporal_cli as temporal_binary
 from outbox_bridge.runtime.hub import key_of, partition_of

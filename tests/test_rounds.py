@@ -19,8 +19,9 @@ from sqlalchemy import Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow, read_shard_ranges
-from outbox_bridge.db.store import read_rows as store_read_rows
+from outbox_bridge.db.reads import GroupRows, ShardWindow, WindowRow
+from outbox_bridge.db.reads import read_rows as store_read_rows
+from outbox_bridge.db.scans import read_shard_ranges
 from outbox_bridge.runtime import hub as hub_module
 from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls

@@ -16,7 +16,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 
-from outbox_bridge.db.store import GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.observability.logs import LOG_CONTEXT
 from outbox_bridge.observability.metrics import OutboxMetrics, active_metrics
 from outbox_bridge.observability.telemetry import active_tracer, context_of, links_to

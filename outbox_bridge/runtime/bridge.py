@@ -18,13 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.pauses import PAUSES_CHANGED
+from outbox_bridge.db.scans import read_shard_ranges
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
-from outbox_bridge.db.store import (
-    STATISTICS_MIN_ROWS,
-    analyze,
-    lacks_statistics,
-    read_shard_ranges,
-)
+from outbox_bridge.db.stats import STATISTICS_MIN_ROWS, analyze, lacks_statistics
 from outbox_bridge.db.tls import tls_refusal
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.observability.backlog import observe_backlog, observe_shard_states

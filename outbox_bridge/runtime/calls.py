@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from outbox_bridge.db.grants import Role, privilege_advice
-from outbox_bridge.db.store import GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.errors import (
     CategoryScopeError,
     OutboxError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, NamedTuple
 
-from outbox_bridge.db.store import partition_number
+from outbox_bridge.db.scans import partition_number
 from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from outbox_bridge.db.disconnects import connection_lost
-from outbox_bridge.db.store import ShardRange, hold_free_shards, read_row_ages, read_shard_ranges
+from outbox_bridge.db.scans import ShardRange, read_row_ages, read_shard_ranges
+from outbox_bridge.db.store import hold_free_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.hub import (
     PartitionInbox,

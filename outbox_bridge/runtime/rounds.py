@@ -28,27 +28,22 @@ from sqlalchemy import Row, Table
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
-from outbox_bridge.db.store import (
+from outbox_bridge.db.locks import lock_key, lock_shard_waiting, try_lock_shards, unlock_shards
+from outbox_bridge.db.reads import (
     GroupRows,
     GroupTail,
     ShardWindow,
     WindowRow,
-    driver_writes,
-    hold_free_shards,
-    hold_shard,
-    lock_key,
-    lock_shard_waiting,
-    read_first_row,
     read_group_tails,
     read_payload_sizes,
     read_rows,
     read_trace_contexts,
     read_windows,
-    release_shard,
-    try_lock_shards,
-    unlock_shards,
 )
+from outbox_bridge.db.scans import read_first_row
+from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
+from outbox_bridge.db.store import hold_free_shards, hold_shard, release_shard
+from outbox_bridge.db.writes import driver_writes
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, RoundShards

@@ -18,7 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.parked import read_parked
 from outbox_bridge.db.pauses import read_shard_pause
-from outbox_bridge.db.store import hold_shard, read_pending_up_to
+from outbox_bridge.db.scans import read_pending_up_to
+from outbox_bridge.db.store import hold_shard
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardFaultError, ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed

@@ -22,12 +22,13 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from outbox_bridge.db.reads import GroupRows, ShardWindow, WindowRow
 from outbox_bridge.db.reads import read_rows as store_read_rows
 from outbox_bridge.db.scans import read_shard_ranges
+from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime import hub as hub_module
-from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.runtime.heads import ShardHead, _keep_within, head_of
 from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, ShardKey, partition_of
 from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
-from outbox_bridge.runtime.rounds import DrainEngine, ShardHead, _keep_within, head_of
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import (
     PartitionDrainInput,
     PartitionOptions,
@@ -304,7 +305,7 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
         reads.append((len(found), sum(len(str(row.payload)) for row in found.values())))
         return found
 
-    monkeypatch.setattr(rounds_module, "read_rows", read_rows)
+    monkeypatch.setattr(heads_module, "read_rows", read_rows)
     calls = HandlerCalls(app, redact_errors=False, threads=2)
     drains = DrainEngine(engine, app, calls=calls, max_round_bytes=BUDGET)
     shards = [ShardRef(table.name, 1, "ORGANIZATION", n) for n in range(1, 6)]

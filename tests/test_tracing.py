@@ -341,7 +341,7 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
 ) -> None:
     """A plain-def handler runs in a thread of the handler pool, not on the event loop, and
     the span current in that thread is its own call's: the handler span of its row, under the
-    batch's drain activity."""
+    round's drain activity."""
     table = unique_table()
     app = make_app(table, Recorder(), handle_all=False)
     loop_thread = threading.get_ident()
@@ -355,7 +355,7 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
 
     await create_tables(engine, app)
     rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
-    ids = await write_rows(engine, app, rows)  # before the worker: one batch
+    ids = await write_rows(engine, app, rows)  # before the worker: one round_
     async with running_worker(servers, app, fast_settings()):
         await wait_until(lambda: table_empty(engine, app), what="the rows handled")
     assert sorted(seen) == ids

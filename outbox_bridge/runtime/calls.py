@@ -30,7 +30,7 @@ from outbox_bridge.errors import (
     UnknownCategoryError,
 )
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
-from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.producer import byte_size
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Held, RoundShards
@@ -193,7 +193,7 @@ class HandlerCalls:
         shard: ShardRef,
         calls: list[Call],
         handled: Callable[[Call], None],
-        observer: BatchObserver,
+        observer: RoundObserver,
         *,
         deadline: float = math.inf,
         attempt: int = 1,
@@ -259,7 +259,7 @@ class HandlerCalls:
         self,
         shard: ShardRef,
         call: Call,
-        observer: BatchObserver,
+        observer: RoundObserver,
         attempt: int,
         clock: _CallClock | None,
     ) -> None:
@@ -304,7 +304,7 @@ class HandlerCalls:
         self,
         run: list[Call],
         handled: Callable[[Call], None],
-        observer: BatchObserver,
+        observer: RoundObserver,
         deadline: float,
         offset: int,
         attempt: int,

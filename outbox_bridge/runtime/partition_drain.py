@@ -34,7 +34,8 @@ from outbox_bridge.runtime.hub import (
     ref_of,
     wait_any,
 )
-from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
+from outbox_bridge.runtime.round_writes import ShardOutcome
+from outbox_bridge.runtime.rounds import DrainEngine, Round
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.unhandled import UnhandledShards
@@ -333,21 +334,21 @@ class PartitionDrain:
         held: set[ShardRef] = set()  # those the round's writes held for their workflow
         lost = False
         try:
-            async with self._engine.locked(self._table, shards) as batch:
-                held = batch.held
-                skipped = await self._hold_skipped(batch)
+            async with self._engine.locked(self._table, shards) as round_:
+                held = round_.held
+                skipped = await self._hold_skipped(round_)
                 heads = await self._engine.read_heads(
-                    batch, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
+                    round_, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
                 )
                 deadline = time.monotonic() + self._options.time_budget_seconds
                 outcomes = await self._engine.run(
-                    batch,
+                    round_,
                     heads,
                     deadline=deadline,
                     settle=self._settle,
                     partition=self._ref.workflow_id,
                 )
-            lost = batch.lost
+            lost = round_.lost
         except Exception as exc:
             self._round_failed(exc)
             lost = True
@@ -389,20 +390,20 @@ class PartitionDrain:
                 exc_info=exc,
             )
 
-    async def _hold_skipped(self, batch: LockedShards) -> list[ShardRef]:
+    async def _hold_skipped(self, round_: Round) -> list[ShardRef]:
         """Hold the listed shards that nobody holds for their workflow, skipped; returns them.
         One its workflow holds is left to it (an operator may have resumed it)."""
-        listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
+        listed = [shard for shard in round_.locked if shard.workflow_id in self._skip]
         if not listed:
             return []
-        held: list[ShardRef] = await batch.execute(
+        held: list[ShardRef] = await round_.execute(
             functools.partial(
-                hold_free_shards, table=batch.table, shards=listed, held_for=HeldFor.SKIPPED
+                hold_free_shards, table=round_.table, shards=listed, held_for=HeldFor.SKIPPED
             )
         )
         return held
 
-    def _settle(self, batch: LockedShards, outcome: ShardOutcome) -> None:
+    def _settle(self, round_: Round, outcome: ShardOutcome) -> None:
         """Under the shard's lock: a shard that failed or waits for a deferred head is held for
         its workflow, unless one holds it already, or it failed on a row the app cannot handle
         and the cap on such shards is reached (it waits, unheld)."""
@@ -416,7 +417,7 @@ class PartitionDrain:
             and not cap.admit(key_of(outcome.shard))
         ):
             return
-        batch.hold(outcome.shard, handover.held_for, if_free=True)
+        round_.hold(outcome.shard, handover.held_for, if_free=True)
 
     async def _count_unhandled(self) -> float:
         """Count the held shards the app cannot handle when shards wait for room (a scan of

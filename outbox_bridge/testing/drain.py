@@ -19,7 +19,7 @@ from outbox_bridge.db.writes import delete_handled
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.calls import Call, HandlerCalls
-from outbox_bridge.runtime.rounds import read_shard_heads
+from outbox_bridge.runtime.heads import read_shard_heads
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.testing.report import DrainFailure, DrainReport, HandlerFailedError, ShardReport
 from outbox_bridge.workflows.models import ShardRef

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
@@ -57,6 +58,15 @@ BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
 # every shard once the queue has emptied.
 MAX_QUEUED_SHARDS = 100_000
 MAX_GROUPS_PER_SHARD = 1000  # of one shard in one round, however few shards the round has
+
+
+@dataclass
+class _ScanTimes:
+    """When a partition's drain last scanned for new rows, and next scans every shard."""
+
+    last_poll: float
+    next_rescan: float
+    empty_polls: int = 0  # scans in a row that found no new row while the bridge listens
 
 
 def groups_per_shard(options: PartitionOptions, shards: int) -> int:
@@ -139,13 +149,7 @@ class PartitionDrain:
     async def run(self) -> PartitionRound:
         if self._hub.closed:  # not a return: the next round would start here again at once
             raise elsewhere("this worker is stopping: another worker takes the partition")
-        if self._share is not None:
-            running = len(self._hub.drains())
-            refusal = await self._share.refusal(
-                self._ref, running, self._attempt, ran_before=self._ran_before
-            )
-            if refusal is not None:
-                raise elsewhere(refusal)
+        await self._check_share()
         options = self._options
         began = time.monotonic()
         end = began + options.round_seconds
@@ -153,38 +157,20 @@ class PartitionDrain:
         rounds: set[asyncio.Task[None]] = set()
         try:
             await self._scan(full=True)
-            last_poll = time.monotonic()
-            empty_polls = 0  # scans in a row that found no new row while the bridge listens
-            next_rescan = time.monotonic() + options.rescan_interval_seconds
+            scans = _ScanTimes(time.monotonic(), time.monotonic() + options.rescan_interval_seconds)
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
             while not self._hub.closed and time.monotonic() < end:
                 rescan = self._take_news(inbox)
                 now = time.monotonic()
-                next_poll = last_poll + self._poll_wait(empty_polls)
-                if self._overflowed and not self._queue:
-                    next_rescan = min(next_rescan, next_poll)  # the left-out shards are next
-                if now >= next_rescan or rescan:
-                    await self._scan(full=True)
-                    next_rescan = now + options.rescan_interval_seconds
-                    last_poll = now
-                elif now >= next_poll:
-                    found = await self._scan(full=False)
-                    empty = not found and self._hub.listening
-                    last_poll, empty_polls = now, empty_polls + 1 if empty else 0
-                next_poll = last_poll + self._poll_wait(empty_polls)
-                while len(rounds) < options.max_rounds:
-                    shards = self._next_round()
-                    if not shards:
-                        break
-                    task = asyncio.create_task(self._round(shards))
-                    rounds.add(task)
-                    task.add_done_callback(rounds.discard)
+                next_poll = await self._scan_if_due(scans, rescan, now)
+                self._start_rounds(rounds)
                 if now >= next_beat:
                     self._heartbeat(self._report(began))
                     next_beat = now + HEARTBEAT_SECONDS
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
-                wake = min(next_poll, next_rescan, next_beat, end, await self._count_unhandled())
+                wake = min(next_poll, scans.next_rescan, next_beat, end)
+                wake = min(wake, await self._count_unhandled())
                 await self._wait(inbox, wake - time.monotonic())
             # Rounds end within their time budget (or their handlers' timeout): finish them.
             while rounds:
@@ -204,6 +190,43 @@ class PartitionDrain:
             self._heartbeat(report)
             raise elsewhere("this worker is stopping: another worker takes the partition")
         return report
+
+    async def _check_share(self) -> None:
+        """Raise if this worker runs more than its share of the partition drains."""
+        if self._share is None:
+            return
+        running = len(self._hub.drains())
+        refusal = await self._share.refusal(
+            self._ref, running, self._attempt, ran_before=self._ran_before
+        )
+        if refusal is not None:
+            raise elsewhere(refusal)
+
+    async def _scan_if_due(self, scans: _ScanTimes, rescan: bool, now: float) -> float:
+        """Scan every shard, or for new rows, when it is time (or ``rescan`` asks for a full
+        scan); returns when the next scan for new rows is due."""
+        next_poll = scans.last_poll + self._poll_wait(scans.empty_polls)
+        if self._overflowed and not self._queue:
+            scans.next_rescan = min(scans.next_rescan, next_poll)  # the left-out shards are next
+        if now >= scans.next_rescan or rescan:
+            await self._scan(full=True)
+            scans.next_rescan = now + self._options.rescan_interval_seconds
+            scans.last_poll = now
+        elif now >= next_poll:
+            found = await self._scan(full=False)
+            empty = not found and self._hub.listening
+            scans.last_poll, scans.empty_polls = now, scans.empty_polls + 1 if empty else 0
+        return scans.last_poll + self._poll_wait(scans.empty_polls)
+
+    def _start_rounds(self, rounds: set[asyncio.Task[None]]) -> None:
+        """Start rounds of the queued shards, up to ``max_rounds`` at once."""
+        while len(rounds) < self._options.max_rounds:
+            shards = self._next_round()
+            if not shards:
+                return
+            task = asyncio.create_task(self._round(shards))
+            rounds.add(task)
+            task.add_done_callback(rounds.discard)
 
     def _poll_wait(self, empty_polls: int) -> float:
         """Seconds between scans for new rows: the poll interval; while the bridge of this

@@ -22,7 +22,7 @@ from sqlalchemy import Row, Table
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from outbox_bridge.db.locks import lock_key, lock_shard_waiting, try_lock_shards, unlock_shards
+from outbox_bridge.db.locks import lock_shard_waiting, try_lock_shards, unlock_shards
 from outbox_bridge.db.reads import GroupRows, read_trace_contexts
 from outbox_bridge.db.scans import read_first_row
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
@@ -66,6 +66,15 @@ class Round(RoundWrites):
             outcome.failure = self._calls.fault(shard, what, exc)
             outcome.failed = None if group is None else self._calls.head(group)
 
+    async def reserve(self, budget: PayloadBudget, size: int) -> None:
+        """Take ``size`` payload bytes of ``budget`` for this round, waiting for room the first
+        time; then count what it read instead."""
+        if self.payload_bytes:
+            budget.add(size)
+        else:
+            await budget.take(size)
+        self.payload_bytes += size
+
     def may_continue(self, outcome: ShardOutcome) -> bool:
         """Whether ``outcome``'s shard may take a further group (asked from handler threads)."""
         return outcome.failure is None and self.alive()
@@ -97,7 +106,7 @@ class DrainEngine:
         # Payload bytes one round reads, and all the rounds of this worker hold, at most.
         self.max_round_bytes = max_round_bytes
         self._payloads = PayloadBudget(max_round_bytes)
-        self._running: dict[str, int] = {}
+        self._running: dict[ShardRef, int] = {}
         # By default the work in flight bounds the repeats: as many as the calls under way.
         self._undeleted = Undeleted(max_undeleted_groups or calls.at_once)
 
@@ -129,8 +138,7 @@ class DrainEngine:
         round_: Round | None = None
         try:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
-            busy = {key for key, count in self._running.items() if count}
-            candidates = [shard for shard in shards if lock_key(shard) not in busy]
+            candidates = [shard for shard in shards if not self._running.get(shard)]
             taken = await self._take(conn, candidates, wait_seconds)
             round_ = Round(
                 conn,
@@ -241,7 +249,7 @@ class DrainEngine:
             with_trace_context=RoundObserver.tracing(),
             max_bytes=self.max_round_bytes,
             max_payload_bytes=self.calls.max_payload_bytes,
-            reserve=functools.partial(self._reserve, round_),
+            reserve=functools.partial(round_.reserve, self._payloads),
         )
         heads: list[ShardHead] = []
 
@@ -249,32 +257,8 @@ class DrainEngine:
             heads.extend(await read(shards))
 
         for shard, exc in (await round_.apart(read_into, list(round_.locked))).items():
-            heads.append(await self._unreadable(round_, shard, exc))
+            heads.append(await _unreadable(round_, self.calls, shard, exc))
         return heads
-
-    async def _reserve(self, round_: Round, size: int) -> None:
-        """Take ``size`` payload bytes for ``round_``, waiting for room the first time;
-        then count what it read instead."""
-        if round_.payload_bytes:
-            self._payloads.add(size)
-        else:
-            await self._payloads.take(size)
-        round_.payload_bytes += size
-
-    async def _unreadable(self, round_: Round, shard: ShardRef, exc: BaseException) -> ShardHead:
-        """The head of a shard whose rows cannot be read: its first group, failing with why."""
-        failure = self.calls.fault(shard, "its rows cannot be read", exc)
-        head = ShardHead(shard, [], 0, fault=failure)
-        try:
-            first = await round_.execute(lambda conn: read_first_row(conn, round_.table, shard))
-        except Exception as error:
-            if round_.gone(error):
-                raise
-            return head
-        if first is not None:
-            head.groups = [GroupRows(first.category, first.object_identifier, [first.id])]
-            head.highest_id = first.id
-        return head
 
     # -- running -----------------------------------------------------------------------------
 
@@ -298,15 +282,15 @@ class DrainEngine:
         busy = RoundShards(len(heads))
 
         async def run_shard(head: ShardHead, outcome: ShardOutcome) -> None:
-            key = lock_key(head.shard)
-            self._running[key] = self._running.get(key, 0) + 1
+            shard = head.shard
+            self._running[shard] = self._running.get(shard, 0) + 1
             try:
                 await self._handle(round_, head, outcome, deadline, attempt, partition, busy)
             finally:
                 busy.done()
-                self._running[key] -= 1
-                if not self._running[key]:
-                    del self._running[key]
+                self._running[shard] -= 1
+                if not self._running[shard]:
+                    del self._running[shard]
                 outcome.lock_lost = round_.lost
             if settle is not None:
                 settle(round_, outcome)
@@ -355,7 +339,7 @@ class DrainEngine:
                     break
                 calls.append(self.calls.prepare(shard, group, row))
             step = "its calls cannot be observed (tracing, metrics)"
-            observer = await self._observer(round_, shard, calls, head.rows, partition)
+            observer = await _observer(round_, shard, calls, head.rows, partition)
             head.rows = {}  # the calls hold what they need: the round need not keep the rows
             step = "its handlers cannot be called"
             finished = await self.calls.run(
@@ -392,34 +376,49 @@ class DrainEngine:
                 except Exception as exc:
                     round_.fault(shard, None, "its calls cannot be recorded (metrics)", exc)
 
-    async def _observer(
-        self,
-        round_: Round,
-        shard: ShardRef,
-        calls: list[Call],
-        rows: dict[int, Row[Any]],
-        partition: str | None,
-    ) -> RoundObserver:
-        """The shard's observer, with the producer trace context of every row (tracing on)."""
-        observer = RoundObserver(shard, partition=partition)
-        if observer.traced and calls:
-            contexts = {
-                row_id: carrier
-                for row_id, row in rows.items()
-                if (carrier := getattr(row, TRACE_CONTEXT_COLUMN, None)) is not None
-            }
-            covered = [row_id for call in calls for row_id in call.group.ids[:-1]]
-            if covered:
-                try:
-                    contexts.update(
-                        await round_.execute(
-                            lambda conn: read_trace_contexts(conn, round_.table, covered)
-                        )
+
+async def _unreadable(
+    round_: Round, calls: HandlerCalls, shard: ShardRef, exc: BaseException
+) -> ShardHead:
+    """The head of a shard whose rows cannot be read: its first group, failing with why."""
+    failure = calls.fault(shard, "its rows cannot be read", exc)
+    head = ShardHead(shard, [], 0, fault=failure)
+    try:
+        first = await round_.execute(lambda conn: read_first_row(conn, round_.table, shard))
+    except Exception as error:
+        if round_.gone(error):
+            raise
+        return head
+    if first is not None:
+        head.groups = [GroupRows(first.category, first.object_identifier, [first.id])]
+        head.highest_id = first.id
+    return head
+
+
+async def _observer(
+    round_: Round,
+    shard: ShardRef,
+    calls: list[Call],
+    rows: dict[int, Row[Any]],
+    partition: str | None,
+) -> RoundObserver:
+    """The shard's observer, with the producer trace context of every row (tracing on)."""
+    observer = RoundObserver(shard, partition=partition)
+    if observer.traced and calls:
+        contexts = {
+            row_id: carrier
+            for row_id, row in rows.items()
+            if (carrier := getattr(row, TRACE_CONTEXT_COLUMN, None)) is not None
+        }
+        covered = [row_id for call in calls for row_id in call.group.ids[:-1]]
+        if covered:
+            try:
+                contexts.update(
+                    await round_.execute(
+                        lambda conn: read_trace_contexts(conn, round_.table, covered)
                     )
-                except (DBAPIError, psycopg.Error):
-                    pass  # the calls matter more than their links; the round notices the loss
-            observer.contexts = contexts
-        return observer
-
-
-# Runs one statement on the connection that holds the shards' locks: ``execute(work)`` awaits
+                )
+            except (DBAPIError, psycopg.Error):
+                pass  # the calls matter more than their links; the round notices the loss
+        observer.contexts = contexts
+    return observer

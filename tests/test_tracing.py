@@ -24,7 +24,8 @@ from temporalio.client import Client
 
 from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.observability.sdk import build_tracer_provider
-from outbox_bridge.runtime.hub import ShardKey, partition_of
+from outbox_bridge.runtime.hub import partition_of
+from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
     Category,
     Recorder,
@@ -94,7 +95,7 @@ async def failing_once(engine: Any) -> tuple[str, OutboxApp]:
 
 
 def partition_index(table: str, scope: int, shard: int, partitions: int = 4) -> int:
-    return partition_of(ShardKey(table, None, scope, shard), partitions)
+    return partition_of(ShardRef(table, scope, str(scope), shard), partitions)
 
 
 def parent_of(span: ReadableSpan, spans: InMemorySpanExporter) -> ReadableSpan:

@@ -27,7 +27,7 @@ from outbox_bridge.observability.backlog import observe_backlog, observe_shard_s
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, ShardKey, wait_any
+from outbox_bridge.runtime.hub import ShardHub, shard_of, wait_any
 from outbox_bridge.runtime.notifications import RefusalLog, Throttle, parse_notification
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
@@ -212,7 +212,7 @@ class Bridge:
             self._scan_asked(table.name)
             return
         for entry in parsed:
-            key = ShardKey(table.name, entry.region, entry.scope, entry.shard_identifier)
+            key = shard_of(self._app, table.name, entry.region, entry.scope, entry.shard_identifier)
             if self._wanted_region(key.region) and self._hub.offer_to_partition(key, entry.max_id):
                 self.handed_to_drains += 1
 

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import heapq
-import itertools
 import logging
 import math
 import time
@@ -30,13 +29,12 @@ from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.hub import (
     PartitionInbox,
     ShardHub,
-    ShardKey,
-    key_of,
-    ref_of,
+    shard_of,
     wait_any,
 )
 from outbox_bridge.runtime.round_writes import ShardOutcome
 from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.shard_queue import ShardQueue
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.unhandled import UnhandledShards
@@ -128,14 +126,11 @@ class PartitionDrain:
         self._options = request.options
         self._table: Table = engine.app.table(self._ref.table)
         self._heartbeat = heartbeat
-        self._queue: dict[ShardKey, None] = {}  # shards to drain, in arrival order
-        self._max_queued = max_queued
-        self._overflowed = False  # shards were left out of the queue: scan every shard again
-        self._in_flight: set[ShardKey] = set()
+        self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled)
         self._watermark = 0
         # What the attempt before, on a worker that left, handled: this run counts on from it.
         self._stats = carried if carried is not None else PartitionRound()
-        self._drained: set[ShardKey] = set()
+        self._drained: set[ShardRef] = set()
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
@@ -206,7 +201,7 @@ class PartitionDrain:
         """Scan every shard, or for new rows, when it is time (or ``rescan`` asks for a full
         scan); returns when the next scan for new rows is due."""
         next_poll = scans.last_poll + self._poll_wait(scans.empty_polls)
-        if self._overflowed and not self._queue:
+        if self._queue.overflowed and not self._queue:
             scans.next_rescan = min(scans.next_rescan, next_poll)  # the left-out shards are next
         if now >= scans.next_rescan or rescan:
             await self._scan(full=True)
@@ -221,7 +216,7 @@ class PartitionDrain:
     def _start_rounds(self, rounds: set[asyncio.Task[None]]) -> None:
         """Start rounds of the queued shards, up to ``max_rounds`` at once."""
         while len(rounds) < self._options.max_rounds:
-            shards = self._next_round()
+            shards = self._queue.next_round(self._options.max_shards)
             if not shards:
                 return
             task = asyncio.create_task(self._round(shards))
@@ -247,39 +242,8 @@ class PartitionDrain:
         """Queue the shards the notifications named; True if one asked for a full scan."""
         rescan, inbox.rescan = inbox.rescan, False
         for key in inbox.take():
-            self._enqueue(key)
+            self._queue.add(key)
         return rescan
-
-    def _enqueue(self, key: ShardKey) -> None:
-        """Queue ``key`` unless it is queued already, waits for room under the cap on shards
-        the app cannot handle, or the queue is full."""
-        if key in self._queue or (self._unhandled is not None and self._unhandled.waits(key)):
-            return
-        if len(self._queue) >= self._max_queued:
-            if not self._overflowed:
-                log.warning(
-                    "partition %s has %s shards queued: further shards wait for a scan of "
-                    "every shard once these are drained",
-                    self._ref.workflow_id,
-                    len(self._queue),
-                )
-            self._overflowed = True
-            return
-        self._queue[key] = None
-
-    def _next_round(self) -> list[ShardRef]:
-        shards: list[ShardRef] = []
-        # Queued shards that are in flight are passed over: look no further than needed.
-        candidates = self._options.max_shards + len(self._in_flight)
-        for key in list(itertools.islice(self._queue, candidates)):
-            if len(shards) == self._options.max_shards:
-                break
-            if key in self._in_flight:
-                continue
-            del self._queue[key]
-            self._in_flight.add(key)
-            shards.append(ref_of(key, self._app))
-        return shards
 
     async def _give_back(self, inbox: PartitionInbox) -> bool:
         """True if this drain should end now so that a less busy worker takes its partition:
@@ -304,7 +268,7 @@ class PartitionDrain:
         above the newest id seen so far; True if it found any. The database returns only this
         partition's shards, and no more than the queue has room for (those with the oldest rows
         first): a scan holds a page of shards, however many the table has."""
-        room = self._max_queued - len(self._queue)
+        room = self._queue.room()
         try:
             async with self._engine.engine.connect() as conn:
                 ranges = await read_shard_ranges(
@@ -323,17 +287,17 @@ class PartitionDrain:
             )
             return False
         if full:
-            self._overflowed = False  # this scan finds every shard the queue left out
+            self._queue.overflowed = False  # this scan finds every shard the queue left out
         if len(ranges) > room:
-            self._overflowed = True  # the shards left out wait for a scan of every shard
+            self._queue.overflowed = True  # the shards left out wait for a scan of every shard
             ranges = ranges[: max(room, 0)]
         self._watermark = max([self._watermark, *(r.max_id for r in ranges)])
         for shard_range in ranges:
-            self._enqueue(self._key(shard_range))
+            self._queue.add(self._key(shard_range))
         return bool(ranges)
 
-    def _key(self, r: ShardRange) -> ShardKey:
-        return ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)
+    def _key(self, r: ShardRange) -> ShardRef:
+        return shard_of(self._app, self._table.name, r.region, r.scope, r.shard_identifier)
 
     async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
         """The deepest and the oldest shards of this partition (of those the scan returned),
@@ -344,7 +308,7 @@ class PartitionDrain:
 
         def shown(r: ShardRange) -> ShardBacklog:
             age = round(ages.get(r.min_id, 0.0), 1)
-            return ShardBacklog(ref_of(self._key(r), self._app).key, r.rows, age)
+            return ShardBacklog(self._key(r).key, r.rows, age)
 
         self._stats.deepest = [shown(r) for r in deepest]
         self._stats.oldest = [shown(r) for r in oldest]
@@ -377,7 +341,7 @@ class PartitionDrain:
             lost = True
         finally:
             for shard in shards:
-                self._in_flight.discard(key_of(shard))
+                self._queue.in_flight.discard(shard)
             self._round_done.set()
         handovers = [
             (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, self._skip)))
@@ -388,11 +352,11 @@ class PartitionDrain:
             for outcome in outcomes
             if outcome.shard in held and (handover := _handover(outcome)) is not None
         ]
-        handed = {key_of(shard) for shard, _ in handovers}
+        handed = {shard for shard, _ in handovers}
         if lost:
             for shard in shards:  # nothing else this round wrote can be trusted: read them again
-                if key_of(shard) not in handed:
-                    self._enqueue(key_of(shard))
+                if shard not in handed:
+                    self._queue.add(shard)
         else:
             self._count(outcomes, handed)
         if handovers:
@@ -434,11 +398,7 @@ class PartitionDrain:
         if handover is None or outcome.lock_lost:
             return
         cap = self._unhandled
-        if (
-            cap is not None
-            and cap.applies(outcome.failure)
-            and not cap.admit(key_of(outcome.shard))
-        ):
+        if cap is not None and cap.applies(outcome.failure) and not cap.admit(outcome.shard):
             return
         round_.hold(outcome.shard, handover.held_for, if_free=True)
 
@@ -462,16 +422,16 @@ class PartitionDrain:
             self._hub.rescan(self._table.name)
         return time.monotonic() + (cap.count_due(self._table.name) or math.inf)
 
-    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardKey]) -> None:
+    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardRef]) -> None:
         stats = self._stats
         for outcome in outcomes:
-            key = key_of(outcome.shard)
+            key = outcome.shard
             stats.rows_handled += outcome.rows_handled
             stats.groups_handled += outcome.groups_handled
             if outcome.groups_handled:
                 self._drained.add(key)
             if outcome.more and key not in handed:
-                self._enqueue(key)
+                self._queue.add(key)
         stats.handed_over += len(handed)
 
     # -- reporting -----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from temporalio.service import RPCError
 from outbox_bridge import OutboxApp, OutboxMessage, outbox_context
 from outbox_bridge.db.pauses import add_pause
 from outbox_bridge.flush import Flusher
-from outbox_bridge.runtime.hub import ShardKey, partition_of
+from outbox_bridge.runtime.hub import partition_of
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.workflows.models import (
     PartitionRef,
@@ -39,6 +39,7 @@ from outbox_bridge.workflows.models import (
     PauseKind,
     PausesView,
     ResumeInput,
+    ShardRef,
     ShardStatus,
     SkipInput,
 )
@@ -302,7 +303,7 @@ async def record(
     await create_tables(engine, app)
     settings = fast_settings(temporal_address=servers.temporal_address, **overrides)
     workflow_id = f"outbox:{app.table().name}:{Scope.ORGANIZATION.name}:1"
-    key = ShardKey(app.table().name, None, int(Scope.ORGANIZATION), 1)
+    key = ShardRef(app.table().name, int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, 1)
     partition = PartitionRef(
         app.table().name, partition_of(key, settings.partitions), settings.partitions
     )

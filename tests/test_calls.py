@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 import pytest
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.db.store import GroupRows
-from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.db.reads import GroupRows
+from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, HandlerTimeoutError
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import SCOPES, Category, Scope
@@ -61,7 +61,7 @@ async def test_the_timeout_bounds_each_call_not_the_run() -> None:
         SHARD,
         calls,
         lambda call: handled.append(call.message.id),
-        BatchObserver(SHARD),
+        RoundObserver(SHARD),
     )
     # 1.6 s in all, more than the timeout, and no call ran out of time.
     assert finished and handled == [1, 2, 3, 4, 5]
@@ -78,7 +78,7 @@ async def test_a_call_that_runs_out_of_time_fails_after_the_timeout_from_its_sta
             SHARD,
             calls,
             lambda call: handled.append(call.message.id),
-            BatchObserver(SHARD),
+            RoundObserver(SHARD),
         )
     # A timeout counted from the run's start would have cut the second call (0.8 s in):
     # the third, which never returns, is the one that ran out of time.
@@ -95,7 +95,7 @@ async def test_an_outside_cancellation_stays_a_cancellation() -> None:
     runner = handler_calls(timeout=5.0)
     started: list[float] = []
     calls = calls_of([0.0, 30.0], started)
-    task = asyncio.create_task(runner.run(SHARD, calls, lambda _: None, BatchObserver(SHARD)))
+    task = asyncio.create_task(runner.run(SHARD, calls, lambda _: None, RoundObserver(SHARD)))
     while len(started) < 2:
         await asyncio.sleep(0.01)
     task.cancel()
@@ -112,7 +112,7 @@ async def test_the_timer_is_gone_after_the_run() -> None:
         SHARD,
         calls_of([0.0] * 50, []),
         lambda _: None,
-        BatchObserver(SHARD),
+        RoundObserver(SHARD),
     )
     # One timer for the run, cancelled at its end (asyncio.timeout scheduled one per call).
     live = [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]

@@ -131,9 +131,9 @@ async def drain_in_rounds(drain: DrainEngine, app: OutboxApp, rounds: list[list[
             ShardRef(table.name, int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, shard)
             for shard in shards
         ]
-        async with drain.locked(table, refs) as batch:
-            heads = await drain.read_heads(batch, max_groups=1_000, skip_held=True)
-            await drain.run(batch, heads, deadline=math.inf)
+        async with drain.locked(table, refs) as round_:
+            heads = await drain.read_heads(round_, max_groups=1_000, skip_held=True)
+            await drain.run(round_, heads, deadline=math.inf)
 
     await asyncio.gather(*(one_round(shards) for shards in rounds))
 
@@ -270,12 +270,12 @@ async def test_a_round_unlocks_each_shard_once(engine) -> None:
     drain = DrainEngine(engine, app, calls=handlers)
     notices: list[str] = []
     try:
-        async with drain.locked(table, refs) as batch:
-            raw = (await batch.conn.get_raw_connection()).driver_connection
+        async with drain.locked(table, refs) as round_:
+            raw = (await round_.conn.get_raw_connection()).driver_connection
             assert raw is not None
             raw.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
-            heads = await drain.read_heads(batch, max_groups=1_000, skip_held=True)
-            await drain.run(batch, heads, deadline=math.inf)
+            heads = await drain.read_heads(round_, max_groups=1_000, skip_held=True)
+            await drain.run(round_, heads, deadline=math.inf)
     finally:
         handlers.close()
     assert len(calls) == 10

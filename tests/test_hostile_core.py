@@ -30,9 +30,9 @@ from temporalio.service import RPCError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.db.store import lock_key
+from outbox_bridge.db.locks import lock_key
 from outbox_bridge.flush import Flusher
-from outbox_bridge.runtime.rounds import LockedShards
+from outbox_bridge.runtime.rounds import Round
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.workflows.models import ShardInput, ShardRef, ShardStatus, SkipInput
 from tests.harness import (
@@ -536,8 +536,8 @@ async def test_a_statement_under_way_does_not_hide_a_closed_connection(engine, c
     conn = await engine.connect()
     try:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
-        batch = LockedShards(conn, app.table(table), [])
-        await batch.attach()
+        round_ = Round(conn, app.table(table), [])
+        await round_.attach()
         pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
         asked: list[bool] = []
 
@@ -548,13 +548,13 @@ async def test_a_statement_under_way_does_not_hide_a_closed_connection(engine, c
         async def statement(c: Any) -> None:
             if closed == "under a statement":
                 await terminate()
-            asked.append(await asyncio.to_thread(batch.alive))  # as a handler thread asks
+            asked.append(await asyncio.to_thread(round_.alive))  # as a handler thread asks
             await c.execute(text("SELECT 1"))
 
         if closed == "while idle":
             await terminate()
         with pytest.raises(DBAPIError):
-            await batch.execute(statement)
+            await round_.execute(statement)
         assert asked == [False]
     finally:
         await conn.invalidate()

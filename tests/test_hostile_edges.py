@@ -25,11 +25,11 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from outbox_bridge import OutboxApp, OutboxMessage
-from outbox_bridge.db import store
-from outbox_bridge.db.store import lock_key
-from outbox_bridge.runtime import rounds as rounds_module
+from outbox_bridge.db import reads
+from outbox_bridge.db.locks import lock_key
+from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime.calls import MAX_ERROR_MESSAGE, HandlerCalls
-from outbox_bridge.runtime.rounds import DrainEngine, LockedShards
+from outbox_bridge.runtime.rounds import DrainEngine, Round
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
@@ -101,8 +101,8 @@ async def test_a_deep_shard_s_head_is_read_from_its_first_rows(engine, drains) -
     await sql(engine, f"ANALYZE {table}")
     drain = drains(app)
     async with engine.connect() as conn:  # one transaction: its statistics count only this
-        batch = LockedShards(conn, app.table(), [shard_of(table, 7)])
-        [head] = await drain.read_heads(batch, max_groups=10, skip_held=True)
+        round_ = Round(conn, app.table(), [shard_of(table, 7)])
+        [head] = await drain.read_heads(round_, max_groups=10, skip_held=True)
         read = await tuples_read(conn, table)
     assert [g.object_identifier for g in head.groups] == list(range(1, 11))
     assert head.more
@@ -126,7 +126,7 @@ async def test_a_deferred_row_committed_while_a_round_reads_the_head_never_runs_
         engine, app, [row(Category.PROJECT_UPDATE, 8, obj) for obj in range(1, 40)]
     )
     committed: list[int] = []
-    real_tails = store.read_group_tails
+    real_tails = reads.read_group_tails
 
     async def tails_after_a_commit(conn: AsyncConnection, table_: Table, tails: Any) -> Any:
         if not committed:
@@ -147,11 +147,11 @@ async def test_a_deferred_row_committed_while_a_round_reads_the_head_never_runs_
             )
         return await real_tails(conn, table_, tails)
 
-    monkeypatch.setattr(rounds_module, "read_group_tails", tails_after_a_commit)
+    monkeypatch.setattr(heads_module, "read_group_tails", tails_after_a_commit)
     drain = drains(app)
-    async with drain.locked(app.table(), [shard_of(table, 8)]) as batch:
-        heads = await drain.read_heads(batch, max_groups=1, skip_held=True)
-        await drain.run(batch, heads, deadline=math.inf)
+    async with drain.locked(app.table(), [shard_of(table, 8)]) as round_:
+        heads = await drain.read_heads(round_, max_groups=1, skip_held=True)
+        await drain.run(round_, heads, deadline=math.inf)
     deferred, behind = committed
     assert recorder.ids() == [head]  # with its own row, not the one behind the deferred row
     async with engine.connect() as conn:
@@ -286,20 +286,20 @@ async def test_a_round_whose_delete_failed_holds_the_shard_and_leaves_no_lock_be
         await holder.execute(
             text(f"SELECT id FROM {table} WHERE id = :id FOR UPDATE"), {"id": row_id}
         )
-        async with drain.locked(app.table(), [shard]) as batch:
-            await batch.execute(lambda c: c.execute(text("SET lock_timeout = '200ms'")))
-            heads = await drain.read_heads(batch, max_groups=10, skip_held=True)
-            [outcome] = await drain.run(batch, heads, deadline=math.inf)
+        async with drain.locked(app.table(), [shard]) as round_:
+            await round_.execute(lambda c: c.execute(text("SET lock_timeout = '200ms'")))
+            heads = await drain.read_heads(round_, max_groups=10, skip_held=True)
+            [outcome] = await drain.run(round_, heads, deadline=math.inf)
         await holder.rollback()
     assert recorder.ids() == [row_id]
     assert outcome.failure is not None and outcome.failure.error_type == "ShardFaultError"
     assert "its handled rows cannot be deleted: LockNotAvailable" in outcome.failure.message
     assert outcome.failed is not None and outcome.failed.last_id == row_id
-    assert batch.held == {shard}
+    assert round_.held == {shard}
     assert await lock_holders(engine, lock_key(shard)) == []
-    async with drain.locked(app.table(), [shard]) as batch:
-        assert list(batch.locked) == [shard]
-        heads = await drain.read_heads(batch, max_groups=10, skip_held=False)
-        await drain.run(batch, heads, deadline=math.inf)
+    async with drain.locked(app.table(), [shard]) as round_:
+        assert list(round_.locked) == [shard]
+        heads = await drain.read_heads(round_, max_groups=10, skip_held=False)
+        await drain.run(round_, heads, deadline=math.inf)
     assert recorder.ids() == [row_id, row_id]
     assert await table_empty(engine, app)

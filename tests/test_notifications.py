@@ -19,7 +19,7 @@ from sqlalchemy import text
 
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.runtime.bridge import NOTIFIED_SCAN_INTERVAL, NOTIFIED_SWEEP_INTERVAL, Bridge
-from outbox_bridge.runtime.hub import ShardHub, ShardKey, partition_of
+from outbox_bridge.runtime.hub import ShardHub, partition_of
 from outbox_bridge.runtime.notifications import (
     MAX_PAYLOAD_BYTES,
     Notification,
@@ -202,7 +202,7 @@ def test_every_accepted_region_names_a_shard_whose_workflow_id_reads_back() -> N
         back = parse_shard(shard.key, app)
         assert (back.region, back.scope, back.shard_identifier) == (region, 1, 7)
         # The partition of any accepted region can be computed (it is hashed as UTF-8).
-        partition_of(ShardKey("t_forged", region, 1, 7), 4)
+        partition_of(ShardRef("t_forged", 1, "ORGANIZATION", 7, region), 4)
 
 
 def test_refusals_are_logged_as_warnings_with_the_message_cut_short(
@@ -235,7 +235,7 @@ def test_refusals_are_logged_as_warnings_with_the_message_cut_short(
     assert "not JSON" in refusals[0] and "an entry is not" in refusals[1]
     assert refusals[0].startswith("refused a notification on t_forged_rows (not JSON)")
     assert inbox.rescan
-    assert inbox.news == {ShardKey("t_forged", None, 1, 2): 3}
+    assert inbox.news == {ShardRef("t_forged", 1, "ORGANIZATION", 2): 3}
     assert bridge.handed_to_drains == 1
 
 

@@ -129,10 +129,10 @@ class Worker:
     async def round(self, shards: list[ShardRef]) -> int:
         """One round over ``shards``, as a partition's drain runs it; how many it locked."""
         table = self.app.table()
-        async with self.drains.locked(table, shards) as batch:
-            locked = len(batch.locked)
-            heads = await self.drains.read_heads(batch, max_groups=MAX_GROUPS, skip_held=True)
-            await self.drains.run(batch, heads, deadline=math.inf)
+        async with self.drains.locked(table, shards) as round_:
+            locked = len(round_.locked)
+            heads = await self.drains.read_heads(round_, max_groups=MAX_GROUPS, skip_held=True)
+            await self.drains.run(round_, heads, deadline=math.inf)
         return locked
 
     async def drain(self, shards: list[ShardRef]) -> None:

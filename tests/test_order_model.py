@@ -132,9 +132,9 @@ async def drain_in_rounds(outbox: Outbox, calls: HandlerCalls, max_groups: int) 
     for _ in range(200):
         if not await outbox.pending():
             return
-        async with drains.locked(table, shards) as batch:
-            heads = await drains.read_heads(batch, max_groups=max_groups, skip_held=True)
-            await drains.run(batch, heads, deadline=math.inf)
+        async with drains.locked(table, shards) as round_:
+            heads = await drains.read_heads(round_, max_groups=max_groups, skip_held=True)
+            await drains.run(round_, heads, deadline=math.inf)
     raise AssertionError("the rounds did not empty the table")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import text
 
 from outbox_bridge.db.parked import park_head, read_parked, unpark
-from outbox_bridge.db.store import read_pending_up_to
+from outbox_bridge.db.scans import read_pending_up_to
 from outbox_bridge.testing import drain_outbox_async
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (

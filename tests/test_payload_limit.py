@@ -21,10 +21,10 @@ from sqlalchemy.orm import Session
 
 from outbox_bridge import InvalidRowError, OutboxApp, OutboxSettings, PayloadTooLargeError
 from outbox_bridge.config import DEFAULT_MAX_PAYLOAD_BYTES
-from outbox_bridge.db.store import read_rows as store_read_rows
+from outbox_bridge.db.reads import read_rows as store_read_rows
 from outbox_bridge.producer import RowSpec
 from outbox_bridge.registry import OutboxTable
-from outbox_bridge.runtime import rounds as rounds_module
+from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.payload_budget import PayloadBudget
 from outbox_bridge.runtime.rounds import DrainEngine
@@ -183,7 +183,7 @@ async def test_a_row_just_over_the_limit_blocks_its_shard_unread(engine, monkeyp
         sent.extend(len(row.payload) for row in found.values() if row.payload is not None)
         return found
 
-    monkeypatch.setattr(rounds_module, "read_rows", read_rows)
+    monkeypatch.setattr(heads_module, "read_rows", read_rows)
     shards = [ShardRef(table, 1, "ORGANIZATION", n) for n in (1, 2, 3)]
 
     async def one_round(limit: int, of: list[ShardRef], max_groups: int = 100) -> dict[int, Any]:

@@ -19,10 +19,10 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError
 
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.db.store import lock_key
+from outbox_bridge.db.locks import lock_key
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.embedded import temporal_cli as temporal_binary
-from outbox_bridge.runtime.hub import key_of, partition_of
+from outbox_bridge.runtime.hub import partition_of
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.workflows.models import (
     FlushResult,
@@ -279,7 +279,7 @@ async def test_steady_traffic_on_healthy_shards_costs_no_history_event_per_row(
             )
         ]
     partitions = {
-        partition_of(key_of(parse_shard(f"ORGANIZATION:{n}", app)), settings.partitions)
+        partition_of(parse_shard(f"ORGANIZATION:{n}", app), settings.partitions)
         for n in range(1, 31)
     }
     assert partitions == set(range(settings.partitions))  # the rows reached every partition

@@ -22,8 +22,11 @@ import pytest
 from sqlalchemy import text
 
 from outbox_bridge import OutboxMessage
-from outbox_bridge.db.store import DriverWrites, lock_key, read_held_shards
-from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.db.locks import lock_key
+from outbox_bridge.db.store import read_held_shards
+from outbox_bridge.db.writes import DriverWrites
+from outbox_bridge.observability.observe import RoundObserver
+from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
@@ -144,7 +147,7 @@ STEPS = [
     Step("read trace contexts", "ShardFaultError", "its calls cannot be observed"),
     Step("build message", "ShardFaultError", "its head groups cannot be prepared"),
     Step("call handler", "InjectedFault", "the handler of shard 99 failed"),
-    Step("observe call", "InjectedFault", "injected into BatchObserver.call"),
+    Step("observe call", "InjectedFault", "injected into RoundObserver.call"),
     Step("delete", "ShardFaultError", "its handled rows cannot be deleted: InjectedFault"),
     Step("unlock", "ShardFaultError", "its lock cannot be released: InjectedFault", "unhandled"),
 ]
@@ -185,14 +188,14 @@ def inject(step: str, monkeypatch: pytest.MonkeyPatch, bad_ids: set[int]) -> Non
     # step: where its function is looked up, its name there, and when it fails (given the
     # function's positional arguments)
     where: dict[str, tuple[object, str, Callable[..., bool]]] = {
-        "read windows": (rounds_module, "read_windows", lambda c, t, shards: any_bad(shards)),
+        "read windows": (heads_module, "read_windows", lambda c, t, shards: any_bad(shards)),
         "read tails": (
-            rounds_module,
+            heads_module,
             "read_group_tails",
             lambda c, t, tails: any_bad(tail.shard for tail in tails),
         ),
-        "read payload sizes": (rounds_module, "read_payload_sizes", lambda c, t, ids: bad_id(ids)),
-        "read rows": (rounds_module, "read_rows", lambda c, t, ids: bad_id(ids)),
+        "read payload sizes": (heads_module, "read_payload_sizes", lambda c, t, ids: bad_id(ids)),
+        "read rows": (heads_module, "read_rows", lambda c, t, ids: bad_id(ids)),
         "read trace contexts": (
             rounds_module,
             "read_trace_contexts",
@@ -204,7 +207,7 @@ def inject(step: str, monkeypatch: pytest.MonkeyPatch, bad_ids: set[int]) -> Non
             lambda calls, group, row, *_: row.shard_identifier == BAD,
         ),
         "observe call": (
-            BatchObserver,
+            RoundObserver,
             "call",
             lambda observer, *_: observer.shard.shard_identifier == BAD,
         ),

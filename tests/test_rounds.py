@@ -19,14 +19,16 @@ from sqlalchemy import Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from outbox_bridge.db.store import GroupRows, ShardWindow, WindowRow, read_shard_ranges
-from outbox_bridge.db.store import read_rows as store_read_rows
+from outbox_bridge.db.reads import GroupRows, ShardWindow, WindowRow
+from outbox_bridge.db.reads import read_rows as store_read_rows
+from outbox_bridge.db.scans import read_shard_ranges
+from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime import hub as hub_module
-from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls
-from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, ShardKey, partition_of
+from outbox_bridge.runtime.heads import ShardHead, _keep_within, head_of
+from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, partition_of
 from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
-from outbox_bridge.runtime.rounds import DrainEngine, ShardHead, _keep_within, head_of
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import (
     PartitionDrainInput,
     PartitionOptions,
@@ -150,11 +152,11 @@ def test_a_short_window_is_the_whole_shard() -> None:
 
 
 ODD_KEYS = [
-    ShardKey("outbox", None, 1, 42),
-    ShardKey("outbox", "eu:west", 2, -5),
-    ShardKey("outbox", None, 1, 2**63 - 1),
-    ShardKey("outbox", None, -(2**31), -(2**63)),
-    ShardKey("outbox", "ü", 1, 1),
+    ShardRef("outbox", 1, "ORGANIZATION", 42),
+    ShardRef("outbox", 2, "2", -5, "eu:west"),
+    ShardRef("outbox", 1, "ORGANIZATION", 2**63 - 1),
+    ShardRef("outbox", -(2**31), str(-(2**31)), -(2**63)),
+    ShardRef("outbox", 1, "ORGANIZATION", 1, "ü"),
 ]
 
 
@@ -163,31 +165,31 @@ ODD_KEYS = [
     [
         # The first 32 bits of the MD5 of "<region>:<scope>:<identifier>", modulo 1, 2, 4, 7,
         # 16 and 1000 partitions.
-        (ShardKey("outbox", None, 1, 42), [0, 1, 3, 4, 11, 747]),
-        (ShardKey("outbox", None, 2, 7), [0, 1, 3, 4, 7, 431]),
-        (ShardKey("outbox", "eu", 1, 42), [0, 0, 0, 0, 12, 836]),
-        (ShardKey("outbox", "eu:west", 2, -5), [0, 0, 2, 0, 2, 666]),
-        (ShardKey("outbox", None, 1, 2**63 - 1), [0, 0, 2, 0, 14, 918]),
-        (ShardKey("outbox", None, -(2**31), -(2**63)), [0, 0, 0, 2, 12, 924]),
-        (ShardKey("outbox", "ü", 1, 1), [0, 1, 3, 0, 11, 259]),
+        (ShardRef("outbox", 1, "ORGANIZATION", 42), [0, 1, 3, 4, 11, 747]),
+        (ShardRef("outbox", 2, "2", 7), [0, 1, 3, 4, 7, 431]),
+        (ShardRef("outbox", 1, "ORGANIZATION", 42, "eu"), [0, 0, 0, 0, 12, 836]),
+        (ShardRef("outbox", 2, "2", -5, "eu:west"), [0, 0, 2, 0, 2, 666]),
+        (ShardRef("outbox", 1, "ORGANIZATION", 2**63 - 1), [0, 0, 2, 0, 14, 918]),
+        (ShardRef("outbox", -(2**31), str(-(2**31)), -(2**63)), [0, 0, 0, 2, 12, 924]),
+        (ShardRef("outbox", 1, "ORGANIZATION", 1, "ü"), [0, 1, 3, 0, 11, 259]),
     ],
 )
-def test_partition_of_never_changes(key: ShardKey, expected: list[int]) -> None:
+def test_partition_of_never_changes(key: ShardRef, expected: list[int]) -> None:
     """Which partition drains a shard must be the same in every worker of a deployment, old
     and new releases mixed during an upgrade: these values are fixed, never recomputed."""
     assert [partition_of(key, n) for n in (1, 2, 4, 7, 16, 1000)] == expected
 
 
 def test_partition_of_does_not_depend_on_the_table() -> None:
-    assert partition_of(ShardKey("a", None, 1, 42), 16) == partition_of(
-        ShardKey("b", None, 1, 42), 16
+    assert partition_of(ShardRef("a", 1, "ORGANIZATION", 42), 16) == partition_of(
+        ShardRef("b", 1, "ORGANIZATION", 42), 16
     )
 
 
 def test_partition_of_spreads_shards_over_every_partition() -> None:
     counts = [0] * 8
     for ident in range(8000):
-        counts[partition_of(ShardKey("outbox", None, 1, ident), 8)] += 1
+        counts[partition_of(ShardRef("outbox", 1, "ORGANIZATION", ident), 8)] += 1
     assert min(counts) > 800 and max(counts) < 1200
 
 
@@ -303,7 +305,7 @@ async def test_a_round_reads_no_more_payload_bytes_than_its_budget(engine, monke
         reads.append((len(found), sum(len(str(row.payload)) for row in found.values())))
         return found
 
-    monkeypatch.setattr(rounds_module, "read_rows", read_rows)
+    monkeypatch.setattr(heads_module, "read_rows", read_rows)
     calls = HandlerCalls(app, redact_errors=False, threads=2)
     drains = DrainEngine(engine, app, calls=calls, max_round_bytes=BUDGET)
     shards = [ShardRef(table.name, 1, "ORGANIZATION", n) for n in range(1, 6)]
@@ -376,7 +378,7 @@ async def test_a_partition_s_scan_returns_its_own_shards_as_partition_of_assigns
                     assert (r.region, r.scope, r.shard_identifier) not in found
                     found[(r.region or "", r.scope, r.shard_identifier)] = number
         assert found == {
-            key: partition_of(ShardKey(table.name, key[0], key[1], key[2]), partitions)
+            key: partition_of(ShardRef(table.name, key[1], str(key[1]), key[2], key[0]), partitions)
             for key in shards
         }
     async with engine.connect() as conn:
@@ -531,12 +533,14 @@ def test_a_partition_s_inbox_asks_for_a_scan_past_its_cap(monkeypatch) -> None:
     monkeypatch.setattr(hub_module, "MAX_NEWS", 3)
     inbox = PartitionInbox("outbox", 0, 1)
     for n in range(3):
-        inbox.offer(ShardKey("outbox", None, 1, n), 10 + n)
+        inbox.offer(ShardRef("outbox", 1, "ORGANIZATION", n), 10 + n)
     assert not inbox.rescan
-    inbox.offer(ShardKey("outbox", None, 1, 1), 99)  # a shard it knows: newer news is kept
-    inbox.offer(ShardKey("outbox", None, 1, 7), 20)
+    inbox.offer(
+        ShardRef("outbox", 1, "ORGANIZATION", 1), 99
+    )  # a shard it knows: newer news is kept
+    inbox.offer(ShardRef("outbox", 1, "ORGANIZATION", 7), 20)
     assert inbox.rescan and len(inbox.news) == 3
-    assert inbox.news[ShardKey("outbox", None, 1, 1)] == 99
+    assert inbox.news[ShardRef("outbox", 1, "ORGANIZATION", 1)] == 99
     assert inbox.event.is_set()
 
 
@@ -553,13 +557,13 @@ def test_a_partition_drain_queues_news_up_to_its_cap() -> None:
     )
     inbox = hub.open_partition("t_tiny", 0, 1)
     for n in range(1000):
-        inbox.offer(ShardKey("t_tiny", None, 1, n), n + 1)
+        inbox.offer(ShardRef("t_tiny", 1, "ORGANIZATION", n), n + 1)
     assert not drain._take_news(inbox)
-    assert list(drain._queue) == [ShardKey("t_tiny", None, 1, n) for n in range(10)]
-    assert drain._overflowed
+    assert list(drain._queue) == [ShardRef("t_tiny", 1, "ORGANIZATION", n) for n in range(10)]
+    assert drain._queue.overflowed
     started = time.monotonic()
     for _ in range(100):
-        drain._next_round()
+        drain._queue.next_round(drain._options.max_shards)
     assert time.monotonic() - started < 1.0
 
 

@@ -24,7 +24,8 @@ from temporalio.client import Client
 
 from outbox_bridge import OutboxApp, OutboxMessage
 from outbox_bridge.observability.sdk import build_tracer_provider
-from outbox_bridge.runtime.hub import ShardKey, partition_of
+from outbox_bridge.runtime.hub import partition_of
+from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
     Category,
     Recorder,
@@ -94,7 +95,7 @@ async def failing_once(engine: Any) -> tuple[str, OutboxApp]:
 
 
 def partition_index(table: str, scope: int, shard: int, partitions: int = 4) -> int:
-    return partition_of(ShardKey(table, None, scope, shard), partitions)
+    return partition_of(ShardRef(table, scope, str(scope), shard), partitions)
 
 
 def parent_of(span: ReadableSpan, spans: InMemorySpanExporter) -> ReadableSpan:
@@ -341,7 +342,7 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
 ) -> None:
     """A plain-def handler runs in a thread of the handler pool, not on the event loop, and
     the span current in that thread is its own call's: the handler span of its row, under the
-    batch's drain activity."""
+    round's drain activity."""
     table = unique_table()
     app = make_app(table, Recorder(), handle_all=False)
     loop_thread = threading.get_ident()
@@ -355,7 +356,7 @@ async def test_sync_handlers_run_in_a_thread_each_call_in_its_own_span(
 
     await create_tables(engine, app)
     rows = [row(Category.PROJECT_UPDATE, 6, obj) for obj in (1, 2, 3)]
-    ids = await write_rows(engine, app, rows)  # before the worker: one batch
+    ids = await write_rows(engine, app, rows)  # before the worker: one round_
     async with running_worker(servers, app, fast_settings()):
         await wait_until(lambda: table_empty(engine, app), what="the rows handled")
     assert sorted(seen) == ids

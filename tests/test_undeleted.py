@@ -13,10 +13,11 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
-from outbox_bridge.db.store import GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.runtime.assembly import build_drains
 from outbox_bridge.runtime.calls import HandlerCalls
-from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome, Undeleted
+from outbox_bridge.runtime.round_writes import ShardOutcome, Undeleted
+from outbox_bridge.runtime.rounds import DrainEngine, Round
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import SCOPES, Category, Scope
 
@@ -136,14 +137,14 @@ class Deletes:
             await asyncio.sleep(0)
 
 
-def fake_round(limit: int) -> tuple[LockedShards, ShardOutcome, Deletes]:
+def fake_round(limit: int) -> tuple[Round, ShardOutcome, Deletes]:
     app = app_with(plain=False, asynchronous=True)
     shard = ShardRef("undeleted", int(Scope.ORGANIZATION), Scope.ORGANIZATION.name, 1)
-    conn: Any = SimpleNamespace(invalidated=False)  # never sent a statement: _delete is faked
-    batch = LockedShards(conn, app.table(), [shard], Undeleted(limit))
+    conn: Any = SimpleNamespace(invalidated=False)  # never sent a statement: delete_rows is faked
+    round_ = Round(conn, app.table(), [shard], Undeleted(limit))
     deletes = Deletes()
-    batch._delete = deletes  # type: ignore[method-assign]
-    return batch, ShardOutcome(shard), deletes
+    round_.delete_rows = deletes  # type: ignore[method-assign]
+    return round_, ShardOutcome(shard), deletes
 
 
 def group(row_id: int) -> GroupRows:
@@ -153,30 +154,30 @@ def group(row_id: int) -> GroupRows:
 async def test_what_is_handled_while_a_delete_is_under_way_goes_in_the_next_one() -> None:
     """Pipelined: one statement under way per round, the next takes every group handled
     meanwhile (never a round trip per group)."""
-    batch, outcome, deletes = fake_round(limit=100)
-    batch.deleted(group(1), outcome)
+    round_, outcome, deletes = fake_round(limit=100)
+    round_.deleted(group(1), outcome)
     await deletes.under_way(1)
     for row_id in range(2, 8):
-        batch.deleted(group(row_id), outcome)
-    assert batch.undeleted.groups == 7
+        round_.deleted(group(row_id), outcome)
+    assert round_.undeleted.groups == 7
     await asyncio.sleep(0.01)
     assert deletes.statements == [[1]]  # the others wait for the one under way
     deletes.gate.set()
-    await batch.flush()
+    await round_.flush()
     assert deletes.statements == [[1], [2, 3, 4, 5, 6, 7]]
-    assert batch.undeleted.groups == 0
+    assert round_.undeleted.groups == 0
     assert outcome.rows_handled == 7
 
 
 async def test_a_round_waits_for_its_deletes_once_the_bound_is_reached() -> None:
-    batch, outcome, deletes = fake_round(limit=3)
+    round_, outcome, deletes = fake_round(limit=3)
     for row_id in (1, 2, 3):
-        batch.deleted(group(row_id), outcome)
+        round_.deleted(group(row_id), outcome)
     await deletes.under_way(1)
-    paced = asyncio.create_task(batch.pace())
+    paced = asyncio.create_task(round_.pace())
     await asyncio.sleep(0.01)
     assert not paced.done()  # three handled, none deleted: no further call
     deletes.gate.set()
     await asyncio.wait_for(paced, 5)
-    await batch.flush()
-    assert batch.undeleted.groups == 0
+    await round_.flush()
+    assert round_.undeleted.groups == 0

@@ -22,7 +22,7 @@ from outbox_bridge.cli.park_commands import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.pauses import read_shard_pause
-from outbox_bridge.db.store import read_shard_depths
+from outbox_bridge.db.scans import read_shard_depths
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.scope_directory import NO_APP_HINT, ScopeDirectory

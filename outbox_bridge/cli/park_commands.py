@@ -25,9 +25,9 @@ from outbox_bridge.cli.connections import command_app, connected, named_shard, s
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, shard_options, tool_command
 from outbox_bridge.config import OutboxSettings, SettingGroup
+from outbox_bridge.db.locks import lock_shard_waiting, unlock_shards
 from outbox_bridge.db.parked import ParkedGroup, park_head, read_parked, unpark
 from outbox_bridge.db.schema import parked_of
-from outbox_bridge.db.store import lock_shard_waiting, unlock_shards
 from outbox_bridge.errors import ConfigurationError, OutboxError, ShardLockedError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.workflows.models import NotifyInput, RecheckInput, ShardRef

@@ -26,7 +26,7 @@ from outbox_bridge.cli.park_commands import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
 from outbox_bridge.config import SettingGroup
 from outbox_bridge.db.parked import ParkedGroup
-from outbox_bridge.db.store import read_shard_max_id
+from outbox_bridge.db.scans import read_shard_max_id
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.shards import (

@@ -1,8 +1,9 @@
-"""Rows inserted into and deleted from the outbox tables, for the worker's summary.
+"""The outbox tables' statistics: the rows inserted and deleted (for the worker's summary), and
+whether the planner has what it needs.
 
-Read from ``pg_stat_user_tables``, never the tables: backends report these cumulative counts at
-most once a second (within about ten seconds when idle), so they lag; good for a rate over a
-few seconds.
+The row counts are read from ``pg_stat_user_tables``, never the tables: backends report these
+cumulative counts at most once a second (within about ten seconds when idle), so they lag; good
+for a rate over a few seconds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import BigInteger, Table, column, func, select, table
+from sqlalchemy import BigInteger, Table, column, func, select, table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 _PG_STAT_USER_TABLES = table(
@@ -38,3 +39,34 @@ async def read_row_counters(conn: AsyncConnection, tables: Sequence[Table]) -> R
     ).where(stats.relid.in_([func.to_regclass(t.name) for t in tables]))
     inserted, deleted = (await conn.execute(query)).one()
     return RowCounters(int(inserted), int(deleted))
+
+
+# A table with at least this many rows and no planner statistics gets analyzed: below it, the
+# plans that statistics would change cost little either way.
+STATISTICS_MIN_ROWS = 1_000
+
+
+async def lacks_statistics(conn: AsyncConnection, table: Table) -> bool:
+    """Whether ``table`` holds :data:`STATISTICS_MIN_ROWS` rows or more and no statistics on
+    its shard columns. Without them the planner may range-scan a deep shard once per group of
+    every round (a 20,000-row shard drained at 420 rows/s instead of 11,000)."""
+    result = await conn.execute(
+        text(
+            f"""
+            SELECT NOT EXISTS (
+                SELECT 1 FROM pg_stats s
+                JOIN pg_namespace n ON n.nspname = s.schemaname
+                JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = s.tablename
+                WHERE c.oid = to_regclass(:table) AND s.attname = 'shard_identifier'
+            ) AND (SELECT count(*) FROM (SELECT 1 FROM {table.name} LIMIT :rows) r) >= :rows
+            """
+        ),
+        {"table": table.name, "rows": STATISTICS_MIN_ROWS},
+    )
+    return bool(result.scalar())
+
+
+async def analyze(conn: AsyncConnection, table: Table) -> None:
+    """Gather ``table``'s planner statistics (needs the table's owner, or the MAINTAIN
+    privilege from PostgreSQL 17)."""
+    await conn.execute(text(f"ANALYZE {table.name}"))

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from outbox_bridge.db.store import ShardRange, read_oldest_ages
+from outbox_bridge.db.scans import ShardRange, read_oldest_ages
 from outbox_bridge.observability.metrics import Attributes, OutboxMetrics
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW

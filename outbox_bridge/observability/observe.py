@@ -16,7 +16,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer
 
-from outbox_bridge.db.store import GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.observability.logs import LOG_CONTEXT
 from outbox_bridge.observability.metrics import OutboxMetrics, active_metrics
 from outbox_bridge.observability.telemetry import active_tracer, context_of, links_to
@@ -24,11 +24,11 @@ from outbox_bridge.registry import OutboxMessage
 from outbox_bridge.workflows.models import ShardRef
 
 
-class BatchObserver:
-    """Observes the handler calls of one drain batch (or one category activity) of a shard.
+class RoundObserver:
+    """Observes the handler calls of one drain round (or one category activity) of a shard.
 
-    When ``traced``, the caller reads the trace contexts of the batch's rows into ``contexts``
-    (row id → carrier). Counters are added once per batch, by :meth:`finish`.
+    When ``traced``, the caller reads the trace contexts of the round's rows into ``contexts``
+    (row id → carrier). Counters are added once per round, by :meth:`finish`.
     """
 
     def __init__(self, shard: ShardRef, *, partition: str | None = None) -> None:
@@ -70,7 +70,7 @@ class BatchObserver:
         counts[1] += rows - 1
 
     def finish(self) -> None:
-        """Add the batch's counters (rows handled and coalesced, per category)."""
+        """Add the round's counters (rows handled and coalesced, per category)."""
         if self.metrics is None:
             return
         shard = self.shard
@@ -87,24 +87,24 @@ class ObservedCall:
     activity's, linked to the producer span of every row the call covers), its duration and
     outcome, and the log context (shard, category)."""
 
-    __slots__ = ("_batch", "_category", "_group", "_message", "_span", "_start", "_token")
+    __slots__ = ("_category", "_group", "_message", "_observer", "_span", "_start", "_token")
 
     def __init__(
         self,
-        batch: BatchObserver,
+        observer: RoundObserver,
         group: GroupRows,
         message: OutboxMessage,
         category: str,
         attempt: int,
     ) -> None:
-        self._batch = batch
+        self._observer = observer
         self._group = group
         self._message = message
         self._category = category
         self._span: contextlib.AbstractContextManager[trace.Span] | None = None
         self._start = 0.0
-        if batch.tracer is not None:
-            self._span = batch.tracer.start_as_current_span(
+        if observer.tracer is not None:
+            self._span = observer.tracer.start_as_current_span(
                 f"outbox.handle {category}",
                 context=self._parent(),
                 kind=SpanKind.CONSUMER,
@@ -117,13 +117,13 @@ class ObservedCall:
     def _parent(self) -> otel_context.Context | None:
         """On a partition's path, the producer span of the row handed to the handler; else
         (None) the current span: the activity's."""
-        if self._batch.partition is None:
+        if self._observer.partition is None:
             return None
-        carrier = self._batch.contexts.get(self._group.last_id)
+        carrier = self._observer.contexts.get(self._group.last_id)
         return context_of(carrier) if carrier is not None else None
 
     def _attributes(self, attempt: int) -> dict[str, Any]:
-        shard, group = self._batch.shard, self._group
+        shard, group = self._observer.shard, self._group
         attributes: dict[str, Any] = {
             "outbox.table": shard.table,
             "outbox.scope": shard.scope_name,
@@ -137,19 +137,19 @@ class ObservedCall:
         }
         if shard.region is not None:
             attributes["outbox.region"] = shard.region
-        if self._batch.partition is not None:
-            attributes["outbox.partition"] = self._batch.partition
+        if self._observer.partition is not None:
+            attributes["outbox.partition"] = self._observer.partition
         return attributes
 
     def _links(self) -> list[Link]:
-        contexts = self._batch.contexts
+        contexts = self._observer.contexts
         return links_to(contexts[i] for i in reversed(self._group.ids) if i in contexts)
 
     def __enter__(self) -> None:
-        self._token = LOG_CONTEXT.set(self._batch.log_fields(self._category))
+        self._token = LOG_CONTEXT.set(self._observer.log_fields(self._category))
         if self._span is not None:
             self._span.__enter__()
-        if self._batch.metrics is not None:
+        if self._observer.metrics is not None:
             self._start = time.perf_counter()
 
     def __exit__(
@@ -159,8 +159,8 @@ class ObservedCall:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if self._batch.metrics is not None:
-                self._record(self._batch.metrics, exc)
+            if self._observer.metrics is not None:
+                self._record(self._observer.metrics, exc)
             if exc is not None and self._span is not None:
                 self._fail_span(exc)
         finally:
@@ -169,7 +169,7 @@ class ObservedCall:
             LOG_CONTEXT.reset(self._token)
 
     def _record(self, metrics: OutboxMetrics, exc: BaseException | None) -> None:
-        shard = self._batch.shard
+        shard = self._observer.shard
         if isinstance(exc, asyncio.CancelledError):
             return  # a skip or a shutdown: neither a success nor a failure of the handler
         key = (shard.table, shard.scope_name, self._category)
@@ -179,7 +179,7 @@ class ObservedCall:
         attributes = metrics.category_attributes(*key)
         if exc is None:
             metrics.queue_time.record(_age(self._message), attributes)
-            self._batch.handled(self._category, len(self._group.ids))
+            self._observer.handled(self._category, len(self._group.ids))
         else:
             error = {**attributes, "error.type": type(exc).__qualname__}
             metrics.handler_failures.add(1, error)

@@ -21,8 +21,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from outbox_bridge.db.scans import read_shard_ranges
 from outbox_bridge.db.stats import RowCounters, read_row_counters
-from outbox_bridge.db.store import read_shard_ranges
 from outbox_bridge.observability.backlog import count_shard_states
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, installed_handler
 from outbox_bridge.registry import OutboxApp

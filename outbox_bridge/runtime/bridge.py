@@ -18,20 +18,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.pauses import PAUSES_CHANGED
+from outbox_bridge.db.scans import read_shard_ranges
 from outbox_bridge.db.schema import SWEEP_NOTIFICATION, notify_channel
-from outbox_bridge.db.store import (
-    STATISTICS_MIN_ROWS,
-    analyze,
-    lacks_statistics,
-    read_shard_ranges,
-)
+from outbox_bridge.db.stats import STATISTICS_MIN_ROWS, analyze, lacks_statistics
 from outbox_bridge.db.tls import tls_refusal
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.observability.backlog import observe_backlog, observe_shard_states
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, ShardKey, wait_any
+from outbox_bridge.runtime.hub import ShardHub, shard_of, wait_any
 from outbox_bridge.runtime.notifications import RefusalLog, Throttle, parse_notification
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
@@ -216,7 +212,7 @@ class Bridge:
             self._scan_asked(table.name)
             return
         for entry in parsed:
-            key = ShardKey(table.name, entry.region, entry.scope, entry.shard_identifier)
+            key = shard_of(self._app, table.name, entry.region, entry.scope, entry.shard_identifier)
             if self._wanted_region(key.region) and self._hub.offer_to_partition(key, entry.max_id):
                 self.handed_to_drains += 1
 

@@ -30,14 +30,22 @@ class Slots:
     async def take(self, deadline: float = math.inf, round_: RoundShards | None = None) -> bool:
         """Take a slot, waiting until ``deadline`` (``time.monotonic``) at most, or until the
         other shards of ``round_`` are done; False if none came free by then."""
-        waiters = self._waiters
-        while waiters and waiters[0].done():  # expired: left for here or give() to drop
-            waiters.popleft()
-        if self.taken < self.size and not waiters:
+        if self._free():
             self.taken += 1
             return True
         if round_ is not None and round_.idle:
             return False
+        return await self._wait(deadline, round_)
+
+    def _free(self) -> bool:
+        """Whether a slot is free and nobody waits for one."""
+        waiters = self._waiters
+        while waiters and waiters[0].done():  # expired: left for here or give() to drop
+            waiters.popleft()
+        return self.taken < self.size and not waiters
+
+    async def _wait(self, deadline: float, round_: RoundShards | None) -> bool:
+        """Queue for the next slot given back, until ``deadline`` or ``round_`` is idle."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiters.append(waiter)

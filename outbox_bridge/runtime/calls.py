@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from outbox_bridge.db.grants import Role, privilege_advice
-from outbox_bridge.db.store import GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.errors import (
     CategoryScopeError,
     OutboxError,
@@ -30,10 +30,16 @@ from outbox_bridge.errors import (
     UnknownCategoryError,
 )
 from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_context
-from outbox_bridge.observability.observe import BatchObserver
+from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.producer import byte_size
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
-from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Held, RoundShards
+from outbox_bridge.runtime.call_slots import (
+    MAX_CONCURRENT_CALLS,
+    CallSlots,
+    Held,
+    RoundShards,
+    Slots,
+)
 from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
@@ -193,7 +199,7 @@ class HandlerCalls:
         shard: ShardRef,
         calls: list[Call],
         handled: Callable[[Call], None],
-        observer: BatchObserver,
+        observer: RoundObserver,
         *,
         deadline: float = math.inf,
         attempt: int = 1,
@@ -211,9 +217,7 @@ class HandlerCalls:
         try:
             while index < len(calls):
                 call = calls[index]
-                if pace is not None:
-                    await pace.wait()
-                if not may_continue() or (index and time.monotonic() > deadline):
+                if not await _may_start(index, deadline, may_continue, pace):
                     return False
                 limits = self.slots.limits(call.group.category)
                 async with Held(limits, deadline, round_) as free:
@@ -221,14 +225,7 @@ class HandlerCalls:
                     if not free or not may_continue():
                         return False
                     if call.is_sync:
-                        end = index + 1
-                        while (
-                            end < len(calls)
-                            and end - index < hop
-                            and calls[end].is_sync
-                            and self.slots.limits(calls[end].group.category) == limits
-                        ):
-                            end += 1
+                        end = self._sync_run_end(calls, index, hop, limits)
                         count, error, paused = await self._in_thread(
                             calls[index:end],
                             handled,
@@ -255,11 +252,24 @@ class HandlerCalls:
             if clock is not None:
                 clock.close()
 
+    def _sync_run_end(self, calls: list[Call], index: int, hop: int, limits: list[Slots]) -> int:
+        """Where the sync calls from ``index`` that run in one thread hop end: at most ``hop``
+        of them, each under the same ``limits``."""
+        end = index + 1
+        while (
+            end < len(calls)
+            and end - index < hop
+            and calls[end].is_sync
+            and self.slots.limits(calls[end].group.category) == limits
+        ):
+            end += 1
+        return end
+
     async def _call_async(
         self,
         shard: ShardRef,
         call: Call,
-        observer: BatchObserver,
+        observer: RoundObserver,
         attempt: int,
         clock: _CallClock | None,
     ) -> None:
@@ -304,7 +314,7 @@ class HandlerCalls:
         self,
         run: list[Call],
         handled: Callable[[Call], None],
-        observer: BatchObserver,
+        observer: RoundObserver,
         deadline: float,
         offset: int,
         attempt: int,
@@ -494,3 +504,13 @@ def _decode_payload(shard: ShardRef, row: Row[Any], limit: int) -> tuple[Any, Ou
             f"the payload of row {row.id} cannot be decoded: {type(exc).__qualname__}: {exc}; "
             f"fix or delete the row, or skip shard {shard.key}"
         )
+
+
+async def _may_start(
+    index: int, deadline: float, may_continue: Callable[[], bool], pace: Pace | None
+) -> bool:
+    """Whether the call at ``index`` may start: once the deletes caught up (``pace``), while
+    the round goes on, and before the deadline unless it is the first call."""
+    if pace is not None:
+        await pace.wait()
+    return may_continue() and not (index and time.monotonic() > deadline)

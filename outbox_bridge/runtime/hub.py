@@ -4,42 +4,25 @@ that runs elsewhere finds the rows by its own scans). Both sides run on one even
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from outbox_bridge.db.store import partition_number
+from outbox_bridge.db.scans import partition_number
 from outbox_bridge.workflows.models import ShardRef
 
 if TYPE_CHECKING:
     from outbox_bridge.registry import OutboxApp
 
 
-class ShardKey(NamedTuple):
-    """A shard as the bridge and the drains key it: its table and its shard columns."""
-
-    table: str
-    region: str | None
-    scope: int
-    shard_identifier: int
+def shard_of(
+    app: OutboxApp, table: str, region: str | None, scope: int, shard_identifier: int
+) -> ShardRef:
+    """A shard named from its columns (a notification's, a scan's), its scope named by ``app``."""
+    return ShardRef(table, scope, app.scope_name(scope), shard_identifier, region)
 
 
-def key_of(shard: ShardRef) -> ShardKey:
-    return ShardKey(shard.table, shard.region, shard.scope, shard.shard_identifier)
-
-
-def ref_of(key: ShardKey, app: OutboxApp) -> ShardRef:
-    """The inverse of :func:`key_of`, with the scope's name from ``app``."""
-    return ShardRef(
-        table=key.table,
-        scope=key.scope,
-        scope_name=app.scope_name(key.scope),
-        shard_identifier=key.shard_identifier,
-        region=key.region,
-    )
-
-
-def partition_of(key: ShardKey, partitions: int) -> int:
+def partition_of(shard: ShardRef, partitions: int) -> int:
     """The partition that drains a healthy shard, the same in every process and in SQL."""
-    return partition_number(key.region, key.scope, key.shard_identifier, partitions)
+    return partition_number(shard.region, shard.scope, shard.shard_identifier, partitions)
 
 
 # Shards a partition's inbox keeps news of; past that, its drain scans every shard instead.
@@ -53,11 +36,11 @@ class PartitionInbox:
         self.table = table
         self.partition = partition
         self.partitions = partitions
-        self.news: dict[ShardKey, int] = {}
+        self.news: dict[ShardRef, int] = {}
         self.rescan = False  # a statement touched too many shards to name them
         self.event = asyncio.Event()
 
-    def offer(self, key: ShardKey, max_id: int) -> None:
+    def offer(self, key: ShardRef, max_id: int) -> None:
         known = self.news.get(key)
         if known is None and len(self.news) >= MAX_NEWS:
             self.rescan = True
@@ -65,7 +48,7 @@ class PartitionInbox:
             self.news[key] = max_id
         self.event.set()
 
-    def take(self) -> dict[ShardKey, int]:
+    def take(self) -> dict[ShardRef, int]:
         news, self.news = self.news, {}
         self.event.clear()
         return news
@@ -130,7 +113,7 @@ class ShardHub:
                 inbox.rescan = True
                 inbox.event.set()
 
-    def offer_to_partition(self, key: ShardKey, max_id: int) -> bool:
+    def offer_to_partition(self, key: ShardRef, max_id: int) -> bool:
         """Queue news of ``key`` for this worker's drain of its partition; False if none runs."""
         for (table, partition), inbox in self._partitions.items():
             if table == key.table and partition_of(key, inbox.partitions) == partition:

@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import functools
 import heapq
-import itertools
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
@@ -23,17 +23,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from outbox_bridge.db.disconnects import connection_lost
-from outbox_bridge.db.store import ShardRange, hold_free_shards, read_row_ages, read_shard_ranges
+from outbox_bridge.db.scans import ShardRange, read_row_ages, read_shard_ranges
+from outbox_bridge.db.store import hold_free_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.hub import (
     PartitionInbox,
     ShardHub,
-    ShardKey,
-    key_of,
-    ref_of,
+    shard_of,
     wait_any,
 )
-from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
+from outbox_bridge.runtime.round_writes import ShardOutcome
+from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.shard_queue import ShardQueue
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.unhandled import UnhandledShards
@@ -55,6 +56,15 @@ BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
 # every shard once the queue has emptied.
 MAX_QUEUED_SHARDS = 100_000
 MAX_GROUPS_PER_SHARD = 1000  # of one shard in one round, however few shards the round has
+
+
+@dataclass
+class _ScanTimes:
+    """When a partition's drain last scanned for new rows, and next scans every shard."""
+
+    last_poll: float
+    next_rescan: float
+    empty_polls: int = 0  # scans in a row that found no new row while the bridge listens
 
 
 def groups_per_shard(options: PartitionOptions, shards: int) -> int:
@@ -116,14 +126,11 @@ class PartitionDrain:
         self._options = request.options
         self._table: Table = engine.app.table(self._ref.table)
         self._heartbeat = heartbeat
-        self._queue: dict[ShardKey, None] = {}  # shards to drain, in arrival order
-        self._max_queued = max_queued
-        self._overflowed = False  # shards were left out of the queue: scan every shard again
-        self._in_flight: set[ShardKey] = set()
+        self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled)
         self._watermark = 0
         # What the attempt before, on a worker that left, handled: this run counts on from it.
         self._stats = carried if carried is not None else PartitionRound()
-        self._drained: set[ShardKey] = set()
+        self._drained: set[ShardRef] = set()
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
@@ -137,13 +144,7 @@ class PartitionDrain:
     async def run(self) -> PartitionRound:
         if self._hub.closed:  # not a return: the next round would start here again at once
             raise elsewhere("this worker is stopping: another worker takes the partition")
-        if self._share is not None:
-            running = len(self._hub.drains())
-            refusal = await self._share.refusal(
-                self._ref, running, self._attempt, ran_before=self._ran_before
-            )
-            if refusal is not None:
-                raise elsewhere(refusal)
+        await self._check_share()
         options = self._options
         began = time.monotonic()
         end = began + options.round_seconds
@@ -151,38 +152,20 @@ class PartitionDrain:
         rounds: set[asyncio.Task[None]] = set()
         try:
             await self._scan(full=True)
-            last_poll = time.monotonic()
-            empty_polls = 0  # scans in a row that found no new row while the bridge listens
-            next_rescan = time.monotonic() + options.rescan_interval_seconds
+            scans = _ScanTimes(time.monotonic(), time.monotonic() + options.rescan_interval_seconds)
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
             while not self._hub.closed and time.monotonic() < end:
                 rescan = self._take_news(inbox)
                 now = time.monotonic()
-                next_poll = last_poll + self._poll_wait(empty_polls)
-                if self._overflowed and not self._queue:
-                    next_rescan = min(next_rescan, next_poll)  # the left-out shards are next
-                if now >= next_rescan or rescan:
-                    await self._scan(full=True)
-                    next_rescan = now + options.rescan_interval_seconds
-                    last_poll = now
-                elif now >= next_poll:
-                    found = await self._scan(full=False)
-                    empty = not found and self._hub.listening
-                    last_poll, empty_polls = now, empty_polls + 1 if empty else 0
-                next_poll = last_poll + self._poll_wait(empty_polls)
-                while len(rounds) < options.max_rounds:
-                    shards = self._next_round()
-                    if not shards:
-                        break
-                    task = asyncio.create_task(self._round(shards))
-                    rounds.add(task)
-                    task.add_done_callback(rounds.discard)
+                next_poll = await self._scan_if_due(scans, rescan, now)
+                self._start_rounds(rounds)
                 if now >= next_beat:
                     self._heartbeat(self._report(began))
                     next_beat = now + HEARTBEAT_SECONDS
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
-                wake = min(next_poll, next_rescan, next_beat, end, await self._count_unhandled())
+                wake = min(next_poll, scans.next_rescan, next_beat, end)
+                wake = min(wake, await self._count_unhandled())
                 await self._wait(inbox, wake - time.monotonic())
             # Rounds end within their time budget (or their handlers' timeout): finish them.
             while rounds:
@@ -203,6 +186,43 @@ class PartitionDrain:
             raise elsewhere("this worker is stopping: another worker takes the partition")
         return report
 
+    async def _check_share(self) -> None:
+        """Raise if this worker runs more than its share of the partition drains."""
+        if self._share is None:
+            return
+        running = len(self._hub.drains())
+        refusal = await self._share.refusal(
+            self._ref, running, self._attempt, ran_before=self._ran_before
+        )
+        if refusal is not None:
+            raise elsewhere(refusal)
+
+    async def _scan_if_due(self, scans: _ScanTimes, rescan: bool, now: float) -> float:
+        """Scan every shard, or for new rows, when it is time (or ``rescan`` asks for a full
+        scan); returns when the next scan for new rows is due."""
+        next_poll = scans.last_poll + self._poll_wait(scans.empty_polls)
+        if self._queue.overflowed and not self._queue:
+            scans.next_rescan = min(scans.next_rescan, next_poll)  # the left-out shards are next
+        if now >= scans.next_rescan or rescan:
+            await self._scan(full=True)
+            scans.next_rescan = now + self._options.rescan_interval_seconds
+            scans.last_poll = now
+        elif now >= next_poll:
+            found = await self._scan(full=False)
+            empty = not found and self._hub.listening
+            scans.last_poll, scans.empty_polls = now, scans.empty_polls + 1 if empty else 0
+        return scans.last_poll + self._poll_wait(scans.empty_polls)
+
+    def _start_rounds(self, rounds: set[asyncio.Task[None]]) -> None:
+        """Start rounds of the queued shards, up to ``max_rounds`` at once."""
+        while len(rounds) < self._options.max_rounds:
+            shards = self._queue.next_round(self._options.max_shards)
+            if not shards:
+                return
+            task = asyncio.create_task(self._round(shards))
+            rounds.add(task)
+            task.add_done_callback(rounds.discard)
+
     def _poll_wait(self, empty_polls: int) -> float:
         """Seconds between scans for new rows: the poll interval; while the bridge of this
         worker listens, doubled after each scan that found nothing, up to the interval of full
@@ -222,39 +242,8 @@ class PartitionDrain:
         """Queue the shards the notifications named; True if one asked for a full scan."""
         rescan, inbox.rescan = inbox.rescan, False
         for key in inbox.take():
-            self._enqueue(key)
+            self._queue.add(key)
         return rescan
-
-    def _enqueue(self, key: ShardKey) -> None:
-        """Queue ``key`` unless it is queued already, waits for room under the cap on shards
-        the app cannot handle, or the queue is full."""
-        if key in self._queue or (self._unhandled is not None and self._unhandled.waits(key)):
-            return
-        if len(self._queue) >= self._max_queued:
-            if not self._overflowed:
-                log.warning(
-                    "partition %s has %s shards queued: further shards wait for a scan of "
-                    "every shard once these are drained",
-                    self._ref.workflow_id,
-                    len(self._queue),
-                )
-            self._overflowed = True
-            return
-        self._queue[key] = None
-
-    def _next_round(self) -> list[ShardRef]:
-        shards: list[ShardRef] = []
-        # Queued shards that are in flight are passed over: look no further than needed.
-        candidates = self._options.max_shards + len(self._in_flight)
-        for key in list(itertools.islice(self._queue, candidates)):
-            if len(shards) == self._options.max_shards:
-                break
-            if key in self._in_flight:
-                continue
-            del self._queue[key]
-            self._in_flight.add(key)
-            shards.append(ref_of(key, self._app))
-        return shards
 
     async def _give_back(self, inbox: PartitionInbox) -> bool:
         """True if this drain should end now so that a less busy worker takes its partition:
@@ -279,7 +268,7 @@ class PartitionDrain:
         above the newest id seen so far; True if it found any. The database returns only this
         partition's shards, and no more than the queue has room for (those with the oldest rows
         first): a scan holds a page of shards, however many the table has."""
-        room = self._max_queued - len(self._queue)
+        room = self._queue.room()
         try:
             async with self._engine.engine.connect() as conn:
                 ranges = await read_shard_ranges(
@@ -298,17 +287,17 @@ class PartitionDrain:
             )
             return False
         if full:
-            self._overflowed = False  # this scan finds every shard the queue left out
+            self._queue.overflowed = False  # this scan finds every shard the queue left out
         if len(ranges) > room:
-            self._overflowed = True  # the shards left out wait for a scan of every shard
+            self._queue.overflowed = True  # the shards left out wait for a scan of every shard
             ranges = ranges[: max(room, 0)]
         self._watermark = max([self._watermark, *(r.max_id for r in ranges)])
         for shard_range in ranges:
-            self._enqueue(self._key(shard_range))
+            self._queue.add(self._key(shard_range))
         return bool(ranges)
 
-    def _key(self, r: ShardRange) -> ShardKey:
-        return ShardKey(self._table.name, r.region, r.scope, r.shard_identifier)
+    def _key(self, r: ShardRange) -> ShardRef:
+        return shard_of(self._app, self._table.name, r.region, r.scope, r.shard_identifier)
 
     async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
         """The deepest and the oldest shards of this partition (of those the scan returned),
@@ -319,7 +308,7 @@ class PartitionDrain:
 
         def shown(r: ShardRange) -> ShardBacklog:
             age = round(ages.get(r.min_id, 0.0), 1)
-            return ShardBacklog(ref_of(self._key(r), self._app).key, r.rows, age)
+            return ShardBacklog(self._key(r).key, r.rows, age)
 
         self._stats.deepest = [shown(r) for r in deepest]
         self._stats.oldest = [shown(r) for r in oldest]
@@ -332,27 +321,27 @@ class PartitionDrain:
         held: set[ShardRef] = set()  # those the round's writes held for their workflow
         lost = False
         try:
-            async with self._engine.locked(self._table, shards) as batch:
-                held = batch.held
-                skipped = await self._hold_skipped(batch)
+            async with self._engine.locked(self._table, shards) as round_:
+                held = round_.held
+                skipped = await self._hold_skipped(round_)
                 heads = await self._engine.read_heads(
-                    batch, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
+                    round_, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
                 )
                 deadline = time.monotonic() + self._options.time_budget_seconds
                 outcomes = await self._engine.run(
-                    batch,
+                    round_,
                     heads,
                     deadline=deadline,
                     settle=self._settle,
                     partition=self._ref.workflow_id,
                 )
-            lost = batch.lost
+            lost = round_.lost
         except Exception as exc:
             self._round_failed(exc)
             lost = True
         finally:
             for shard in shards:
-                self._in_flight.discard(key_of(shard))
+                self._queue.in_flight.discard(shard)
             self._round_done.set()
         handovers = [
             (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, self._skip)))
@@ -363,11 +352,11 @@ class PartitionDrain:
             for outcome in outcomes
             if outcome.shard in held and (handover := _handover(outcome)) is not None
         ]
-        handed = {key_of(shard) for shard, _ in handovers}
+        handed = {shard for shard, _ in handovers}
         if lost:
             for shard in shards:  # nothing else this round wrote can be trusted: read them again
-                if key_of(shard) not in handed:
-                    self._enqueue(key_of(shard))
+                if shard not in handed:
+                    self._queue.add(shard)
         else:
             self._count(outcomes, handed)
         if handovers:
@@ -388,20 +377,20 @@ class PartitionDrain:
                 exc_info=exc,
             )
 
-    async def _hold_skipped(self, batch: LockedShards) -> list[ShardRef]:
+    async def _hold_skipped(self, round_: Round) -> list[ShardRef]:
         """Hold the listed shards that nobody holds for their workflow, skipped; returns them.
         One its workflow holds is left to it (an operator may have resumed it)."""
-        listed = [shard for shard in batch.locked if shard.workflow_id in self._skip]
+        listed = [shard for shard in round_.locked if shard.workflow_id in self._skip]
         if not listed:
             return []
-        held: list[ShardRef] = await batch.execute(
+        held: list[ShardRef] = await round_.execute(
             functools.partial(
-                hold_free_shards, table=batch.table, shards=listed, held_for=HeldFor.SKIPPED
+                hold_free_shards, table=round_.table, shards=listed, held_for=HeldFor.SKIPPED
             )
         )
         return held
 
-    def _settle(self, batch: LockedShards, outcome: ShardOutcome) -> None:
+    def _settle(self, round_: Round, outcome: ShardOutcome) -> None:
         """Under the shard's lock: a shard that failed or waits for a deferred head is held for
         its workflow, unless one holds it already, or it failed on a row the app cannot handle
         and the cap on such shards is reached (it waits, unheld)."""
@@ -409,13 +398,9 @@ class PartitionDrain:
         if handover is None or outcome.lock_lost:
             return
         cap = self._unhandled
-        if (
-            cap is not None
-            and cap.applies(outcome.failure)
-            and not cap.admit(key_of(outcome.shard))
-        ):
+        if cap is not None and cap.applies(outcome.failure) and not cap.admit(outcome.shard):
             return
-        batch.hold(outcome.shard, handover.held_for, if_free=True)
+        round_.hold(outcome.shard, handover.held_for, if_free=True)
 
     async def _count_unhandled(self) -> float:
         """Count the held shards the app cannot handle when shards wait for room (a scan of
@@ -437,16 +422,16 @@ class PartitionDrain:
             self._hub.rescan(self._table.name)
         return time.monotonic() + (cap.count_due(self._table.name) or math.inf)
 
-    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardKey]) -> None:
+    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardRef]) -> None:
         stats = self._stats
         for outcome in outcomes:
-            key = key_of(outcome.shard)
+            key = outcome.shard
             stats.rows_handled += outcome.rows_handled
             stats.groups_handled += outcome.groups_handled
             if outcome.groups_handled:
                 self._drained.add(key)
             if outcome.more and key not in handed:
-                self._enqueue(key)
+                self._queue.add(key)
         stats.handed_over += len(handed)
 
     # -- reporting -----------------------------------------------------------------------------

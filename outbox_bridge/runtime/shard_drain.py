@@ -18,12 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.parked import read_parked
 from outbox_bridge.db.pauses import read_shard_pause
-from outbox_bridge.db.store import hold_shard, read_pending_up_to
+from outbox_bridge.db.scans import read_pending_up_to
+from outbox_bridge.db.store import hold_shard
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardFaultError, ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed
 from outbox_bridge.runtime.pause_control import member_name, view_of
-from outbox_bridge.runtime.rounds import DrainEngine, LockedShards, ShardOutcome
+from outbox_bridge.runtime.round_writes import ShardOutcome
+from outbox_bridge.runtime.rounds import DrainEngine, Round
 from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,
@@ -65,16 +67,16 @@ class ShardDrainer:
     @contextlib.asynccontextmanager
     async def _locked(
         self, shard: ShardRef, wait_seconds: float = LOCK_WAIT_SECONDS
-    ) -> AsyncIterator[LockedShards]:
+    ) -> AsyncIterator[Round]:
         table = self._app.table(shard.table)
-        async with self._engine.locked(table, [shard], wait_seconds=wait_seconds) as batch:
-            if not batch.locked:
+        async with self._engine.locked(table, [shard], wait_seconds=wait_seconds) as round_:
+            if not round_.locked:
                 raise ShardLockedError(
                     f"shard {shard.key} is locked by another execution (a previous attempt may "
                     "still be running its handler, or a partition is draining it); retrying"
                 )
-            yield batch
-        if batch.lost:
+            yield round_
+        if round_.lost:
             raise ShardLockLostError(
                 f"the connection holding the lock of shard {shard.key} was lost; retrying"
             )
@@ -91,21 +93,21 @@ class ShardDrainer:
         released = False
         parked: list[ParkedNote] = []
         paused: PauseInfo | None = None
-        async with self._locked(shard) as batch:
-            batch.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
+        async with self._locked(shard) as round_:
+            round_.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
             heads = await self._engine.read_heads(
-                batch, max_groups=request.max_groups, skip_held=False, skip_paused=True
+                round_, max_groups=request.max_groups, skip_held=False, skip_paused=True
             )
             if heads:
                 [outcome] = await self._engine.run(
-                    batch, heads, deadline=deadline, unlock_each=False
+                    round_, heads, deadline=deadline, unlock_each=False
                 )
             if outcome.emptied:
-                batch.release(shard)
+                round_.release(shard)
                 released = True
             else:
-                parked, paused = await batch.execute(
-                    lambda conn: self._seen(conn, batch.table, outcome)
+                parked, paused = await round_.execute(
+                    lambda conn: self._seen(conn, round_.table, outcome)
                 )
         if outcome.failure is not None and outcome.failed is None:
             # Failed before any group could be named (its rows cannot be read, its unlock
@@ -151,16 +153,16 @@ class ShardDrainer:
         from the group's earlier ones (the partition's first call at least)."""
         shard = request.shard
         calls_before = max(request.prior_attempts, 1)
-        async with self._locked(shard) as batch:
+        async with self._locked(shard) as round_:
             heads = await self._engine.read_heads(
-                batch, max_groups=1, skip_held=False, skip_paused=True
+                round_, max_groups=1, skip_held=False, skip_paused=True
             )
             group = heads[0].groups[0] if heads and heads[0].groups else None
             wanted = (request.category, request.object_identifier)
             if group is None or (group.category, group.object_identifier) != wanted:
                 return HandleHeadResult(handled=False)
             [outcome] = await self._engine.run(
-                batch, heads, deadline=math.inf, attempt=calls_before + attempt, unlock_each=False
+                round_, heads, deadline=math.inf, attempt=calls_before + attempt, unlock_each=False
             )
         if outcome.failed is not None and outcome.failure is not None:
             raise HandlerFailed(outcome.failure, group)
@@ -174,9 +176,9 @@ class ShardDrainer:
         """Record that the shard's workflow holds it (skipped, or taken back from a skip), once
         a drain of the shard under way has ended."""
         shard = request.shard
-        async with self._locked(shard, wait_seconds=request.wait_seconds) as batch:
-            await batch.execute(
-                lambda conn: hold_shard(conn, batch.table, shard, request.held_for, over_skip=True)
+        async with self._locked(shard, wait_seconds=request.wait_seconds) as round_:
+            await round_.execute(
+                lambda conn: hold_shard(conn, round_.table, shard, request.held_for, over_skip=True)
             )
 
     # -- flushing --------------------------------------------------------------------------

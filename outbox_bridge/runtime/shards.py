@@ -12,7 +12,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 
-from outbox_bridge.db.store import FirstRow
+from outbox_bridge.db.scans import FirstRow
 from outbox_bridge.errors import (
     ConfigurationError,
     InvalidControlInput,

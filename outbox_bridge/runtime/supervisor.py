@@ -27,7 +27,7 @@ from outbox_bridge.db.store import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, ShardKey, ref_of
+from outbox_bridge.runtime.hub import ShardHub, shard_of
 from outbox_bridge.runtime.pause_control import ControlViews, PauseControl
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
@@ -240,8 +240,10 @@ class PartitionSupervisor:
                 continue
             for shard in held:
                 if shard.head is not None and self._wanted(shard):
-                    key = ShardKey(table, shard.region, shard.scope, shard.shard_identifier)
-                    checks.append((ref_of(key, self._app), shard))
+                    ref = shard_of(
+                        self._app, table, shard.region, shard.scope, shard.shard_identifier
+                    )
+                    checks.append((ref, shard))
         # A few at a time (a status query may wait out its timeout); shards nobody drains first.
         checks.sort(key=lambda check: check[0].workflow_id in running)
         room = asyncio.Semaphore(CHECK_CONCURRENCY)

@@ -21,8 +21,8 @@ from outbox_bridge.db.store import read_held_shards
 from outbox_bridge.errors import CategoryScopeError, UnknownCategoryError
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardKey
-from outbox_bridge.workflows.models import HandlerFailure, HeldFor
+from outbox_bridge.runtime.hub import shard_of
+from outbox_bridge.workflows.models import HandlerFailure, HeldFor, ShardRef
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ MAX_WAITING = 100_000
 
 @dataclass
 class _TableCap:
-    held: set[ShardKey] = field(default_factory=set)  # held by their workflow for such a row
-    waiting: dict[ShardKey, None] = field(default_factory=dict)  # held back, oldest first
+    held: set[ShardRef] = field(default_factory=set)  # held by their workflow for such a row
+    waiting: dict[ShardRef, None] = field(default_factory=dict)  # held back, oldest first
     counted_at: float = -float("inf")
     unlogged: int = 0
     logged_at: float = -float("inf")
@@ -61,7 +61,7 @@ class UnhandledShards:
         """Whether a shard failed on a row no handler of the app can take."""
         return failure is not None and failure.error_type in UNHANDLEABLE
 
-    def admit(self, key: ShardKey) -> bool:
+    def admit(self, key: ShardRef) -> bool:
         """Whether the shard ``key``, failing on such a row, may be held for its workflow now;
         if not, it waits (counted in ``outbox.shards.held_back``, logged at most once a
         minute)."""
@@ -81,7 +81,7 @@ class UnhandledShards:
         self._log(key.table, books)
         return False
 
-    def waits(self, key: ShardKey) -> bool:
+    def waits(self, key: ShardRef) -> bool:
         """Whether ``key`` waits for room (its partition leaves it alone meanwhile)."""
         books = self._tables.get(key.table)
         return books is not None and key in books.waiting
@@ -94,13 +94,13 @@ class UnhandledShards:
             return None
         return max(0.0, books.counted_at + COUNT_INTERVAL - self._clock())
 
-    async def count(self, conn: AsyncConnection, table: Table) -> list[ShardKey]:
+    async def count(self, conn: AsyncConnection, table: Table) -> list[ShardRef]:
         """Count the shards of ``table`` held for such a row; returns the waiting shards that
         now have room (no longer waiting: the next round that meets them admits them)."""
         books = self._books(table.name)
         books.counted_at = self._clock()
         books.held = {
-            ShardKey(table.name, held.region, held.scope, held.shard_identifier)
+            shard_of(self._app, table.name, held.region, held.scope, held.shard_identifier)
             for held in await read_held_shards(conn, table)
             if held.held_for == HeldFor.FAILED
             and held.head is not None

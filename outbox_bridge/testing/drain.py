@@ -12,17 +12,14 @@ from sqlalchemy import Connection, Engine, Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox_bridge.db.store import (
-    SKIPPED_HOLD,
-    GroupRows,
-    delete_handled,
-    read_held_shards,
-    read_shard_ranges,
-)
+from outbox_bridge.db.reads import SKIPPED_HOLD, GroupRows
+from outbox_bridge.db.scans import read_shard_ranges
+from outbox_bridge.db.store import read_held_shards
+from outbox_bridge.db.writes import delete_handled
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.calls import Call, HandlerCalls
-from outbox_bridge.runtime.rounds import read_shard_heads
+from outbox_bridge.runtime.heads import read_shard_heads
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.testing.report import DrainFailure, DrainReport, HandlerFailedError, ShardReport
 from outbox_bridge.workflows.models import ShardRef

@@ -78,7 +78,7 @@ def test_a_correct_history_passes() -> None:
 
 
 def crash_before_the_delete() -> Log:
-    """Process 1 handles groups A and B and is killed before the batch's delete; process 2
+    """Process 1 handles groups A and B and is killed before the round's delete; process 2
     repeats them, handles C, and deletes."""
     log = Log()
     log.call(1, A, pid=1)
@@ -90,7 +90,7 @@ def crash_before_the_delete() -> Log:
     return log
 
 
-def test_a_crash_before_the_delete_repeats_the_batch_as_duplicates() -> None:
+def test_a_crash_before_the_delete_repeats_the_round_as_duplicates() -> None:
     truth = rows((1, A), (2, B), (3, C))
     verdict = check(
         crash_before_the_delete().history(truth), rolled_back=[], max_duplicates=2, killed_pids=[1]

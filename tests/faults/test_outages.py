@@ -119,8 +119,8 @@ async def test_postgresql_stopped_and_restarted_mid_drain(
             recovery=recovery,
             client=fault_client,
             record=record_figures,
-            # A batch running when the database goes away cannot delete what it handled: it
-            # is repeated, at most one batch per shard and outage. Allowed: one repeated group
+            # A round running when the database goes away cannot delete what it handled: it
+            # is repeated, at most one round per shard and outage. Allowed: one repeated group
             # per shard and outage on average.
             max_duplicates=size.outages * size.shards,
         )

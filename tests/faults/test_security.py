@@ -137,7 +137,7 @@ SQL_NAMES = {
     "TRACE_CONTEXT_COLUMN",
     "NOTIFY_PAYLOAD_LIMIT",
     "SWEEP_NOTIFICATION",
-    # The set-based drain statements of db/store.py: the owner table's name, and fragments
+    # The set-based drain statements of db/reads.py: the owner table's name, and fragments
     # built there from column names, table aliases and bind-parameter names only
     # (_shard_source, _joins).
     "owners.name",

@@ -82,7 +82,7 @@ async def test_a_handler_that_hangs_past_its_timeout_never_overlaps_its_retry(
         client=fault_client,
         record=record_figures,
         # A timed-out attempt keeps the shard lock until its hung call returns, and deletes
-        # what its batch handled on its way out, so we expect no repeat; the timeout allows
+        # what its round handled on its way out, so we expect no repeat; the timeout allows
         # one per hanging plain-def call, which returns ok after its attempt was given up.
         # (An async call is cancelled: its retry repeats no successful call.)
         max_duplicates=size.hangs,

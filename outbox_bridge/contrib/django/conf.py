@@ -116,39 +116,10 @@ def database_url(using: str | None = None) -> str:
     are libpq connection parameters and go into the URL's query.
     """
     alias = outbox_database(using)
-    try:
-        connection = connections[alias]
-    except ConnectionDoesNotExist:
-        raise OutboxConfigurationError(f"DATABASES has no alias {alias!r}") from None
-    if connection.vendor != "postgresql":
-        raise OutboxConfigurationError(
-            f"DATABASES[{alias!r}] is a {connection.vendor} database; outbox-bridge needs "
-            "PostgreSQL"
-        )
-    entry = connection.settings_dict
-    options = entry.get("OPTIONS") or {}
-    query: dict[str, str] = {
-        str(key): str(value)
-        for key, value in options.items()
-        if key not in DJANGO_ONLY_OPTIONS
-        and isinstance(value, str | int)
-        and not isinstance(value, bool)
-    }
-    host = str(entry.get("HOST") or "") or None
-    port = str(entry.get("PORT") or "") or None
-    if host is not None and (host.startswith("/") or "," in host):
-        # A socket directory, or several hosts: libpq's own syntax, in the query.
-        query["host"] = host
-        host = None
-        if port is not None:
-            query["port"] = port
-            port = None
-    user = entry.get("USER") or None
-    password = entry.get("PASSWORD") or None
-    if password is not None and user is None:
-        # A URL holds a password only after a user name: libpq's parameter, in the query.
-        query["password"] = str(password)
-        password = None
+    entry = _postgresql_entry(alias)
+    query = _libpq_options(entry.get("OPTIONS") or {})
+    host, port = _host_and_port(entry, query)
+    user, password = _user_and_password(entry, query)
     name = entry.get("NAME")
     if name is None and "service" not in query:
         name = "postgres"  # as Django does: NAME None connects to the 'postgres' database
@@ -167,6 +138,56 @@ def database_url(using: str | None = None) -> str:
             f"DATABASES[{alias!r}]['PORT'] must be a port number, got {port!r}"
         ) from None
     return url.render_as_string(hide_password=False)
+
+
+def _postgresql_entry(alias: str) -> dict[str, Any]:
+    """The ``DATABASES`` entry of ``alias`` as its connection sees it; it must be PostgreSQL."""
+    try:
+        connection = connections[alias]
+    except ConnectionDoesNotExist:
+        raise OutboxConfigurationError(f"DATABASES has no alias {alias!r}") from None
+    if connection.vendor != "postgresql":
+        raise OutboxConfigurationError(
+            f"DATABASES[{alias!r}] is a {connection.vendor} database; outbox-bridge needs "
+            "PostgreSQL"
+        )
+    entry: dict[str, Any] = connection.settings_dict
+    return entry
+
+
+def _libpq_options(options: dict[str, Any]) -> dict[str, str]:
+    """The ``OPTIONS`` that are libpq connection parameters, as text."""
+    return {
+        str(key): str(value)
+        for key, value in options.items()
+        if key not in DJANGO_ONLY_OPTIONS
+        and isinstance(value, str | int)
+        and not isinstance(value, bool)
+    }
+
+
+def _host_and_port(entry: dict[str, Any], query: dict[str, str]) -> tuple[str | None, str | None]:
+    """The URL's host and port; moved into ``query`` when the URL cannot hold them."""
+    host = str(entry.get("HOST") or "") or None
+    port = str(entry.get("PORT") or "") or None
+    if host is not None and (host.startswith("/") or "," in host):
+        # A socket directory, or several hosts: libpq's own syntax, in the query.
+        query["host"] = host
+        if port is not None:
+            query["port"] = port
+        return None, None
+    return host, port
+
+
+def _user_and_password(entry: dict[str, Any], query: dict[str, str]) -> tuple[Any, Any]:
+    """The URL's user and password; a password without a user goes into ``query``."""
+    user = entry.get("USER") or None
+    password = entry.get("PASSWORD") or None
+    if password is not None and user is None:
+        # A URL holds a password only after a user name: libpq's parameter, in the query.
+        query["password"] = str(password)
+        password = None
+    return user, password
 
 
 def flush_timeout(default: float) -> float:

@@ -1,0 +1,65 @@
+"""The shards' advisory locks: a drain round of a shard runs only under its lock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_bridge.workflows.models import ShardRef
+
+# SQLSTATE of a lock wait that ran into lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+def lock_key(shard: ShardRef) -> str:
+    return f"outbox:{shard.table}:{shard.region or ''}:{shard.scope}:{shard.shard_identifier}"
+
+
+async def try_lock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> list[bool]:
+    """Take the free advisory locks of ``shards`` in one statement; which were taken, in order.
+    Session locks, not transaction ones (no transaction stays open while a handler runs): a
+    crashed worker's closed connection releases them."""
+    if not shards:
+        return []
+    result = await conn.execute(
+        text(
+            "SELECT pg_try_advisory_lock(hashtextextended(k, 0)) "
+            "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, n) ORDER BY n"
+        ),
+        {"keys": [lock_key(shard) for shard in shards]},
+    )
+    return [bool(taken) for taken in result.scalars()]
+
+
+UNLOCK_SHARDS = text(
+    "SELECT pg_advisory_unlock(hashtextextended(k, 0)) FROM unnest(CAST(:keys AS text[])) AS u(k)"
+)
+
+
+async def unlock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> None:
+    """Release the advisory locks of ``shards`` held by this connection."""
+    if shards:
+        await conn.execute(UNLOCK_SHARDS, {"keys": [lock_key(shard) for shard in shards]})
+
+
+async def lock_shard_waiting(conn: AsyncConnection, shard: ShardRef, seconds: float) -> bool:
+    """Take ``shard``'s advisory lock, waiting at most ``seconds`` (a skip waits for a drain
+    round of the shard to end rather than fail). False if the wait ran out."""
+    timeout = f"{max(1, int(seconds * 1000))}ms"
+    await conn.execute(
+        text("SELECT set_config('lock_timeout', :timeout, false)"), {"timeout": timeout}
+    )
+    try:
+        await conn.execute(
+            text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": lock_key(shard)}
+        )
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            return False
+        raise
+    finally:
+        await conn.execute(text("SELECT set_config('lock_timeout', '0', false)"))
+    return True

@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         PauseChangeInput,
         PausesView,
         Refusals,
+        until_text,
         via_text,
     )
 
@@ -123,7 +124,8 @@ class OutboxControl:
         if not pauses:
             return "nothing paused (the pause update pauses a category or a scope)"
         named = [
-            f"{p.kind} {p.name} by {p.paused_by}{via_text(p.paused_via)}: {p.reason}"
+            f"{p.kind} {p.name} by {p.paused_by}{via_text(p.paused_via)}{until_text(p.ends_at)}: "
+            f"{p.reason}"
             for p in pauses
         ]
         more = len(named) - HEADLINE_PAUSES
@@ -140,9 +142,8 @@ class OutboxControl:
             lines.append("**Paused** nothing")
         for p in self._view.pauses:
             by = f"{p.paused_by}{via_text(p.paused_via)}"
-            lines.append(
-                f"**Paused** {p.kind} {p.name} ({p.number}) by {by} since {p.since}: {p.reason}"
-            )
+            since = f"since {p.since}{until_text(p.ends_at)}"
+            lines.append(f"**Paused** {p.kind} {p.name} ({p.number}) by {by} {since}: {p.reason}")
         if self._refused.summary is not None:
             lines.append(f"**{self._refused.summary}**")
         workflow.set_current_details("\n\n".join(lines))

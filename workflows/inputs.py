@@ -101,6 +101,8 @@ SHARD_BOUNDS: dict[str, Bound] = {
     "max_history_events": Bound(10, 50_000, integer=True),
 }
 ID = Bound(0, MAX_ID, integer=True)
+# The longest a timed pause may last (a pause without an end lasts until unpaused).
+PAUSE_FOR = Bound(0, 366 * DAY, open_low=True)
 
 
 def check_number(name: str, value: object, bound: Bound) -> None:
@@ -219,6 +221,32 @@ def check_pause_change(change: PauseChange, *, pausing: bool) -> None:
     check_text("by", change.by)
     if not (change.category or change.scope or "").strip():
         raise InvalidInput("category or scope is blank: give a name or a number")
+    if pausing:
+        pause_end(change.for_seconds, change.until)
+
+
+def pause_end(for_seconds: object, until: object) -> tuple[float | None, datetime | None]:
+    """A timed pause's end, checked: seconds from now (within :data:`PAUSE_FOR`) or a time with
+    a zone, at most one of them (neither: the pause lasts until unpaused). Whether ``until`` is
+    still to come is decided where the clock is read (the worker, the command)."""
+    if for_seconds is not None and until is not None:
+        raise InvalidInput("give at most one of for_seconds and until")
+    if for_seconds is not None:
+        check_number("for_seconds", for_seconds, PAUSE_FOR)
+        return float(for_seconds), None  # type: ignore[arg-type]
+    if until is None:
+        return None, None
+    check_text("until", until)
+    try:
+        moment = datetime.fromisoformat(str(until))
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise InvalidInput(
+            f"until must be an ISO 8601 time with a time zone (2026-12-01T09:00:00Z or "
+            f"…+01:00), got {_shown(until)}"
+        )
+    return None, moment
 
 
 def check_pauses_view(view: PausesView) -> None:
@@ -229,6 +257,7 @@ def check_pauses_view(view: PausesView) -> None:
         for name in ("name", "reason", "paused_by", "since"):
             check_text(name, getattr(pause, name))
         check_text("paused_via", pause.paused_via, optional=True)
+        check_text("ends_at", pause.ends_at, optional=True)
 
 
 def clipped(text: str) -> str:

@@ -7,6 +7,7 @@ classes only, never a payload (the design contract, invariant 7: docs/explanatio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from temporalio.common import SearchAttributeKey
@@ -88,6 +89,13 @@ class ShardOptions:
 def via_text(via: str | None) -> str:
     """Who Temporal recorded as the sender, beside the declared name: `` (via temporal:ann)``."""
     return f" (via {via})" if via else ""
+
+
+def until_text(ends_at: str | None) -> str:
+    """When a timed pause ends, as its details show it: ``, until 2026-12-01 09:00:00 UTC``."""
+    if ends_at is None:
+        return ""
+    return f", until {datetime.fromisoformat(ends_at).astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 @dataclass
@@ -432,18 +440,23 @@ class PauseInfo:
     # Who Temporal recorded as the sender of the pause update (``temporal:<identity>``); None
     # for a pause made otherwise (the command line, SQL).
     paused_via: str | None = None
+    # When a timed pause ends by itself (ISO 8601, UTC); None: when unpaused.
+    ends_at: str | None = None
 
 
 @dataclass
 class PauseChange:
     """Argument of the control workflow's ``pause`` and ``unpause`` updates: exactly one of
     ``category`` and ``scope``, each a name of the worker's app or a number, as text;
-    ``reason`` (required to pause) and ``by`` are shown with the pause."""
+    ``reason`` (required to pause) and ``by`` are shown with the pause. A timed pause ends by
+    itself ``for_seconds`` after it is made, or at ``until`` (ISO 8601 with a time zone)."""
 
     category: str | None = None
     scope: str | None = None
     reason: str = ""
     by: str = ""
+    for_seconds: float | None = None
+    until: str | None = None
 
 
 @dataclass

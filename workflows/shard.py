@@ -63,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
         SkipInfo,
         SkipInput,
         flush_queue,
+        until_text,
     )
 
 T = TypeVar("T")
@@ -686,8 +687,8 @@ class OutboxShard:
 
 def _pause_line(pause: PauseInfo) -> str:
     """``category PROJECT_UPDATE (search down, by ann, since ...)``."""
-    since = _when(pause.since)
-    return f"{pause.kind} {pause.name} ({pause.reason}, by {pause.paused_by}, since {since})"
+    since = f"since {_when(pause.since)}{until_text(pause.ends_at)}"
+    return f"{pause.kind} {pause.name} ({pause.reason}, by {pause.paused_by}, {since})"
 
 
 def _when(iso: str | None) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -22,7 +24,7 @@ from outbox_bridge.db.pauses import Pause, add_pause, read_pauses, read_shard_pa
 from outbox_bridge.db.schema import pauses_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.pause_control import member_name, member_number, view_of
+from outbox_bridge.runtime.pause_control import member_name, member_number, timed_end, view_of
 from outbox_bridge.runtime.scope_directory import NO_APP_HINT
 from outbox_bridge.workflows.models import PauseKind, ShardRef, via_text
 
@@ -81,23 +83,45 @@ async def _read_only(
 
 
 @tool_command("pause")
+@click.option(
+    "--until",
+    "until",
+    metavar="TIME",
+    help="End the pause by itself at this time (ISO 8601 with a zone: 2026-12-01T09:00:00Z).",
+)
+@click.option(
+    "--for",
+    "for_",
+    metavar="DURATION",
+    help="End the pause by itself after this long (90s, 30m, 2h, 1d, 1h30m; at most 366 days).",
+)
 @_target_options(reason=True)
 def pause(
-    category: str | None, scope: str | None, table: str | None, reason: str, **overrides: Any
+    category: str | None,
+    scope: str | None,
+    table: str | None,
+    reason: str,
+    for_: str | None,
+    until: str | None,
+    **overrides: Any,
 ) -> None:
     """Pause a whole category (in every scope) or a whole scope at run time, until `outbox-bridge
-    unpause`. Its rows wait, kept, and so do the rows behind them in their shards (order is
-    per shard); other shards go on. The pause is kept in the database (a restart keeps it)."""
+    unpause`, or for a time (`--for`, `--until`) after which it ends by itself. Its rows wait,
+    kept, and so do the rows behind them in their shards (order is per shard); other shards go
+    on. The pause is kept in the database (a restart keeps it, and a timed pause ends on time
+    by the database's clock, whether or not a worker runs)."""
     settings = build_settings(overrides)
     kind, number = _target(settings, category, scope)
     reason = flags.required_reason(reason, "pause")
+    with exits_on_failure():
+        end = timed_end(None if for_ is None else duration_seconds(for_), until)
 
     async def change(conn: Any, outbox: Any) -> Pause:
-        return await add_pause(conn, outbox, kind, number, reason, flags.who())
+        return await add_pause(conn, outbox, kind, number, reason, flags.who(), end=end)
 
     done: Pause = run_or_exit(_in_table(settings, table, change))
     name = member_name(command_app(settings), kind, number)
-    click.echo(f"{kind} {name} ({number}) paused: {done.reason}")
+    click.echo(f"{kind} {name} ({number}) paused{ends_text(done.ends_at)}: {done.reason}")
 
 
 @tool_command("unpause")
@@ -138,11 +162,20 @@ def pauses(table: str | None, as_json: bool, **overrides: Any) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     view = Table(title="paused categories and scopes")
-    for column in ("kind", "name", "number", "reason", "by", "role", "via", "since"):
+    for column in ("kind", "name", "number", "reason", "by", "role", "via", "since", "ends"):
         view.add_column(column)
-    for p, role in zip(found, roles, strict=True):
+    for p, pause in zip(found, paused, strict=True):
+        ends = ends_text(pause.ends_at).removeprefix(", ") or "when unpaused"
         view.add_row(
-            p.kind, p.name, str(p.number), p.reason, p.paused_by, role, p.paused_via, p.since
+            p.kind,
+            p.name,
+            str(p.number),
+            p.reason,
+            p.paused_by,
+            pause.paused_role,
+            p.paused_via,
+            p.since,
+            ends,
         )
     Console().print(view)
 
@@ -162,4 +195,42 @@ def describe(app: OutboxApp | None, pause: Pause) -> str:
     name = member_name(app, pause.kind, pause.number)
     since = pause.since.isoformat(timespec="seconds")
     by = f"{pause.paused_by}{via_text(pause.paused_via)}"
-    return f"{pause.kind} {name} by {by} since {since}: {pause.reason}"
+    return f"{pause.kind} {name} by {by} since {since}{ends_text(pause.ends_at)}: {pause.reason}"
+
+
+_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds in a duration such as ``90s``, ``30m``, ``2h``, ``1d`` or ``1h30m`` (a bare
+    number is seconds). Raises :class:`ConfigurationError` for anything else."""
+    text = text.strip().lower()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    match = _DURATION.fullmatch(text)
+    if not text or match is None:
+        raise ConfigurationError(
+            f"--for {text!r} is not a duration: give one such as 90s, 30m, 2h, 1d or 1h30m"
+        )
+    days, hours, minutes, seconds = (float(part or 0) for part in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def ends_text(ends_at: datetime | None, now: datetime | None = None) -> str:
+    """``, ends 2026-12-01T09:00:00+00:00 (in 29m 50s)`` for a timed pause, else nothing."""
+    if ends_at is None:
+        return ""
+    left = max(0, int((ends_at - (now or datetime.now(UTC))).total_seconds()))
+    return f", ends {ends_at.astimezone(UTC).isoformat(timespec='seconds')} (in {left_text(left)})"
+
+
+def left_text(seconds: int) -> str:
+    """``1d 2h``, ``29m 50s``, ``5s``: a time left, to its two largest units."""
+    parts: list[str] = []
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return " ".join(parts[:2])

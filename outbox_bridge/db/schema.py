@@ -38,6 +38,7 @@ TRACE_CONTEXT_COLUMN = "trace_context"
 # Who acted, as PostgreSQL authenticated them (not as they declared): filled by PostgreSQL.
 SESSION_USER = text("session_user")
 PAUSED_ROLE = "paused_role"
+PAUSE_ENDS_AT = "ends_at"
 PARKED_ROLE = "parked_role"
 UNPARKED_ROLE = "unparked_role"
 
@@ -161,6 +162,8 @@ def pause_table(outbox: Table) -> Table:
         # Who Temporal recorded as the sender of the control workflow's pause update
         # (``temporal:<identity>``); NULL for a pause made otherwise.
         Column("paused_via", Text, nullable=True),
+        # When a timed pause ends by itself (``pause --for``/``--until``); NULL until unpaused.
+        Column(PAUSE_ENDS_AT, DateTime(timezone=True), nullable=True),
         CheckConstraint("kind IN ('category', 'scope')", name=f"{outbox.name}_pauses_kind"),
     )
     return _beside(outbox, "pauses", pauses)

@@ -5,18 +5,26 @@ active bridge keeps current in the ``OutboxControl`` workflow."""
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from outbox_bridge.db.pauses import Pause, add_pause, read_pauses, remove_pause
+from outbox_bridge.db.pauses import (
+    Pause,
+    PauseEnd,
+    add_pause,
+    end_timed_pauses,
+    read_pauses,
+    remove_pause,
+)
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import workflow_code_memo
-from outbox_bridge.workflows.inputs import clipped
+from outbox_bridge.workflows.inputs import InvalidInput, clipped, pause_end
 from outbox_bridge.workflows.models import (
     ControlInput,
     PauseChangeInput,
@@ -51,6 +59,20 @@ def member_number(app: OutboxApp | None, kind: PauseKind, text: str, where: str)
     )
 
 
+def timed_end(for_seconds: object, until: object) -> PauseEnd | None:
+    """The end of a pause asked with ``for_seconds`` or ``until`` (None: until unpaused).
+    Raises :class:`ConfigurationError` for a bad value or an ``until`` already past."""
+    try:
+        seconds, moment = pause_end(for_seconds, until)
+    except InvalidInput as exc:
+        raise ConfigurationError(str(exc)) from None
+    if moment is not None and moment <= datetime.now(UTC):
+        raise ConfigurationError(f"until {moment.isoformat()} has passed: give a time to come")
+    if seconds is None and moment is None:
+        return None
+    return PauseEnd(at=moment, seconds=seconds)
+
+
 def member_name(app: OutboxApp | None, kind: PauseKind, number: int) -> str:
     """The name of category or scope ``number`` in ``app``, else the number."""
     if app is None:
@@ -70,6 +92,7 @@ def view_of(app: OutboxApp | None, pauses: list[Pause]) -> PausesView:
                 paused_by=clipped(p.paused_by),
                 since=iso_utc(p.since),
                 paused_via=None if p.paused_via is None else clipped(p.paused_via),
+                ends_at=None if p.ends_at is None else iso_utc(p.ends_at),
             )
             for p in pauses
         ]
@@ -94,13 +117,24 @@ class PauseControl:
         text = change.category if change.category is not None else change.scope
         number = member_number(self._app, kind, text or "", "the worker's app")
         table = self._app.table(request.table)
+        end = timed_end(change.for_seconds, change.until) if request.paused else None
         async with self._engine.begin() as conn:
             if request.paused:
                 by = change.by.strip() or "the control workflow"
-                await add_pause(conn, table, kind, number, change.reason.strip(), by, via=via)
+                reason = change.reason.strip()
+                await add_pause(conn, table, kind, number, reason, by, via=via, end=end)
             else:
                 await remove_pause(conn, table, kind, number)
             return view_of(self._app, await read_pauses(conn, table))
+
+    async def end_timed(self, table: str) -> None:
+        """Delete the timed pauses of ``table`` that have ended (they hold nothing since their
+        end), and log each."""
+        async with self._engine.begin() as conn:
+            ended = await end_timed_pauses(conn, self._app.table(table))
+        for p in ended:
+            name = member_name(self._app, p.kind, p.number)
+            log.info("the timed pause of %s %s in %s ended", p.kind, name, table)
 
     async def view(self, table: str) -> PausesView:
         async with self._engine.connect() as conn:
@@ -109,7 +143,8 @@ class PauseControl:
 
 class ControlViews:
     """Keeps each table's ``OutboxControl`` workflow running and showing the table's pauses
-    (one signal-with-start of ``refresh`` per change, none otherwise)."""
+    (one signal-with-start of ``refresh`` per change, none otherwise), and deletes the timed
+    pauses that have ended."""
 
     def __init__(self, control: PauseControl, client: Client, task_queue: str) -> None:
         self._control = control
@@ -120,6 +155,7 @@ class ControlViews:
     async def refresh(self, tables: list[str]) -> None:
         for table in tables:
             try:
+                await self._control.end_timed(table)
                 view = await self._control.view(table)
                 if self._shown.get(table) == view:
                     continue

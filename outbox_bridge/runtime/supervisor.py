@@ -93,7 +93,8 @@ class PartitionSupervisor:
         ]
 
     async def show_pauses(self) -> None:
-        """Keep each table's ``OutboxControl`` workflow running and showing its pauses."""
+        """Keep each table's ``OutboxControl`` workflow running and showing its pauses (the
+        timed pauses that have ended deleted first)."""
         await self._controls.refresh(list(self._app.tables))
 
     # -- partitions ----------------------------------------------------------------------------

@@ -22,7 +22,8 @@ import pytest
 from sqlalchemy import text
 
 from outbox_bridge import OutboxMessage
-from outbox_bridge.db.store import DriverWrites, lock_key, read_held_shards
+from outbox_bridge.db.ownership import read_held_shards
+from outbox_bridge.db.store import DriverWrites, lock_key
 from outbox_bridge.observability.observe import BatchObserver
 from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls

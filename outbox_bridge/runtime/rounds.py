@@ -28,6 +28,7 @@ from sqlalchemy import Row, Table
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from outbox_bridge.db import ownership
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
 from outbox_bridge.db.store import (
     GroupRows,
@@ -35,8 +36,6 @@ from outbox_bridge.db.store import (
     ShardWindow,
     WindowRow,
     driver_writes,
-    hold_free_shards,
-    hold_shard,
     lock_key,
     lock_shard_waiting,
     read_first_row,
@@ -45,7 +44,6 @@ from outbox_bridge.db.store import (
     read_rows,
     read_trace_contexts,
     read_windows,
-    release_shard,
     try_lock_shards,
     unlock_shards,
 )
@@ -177,7 +175,7 @@ class LockedShards:
         self._unlocks: dict[ShardRef, None] = {}
         # Unlocks under way: not to queue again (PostgreSQL warns of a second unlock).
         self._unlocking: set[ShardRef] = set()
-        self._holds: list[tuple[ShardRef, str, bool]] = []  # shard, why, only if free
+        self._holds: list[tuple[ShardRef, HeldFor, bool]] = []  # shard, why, only if free
         self._faulted: list[ShardRef] = []  # shards a write failed for: held next
         self.stuck: set[ShardRef] = set()  # locks only closing the connection releases
         self._releases: list[ShardRef] = []
@@ -305,7 +303,7 @@ class LockedShards:
         if not self.lost and self._error is None:
             await self.undeleted.room()
 
-    def hold(self, shard: ShardRef, held_for: str, *, if_free: bool = False) -> None:
+    def hold(self, shard: ShardRef, held_for: HeldFor, *, if_free: bool = False) -> None:
         """Hold ``shard`` for its workflow; with ``if_free`` only if no workflow holds it yet."""
         self._holds.append((shard, held_for, if_free))
 
@@ -369,7 +367,7 @@ class LockedShards:
     async def _write(
         self,
         pending: list[tuple[GroupRows, ShardOutcome]],
-        holds: list[tuple[ShardRef, str, bool]],
+        holds: list[tuple[ShardRef, HeldFor, bool]],
         releases: list[ShardRef],
         unlocks: dict[ShardRef, None],
         _conn: AsyncConnection | None = None,
@@ -378,7 +376,7 @@ class LockedShards:
             await self._delete_handled(pending)
         await self._write_holds(holds)
         for shard in releases:
-            await release_shard(self.conn, self.table, shard)
+            await ownership.release(self.conn, self.table, shard)
         if unlocks:
             await self._unlock_each(list(unlocks))
 
@@ -422,20 +420,20 @@ class LockedShards:
         for row_id in deleted:
             owner[row_id].rows_handled += 1
 
-    async def _write_holds(self, holds: list[tuple[ShardRef, str, bool]]) -> None:
+    async def _write_holds(self, holds: list[tuple[ShardRef, HeldFor, bool]]) -> None:
         """The holds queued, then those of the shards a write failed for (if still free)."""
         faulted, self._faulted = self._faulted, []
-        if_free: dict[str, list[ShardRef]] = {}
+        if_free: dict[HeldFor, list[ShardRef]] = {}
         for shard, held_for, only_free in holds:
             if only_free:
                 if_free.setdefault(held_for, []).append(shard)
             else:
-                await hold_shard(self.conn, self.table, shard, held_for)
+                await ownership.take(self.conn, self.table, shard)
                 self.held.add(shard)
         if faulted:
             if_free.setdefault(HeldFor.FAILED, []).extend(faulted)
         for held_for, shards in if_free.items():
-            self.held.update(await hold_free_shards(self.conn, self.table, shards, held_for))
+            self.held.update(await ownership.hand_over(self.conn, self.table, shards, held_for))
 
     async def _unlock_each(self, shards: list[ShardRef]) -> None:
         """Unlock ``shards``; one that cannot be is held and locked until the connection closes."""

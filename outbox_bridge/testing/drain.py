@@ -12,13 +12,8 @@ from sqlalchemy import Connection, Engine, Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox_bridge.db.store import (
-    SKIPPED_HOLD,
-    GroupRows,
-    delete_handled,
-    read_held_shards,
-    read_shard_ranges,
-)
+from outbox_bridge.db.ownership import read_held_shards
+from outbox_bridge.db.store import SKIPPED_HOLD, GroupRows, delete_handled, read_shard_ranges
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.calls import Call, HandlerCalls

@@ -1,6 +1,7 @@
-"""Who drains a shard is one row of ``<table>_owners``, changed by one statement under the
-shard's lock (docs: How processing works, Ownership). Each transition, and what a crash in the
-middle of it leaves, checked against the real PostgreSQL (and a real worker for the repairs)."""
+"""Who drains a shard is one row of ``<table>_owners``, moved between its states by one
+statement per transition (``outbox_bridge/db/ownership.py``) under the shard's lock (docs: How
+processing works, Ownership). Each transition, and what a crash in the middle of it leaves,
+checked against the real PostgreSQL (and a real worker for the repairs)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage
-from outbox_bridge.db.store import hold_shard, release_shard
+from outbox_bridge.db import ownership
+from outbox_bridge.db.locks import lock_key, lock_shard_waiting
 from outbox_bridge.runtime.assembly import build_drains
 from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import WORKFLOW, shard_status
@@ -31,8 +34,10 @@ from tests.harness import (
     count_rows,
     fast_settings,
     fresh_app,
+    lock_holders,
     record_holder,
     running_worker,
+    sql,
     table_empty,
     wait_until,
     write_rows,
@@ -45,12 +50,12 @@ def shard_of(table: str) -> ShardRef:
     return ShardRef(table, 1, "ORGANIZATION", SHARD_ID)
 
 
-async def holder(engine: AsyncEngine, table: str) -> str | None:
+async def holder(engine: AsyncEngine, table: str, shard: int = SHARD_ID) -> str | None:
     """Why the shard's workflow holds it, or None: its partition drains it."""
     async with engine.connect() as conn:
         found = await conn.execute(
             text(f"SELECT held_for FROM {table}_owners WHERE shard_identifier = :id"),
-            {"id": SHARD_ID},
+            {"id": shard},
         )
         row = found.first()
     return None if row is None else str(row[0])
@@ -82,26 +87,101 @@ async def drainer(
         drains.close()
 
 
-# -- the statements ---------------------------------------------------------------------------
+# -- the transitions, one statement each ---------------------------------------------------------
 
 
-async def test_only_a_skip_or_the_workflows_own_hold_replaces_a_skip(engine) -> None:
+async def test_hand_over_moves_only_free_shards(engine) -> None:
     _, table, app = await fresh_app(engine)
-    shard = shard_of(table)
-    outbox = app.table(table)
+    held, free = shard_of(table), ShardRef(table, 1, "ORGANIZATION", SHARD_ID + 1)
+    await record_holder(engine, table, SHARD_ID, HeldFor.WORKFLOW.value)
     async with engine.begin() as conn:
-        await hold_shard(conn, outbox, shard, HeldFor.SKIPPED)
-        # A drain that took the lock after the skip was recorded (it started before).
-        await hold_shard(conn, outbox, shard, HeldFor.WORKFLOW)
-        await hold_shard(conn, outbox, shard, HeldFor.FAILED)
-        assert not await release_shard(conn, outbox, shard)  # an emptied drain gives back nothing
+        moved = await ownership.hand_over(conn, app.table(table), [held, free], HeldFor.FAILED)
+    assert moved == [free]
+    assert await holder(engine, table) == HeldFor.WORKFLOW  # its workflow keeps it
+    assert await holder(engine, table, SHARD_ID + 1) == HeldFor.FAILED
+
+
+@pytest.mark.parametrize("before", [None, HeldFor.FAILED, HeldFor.DEFERRED, HeldFor.WORKFLOW])
+async def test_take_holds_a_free_or_held_shard_for_the_workflow(engine, before) -> None:
+    _, table, app = await fresh_app(engine)
+    if before is not None:
+        await record_holder(engine, table, SHARD_ID, before.value)
+    async with engine.begin() as conn:
+        assert await ownership.take(conn, app.table(table), shard_of(table))
+    assert await holder(engine, table) == HeldFor.WORKFLOW
+
+
+async def test_take_leaves_a_skip_and_says_so(engine) -> None:
+    """A drain that started before the skip was recorded never undoes it."""
+    _, table, app = await fresh_app(engine)
+    await record_holder(engine, table, SHARD_ID, HeldFor.SKIPPED.value)
+    async with engine.begin() as conn:
+        assert not await ownership.take(conn, app.table(table), shard_of(table))
+    assert await holder(engine, table) == HeldFor.SKIPPED
+
+
+@pytest.mark.parametrize("before", [None, HeldFor.FAILED, HeldFor.SKIPPED])
+async def test_skip_replaces_any_state(engine, before) -> None:
+    _, table, app = await fresh_app(engine)
+    if before is not None:
+        await record_holder(engine, table, SHARD_ID, before.value)
+    async with engine.begin() as conn:
+        await ownership.skip(conn, app.table(table), shard_of(table))
+    assert await holder(engine, table) == HeldFor.SKIPPED
+
+
+async def test_resume_moves_only_a_skipped_shard(engine) -> None:
+    _, table, app = await fresh_app(engine)
+    outbox, shard = app.table(table), shard_of(table)
+    async with engine.begin() as conn:
+        assert not await ownership.resume(conn, outbox, shard)  # free: left free
+    assert await holder(engine, table) is None
+    await record_holder(engine, table, SHARD_ID, HeldFor.FAILED.value)
+    async with engine.begin() as conn:
+        assert not await ownership.resume(conn, outbox, shard)  # held: keeps its reason
+    assert await holder(engine, table) == HeldFor.FAILED
+    async with engine.begin() as conn:
+        await ownership.skip(conn, outbox, shard)
+        assert await ownership.resume(conn, outbox, shard)
+    assert await holder(engine, table) == HeldFor.WORKFLOW
+
+
+async def test_release_frees_a_held_shard_never_a_skipped_one(engine) -> None:
+    _, table, app = await fresh_app(engine)
+    outbox, shard = app.table(table), shard_of(table)
+    async with engine.begin() as conn:
+        assert not await ownership.release(conn, outbox, shard)  # free already
+        await ownership.skip(conn, outbox, shard)
+        assert not await ownership.release(conn, outbox, shard)  # only a resume ends a skip
     assert await holder(engine, table) == HeldFor.SKIPPED
     async with engine.begin() as conn:
-        # The workflow's resume: taken back from the skip, then given back once empty.
-        await hold_shard(conn, outbox, shard, HeldFor.WORKFLOW, over_skip=True)
+        assert await ownership.resume(conn, outbox, shard)
+        assert await ownership.release(conn, outbox, shard)
+    assert await holder(engine, table) is None
+
+
+async def test_a_connection_killed_between_take_and_release_leaves_the_shard_held(
+    engine, drainer
+) -> None:
+    """A drain's connection dies after it took the shard and before it gave it back: its lock
+    goes with the session, the row stays (the workflow's next drain finishes the work)."""
+    shards, app, table, _ = drainer
+    await one_row(engine, app)
+    shard = shard_of(table)
+    async with engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        assert await lock_shard_waiting(conn, shard, 5)
+        assert await ownership.take(conn, app.table(table), shard)
+        pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        await sql(engine, "SELECT pg_terminate_backend(:pid)", pid=pid)
+        with pytest.raises(DBAPIError):
+            await ownership.release(conn, app.table(table), shard)
+        await conn.invalidate()
+    assert await lock_holders(engine, lock_key(shard)) == []
     assert await holder(engine, table) == HeldFor.WORKFLOW
-    async with engine.begin() as conn:
-        assert await release_shard(conn, outbox, shard)
+    assert await count_rows(engine, app) == 1
+    result = await shards.drain(DrainInput(shard))
+    assert (result.rows_handled, result.released) == (1, True)
     assert await holder(engine, table) is None
 
 

@@ -23,7 +23,7 @@ from sqlalchemy import text
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.db.locks import lock_key
-from outbox_bridge.db.store import read_held_shards
+from outbox_bridge.db.ownership import read_held_shards
 from outbox_bridge.db.writes import DriverWrites
 from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.runtime import heads as heads_module

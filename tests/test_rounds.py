@@ -591,7 +591,7 @@ async def test_a_listed_shard_its_workflow_holds_is_not_skipped_again(engine) ->
     """The skip_shards setting hands a listed shard nobody holds to its workflow, skipped. A
     listed shard that its workflow holds (an operator resumed it and the workflow drains it) is
     left to that workflow: neither skipped again nor drained by the partition."""
-    from outbox_bridge.db.store import hold_shard, read_held_shards
+    from outbox_bridge.db.ownership import read_held_shards, take
     from outbox_bridge.workflows.models import HeldFor
 
     recorder, table_name, app = await fresh_app(engine)
@@ -605,7 +605,7 @@ async def test_a_listed_shard_its_workflow_holds_is_not_skipped_again(engine) ->
         ],
     )
     async with engine.begin() as conn:
-        await hold_shard(conn, app.table(), resumed, HeldFor.WORKFLOW)
+        await take(conn, app.table(), resumed)
     calls = HandlerCalls(app, redact_errors=False, threads=2)
     starter = RecordedHandovers()
     hub = ShardHub()

@@ -19,8 +19,8 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge import OutboxApp, OutboxTable
 from outbox_bridge.config import OutboxSettings
+from outbox_bridge.db.ownership import HeldShard
 from outbox_bridge.db.scans import FirstRow
-from outbox_bridge.db.store import HeldShard
 from outbox_bridge.runtime import supervisor as supervisor_module
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.supervisor import CHECK_CONCURRENCY, PartitionSupervisor

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Literal
 
 from temporalio.common import SearchAttributeKey
 
@@ -167,52 +168,152 @@ class ParkedNote:
     rows: int = 0
 
 
+# -- what a shard workflow knows: its counts, and one state of a tagged union ---------------------
+# Each state carries only its own fields, and its tag (``state``) names it in the run's input
+# when it continues as new.
+
+
+@dataclass
+class Draining:
+    """Rows may be due: the next step drains."""
+
+    state: Literal["draining"] = "draining"
+
+
+@dataclass
+class Idle:
+    """Empty, and given back by the last drain: the run completes."""
+
+    state: Literal["idle"] = "idle"
+
+
+@dataclass
+class Blocked:
+    """A failing head group, retried as its category activity until it succeeds."""
+
+    head: HeadGroup
+    attempts: int = 1  # calls of the head so far, the partition's first one included
+    last_error: HandlerFailure | None = None
+    blocked_since: str | None = None
+    retry_interval_seconds: float | None = None  # where the backoff stands
+    next_attempt_at: str | None = None  # when the backoff scheduled the next attempt
+    state: Literal["blocked"] = "blocked"
+
+
+@dataclass
+class Deferred:
+    """A head row scheduled later: when it is due, and how long that is by the database's
+    clock (which decides when the row is due) at the moment it was read."""
+
+    deferred_until: str
+    deferred_seconds: float | None = None
+    paused: PauseInfo | None = None  # the pause the deferred head waits for, if it is paused
+    state: Literal["deferred"] = "deferred"
+
+
+@dataclass
+class Skipped:
+    """Paused by an operator: nothing runs. ``recorded`` once the owner table says skipped (the
+    answer of the skip's transition, or a partition's skip); ``before`` is the state it paused,
+    shown meanwhile and changed by what arrives (news, a handover)."""
+
+    skip: SkipInfo
+    before: Draining | Idle | Blocked | Deferred = field(default_factory=Draining)
+    recorded: bool = False
+    state: Literal["skipped"] = "skipped"
+
+
+@dataclass
+class Resumed:
+    """Resumed while the owner table still says skipped: taken back, then drained."""
+
+    state: Literal["resumed"] = "resumed"
+
+
+Phase = Draining | Idle | Blocked | Deferred
+ShardPhase = Phase | Skipped | Resumed
+
+
 @dataclass
 class ShardRecord:
-    """Everything a shard workflow knows, carried whole across continue-as-new; its state is
-    derived from it (:attr:`state`)."""
+    """Everything a shard workflow knows, carried whole across continue-as-new."""
 
     max_known_id: int = 0  # the highest row id it was told of
     highest_seen_id: int = 0  # the highest row id its drains read
     rows_handled: int = 0
     groups_handled: int = 0
-    pending: bool = True  # rows may be due: drain next
-    skip: SkipInfo | None = None
-    skip_held: bool = False  # the skip is recorded in the owner table: no drain takes the shard
-    # A failing head group: retried as its category activity until it succeeds.
-    head: HeadGroup | None = None
-    attempts: int = 0  # calls of the head so far, the partition's first one included
-    last_error: HandlerFailure | None = None
-    blocked_since: str | None = None
-    retry_interval_seconds: float | None = None  # where the backoff stands
-    next_attempt_at: str | None = None  # when the backoff scheduled the next attempt
-    # A head row scheduled later: when it is due, and how long that is by the database's clock
-    # (which decides when the row is due) at the moment it was read.
-    deferred_until: str | None = None
-    deferred_seconds: float | None = None
-    paused: PauseInfo | None = None  # the pause the deferred head waits for, if it is paused
     parked: list[ParkedNote] = field(default_factory=list)  # as the last drain read them
     refused: Refusals = field(default_factory=Refusals)  # signals it did not apply
+    phase: ShardPhase = field(default_factory=Draining)
+
+    @property
+    def current(self) -> Phase:
+        """The state under a skip (the state itself otherwise; resumed is draining)."""
+        phase = self.phase
+        if isinstance(phase, Skipped):
+            return phase.before
+        return Draining() if isinstance(phase, Resumed) else phase
+
+    @property
+    def blocked(self) -> Blocked | None:
+        current = self.current
+        return current if isinstance(current, Blocked) else None
+
+    @property
+    def skip(self) -> SkipInfo | None:
+        return self.phase.skip if isinstance(self.phase, Skipped) else None
 
     @property
     def state(self) -> ShardState:
-        if self.skip is not None:
-            return ShardState.SKIPPED
-        if self.head is not None:
-            return ShardState.BLOCKED
-        if self.pending:
-            return ShardState.DRAINING
-        if self.deferred_until is not None:
-            return ShardState.DEFERRED
-        return ShardState.IDLE
+        if isinstance(self.phase, Skipped | Resumed):
+            return ShardState.SKIPPED if isinstance(self.phase, Skipped) else ShardState.DRAINING
+        return ShardState(self.phase.state)
 
-    def clear_head(self) -> None:
-        self.head = None
-        self.attempts = 0
-        self.last_error = None
-        self.blocked_since = None
-        self.retry_interval_seconds = None
-        self.next_attempt_at = None
+    def become(self, phase: Phase) -> None:
+        """Move to ``phase``; under a skip, the skipped state changes instead (shown, and
+        dropped on resume)."""
+        if isinstance(self.phase, Skipped):
+            self.phase.before = phase
+        else:
+            self.phase = phase
+
+
+@dataclass(kw_only=True)
+class CarriedRecord(ShardRecord):
+    """A record carried across continue-as-new by code before the states had classes of their
+    own (one flat record): read once, as :meth:`upgraded`."""
+
+    pending: bool  # required: the mark of the flat record
+    skip: SkipInfo | None = None
+    skip_held: bool = False
+    head: HeadGroup | None = None
+    attempts: int = 0
+    last_error: HandlerFailure | None = None
+    blocked_since: str | None = None
+    retry_interval_seconds: float | None = None
+    next_attempt_at: str | None = None
+    deferred_until: str | None = None
+    deferred_seconds: float | None = None
+    paused: PauseInfo | None = None
+
+    def upgraded(self) -> ShardRecord:
+        phase: ShardPhase
+        if self.head is not None:
+            phase = Blocked(self.head, self.attempts, self.last_error, self.blocked_since)
+            phase.retry_interval_seconds = self.retry_interval_seconds
+            phase.next_attempt_at = self.next_attempt_at
+        elif self.pending:
+            phase = Draining()
+        elif self.deferred_until is not None:
+            phase = Deferred(self.deferred_until, self.deferred_seconds, self.paused)
+        else:
+            phase = Idle()
+        if self.skip is not None:
+            phase = Skipped(self.skip, phase, recorded=self.skip_held)
+        elif self.skip_held:
+            phase = Resumed()
+        counts = (self.max_known_id, self.highest_seen_id, self.rows_handled, self.groups_handled)
+        return ShardRecord(*counts, self.parked, self.refused, phase)
 
 
 # The generation of the workflow code a run was started by, in its memo (MEMO_CODE_KEY): runs
@@ -225,7 +326,7 @@ MEMO_CODE_KEY = "outbox-bridge-workflow-code"
 class ShardInput:
     shard: ShardRef
     options: ShardOptions = field(default_factory=ShardOptions)
-    record: ShardRecord | None = None
+    record: CarriedRecord | ShardRecord | None = None
 
 
 @dataclass

@@ -13,15 +13,17 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType, ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
+    from outbox_bridge.workflows import shard_transitions as change
+    from outbox_bridge.workflows import shard_view as view
     from outbox_bridge.workflows.inputs import (
         InvalidInput,
         check_flush,
@@ -35,9 +37,10 @@ with workflow.unsafe.imports_passed_through():
         note_refusal,
     )
     from outbox_bridge.workflows.models import (
-        BLOCKED_CATEGORY_ATTRIBUTE,
-        BLOCKED_SINCE_ATTRIBUTE,
-        STATE_ATTRIBUTE,
+        Blocked,
+        CarriedRecord,
+        Deferred,
+        Draining,
         DrainInput,
         DrainResult,
         FlushCheck,
@@ -51,8 +54,8 @@ with workflow.unsafe.imports_passed_through():
         HeldFor,
         HoldInput,
         NotifyInput,
-        PauseInfo,
         RecheckInput,
+        Resumed,
         ResumeInput,
         ShardInput,
         ShardOptions,
@@ -62,8 +65,8 @@ with workflow.unsafe.imports_passed_through():
         ShardSummary,
         SkipInfo,
         SkipInput,
+        Skipped,
         flush_queue,
-        until_text,
     )
 
 T = TypeVar("T")
@@ -72,7 +75,6 @@ T = TypeVar("T")
 LOCAL_DRAIN_ATTEMPTS = 3
 # How long one timer of a skipped shard lasts; when it fires, the shard waits on the next.
 SKIPPED_TIMER = timedelta(days=7)
-BACKOFF_COEFFICIENT = 2.0
 # Patches since the 1.0 baseline, deprecated in 1.0.0 (docs: Upgrade safely).
 CARRY_BACKOFF_FROM_NOW = "carry-backoff-from-now"
 # A run started by a deferred handover drains before it waits, to learn why the head waits.
@@ -93,7 +95,10 @@ class OutboxShard:
     def __init__(self, input: ShardInput) -> None:
         self._shard = input.shard
         self._options = input.options
-        self._r = input.record or ShardRecord()
+        record = input.record
+        self._r = (
+            record.upgraded() if isinstance(record, CarriedRecord) else record or ShardRecord()
+        )
         # Per run: when this run's category activity began, and a changed head while blocked.
         self._blocked_at: datetime | None = None
         self._recheck = False
@@ -116,55 +121,41 @@ class OutboxShard:
             if self._history_long() and workflow.all_handlers_finished():
                 workflow.continue_as_new(ShardInput(self._shard, self._options, self._r))
             try:
-                state = self._r.state
-                if self._r.skip_held and state != ShardState.SKIPPED:
-                    await self._take_back_skipped()
-                elif state == ShardState.SKIPPED:
-                    await self._stay_skipped()
-                elif state == ShardState.BLOCKED:
-                    await self._retry_head()
-                elif state == ShardState.DRAINING:
-                    await self._drain()
-                elif state == ShardState.DEFERRED:
-                    await self._wait_deferred()
-                elif not workflow.all_handlers_finished():
-                    # A flush waits for its answer: stay, and act on what comes meanwhile.
-                    await workflow.wait_condition(
-                        lambda: workflow.all_handlers_finished() or self._r.state != ShardState.IDLE
-                    )
-                else:
-                    # Empty, and given back by the last drain. A signal that races the
-                    # completion fails this task and is replayed first: nothing is dropped.
-                    r = self._r
-                    return ShardSummary(self._shard.key, r.rows_handled, r.groups_handled)
+                match self._r.phase:
+                    case Resumed():
+                        await self._hold(HeldFor.WORKFLOW)  # the table says skipped no more
+                        change.taken_back(self._r)
+                    case Skipped() as skipped:
+                        await self._stay_skipped(skipped)
+                    case Blocked() as blocked:
+                        await self._retry_head(blocked)
+                    case Draining():
+                        await self._drain()
+                    case Deferred() as deferred:
+                        await self._wait_deferred(deferred)
+                    case _ if not workflow.all_handlers_finished():
+                        # A flush waits for its answer: stay, and act on what comes meanwhile.
+                        await workflow.wait_condition(
+                            lambda: (
+                                workflow.all_handlers_finished() or self._r.state != ShardState.IDLE
+                            )
+                        )
+                    case _:
+                        # Empty, and given back by the last drain. A signal that races the
+                        # completion fails this task and is replayed first: nothing is dropped.
+                        r = self._r
+                        return ShardSummary(self._shard.key, r.rows_handled, r.groups_handled)
             except _Interrupted:
                 pass  # continue as new at the top of the loop
 
     # -- what the state asks for ----------------------------------------------------------------
 
     async def _drain(self) -> None:
-        r = self._r
-        r.deferred_until = r.deferred_seconds = r.paused = None
         news = self._news
         result = await self._drain_call()
-        if result is None:
-            return  # skipped meanwhile: drained again once resumed
-        r.parked = result.parked
-        # Still draining if rows may remain, or news came while the drain ran.
-        r.pending = result.more or self._news != news
-        self._count(result.rows_handled, result.groups_handled)
-        r.highest_seen_id = max(r.highest_seen_id, result.highest_seen_id)
-        if result.failed is not None:
-            r.head = result.failed
-            r.attempts = 1
-            r.last_error = result.failure
-            r.blocked_since = workflow.now().isoformat()
-            r.retry_interval_seconds = r.next_attempt_at = None
-            r.pending = False
-        elif not r.pending and result.deferred_until is not None:
-            r.deferred_until = result.deferred_until
-            r.deferred_seconds = result.deferred_seconds
-            r.paused = result.paused
+        if result is not None:  # None: skipped meanwhile, drained again once resumed
+            now = workflow.now().isoformat()
+            change.drained(self._r, result, news=self._news != news, now=now)
 
     async def _drain_call(self) -> DrainResult | None:
         """One drain of the shard: a local activity, falling back to a normal one (retried by
@@ -183,7 +174,8 @@ class OutboxShard:
                 result_type=DrainResult,
                 start_to_close_timeout=timeout,
                 retry_policy=dataclasses.replace(
-                    self._retry_policy(maximum_interval=10.0), maximum_attempts=LOCAL_DRAIN_ATTEMPTS
+                    change.retry_policy(options, maximum_interval=10.0),
+                    maximum_attempts=LOCAL_DRAIN_ATTEMPTS,
                 ),
             )
             return await self._until_done(local, interruptible=False)
@@ -194,147 +186,129 @@ class OutboxShard:
                 request,
                 result_type=DrainResult,
                 start_to_close_timeout=timeout,
-                retry_policy=self._retry_policy(),
+                retry_policy=change.retry_policy(options),
                 cancellation_type=ActivityCancellationType.TRY_CANCEL,
                 summary=f"drain {self._shard.key}",
             )
             return await self._until_done(remote, interruptible=False)
 
-    async def _retry_head(self) -> None:
+    async def _retry_head(self, b: Blocked) -> None:
         """Retry the failing head group as its category activity until it succeeds, the shard
         is skipped, the head changes in the table, or the run must continue as new."""
-        r = self._r
-        assert r.head is not None
-        head = r.head
-        await self._wait_for_scheduled_attempt()
-        if r.skip is not None:
+        await self._wait_for_scheduled_attempt(b)
+        if self._r.skip is not None:
             return
         self._recheck = False
-        retry_from = r.retry_interval_seconds or self._options.initial_retry_seconds
+        retry_from = b.retry_interval_seconds or self._options.initial_retry_seconds
         self._blocked_at = workflow.now()
+        head = b.head
         handle = workflow.start_activity(
             head.category_name,
             HandleHeadInput(
-                self._shard, head.category, head.object_identifier, prior_attempts=r.attempts
+                self._shard, head.category, head.object_identifier, prior_attempts=b.attempts
             ),
             result_type=HandleHeadResult,
             start_to_close_timeout=timedelta(seconds=self._options.handler_timeout_seconds),
             heartbeat_timeout=timedelta(seconds=self._options.heartbeat_timeout_seconds),
-            retry_policy=self._retry_policy(initial=retry_from),
+            retry_policy=change.retry_policy(self._options, initial=retry_from),
             cancellation_type=ActivityCancellationType.TRY_CANCEL,
-            summary=self._headline(),
+            summary=view.headline(self._r),
         )
         try:
             result = await self._until_done(handle, recheck=True)
         except _Interrupted:
-            self._carry_backoff(retry_from)
+            self._carry_backoff(b, retry_from)
             raise
         except _Recheck:
             # Tried again at once (by the next turn of the loop), still blocked since then.
-            self._carry_backoff(retry_from)
-            r.next_attempt_at = None
+            self._carry_backoff(b, retry_from)
+            b.next_attempt_at = None
             return
         if result is None:
             return  # skipped: the head stays shown
         if result.handled:
-            self._count(result.rows_handled, 1)
-        r.clear_head()
-        r.pending = True
+            self._r.rows_handled += result.rows_handled
+            self._r.groups_handled += 1
+        self._r.become(Draining())
 
-    async def _wait_for_scheduled_attempt(self) -> None:
+    async def _wait_for_scheduled_attempt(self, b: Blocked) -> None:
         """A run carried over while blocked waits for the attempt the last run's backoff had
         scheduled: continuing as new never retries sooner than the backoff says."""
-        r = self._r
-        if r.next_attempt_at is None:
+        if b.next_attempt_at is None:
             return
-        remaining = (datetime.fromisoformat(r.next_attempt_at) - workflow.now()).total_seconds()
+        remaining = (datetime.fromisoformat(b.next_attempt_at) - workflow.now()).total_seconds()
         if remaining > 0:
-            next_attempt = f"{self._headline()}; next attempt at {_when(r.next_attempt_at)}"
+            next_attempt = (
+                f"{view.headline(self._r)}; next attempt at {view.when(b.next_attempt_at)}"
+            )
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
-                    lambda: r.skip is not None or self._recheck or self._continue_due(),
+                    lambda: self._r.skip is not None or self._recheck or self._continue_due(),
                     timeout=timedelta(seconds=remaining),
                     timeout_summary=next_attempt,
                 )
-            if r.skip is not None:
+            if self._r.skip is not None:
                 return
             if not self._recheck and self._continue_due():
                 raise _Interrupted
-        # The scheduled attempt: the backoff goes on from the interval after it.
-        interval = r.retry_interval_seconds or self._options.initial_retry_seconds
-        r.retry_interval_seconds = min(
-            interval * BACKOFF_COEFFICIENT, self._options.max_retry_interval_seconds
-        )
-        r.next_attempt_at = None
+        change.scheduled_attempt(b, self._options)
 
-    def _carry_backoff(self, retry_from: float) -> None:
+    def _carry_backoff(self, b: Blocked, retry_from: float) -> None:
         """The server's attempts since this run's category activity began (from the retry
         schedule) and where the backoff stands, for the next run to go on from."""
         assert self._blocked_at is not None
-        r = self._r
         elapsed = (workflow.now() - self._blocked_at).total_seconds()
-        interval, waited, attempts = retry_from, 0.0, 1
         ceiling = self._options.max_retry_interval_seconds
-        while waited + interval <= elapsed:
-            waited += interval
-            attempts += 1
-            interval = min(interval * BACKOFF_COEFFICIENT, ceiling)
-        r.attempts += attempts
-        r.retry_interval_seconds = interval
+        attempts, interval, _ = change.attempts_since(elapsed, retry_from, ceiling)
+        b.attempts += attempts
+        b.retry_interval_seconds = interval
         # The server's last attempt may be just behind us: a whole interval from now.
         workflow.deprecate_patch(CARRY_BACKOFF_FROM_NOW)
-        r.next_attempt_at = (workflow.now() + timedelta(seconds=interval)).isoformat()
+        b.next_attempt_at = (workflow.now() + timedelta(seconds=interval)).isoformat()
 
-    async def _stay_skipped(self) -> None:
+    async def _stay_skipped(self, skipped: Skipped) -> None:
         r = self._r
-        if not r.skip_held:  # in the table: from now on no drain takes the shard
-            skip = r.skip
+        if not skipped.recorded:  # in the table: from now on no drain takes the shard
+            skip = skipped.skip
             via = await self._hold(HeldFor.SKIPPED, skip)
-            if skip is not None and isinstance(via, str):  # None in runs of older code
+            if isinstance(via, str):  # None in runs of older code
                 skip.via = via
-            r.skip_held = True
+            change.skip_recorded(r)
             self._show()
         # The timer is there for its summary, the first thing the UI shows of a skipped shard.
         with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(
                 lambda: r.skip is None or self._continue_due(),
                 timeout=SKIPPED_TIMER,
-                timeout_summary=self._headline(),
+                timeout_summary=view.headline(r),
             )
 
-    async def _take_back_skipped(self) -> None:
-        """Resumed: the table says skipped no more."""
-        await self._hold(HeldFor.WORKFLOW)
-        self._r.skip_held = False
-
-    async def _wait_deferred(self) -> None:
+    async def _wait_deferred(self, d: Deferred) -> None:
         r = self._r
-        assert r.deferred_until is not None
-        if r.deferred_seconds is not None:
+        if d.deferred_seconds is not None:
             # By the database's clock, which decides when the row is due.
-            remaining = max(r.deferred_seconds, 0.05)
-            r.deferred_seconds = None
+            remaining = max(d.deferred_seconds, 0.05)
+            d.deferred_seconds = None
         else:
-            remaining = (datetime.fromisoformat(r.deferred_until) - workflow.now()).total_seconds()
+            remaining = (datetime.fromisoformat(d.deferred_until) - workflow.now()).total_seconds()
         if remaining > 0:
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: r.state != ShardState.DEFERRED or self._continue_due(),
                     timeout=timedelta(seconds=remaining),
-                    timeout_summary=self._headline(),
+                    timeout_summary=view.headline(r),
                 )
                 return  # news, a skip, a handover, or a continue-as-new (which carries it)
-        r.deferred_until = r.paused = None
-        r.pending = True
+        r.become(Draining())
 
     async def _hold(self, held_for: HeldFor, skip: SkipInfo | None = None) -> object:
-        """Record in the table that this workflow holds the shard. Held for ``skip``: the
-        sender of the skip as Temporal recorded it (``temporal:<identity>``), if found."""
+        """Move the owner table's row: skipped, or taken back from a skip. Held for ``skip``:
+        the sender of the skip as Temporal recorded it (``temporal:<identity>``), if found."""
         handle: ActivityHandle[object] = workflow.start_activity(
             "hold_shard",
             HoldInput(self._shard, held_for, skip=skip),
             start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=self._retry_policy(maximum_interval=10.0),
+            retry_policy=change.retry_policy(self._options, maximum_interval=10.0),
             summary=f"hold {self._shard.key}",
         )
         return await self._until_done(handle, cancel_on_skip=False, interruptible=False)
@@ -384,22 +358,6 @@ class OutboxShard:
             raise _Recheck
         raise _Interrupted
 
-    def _retry_policy(
-        self, *, initial: float | None = None, maximum_interval: float | None = None
-    ) -> RetryPolicy:
-        first = initial or self._options.initial_retry_seconds
-        ceiling = maximum_interval or self._options.max_retry_interval_seconds
-        return RetryPolicy(
-            initial_interval=timedelta(seconds=first),
-            backoff_coefficient=BACKOFF_COEFFICIENT,
-            maximum_interval=timedelta(seconds=max(first, ceiling)),
-            maximum_attempts=0,
-        )
-
-    def _count(self, rows: int, groups: int) -> None:
-        self._r.rows_handled += rows
-        self._r.groups_handled += groups
-
     # -- signals, updates and queries ----------------------------------------------------------
 
     # Signal handlers take their arguments undecoded (``*args``) and decode them here: an input
@@ -417,30 +375,11 @@ class OutboxShard:
     def handover(self, *args: Any) -> None:
         """A partition gives the shard, held for this workflow already (:class:`HandoverInput`)."""
         input = self._decoded("handover", args, HandoverInput, check_handover)
-        if input is None:
-            return
-        r = self._r
-        r.max_known_id = max(r.max_known_id, input.max_id)
-        if input.skip is not None and r.skip is None:
-            r.skip = SkipInfo(input.skip.reason, input.skip.by, workflow.now().isoformat())
-            r.skip_held = True  # the partition recorded it
-        if r.head is not None or r.pending:  # known already, or the next drain finds out
+        now = workflow.now().isoformat()
+        if input is not None and change.handed_over(
+            self._r, input, now, self._drains_handed_deferral
+        ):
             self._news += 1
-            return
-        if input.held_for == HeldFor.FAILED and input.head is not None:
-            r.head = input.head
-            r.attempts = 1  # the partition's call
-            r.last_error = input.failure
-            r.blocked_since = workflow.now().isoformat()
-            r.paused = None
-        elif input.held_for == HeldFor.DEFERRED and self._drains_handed_deferral():
-            # The drain finds out why the head waits (a pause, its parked groups) for the UI.
-            r.pending = True
-        elif input.held_for == HeldFor.DEFERRED and input.deferred_until is not None:
-            r.deferred_until = input.deferred_until
-            r.deferred_seconds = input.deferred_seconds
-        elif input.skip is None:
-            r.pending = True
 
     def _drains_handed_deferral(self) -> bool:
         """A run started by a deferred handover drains first. Its marker is recorded only then,
@@ -458,10 +397,7 @@ class OutboxShard:
             self._recheck = True
 
     def _rows_committed(self, max_id: int, *, late: bool) -> None:
-        r = self._r
-        r.max_known_id = max(r.max_known_id, max_id)
-        if late or max_id > r.highest_seen_id:
-            r.pending = True
+        if change.rows_committed(self._r, max_id, late=late):
             self._news += 1
 
     @workflow.signal
@@ -473,9 +409,8 @@ class OutboxShard:
 
     def _skip(self, input: SkipInput) -> None:
         # Skipped again while held, the new skip's sender is not looked up (shown as unknown).
-        self._r.skip = SkipInfo(
-            reason=input.reason.strip(), by=input.by, at=workflow.now().isoformat()
-        )
+        now = workflow.now().isoformat()
+        change.skipped(self._r, SkipInfo(reason=input.reason.strip(), by=input.by, at=now))
         self._show()
 
     @workflow.signal
@@ -484,14 +419,7 @@ class OutboxShard:
         given = args != () and args != (None,)  # its input is optional
         if given and self._decoded("resume", args, ResumeInput, check_resume) is None:
             return
-        self._resume()
-
-    def _resume(self) -> None:
-        r = self._r
-        if r.skip is not None:
-            r.skip = None
-            r.clear_head()
-            r.pending = True
+        change.resumed(self._r)
 
     def _decoded(
         self, signal: str, args: Sequence[Any], model: type[T], check: Callable[[T], None]
@@ -502,7 +430,8 @@ class OutboxShard:
         except InvalidInput as exc:
             line = note_refusal(self._r.refused, signal, workflow.now(), exc)
             workflow.logger.warning("%s refused: %s", self._shard.workflow_id, line)
-            self._describe()  # the details only: a refused signal changes no search attribute
+            # The details only: a refused signal changes no search attribute.
+            view.describe(self._shard, self._r)
             return None
 
     # The same two as updates: the caller learns whether they were taken; validators refuse.
@@ -511,7 +440,9 @@ class OutboxShard:
     async def skip_update(self, input: SkipInput) -> ShardStatus:
         """:meth:`skip`, answered once the skip is recorded in the table."""
         self._skip(input)
-        await workflow.wait_condition(lambda: self._r.skip_held or self._r.skip is None)
+        await workflow.wait_condition(
+            lambda: not isinstance(self._r.phase, Skipped) or self._r.phase.recorded
+        )
         return self.status()
 
     @skip_update.validator
@@ -521,7 +452,7 @@ class OutboxShard:
     @workflow.update(name="resume")
     def resume_update(self, input: ResumeInput) -> ShardStatus:
         """:meth:`resume`, answered with the shard's status."""
-        self._resume()
+        change.resumed(self._r)
         return self.status()
 
     @resume_update.validator
@@ -536,7 +467,7 @@ class OutboxShard:
         :class:`FlushResult`)."""
         up_to = input.up_to_id
         self._rows_committed(up_to, late=False)
-        stopped = self._flush_stopped(up_to)
+        stopped = view.flush_stopped(self._shard, self._r, up_to)
         if stopped is not None:
             return stopped
         # An activity watches the table, on a task queue whose slots no drain needs.
@@ -550,7 +481,7 @@ class OutboxShard:
             cancellation_type=ActivityCancellationType.TRY_CANCEL,
         )
         await workflow.wait_condition(
-            lambda: check.done() or self._flush_stopped(up_to) is not None
+            lambda: check.done() or view.flush_stopped(self._shard, self._r, up_to) is not None
         )
         if not check.done():
             check.cancel()
@@ -570,132 +501,16 @@ class OutboxShard:
                     deferred_until=checked.deferred_until,
                     paused=checked.paused,
                 )
-        return self._flush_stopped(up_to) or FlushResult(self._shard.key, FlushOutcome.TIMED_OUT)
+        stopped = view.flush_stopped(self._shard, self._r, up_to)
+        return stopped or FlushResult(self._shard.key, FlushOutcome.TIMED_OUT)
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
         check_flush(input)
 
-    def _flush_stopped(self, up_to: int) -> FlushResult | None:
-        """Why rows up to ``up_to`` cannot be handled now, if they cannot."""
-        r = self._r
-        if r.skip is not None:
-            return FlushResult(self._shard.key, FlushOutcome.SKIPPED, head=r.head, skip=r.skip)
-        if r.head is not None and r.head.first_id <= up_to:
-            return FlushResult(
-                self._shard.key,
-                FlushOutcome.BLOCKED,
-                head=r.head,
-                blocked_since=r.blocked_since,
-                error=r.last_error,
-            )
-        return None
-
     @workflow.query
     def status(self) -> ShardStatus:
-        r = self._r
-        return ShardStatus(
-            shard=self._shard.key,
-            state=r.state,
-            max_known_id=r.max_known_id,
-            highest_seen_id=r.highest_seen_id,
-            rows_handled=r.rows_handled,
-            groups_handled=r.groups_handled,
-            head=r.head,
-            attempts=r.attempts,
-            last_error=r.last_error,
-            blocked_since=r.blocked_since,
-            deferred_until=r.deferred_until,
-            skip=r.skip,
-            refused=r.refused,
-        )
-
-    # -- what the UI shows ---------------------------------------------------------------------
+        return view.status(self._shard, self._r)
 
     def _show(self) -> None:
-        """Set the current details, and upsert the search attributes that changed (each upsert
-        is a history event; none for the idle state of a run about to complete)."""
-        self._describe()
-        r = self._r
-        state = r.state
-        if state == ShardState.IDLE:
-            return
-        category = r.head.category_name if r.head is not None else None
-        since = datetime.fromisoformat(r.blocked_since) if r.blocked_since else None
-        current = workflow.info().typed_search_attributes
-        wanted: list[tuple[SearchAttributeKey[Any], Any]] = [
-            (STATE_ATTRIBUTE, state.value),
-            (BLOCKED_CATEGORY_ATTRIBUTE, category),
-            (BLOCKED_SINCE_ATTRIBUTE, since),
-        ]
-        changed = [
-            key.value_unset() if value is None else key.value_set(value)
-            for key, value in wanted
-            if current.get(key) != value
-        ]
-        if changed:
-            workflow.upsert_search_attributes(changed)
-
-    def _headline(self) -> str:
-        """The state and its reason in one line: the summary of what the run waits on."""
-        r = self._r
-        if r.skip is not None:
-            # Short: the UI cuts a long label off (the head shows on its cancelled activity).
-            skip = r.skip
-            return f"skipped by {skip.by or 'an operator'} at {_when(skip.at)}: {skip.reason}"
-        if r.head is not None:
-            return f"blocked on {r.head.summary} since {_when(r.blocked_since)}"
-        if r.paused is not None:
-            return f"paused: {_pause_line(r.paused)}"
-        if r.deferred_until is not None:
-            return f"deferred until {_when(r.deferred_until)}"
-        return r.state.value
-
-    def _describe(self) -> None:
-        # Current details are not carried over continue-as-new; every run sets them again.
-        r = self._r
-        lines = [
-            f"**Shard** `{self._shard.key}` (table `{self._shard.table}`)",
-            f"**State** {r.state.value}",
-            f"**Rows handled** {r.rows_handled} in {r.groups_handled} groups",
-        ]
-        if r.head is not None:
-            head = r.head
-            lines.append(f"**Head group** {head.summary}, ids {head.first_id}–{head.last_id}")
-        if r.last_error is not None:
-            lines.append(f"**Attempts** {r.attempts}+, last error `{r.last_error.error_type}`")
-        if r.blocked_since is not None:
-            lines.append(f"**Blocked since** {r.blocked_since}")
-        if r.paused is not None:
-            lines.append(f"**Paused** {_pause_line(r.paused)}")
-        elif r.deferred_until is not None:
-            lines.append(f"**Deferred until** {r.deferred_until}")
-        if r.parked:
-            lines.append(f"**Parked groups** {len(r.parked)}, set aside until unparked:")
-            lines += [
-                f"- {g.category_name} object={g.object_identifier}, {g.rows} rows: parked by "
-                f"{g.parked_by} at {_when(g.parked_at)}: {g.reason}"
-                for g in r.parked
-            ]
-        if r.skip is not None:
-            skip = r.skip
-            lines.append(f"**Skipped** by {skip.who} at {skip.at}: {skip.reason}")
-        if r.refused.summary is not None:
-            lines.append(f"**{r.refused.summary}**")
-        workflow.set_current_details("\n\n".join(lines))
-
-
-def _pause_line(pause: PauseInfo) -> str:
-    """``category PROJECT_UPDATE (search down, by ann, since ...)``."""
-    since = f"since {_when(pause.since)}{until_text(pause.ends_at)}"
-    return f"{pause.kind} {pause.name} ({pause.reason}, by {pause.paused_by}, {since})"
-
-
-def _when(iso: str | None) -> str:
-    """An ISO timestamp as the UI's reader wants it: to the second, in UTC."""
-    if iso is None:
-        return "?"
-    moment = datetime.fromisoformat(iso)
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(UTC)
-    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+        view.show(self._shard, self._r)

@@ -142,7 +142,8 @@ async def read_windows(
 ) -> list[ShardWindow]:
     """For each of ``shards`` with rows, its first ``window`` rows in id order (from the shard
     index, no payloads) and its highest id, in one statement. ``skip_held`` leaves out the
-    shards their own workflow holds (:func:`hold_shard`), ``skip_paused`` the skipped ones."""
+    shards their own workflow holds (:mod:`outbox_bridge.db.ownership`), ``skip_paused`` the
+    skipped ones."""
     if not shards:
         return []
     regional = "region" in table.c

@@ -22,9 +22,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
+from outbox_bridge.db import ownership
 from outbox_bridge.db.disconnects import connection_lost
 from outbox_bridge.db.scans import ShardRange, read_row_ages, read_shard_ranges
-from outbox_bridge.db.store import hold_free_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.runtime.hub import (
     PartitionInbox,
@@ -385,7 +385,7 @@ class PartitionDrain:
             return []
         held: list[ShardRef] = await round_.execute(
             functools.partial(
-                hold_free_shards, table=round_.table, shards=listed, held_for=HeldFor.SKIPPED
+                ownership.hand_over, table=round_.table, shards=listed, held_for=HeldFor.SKIPPED
             )
         )
         return held

@@ -19,8 +19,8 @@ from typing import Any
 from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db import ownership
 from outbox_bridge.db.reads import GroupRows
-from outbox_bridge.db.store import hold_free_shards, hold_shard, release_shard
 from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS
 from outbox_bridge.runtime.fence import ShardLocks, Work
 from outbox_bridge.runtime.waiters import Waiters
@@ -97,7 +97,7 @@ class Queued:
     """Writes queued and not yet under way."""
 
     deletes: list[Handled]
-    holds: list[tuple[ShardRef, str, bool]]  # shard, why, only if free
+    holds: list[tuple[ShardRef, HeldFor, bool]]  # shard, why, only if free
     releases: list[ShardRef]
     unlocks: dict[ShardRef, None]
 
@@ -154,7 +154,7 @@ class RoundWrites(ShardLocks):
         if not self.lost and self._error is None:
             await self.undeleted.room()
 
-    def hold(self, shard: ShardRef, held_for: str, *, if_free: bool = False) -> None:
+    def hold(self, shard: ShardRef, held_for: HeldFor, *, if_free: bool = False) -> None:
         """Hold ``shard`` for its workflow; with ``if_free`` only if no workflow holds it yet."""
         self._queued.holds.append((shard, held_for, if_free))
 
@@ -214,7 +214,7 @@ class RoundWrites(ShardLocks):
             await self._delete_handled(queued.deletes)
         await self._write_holds(queued.holds)
         for shard in queued.releases:
-            await release_shard(self.conn, self.table, shard)
+            await ownership.release(self.conn, self.table, shard)
         if queued.unlocks:
             await self._unlock_each(list(queued.unlocks))
 
@@ -237,20 +237,20 @@ class RoundWrites(ShardLocks):
         for row_id in deleted:
             owner[row_id].rows_handled += 1
 
-    async def _write_holds(self, holds: list[tuple[ShardRef, str, bool]]) -> None:
+    async def _write_holds(self, holds: list[tuple[ShardRef, HeldFor, bool]]) -> None:
         """The holds queued, then those of the shards a write failed for (if still free)."""
         faulted, self._faulted = self._faulted, []
-        if_free: dict[str, list[ShardRef]] = {}
+        if_free: dict[HeldFor, list[ShardRef]] = {}
         for shard, held_for, only_free in holds:
             if only_free:
                 if_free.setdefault(held_for, []).append(shard)
             else:
-                await hold_shard(self.conn, self.table, shard, held_for)
+                await ownership.take(self.conn, self.table, shard)
                 self.held.add(shard)
         if faulted:
             if_free.setdefault(HeldFor.FAILED, []).extend(faulted)
         for held_for, shards in if_free.items():
-            self.held.update(await hold_free_shards(self.conn, self.table, shards, held_for))
+            self.held.update(await ownership.hand_over(self.conn, self.table, shards, held_for))
 
     async def _unlock_each(self, shards: list[ShardRef]) -> None:
         """Unlock ``shards``; one that cannot be is held and locked until the connection closes."""

@@ -16,10 +16,10 @@ from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db import ownership
 from outbox_bridge.db.parked import read_parked
 from outbox_bridge.db.pauses import read_shard_pause
 from outbox_bridge.db.scans import read_pending_up_to
-from outbox_bridge.db.store import hold_shard
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardFaultError, ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed
@@ -94,7 +94,7 @@ class ShardDrainer:
         parked: list[ParkedNote] = []
         paused: PauseInfo | None = None
         async with self._locked(shard) as round_:
-            round_.hold(shard, HeldFor.WORKFLOW)  # never over a skip (see hold_shard)
+            round_.hold(shard, HeldFor.WORKFLOW)  # never over a skip (ownership.take)
             heads = await self._engine.read_heads(
                 round_, max_groups=request.max_groups, skip_held=False, skip_paused=True
             )
@@ -176,10 +176,9 @@ class ShardDrainer:
         """Record that the shard's workflow holds it (skipped, or taken back from a skip), once
         a drain of the shard under way has ended."""
         shard = request.shard
+        move = ownership.skip if request.held_for == HeldFor.SKIPPED else ownership.resume
         async with self._locked(shard, wait_seconds=request.wait_seconds) as round_:
-            await round_.execute(
-                lambda conn: hold_shard(conn, round_.table, shard, request.held_for, over_skip=True)
-            )
+            await round_.execute(lambda conn: move(conn, round_.table, shard))
 
     # -- flushing --------------------------------------------------------------------------
 

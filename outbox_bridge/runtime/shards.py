@@ -28,8 +28,10 @@ from outbox_bridge.workflows.models import (
     SHARD_ATTRIBUTE,
     STATE_ATTRIBUTE,
     WORKFLOW_CODE,
+    Draining,
     HandlerFailure,
     HandoverInput,
+    Idle,
     NotifyInput,
     RecheckInput,
     ShardInput,
@@ -39,6 +41,7 @@ from outbox_bridge.workflows.models import (
     ShardState,
     ShardStatus,
     SkipInfo,
+    Skipped,
 )
 
 WORKFLOW = "OutboxShard"
@@ -205,11 +208,12 @@ def start_arguments(
 ) -> dict[str, Any]:
     """``Client.start_workflow``'s keyword arguments for ``shard``'s workflow; ``pending``: the
     run drains first."""
+    first = Draining() if pending else Idle()
     return {
         "arg": ShardInput(
             shard=shard,
             options=options,
-            record=ShardRecord(max_known_id=max_id, skip=skip, pending=pending),
+            record=ShardRecord(max_known_id=max_id, phase=Skipped(skip, first) if skip else first),
         ),
         "id": shard.workflow_id,
         "task_queue": task_queue,

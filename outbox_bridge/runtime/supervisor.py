@@ -23,7 +23,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.db.store import HeldShard, read_held_shards
+from outbox_bridge.db.ownership import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp

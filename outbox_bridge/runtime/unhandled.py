@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.store import read_held_shards
+from outbox_bridge.db.ownership import read_held_shards
 from outbox_bridge.errors import CategoryScopeError, UnknownCategoryError
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp

@@ -12,9 +12,9 @@ from sqlalchemy import Connection, Engine, Row, Table
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
+from outbox_bridge.db.ownership import read_held_shards
 from outbox_bridge.db.reads import SKIPPED_HOLD, GroupRows
 from outbox_bridge.db.scans import read_shard_ranges
-from outbox_bridge.db.store import read_held_shards
 from outbox_bridge.db.writes import delete_handled
 from outbox_bridge.errors import OutboxError
 from outbox_bridge.registry import OutboxApp
@@ -190,7 +190,7 @@ def shard_targets(
 
 
 class _Blocking:
-    """A sync ``Connection`` behind the awaitable ``execute`` of :mod:`outbox_bridge.db.store`:
+    """A sync ``Connection`` behind the awaitable ``execute`` of :mod:`outbox_bridge.db.ownership`:
     statements run at once, in the calling thread."""
 
     def __init__(self, conn: Connection) -> None:

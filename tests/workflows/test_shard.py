@@ -14,6 +14,7 @@ from outbox_bridge.runtime.shards import WORKFLOW, ShardStarter, start_arguments
 from outbox_bridge.workflows.models import (
     MEMO_CODE_KEY,
     WORKFLOW_CODE,
+    Draining,
     DrainResult,
     FlushCheck,
     FlushInput,
@@ -286,7 +287,7 @@ async def test_a_busy_shard_continues_as_new_carrying_its_record(wf) -> None:
     assert carried.record.groups_handled > 0
     assert carried.record.rows_handled == 2 * carried.record.groups_handled
     assert carried.record.max_known_id == 10
-    assert carried.record.pending  # it was draining: the next run drains on
+    assert isinstance(carried.record.phase, Draining)  # it was draining: the next run drains on
     assert await (await handle.describe()).memo() == {MEMO_CODE_KEY: WORKFLOW_CODE}
     wf.doubles.drains.default = DrainResult(released=True)
     # The counts go on from the carried ones: the last run reports them all.

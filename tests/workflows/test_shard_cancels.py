@@ -8,6 +8,7 @@ from __future__ import annotations
 from temporalio.api.enums.v1 import EventType
 
 from outbox_bridge.workflows.models import (
+    Blocked,
     DrainResult,
     HandleHeadResult,
     HeldFor,
@@ -33,8 +34,9 @@ async def test_a_blocked_shard_continues_as_new_on_its_backoff_schedule(wf) -> N
     await wf.skip_time(35)  # attempts at +0, +10, +30 of this run's activity
     new_run = await continue_as_new(wf, handle, NotifyInput(max_id=13, late=False))
     carried = await carried_input(wf, handle)
-    record = carried.record
-    assert record is not None and record.head == PROJECT_UPDATE
+    assert carried.record is not None
+    record = carried.record.phase
+    assert isinstance(record, Blocked) and record.head == PROJECT_UPDATE
     assert record.attempts == 1 + 3  # the partition's or drain's call, then three attempts
     assert record.retry_interval_seconds == 40  # the next interval of 10, 20, 40
     assert record.next_attempt_at is not None

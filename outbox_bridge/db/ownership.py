@@ -1,0 +1,152 @@
+"""Who may drain a shard: one state machine, kept in ``<table>_owners``.
+
+A shard is in one of three states, read from its row:
+
+=========  ============================================  =======================================
+state      its row in ``<table>_owners``                  who drains it
+=========  ============================================  =======================================
+free       none                                          its partition
+held       ``held_for`` = failed, deferred or workflow   its own ``OutboxShard`` workflow
+skipped    ``held_for`` = skipped                        nobody, until its workflow resumes it
+=========  ============================================  =======================================
+
+Each transition is one statement that moves the row only from the states it may leave, and
+returns what it moved; a shard in any other state is left as it is. Every transition runs under
+the shard's advisory lock, so ownership never changes in the middle of a drain of the shard:
+
+=============  ==============================  ==============================================
+transition     from → to                       made by
+=============  ==============================  ==============================================
+hand_over      free → held (why) or skipped    a partition's round, for a failed or deferred
+                                               head or a shard on the skip list
+take           free, held → held (workflow)    the workflow's drain; never over a skip, so a
+                                               drain that started before a skip reads nothing
+skip           any → skipped                   the workflow, for the ``skip`` signal or update
+resume         skipped → held (workflow)       the workflow, for ``resume``
+release        held → free                     the workflow's drain, once the shard is empty
+=============  ==============================  ==============================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Table, delete, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_bridge.db.parked import not_parked
+from outbox_bridge.db.pauses import not_due
+from outbox_bridge.db.scans import FirstRow
+from outbox_bridge.db.schema import owners_of, shard_columns, shard_values, shard_where
+from outbox_bridge.workflows.models import HeldFor, ShardRef
+
+
+def _keys(owners: Table) -> list[Any]:
+    return [owners.c[name] for name in shard_columns("region" in owners.c)]
+
+
+def _upsert(table: Table, shards: Sequence[ShardRef], held_for: HeldFor) -> Any:
+    owners = owners_of(table)
+    rows = [{**shard_values(table, shard), "held_for": held_for.value} for shard in shards]
+    return pg_insert(owners).values(rows)
+
+
+async def hand_over(
+    conn: AsyncConnection, table: Table, shards: Sequence[ShardRef], held_for: HeldFor
+) -> list[ShardRef]:
+    """free → held for ``held_for`` (or skipped), in one statement: returns the shards moved.
+    One held or skipped already keeps its row (its workflow has it, or an operator resumed it)."""
+    if not shards:
+        return []
+    owners = owners_of(table)
+    insert = _upsert(table, shards, held_for).on_conflict_do_nothing(
+        index_elements=list(owners.primary_key.columns)
+    )
+    moved = {tuple(row) for row in await conn.execute(insert.returning(*_keys(owners)))}
+    return [s for s in shards if tuple(shard_values(table, s).values()) in moved]
+
+
+async def take(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
+    """free or held → held by the workflow, for its drain. False when the shard is skipped:
+    the row stays, and the drain must handle nothing."""
+    owners = owners_of(table)
+    insert = _upsert(table, [shard], HeldFor.WORKFLOW)
+    statement = insert.on_conflict_do_update(
+        index_elements=list(owners.primary_key.columns),
+        set_={"held_for": insert.excluded.held_for},
+        where=owners.c.held_for != HeldFor.SKIPPED.value,
+    )
+    return (await conn.execute(statement.returning(owners.c.held_for))).first() is not None
+
+
+async def skip(conn: AsyncConnection, table: Table, shard: ShardRef) -> None:
+    """any → skipped: from now on no drain takes the shard, its workflow's included."""
+    owners = owners_of(table)
+    insert = _upsert(table, [shard], HeldFor.SKIPPED)
+    await conn.execute(
+        insert.on_conflict_do_update(
+            index_elements=list(owners.primary_key.columns),
+            set_={"held_for": insert.excluded.held_for},
+        )
+    )
+
+
+async def resume(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
+    """skipped → held by the workflow. False when the shard was not skipped (left as it is)."""
+    owners = owners_of(table)
+    statement = (
+        update(owners)
+        .where(shard_where(owners, shard), owners.c.held_for == HeldFor.SKIPPED.value)
+        .values(held_for=HeldFor.WORKFLOW.value)
+        .returning(owners.c.held_for)
+    )
+    return (await conn.execute(statement)).first() is not None
+
+
+async def release(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
+    """held → free: the shard goes back to its partition. False when it was free, or skipped
+    (only a resume ends a skip)."""
+    owners = owners_of(table)
+    statement = (
+        delete(owners)
+        .where(shard_where(owners, shard), owners.c.held_for != HeldFor.SKIPPED.value)
+        .returning(owners.c.held_for)
+    )
+    return (await conn.execute(statement)).first() is not None
+
+
+@dataclass(frozen=True)
+class HeldShard:
+    """A shard held or skipped, as the sweep sees it."""
+
+    region: str | None
+    scope: int
+    shard_identifier: int
+    held_for: str
+    since: datetime
+    head: FirstRow | None  # its first row, if it has any
+
+
+async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShard]:
+    """Every shard of ``table`` held or skipped, with its head row (one index lookup each)."""
+    owners = owners_of(table)
+    head = (
+        select(table.c.id, table.c.category, table.c.object_identifier, ~not_due(table))
+        .where(*(table.c[c.name] == c for c in _keys(owners)))
+        .where(text(not_parked(table, table.name)))
+        .order_by(table.c.id)
+        .limit(1)
+        .lateral("head")
+    )
+    query = select(*_keys(owners), owners.c.held_for, owners.c.since, *head.c)
+    held = []
+    for row in await conn.execute(query.select_from(owners.outerjoin(head, text("true")))):
+        values = tuple(row) if "region" in owners.c else (None, *row)
+        region, scope, ident, held_for, since, head_id, category, obj, due = values
+        first = None if head_id is None else FirstRow(head_id, category, obj, bool(due))
+        held.append(HeldShard(region, scope, ident, held_for, since, first))
+    return held

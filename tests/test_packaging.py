@@ -34,7 +34,7 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
-from scripts.typecheck import folder_packages
+from scripts.packages import folder_packages
 from tests.harness import Servers
 from tests.support import clean_env
 

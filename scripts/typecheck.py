@@ -3,7 +3,7 @@ gives them: pyproject.toml maps ``workflows/`` and ``activities/`` onto
 ``outbox_bridge.workflows`` and ``outbox_bridge.activities`` (``[tool.setuptools.package-dir]``),
 a mapping mypy's own command line cannot express.
 
-    python scripts/typecheck.py [mypy's options and files]
+    python -m scripts.typecheck [mypy's options and files]    (from the repository root)
 
 Exits as mypy does: 0 when it finds nothing, 1 on errors, 2 when it cannot run.
 """
@@ -11,7 +11,6 @@ Exits as mypy does: 0 when it finds nothing, 1 on errors, 2 when it cannot run.
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
 
 from mypy import build
@@ -20,14 +19,7 @@ from mypy.find_sources import create_source_list
 from mypy.main import process_options
 from mypy.modulefinder import BuildSource
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def folder_packages() -> dict[str, str]:
-    """Each mapped folder and the package it is: ``{"workflows": "outbox_bridge.workflows"}``."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    mapping: dict[str, str] = config["tool"]["setuptools"]["package-dir"]
-    return {folder: package for package, folder in mapping.items()}
+from scripts.packages import ROOT, folder_packages
 
 
 def renamed(source: BuildSource, packages: dict[str, str]) -> BuildSource:

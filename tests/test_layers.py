@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.typecheck import folder_packages
+from scripts.packages import folder_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "outbox_bridge"

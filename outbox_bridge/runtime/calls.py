@@ -140,57 +140,17 @@ class HandlerCalls:
         category, another scope's category, a payload over the limit or undecodable) gives a
         call that fails."""
         payload, undecodable = _decode_payload(shard, row, self.max_payload_bytes)
-        message = self._message(group, row, payload, "region" in self._app.table(shard.table).c)
+        message = _message(
+            self._app, group, row, payload, "region" in self._app.table(shard.table).c
+        )
         category = self._app.category_name(group.category)
         try:
-            handler = self._resolve(shard, group.category)
+            handler = _resolve(self._app, shard, group.category)
         except OutboxError as exc:
             return Call(group, None, message, category, exc)
         if undecodable is not None:
             return Call(group, None, message, category, undecodable)
         return Call(group, handler, message, category)
-
-    def _resolve(self, shard: ShardRef, category: int) -> Handler:
-        known = self._app.category(category)
-        if known is None:
-            raise UnknownCategoryError(
-                f"category {category} is not registered in this worker's app; deploy a worker "
-                f"whose registry has it, or skip shard {shard.key}"
-            )
-        owner = self._app.scope_of(category)
-        if owner is None or int(owner) != shard.scope:
-            # Not `if owner`: a scope whose value is 0 is falsy.
-            owner_name = owner.name if owner is not None else "?"
-            raise CategoryScopeError(
-                f"category {known.name} belongs to scope {owner_name}, but the "
-                f"row is in scope {shard.scope_name}; fix or delete the row, or skip shard "
-                f"{shard.key}"
-            )
-        handler = self._app.handler_for(category)
-        if handler is None:  # the worker checks this at start; kept for apps built by hand
-            raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
-        return handler
-
-    def _message(
-        self, group: GroupRows, row: Row[Any], payload: Any, regional: bool
-    ) -> OutboxMessage:
-        # The table says whether to ask for a region: a Row's missing attribute costs a caught
-        # exception, several times the rest of the message.
-        shard_scope, category_value = row.shard_scope, row.category
-        scope = self._app.scope(shard_scope)
-        category = self._app.category(category_value)
-        return OutboxMessage(
-            id=row.id,
-            shard_scope=scope if scope is not None else shard_scope,
-            shard_identifier=row.shard_identifier,
-            category=category if category is not None else category_value,
-            object_identifier=row.object_identifier,
-            payload=payload,
-            region=row.region if regional else None,
-            date_added=row.date_added,
-            scheduled_for=row.scheduled_for,
-            coalesced=len(group.ids),
-        )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -288,7 +248,7 @@ class HandlerCalls:
             raise self.failure(shard, call, exc, attempt) from exc
         except BaseException as exc:  # a handler's SystemExit must not stop the worker
             raise self.failure(shard, call, exc, attempt) from exc
-        self._check_returned(call, returned)
+        _check_returned(self._app, call, returned)
 
     async def _bounded(self, call: Call, clock: _CallClock | None) -> object:
         assert call.handler is not None
@@ -345,7 +305,7 @@ class HandlerCalls:
                         returned = call.handler(call.message)
                 except BaseException as exc:  # reported by the caller, like an async handler's
                     return exc
-                self._check_returned(call, returned)
+                _check_returned(self._app, call, returned)
                 # Reported on the event loop's thread, which alone keeps the round's books.
                 if pace is not None:
                     pace.unreported(1)
@@ -420,14 +380,6 @@ class HandlerCalls:
             cut = len(text) - MAX_ERROR_MESSAGE
             return f"{scrubbed[:MAX_ERROR_MESSAGE]}… ({cut} more characters in the worker's log)"
         return scrubbed
-
-    def _check_returned(self, call: Call, returned: object) -> None:
-        if returned is not None:
-            log.warning(
-                "handler for %s returned %r; handlers should return None (the value is ignored)",
-                self._app.category_name(call.group.category),
-                type(returned).__name__,
-            )
 
 
 class _CallClock:
@@ -514,3 +466,57 @@ async def _may_start(
     if pace is not None:
         await pace.wait()
     return may_continue() and not (index and time.monotonic() > deadline)
+
+
+def _resolve(app: OutboxApp, shard: ShardRef, category: int) -> Handler:
+    """The handler of ``category`` for a row of ``shard``, or why the row cannot be handled."""
+    known = app.category(category)
+    if known is None:
+        raise UnknownCategoryError(
+            f"category {category} is not registered in this worker's app; deploy a worker "
+            f"whose registry has it, or skip shard {shard.key}"
+        )
+    owner = app.scope_of(category)
+    if owner is None or int(owner) != shard.scope:
+        # Not `if owner`: a scope whose value is 0 is falsy.
+        owner_name = owner.name if owner is not None else "?"
+        raise CategoryScopeError(
+            f"category {known.name} belongs to scope {owner_name}, but the "
+            f"row is in scope {shard.scope_name}; fix or delete the row, or skip shard "
+            f"{shard.key}"
+        )
+    handler = app.handler_for(category)
+    if handler is None:  # the worker checks this at start; kept for apps built by hand
+        raise UnknownCategoryError(f"category {known.name} has no handler in this worker")
+    return handler
+
+
+def _message(
+    app: OutboxApp, group: GroupRows, row: Row[Any], payload: Any, regional: bool
+) -> OutboxMessage:
+    # The table says whether to ask for a region: a Row's missing attribute costs a caught
+    # exception, several times the rest of the message.
+    shard_scope, category_value = row.shard_scope, row.category
+    scope = app.scope(shard_scope)
+    category = app.category(category_value)
+    return OutboxMessage(
+        id=row.id,
+        shard_scope=scope if scope is not None else shard_scope,
+        shard_identifier=row.shard_identifier,
+        category=category if category is not None else category_value,
+        object_identifier=row.object_identifier,
+        payload=payload,
+        region=row.region if regional else None,
+        date_added=row.date_added,
+        scheduled_for=row.scheduled_for,
+        coalesced=len(group.ids),
+    )
+
+
+def _check_returned(app: OutboxApp, call: Call, returned: object) -> None:
+    if returned is not None:
+        log.warning(
+            "handler for %s returned %r; handlers should return None (the value is ignored)",
+            app.category_name(call.group.category),
+            type(returned).__name__,
+        )

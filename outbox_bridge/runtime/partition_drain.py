@@ -66,6 +66,17 @@ class _ScanTimes:
     next_rescan: float
     empty_polls: int = 0  # scans in a row that found no new row while the bridge listens
 
+    def next_poll(self, options: PartitionOptions, listening: bool) -> float:
+        """When to scan for new rows next: a poll interval after the last scan; while the bridge
+        of this worker listens, doubled after each scan that found nothing, up to the interval
+        of full scans (notifications bring the new rows; the scans only catch what they
+        missed)."""
+        interval = options.poll_interval_seconds
+        if listening:
+            wait = interval * (1 << min(self.empty_polls, 16))
+            interval = min(wait, options.rescan_interval_seconds)
+        return self.last_poll + interval
+
 
 def groups_per_shard(options: PartitionOptions, shards: int) -> int:
     """The groups a round may take from each of its ``shards``: ``max_groups``, or more when it
@@ -200,7 +211,7 @@ class PartitionDrain:
     async def _scan_if_due(self, scans: _ScanTimes, rescan: bool, now: float) -> float:
         """Scan every shard, or for new rows, when it is time (or ``rescan`` asks for a full
         scan); returns when the next scan for new rows is due."""
-        next_poll = scans.last_poll + self._poll_wait(scans.empty_polls)
+        next_poll = scans.next_poll(self._options, self._hub.listening)
         if self._queue.overflowed and not self._queue:
             scans.next_rescan = min(scans.next_rescan, next_poll)  # the left-out shards are next
         if now >= scans.next_rescan or rescan:
@@ -211,7 +222,7 @@ class PartitionDrain:
             found = await self._scan(full=False)
             empty = not found and self._hub.listening
             scans.last_poll, scans.empty_polls = now, scans.empty_polls + 1 if empty else 0
-        return scans.last_poll + self._poll_wait(scans.empty_polls)
+        return scans.next_poll(self._options, self._hub.listening)
 
     def _start_rounds(self, rounds: set[asyncio.Task[None]]) -> None:
         """Start rounds of the queued shards, up to ``max_rounds`` at once."""
@@ -222,15 +233,6 @@ class PartitionDrain:
             task = asyncio.create_task(self._round(shards))
             rounds.add(task)
             task.add_done_callback(rounds.discard)
-
-    def _poll_wait(self, empty_polls: int) -> float:
-        """Seconds between scans for new rows: the poll interval; while the bridge of this
-        worker listens, doubled after each scan that found nothing, up to the interval of full
-        scans (notifications bring the new rows; the scans only catch what they missed)."""
-        interval = self._options.poll_interval_seconds
-        if not self._hub.listening:
-            return interval
-        return min(interval * (1 << min(empty_polls, 16)), self._options.rescan_interval_seconds)
 
     async def _wait(self, inbox: PartitionInbox, seconds: float) -> None:
         if seconds <= 0 or inbox.event.is_set():
@@ -280,7 +282,9 @@ class PartitionDrain:
                     limit=max(room, 0) + 1,  # one more: to know that some were left out
                 )
                 if full:
-                    await self._note_backlog(conn, ranges)
+                    self._stats.deepest, self._stats.oldest = await _backlog(
+                        conn, self._table, ranges, self._key
+                    )
         except SQLAlchemyError as exc:
             log.warning(
                 "partition %s cannot scan %s: %s", self._ref.workflow_id, self._table.name, exc
@@ -299,20 +303,6 @@ class PartitionDrain:
     def _key(self, r: ShardRange) -> ShardRef:
         return shard_of(self._app, self._table.name, r.region, r.scope, r.shard_identifier)
 
-    async def _note_backlog(self, conn: AsyncConnection, ranges: Sequence[ShardRange]) -> None:
-        """The deepest and the oldest shards of this partition (of those the scan returned),
-        for its details."""
-        deepest = heapq.nlargest(BACKLOG_SHOWN, ranges, key=lambda r: r.rows)
-        oldest = heapq.nsmallest(BACKLOG_SHOWN, ranges, key=lambda r: r.min_id)
-        ages = await read_row_ages(conn, self._table, [r.min_id for r in {*deepest, *oldest}])
-
-        def shown(r: ShardRange) -> ShardBacklog:
-            age = round(ages.get(r.min_id, 0.0), 1)
-            return ShardBacklog(self._key(r).key, r.rows, age)
-
-        self._stats.deepest = [shown(r) for r in deepest]
-        self._stats.oldest = [shown(r) for r in oldest]
-
     # -- one round -----------------------------------------------------------------------------
 
     async def _round(self, shards: list[ShardRef]) -> None:
@@ -323,7 +313,7 @@ class PartitionDrain:
         try:
             async with self._engine.locked(self._table, shards) as round_:
                 held = round_.held
-                skipped = await self._hold_skipped(round_)
+                skipped = await _hold_skipped(round_, self._skip)
                 heads = await self._engine.read_heads(
                     round_, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
                 )
@@ -337,7 +327,7 @@ class PartitionDrain:
                 )
             lost = round_.lost
         except Exception as exc:
-            self._round_failed(exc)
+            _log_failed_round(self._ref.workflow_id, exc)
             lost = True
         finally:
             for shard in shards:
@@ -363,32 +353,6 @@ class PartitionDrain:
             await asyncio.gather(
                 *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
             )
-
-    def _round_failed(self, exc: Exception) -> None:
-        """A round ended early (its shards are read again): an outage, or a failure."""
-        if connection_lost(exc):
-            log.warning("partition %s: a round failed: %s", self._ref.workflow_id, exc)
-        else:
-            log.error(
-                "partition %s: a round failed: %s: %s",
-                self._ref.workflow_id,
-                type(exc).__qualname__,
-                exc,
-                exc_info=exc,
-            )
-
-    async def _hold_skipped(self, round_: Round) -> list[ShardRef]:
-        """Hold the listed shards that nobody holds for their workflow, skipped; returns them.
-        One its workflow holds is left to it (an operator may have resumed it)."""
-        listed = [shard for shard in round_.locked if shard.workflow_id in self._skip]
-        if not listed:
-            return []
-        held: list[ShardRef] = await round_.execute(
-            functools.partial(
-                ownership.hand_over, table=round_.table, shards=listed, held_for=HeldFor.SKIPPED
-            )
-        )
-        return held
 
     def _settle(self, round_: Round, outcome: ShardOutcome) -> None:
         """Under the shard's lock: a shard that failed or waits for a deferred head is held for
@@ -462,3 +426,50 @@ def _handover(outcome: ShardOutcome) -> HandoverInput | None:
             deferred_seconds=outcome.deferred_seconds,
         )
     return None
+
+
+def _log_failed_round(partition: str, exc: Exception) -> None:
+    """A round ended early (its shards are read again): an outage, or a failure."""
+    if connection_lost(exc):
+        log.warning("partition %s: a round failed: %s", partition, exc)
+    else:
+        log.error(
+            "partition %s: a round failed: %s: %s",
+            partition,
+            type(exc).__qualname__,
+            exc,
+            exc_info=exc,
+        )
+
+
+async def _backlog(
+    conn: AsyncConnection,
+    table: Table,
+    ranges: Sequence[ShardRange],
+    key: Callable[[ShardRange], ShardRef],
+) -> tuple[list[ShardBacklog], list[ShardBacklog]]:
+    """The deepest and the oldest shards of this partition (of those the scan returned),
+    for its details."""
+    deepest = heapq.nlargest(BACKLOG_SHOWN, ranges, key=lambda r: r.rows)
+    oldest = heapq.nsmallest(BACKLOG_SHOWN, ranges, key=lambda r: r.min_id)
+    ages = await read_row_ages(conn, table, [r.min_id for r in {*deepest, *oldest}])
+
+    def shown(r: ShardRange) -> ShardBacklog:
+        age = round(ages.get(r.min_id, 0.0), 1)
+        return ShardBacklog(key(r).key, r.rows, age)
+
+    return [shown(r) for r in deepest], [shown(r) for r in oldest]
+
+
+async def _hold_skipped(round_: Round, skip: frozenset[str]) -> list[ShardRef]:
+    """Hold the listed shards that nobody holds for their workflow, skipped; returns them.
+    One its workflow holds is left to it (an operator may have resumed it)."""
+    listed = [shard for shard in round_.locked if shard.workflow_id in skip]
+    if not listed:
+        return []
+    held: list[ShardRef] = await round_.execute(
+        functools.partial(
+            ownership.hand_over, table=round_.table, shards=listed, held_for=HeldFor.SKIPPED
+        )
+    )
+    return held

@@ -83,8 +83,10 @@ class OutboxPlugin(temporalio.worker.Plugin):
     worker's workflows, activities, task queue, interceptors, data converter and sandbox are
     left as they are. When your worker has stopped, the outbox stops too: the bridge at once,
     then its workers, giving handler calls in flight ``shutdown_grace`` seconds; every database
-    connection is closed. If a part of the outbox stops on its own (a fatal worker error), the
-    plugin stops your worker too, and its ``run()`` raises why.
+    connection is closed. ``worker.shutdown()`` returns once the outbox has stopped as well,
+    with nothing of it left running (``worker.run()`` has returned too). If a part of the
+    outbox stops on its own (a fatal worker error), the plugin stops your worker too, and its
+    ``run()`` raises why.
 
     Args:
         app: The outbox app whose rows are handled; every category needs a handler.
@@ -144,17 +146,38 @@ class OutboxPlugin(temporalio.worker.Plugin):
         # The SDK's threads of the outbox's workers may still call into Python when your
         # program returns; one that does so while the interpreter finalizes aborts it.
         settle_native_threads_at_exit()
+        stop_worker = worker.shutdown
+        stopped = asyncio.Event()  # the outbox too
+
+        async def shutdown() -> None:
+            # The SDK's shutdown returns when your worker has stopped, while the outbox still
+            # stops: a program that then cancels what is left, or returns, would cancel the
+            # outbox's stop halfway (asyncio.run can then wait forever on the SDK's tasks).
+            await stop_worker()
+            await stopped.wait()
+
+        worker.shutdown = shutdown  # type: ignore[method-assign]
         worker_stopped = asyncio.Event()
-        outbox = asyncio.create_task(self._run_beside(worker, worker_stopped), name="outbox")
+        outbox = asyncio.create_task(
+            self._run_beside(worker, stop_worker, worker_stopped), name="outbox"
+        )
         try:
             await next(worker)
         finally:
             worker_stopped.set()
-            failure = await _finished(outbox)
+            try:
+                failure = await _finished(outbox)
+            finally:
+                stopped.set()
         if failure is not None:
             raise failure
 
-    async def _run_beside(self, worker: Worker, worker_stopped: asyncio.Event) -> None:
+    async def _run_beside(
+        self,
+        worker: Worker,
+        stop_worker: Callable[[], Awaitable[None]],
+        worker_stopped: asyncio.Event,
+    ) -> None:
         """Run the outbox until ``worker`` has stopped; stop ``worker`` if the outbox could
         not start or stopped on its own."""
         try:
@@ -168,7 +191,7 @@ class OutboxPlugin(temporalio.worker.Plugin):
                     log.error("the outbox stopped (%s); stopping the worker", outbox.failure())
         except BaseException:
             if not worker_stopped.is_set():
-                await worker.shutdown()
+                await stop_worker()
             raise
 
     # The outbox's workflows are replayed from their own histories (outbox_bridge.testing);
@@ -190,10 +213,15 @@ class OutboxPlugin(temporalio.worker.Plugin):
 
 
 async def _finished(task: asyncio.Task[None]) -> BaseException | None:
-    """Wait for ``task`` (cancelling it if this wait is cancelled); what it raised, if any."""
+    """Wait for ``task``; what it raised, if any. If this wait is cancelled, ``task`` is
+    cancelled and still waited for (the outbox's stop is bounded), so that nothing of the
+    outbox outlives the worker's run."""
     try:
         await asyncio.wait([task])
     except asyncio.CancelledError:
         task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancel is what the caller sees
         raise
     return None if task.cancelled() else task.exception()

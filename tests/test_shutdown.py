@@ -5,19 +5,24 @@
 outbox left to cancel, and the stop prints nothing. Before, a cancel after the shutdown landed
 in the middle of the outbox's stop: the drains printed tracebacks and the process hung at exit
 in some runs. A program that fails while its worker runs, never stopping it, still ends its
-event loop."""
+event loop. ``python worker.py`` and ``outbox-bridge worker`` stop as quietly on SIGTERM and
+SIGINT, letting the handler call in flight finish."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.harness import Servers
-from tests.support import ROOT, Run, clean_env, run_python
+from tests.harness import Servers, unique_table, wait_until
+from tests.support import ROOT, Run, clean_env, init_db, run_python, worker_process
 
 # The team's program: its worker with the outbox, one row handled, more rows in flight or none,
 # then its ending. ``await``: worker.shutdown(), then the run awaited; ``cancel``: the run's
@@ -136,3 +141,54 @@ async def test_a_program_that_stops_its_worker_exits_with_its_own_code_every_tim
         ], f"{case}:\n{run.output}"
         # No traceback, no warning: Python prints the loggers' warnings on stderr.
         assert run.stderr == "", f"{case}:\n{run.output}"
+
+
+# A log line of the worker at level warning or above (its console format).
+WARNING_LINE = re.compile(r"\[(warning|error|critical)\s*\]")
+
+
+@pytest.mark.parametrize(
+    ("command", "signum"),
+    [
+        (["worker.py"], signal.SIGTERM),
+        (["worker.py"], signal.SIGINT),
+        (["-m", "outbox_bridge", "worker"], signal.SIGTERM),
+        (["-m", "outbox_bridge", "worker"], signal.SIGINT),
+    ],
+    ids=["worker.py-SIGTERM", "worker.py-SIGINT", "outbox-bridge-SIGTERM", "outbox-bridge-SIGINT"],
+)
+async def test_the_worker_command_stops_on_a_signal_with_no_traceback(
+    servers: Servers, engine: AsyncEngine, tmp_path: Path, command: list[str], signum: int
+) -> None:
+    table = unique_table()
+    env = clean_env(
+        OUTBOX_DATABASE_URL=servers.database_url,
+        TEMPORAL_ADDRESS=servers.temporal_address,
+        OUTBOX_TASK_QUEUE=f"tq-stop-{table}",
+        OUTBOX_APP="tests.test_health:hold_app",  # its handler waits for a file
+        OUTBOX_HEALTH_PORT="0",
+        HOLD_OUTBOX_TABLE=table,
+        HOLD_DIR=str(tmp_path),
+    )
+    await init_db(env)
+    script, *args = command
+    async with worker_process(*args, env=env, script=script) as worker:
+        async with engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        f"INSERT INTO {table} (shard_scope, shard_identifier, category, "
+                        "object_identifier) VALUES (1, 1, 1, 1) RETURNING id"
+                    )
+                )
+            ).scalar_one()
+        await wait_until(lambda: (tmp_path / f"started-{row}").exists(), what="the call")
+        worker.proc.send_signal(signum)
+        (tmp_path / "release").touch()  # the call in flight ends within the grace
+        code = await worker.finish(timeout=60)
+    assert code == 0, str(worker)
+    assert "Traceback" not in worker.stderr, str(worker)
+    assert not WARNING_LINE.search(worker.stderr), str(worker)
+    async with engine.connect() as conn:
+        left = (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
+    assert left == 0  # handled and deleted before the exit

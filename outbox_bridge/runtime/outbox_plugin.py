@@ -147,50 +147,42 @@ class OutboxPlugin(temporalio.worker.Plugin):
         # program returns; one that does so while the interpreter finalizes aborts it.
         settle_native_threads_at_exit()
         stop_worker = worker.shutdown
-        stopped = asyncio.Event()  # the outbox too
-
-        async def shutdown() -> None:
-            # The SDK's shutdown returns when your worker has stopped, while the outbox still
-            # stops: a program that then cancels what is left, or returns, would cancel the
-            # outbox's stop halfway (asyncio.run can then wait forever on the SDK's tasks).
-            await stop_worker()
-            await stopped.wait()
-
-        worker.shutdown = shutdown  # type: ignore[method-assign]
         worker_stopped = asyncio.Event()
         outbox = asyncio.create_task(
-            self._run_beside(worker, stop_worker, worker_stopped), name="outbox"
+            self._run_beside(worker.client, stop_worker, worker_stopped), name="outbox"
         )
+
+        async def shutdown() -> None:
+            # The SDK's returns once your worker has stopped, the outbox's stop still to come:
+            # a program that went on to cancel what is left, or returned, would cut it short.
+            await stop_worker()
+            await asyncio.wait([outbox])
+
+        worker.shutdown = shutdown  # type: ignore[method-assign]
         try:
             await next(worker)
         finally:
             worker_stopped.set()
-            try:
-                failure = await _finished(outbox)
-            finally:
-                stopped.set()
+            failure = await _finished(outbox)
         if failure is not None:
             raise failure
 
     async def _run_beside(
-        self,
-        worker: Worker,
-        stop_worker: Callable[[], Awaitable[None]],
-        worker_stopped: asyncio.Event,
+        self, client: Client, stop_worker: Callable[[], Awaitable[None]], stopped: asyncio.Event
     ) -> None:
-        """Run the outbox until ``worker`` has stopped; stop ``worker`` if the outbox could
-        not start or stopped on its own."""
+        """Run the outbox until the worker has ``stopped``; stop the worker if the outbox
+        could not start or stopped on its own."""
         try:
-            async with self.running(worker.client) as outbox:
+            async with self.running(client) as outbox:
                 ended = asyncio.ensure_future(outbox.ended())
-                stopped = asyncio.ensure_future(worker_stopped.wait())
-                await asyncio.wait([ended, stopped], return_when=asyncio.FIRST_COMPLETED)
+                waited = asyncio.ensure_future(stopped.wait())
+                await asyncio.wait([ended, waited], return_when=asyncio.FIRST_COMPLETED)
                 ended.cancel()
-                stopped.cancel()
-                if not worker_stopped.is_set():
+                waited.cancel()
+                if not stopped.is_set():
                     log.error("the outbox stopped (%s); stopping the worker", outbox.failure())
         except BaseException:
-            if not worker_stopped.is_set():
+            if not stopped.is_set():
                 await stop_worker()
             raise
 
@@ -214,8 +206,8 @@ class OutboxPlugin(temporalio.worker.Plugin):
 
 async def _finished(task: asyncio.Task[None]) -> BaseException | None:
     """Wait for ``task``; what it raised, if any. If this wait is cancelled, ``task`` is
-    cancelled and still waited for (the outbox's stop is bounded), so that nothing of the
-    outbox outlives the worker's run."""
+    cancelled and still waited for (the outbox's stop is bounded): nothing of the outbox
+    outlives the worker's run."""
     try:
         await asyncio.wait([task])
     except asyncio.CancelledError:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +45,7 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-from tests.support import ROOT, Run, clean_env, clear_settings, run_python, with_password
+from tests.support import clear_settings, with_password
 from tests.user_workflows import PLACE_ORDER, OrderPlaced, OrderWorkflow
 
 # Short timers, by the settings' own names, as a team would pass them.
@@ -390,93 +388,3 @@ async def test_an_outbox_that_stops_on_its_own_stops_the_worker_and_says_why(
         assert worker.is_shutdown
     finally:
         await terminate_queue(client, outbox_queue)
-
-
-# A team's program: its worker with the outbox, one row handled, then either a clean end (the
-# worker shut down, exit code 5) or a main coroutine that fails while its worker runs, without
-# shutting it down: asyncio.run then cancels every task, the outbox's and the SDK's among them.
-# What the interpreter does at exit after that is the SDK's (it can hang or abort in its native
-# threads after an unclean stop), so that program leaves with os._exit once its loop has ended.
-PROGRAM = """
-import asyncio, os, sys, uuid
-from sqlalchemy.ext.asyncio import create_async_engine
-from temporalio.client import Client
-from temporalio.worker import Worker
-from outbox_bridge import OutboxPlugin
-from tests.harness import Category, Recorder, install_tables, make_app, table_empty, unique_table, wait_until, write_rows
-from tests.user_workflows import OrderWorkflow
-
-database_url, address, ending = sys.argv[1:]
-recorder = Recorder()
-app = make_app(unique_table(), recorder)
-
-async def main():
-    await install_tables(database_url, app)  # what init-db does: the plugin only checks
-    client = await Client.connect(address)
-    suffix = uuid.uuid4().hex[:8]
-    plugin = OutboxPlugin(app, database_url=database_url, task_queue=f"outbox-{suffix}")
-    worker = Worker(client, task_queue=f"orders-{suffix}", workflows=[OrderWorkflow], plugins=[plugin])
-    running = asyncio.create_task(worker.run())
-    engine = create_async_engine(database_url)
-    await write_rows(engine, app, [{"category": Category.USER_UPDATE, "shard_identifier": 1, "object_identifier": 1}])
-    await wait_until(lambda: table_empty(engine, app), timeout=60, what="the row handled")
-    await engine.dispose()
-    print("handled", recorder.ids(), flush=True)
-    if ending == "fail":
-        raise RuntimeError("the program failed")
-    await worker.shutdown()
-    await running
-
-try:
-    asyncio.run(main())
-except RuntimeError as error:
-    print("the event loop ended:", error, flush=True)
-    os._exit(3)
-sys.exit(5)
-"""
-# How many times the clean program runs (4 at once): a native thread still calling into Python
-# while the interpreter finalizes aborts a run now and then, so one run proves little.
-# OUTBOX_EXIT_RUNS=100 for the long proof.
-EXIT_RUNS = int(os.environ.get("OUTBOX_EXIT_RUNS", "4"))
-
-
-async def run_program(servers: Servers, script: Path, ending: str) -> Run:
-    return await run_python(
-        str(script),
-        servers.database_url,
-        servers.temporal_address,
-        ending,
-        env=clean_env(PYTHONPATH=str(ROOT)),
-        timeout=120,
-    )
-
-
-@pytest.fixture
-def program(tmp_path: Path) -> Path:
-    script = tmp_path / "program.py"
-    script.write_text(PROGRAM)
-    return script
-
-
-async def test_a_program_that_fails_while_its_worker_runs_ends_its_event_loop(
-    servers: Servers, program: Path
-) -> None:
-    run = await run_program(servers, program, "fail")
-    assert "handled [1]" in run.stdout, run.output
-    assert "the event loop ended: the program failed" in run.stdout, run.output
-    assert run.code == 3, run.output
-
-
-async def test_a_program_that_ran_the_plugin_exits_with_its_own_code_every_time(
-    servers: Servers, program: Path
-) -> None:
-    at_once = asyncio.Semaphore(4)
-
-    async def one() -> Run:
-        async with at_once:
-            return await run_program(servers, program, "end")
-
-    runs = await asyncio.gather(*(one() for _ in range(EXIT_RUNS)))
-    for run in runs:
-        assert "Fatal Python error" not in run.stderr, run.output
-        assert (run.code, run.stdout.splitlines()[-1:]) == (5, ["handled [1]"]), run.output

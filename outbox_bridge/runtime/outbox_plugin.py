@@ -83,8 +83,10 @@ class OutboxPlugin(temporalio.worker.Plugin):
     worker's workflows, activities, task queue, interceptors, data converter and sandbox are
     left as they are. When your worker has stopped, the outbox stops too: the bridge at once,
     then its workers, giving handler calls in flight ``shutdown_grace`` seconds; every database
-    connection is closed. If a part of the outbox stops on its own (a fatal worker error), the
-    plugin stops your worker too, and its ``run()`` raises why.
+    connection is closed. ``worker.shutdown()`` returns once the outbox has stopped as well,
+    with nothing of it left running (``worker.run()`` has returned too). If a part of the
+    outbox stops on its own (a fatal worker error), the plugin stops your worker too, and its
+    ``run()`` raises why.
 
     Args:
         app: The outbox app whose rows are handled; every category needs a handler.
@@ -144,8 +146,19 @@ class OutboxPlugin(temporalio.worker.Plugin):
         # The SDK's threads of the outbox's workers may still call into Python when your
         # program returns; one that does so while the interpreter finalizes aborts it.
         settle_native_threads_at_exit()
+        stop_worker = worker.shutdown
         worker_stopped = asyncio.Event()
-        outbox = asyncio.create_task(self._run_beside(worker, worker_stopped), name="outbox")
+        outbox = asyncio.create_task(
+            self._run_beside(worker.client, stop_worker, worker_stopped), name="outbox"
+        )
+
+        async def shutdown() -> None:
+            # The SDK's returns once your worker has stopped, the outbox's stop still to come:
+            # a program that went on to cancel what is left, or returned, would cut it short.
+            await stop_worker()
+            await asyncio.wait([outbox])
+
+        worker.shutdown = shutdown  # type: ignore[method-assign]
         try:
             await next(worker)
         finally:
@@ -154,21 +167,23 @@ class OutboxPlugin(temporalio.worker.Plugin):
         if failure is not None:
             raise failure
 
-    async def _run_beside(self, worker: Worker, worker_stopped: asyncio.Event) -> None:
-        """Run the outbox until ``worker`` has stopped; stop ``worker`` if the outbox could
-        not start or stopped on its own."""
+    async def _run_beside(
+        self, client: Client, stop_worker: Callable[[], Awaitable[None]], stopped: asyncio.Event
+    ) -> None:
+        """Run the outbox until the worker has ``stopped``; stop the worker if the outbox
+        could not start or stopped on its own."""
         try:
-            async with self.running(worker.client) as outbox:
+            async with self.running(client) as outbox:
                 ended = asyncio.ensure_future(outbox.ended())
-                stopped = asyncio.ensure_future(worker_stopped.wait())
-                await asyncio.wait([ended, stopped], return_when=asyncio.FIRST_COMPLETED)
+                waited = asyncio.ensure_future(stopped.wait())
+                await asyncio.wait([ended, waited], return_when=asyncio.FIRST_COMPLETED)
                 ended.cancel()
-                stopped.cancel()
-                if not worker_stopped.is_set():
+                waited.cancel()
+                if not stopped.is_set():
                     log.error("the outbox stopped (%s); stopping the worker", outbox.failure())
         except BaseException:
-            if not worker_stopped.is_set():
-                await worker.shutdown()
+            if not stopped.is_set():
+                await stop_worker()
             raise
 
     # The outbox's workflows are replayed from their own histories (outbox_bridge.testing);
@@ -190,10 +205,15 @@ class OutboxPlugin(temporalio.worker.Plugin):
 
 
 async def _finished(task: asyncio.Task[None]) -> BaseException | None:
-    """Wait for ``task`` (cancelling it if this wait is cancelled); what it raised, if any."""
+    """Wait for ``task``; what it raised, if any. If this wait is cancelled, ``task`` is
+    cancelled and still waited for (the outbox's stop is bounded): nothing of the outbox
+    outlives the worker's run."""
     try:
         await asyncio.wait([task])
     except asyncio.CancelledError:
         task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancel is what the caller sees
         raise
     return None if task.cancelled() else task.exception()

@@ -320,6 +320,12 @@ class ShardInput:
     options: ShardOptions = field(default_factory=ShardOptions)
     record: CarriedRecord | ShardRecord | None = None
 
+    def carried(self) -> ShardRecord:
+        """The record carried in (upgraded if older code carried it), or a new one."""
+        if isinstance(self.record, CarriedRecord):
+            return self.record.upgraded()
+        return self.record or ShardRecord()
+
 
 @dataclass
 class NotifyInput:
@@ -380,8 +386,8 @@ class DrainInput:
 
 @dataclass
 class HoldInput:
-    """Local activity ``hold_shard``: record that the shard's workflow holds it (waiting for a
-    partition's round in the shard to end)."""
+    """Activity ``hold_shard``: move the owner row, once a round in the shard has ended: to
+    skipped (``held_for`` skipped), or back from a skip to held by the workflow (any other)."""
 
     shard: ShardRef
     held_for: HeldFor = HeldFor.WORKFLOW

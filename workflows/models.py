@@ -257,9 +257,7 @@ class ShardRecord:
 
     @property
     def state(self) -> ShardState:
-        if isinstance(self.phase, Skipped | Resumed):
-            return ShardState.SKIPPED if isinstance(self.phase, Skipped) else ShardState.DRAINING
-        return ShardState(self.phase.state)
+        return ShardState.SKIPPED if self.skip is not None else ShardState(self.current.state)
 
     def become(self, phase: Phase) -> None:
         """Move to ``phase``; under a skip, the skipped state changes instead (shown, and

@@ -321,7 +321,7 @@ async def test_a_run_carried_over_by_older_code_starts_in_the_state_its_record_s
     """Older code carried one flat record (here: blocked, then skipped, the skip recorded in
     the owner table): the run it continued as new starts skipped on that head, records nothing
     again, and on resume takes the shard back before it drains."""
-    flat = {
+    flat: dict[str, Any] = {
         **{"max_known_id": 13, "highest_seen_id": 13, "rows_handled": 2, "groups_handled": 1},
         **{"pending": False, "skip_held": True, "attempts": 4, "retry_interval_seconds": 40.0},
         "skip": {"reason": "replica down", "by": "ops", "at": "2026-11-29T07:00:00+00:00"},

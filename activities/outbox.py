@@ -57,8 +57,8 @@ class OutboxActivities:
 
     @activity.defn(name="hold_shard")
     async def hold_shard(self, request: HoldInput) -> str | None:
-        """Record that the shard's workflow holds it (partitions leave it alone). Held for a
-        skip: the skip's sender as Temporal recorded it (``temporal:<identity>``), if found."""
+        """Skip the shard in the owner table, or take it back from a skip. Held for a skip: the
+        skip's sender as Temporal recorded it (``temporal:<identity>``), if found."""
         with log_context(shard=request.shard.key):
             await self._drainer.hold(request)
             if request.skip is None:

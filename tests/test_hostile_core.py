@@ -34,7 +34,7 @@ from outbox_bridge.db.locks import lock_key
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.rounds import Round
 from outbox_bridge.runtime.shards import parse_shard
-from outbox_bridge.workflows.models import ShardInput, ShardRef, ShardStatus, SkipInput
+from outbox_bridge.workflows.models import Deferred, ShardInput, ShardRef, ShardStatus, SkipInput
 from tests.harness import (
     Category,
     Recorder,
@@ -253,7 +253,7 @@ async def test_a_long_blocked_shard_continues_as_new_carrying_its_block(
         assert after.last_error == before.last_error
         assert after.attempts >= before.attempts
         # The record, run by run: the attempts grow, and the backoff goes on where it stood.
-        records = [(await carried(client, run)).record for run in chain[:-1]]
+        records = [(await carried(client, run)).carried().blocked for run in chain[:-1]]
         attempts = [r.attempts for r in records if r is not None]
         assert attempts == sorted(attempts) and attempts[-1] > before.attempts
         # A run that retried (one may continue as new again before its attempt is due).
@@ -390,8 +390,8 @@ async def test_a_long_deferred_shard_continues_as_new_carrying_its_deferral(
         assert after.deferred_until == before.deferred_until
         assert datetime.fromisoformat(after.deferred_until or "") == due
         for run in chain[:-1]:
-            record = (await carried(client, run)).record
-            assert record is not None and record.deferred_until == before.deferred_until
+            record = (await carried(client, run)).carried().current
+            assert isinstance(record, Deferred) and record.deferred_until == before.deferred_until
         assert recorder.calls == []
         await sql(engine, f"UPDATE {table} SET scheduled_for = now() WHERE id = :id", id=head_id)
         await wait_until(lambda: table_empty(engine, app), timeout=30, what="the due shard")

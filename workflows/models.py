@@ -265,9 +265,7 @@ class ShardRecord:
 
     @property
     def state(self) -> ShardState:
-        if isinstance(self.phase, Skipped | Resumed):
-            return ShardState.SKIPPED if isinstance(self.phase, Skipped) else ShardState.DRAINING
-        return ShardState(self.phase.state)
+        return ShardState.SKIPPED if self.skip is not None else ShardState(self.current.state)
 
     def become(self, phase: Phase) -> None:
         """Move to ``phase``; under a skip, the skipped state changes instead (shown, and
@@ -327,6 +325,12 @@ class ShardInput:
     shard: ShardRef
     options: ShardOptions = field(default_factory=ShardOptions)
     record: CarriedRecord | ShardRecord | None = None
+
+    def carried(self) -> ShardRecord:
+        """The record carried in (upgraded if older code carried it), or a new one."""
+        if isinstance(self.record, CarriedRecord):
+            return self.record.upgraded()
+        return self.record or ShardRecord()
 
 
 @dataclass
@@ -388,8 +392,8 @@ class DrainInput:
 
 @dataclass
 class HoldInput:
-    """Local activity ``hold_shard``: record that the shard's workflow holds it (waiting for a
-    partition's round in the shard to end)."""
+    """Activity ``hold_shard``: move the owner row, once a round in the shard has ended: to
+    skipped (``held_for`` skipped), or back from a skip to held by the workflow (any other)."""
 
     shard: ShardRef
     held_for: HeldFor = HeldFor.WORKFLOW

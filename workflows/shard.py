@@ -38,7 +38,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from outbox_bridge.workflows.models import (
         Blocked,
-        CarriedRecord,
         Deferred,
         Draining,
         DrainInput,
@@ -60,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         ShardInput,
         ShardOptions,
         ShardRecord,
+        ShardRef,
         ShardState,
         ShardStatus,
         ShardSummary,
@@ -95,15 +95,11 @@ class OutboxShard:
     def __init__(self, input: ShardInput) -> None:
         self._shard = input.shard
         self._options = input.options
-        record = input.record
-        self._r = (
-            record.upgraded() if isinstance(record, CarriedRecord) else record or ShardRecord()
-        )
+        self._r = input.carried()
         # Per run: when this run's category activity began, and a changed head while blocked.
         self._blocked_at: datetime | None = None
         self._recheck = False
-        # News of rows in this run, compared before and after a drain (which continue-as-new
-        # never interrupts: not carried).
+        # News of rows in this run, compared around a drain (never interrupted: not carried).
         self._news = 0
         # Until the run's body starts: a handover that starts the run comes before it.
         self._starting = True
@@ -118,7 +114,7 @@ class OutboxShard:
         self._starting = False
         while True:
             self._show()
-            if self._history_long() and workflow.all_handlers_finished():
+            if self._continue_due():
                 workflow.continue_as_new(ShardInput(self._shard, self._options, self._r))
             try:
                 match self._r.phase:
@@ -148,49 +144,20 @@ class OutboxShard:
             except _Interrupted:
                 pass  # continue as new at the top of the loop
 
-    # -- what the state asks for ----------------------------------------------------------------
-
     async def _drain(self) -> None:
+        """One drain of the shard: a local activity, falling back to a normal one (retried by
+        the server without adding history) when the database or the shard lock keeps failing."""
         news = self._news
-        result = await self._drain_call()
+        try:
+            local = _start_drain(self._shard, self._options, local=True)
+            result = await self._until_done(local, interruptible=False)
+        except (ActivityError, ApplicationError):
+            # A local activity's last failure arrives as the ApplicationError itself.
+            remote = _start_drain(self._shard, self._options, local=False)
+            result = await self._until_done(remote, interruptible=False)
         if result is not None:  # None: skipped meanwhile, drained again once resumed
             now = workflow.now().isoformat()
             change.drained(self._r, result, news=self._news != news, now=now)
-
-    async def _drain_call(self) -> DrainResult | None:
-        """One drain of the shard: a local activity, falling back to a normal one (retried by
-        the server without adding history) when the database or the shard lock keeps failing."""
-        options = self._options
-        request = DrainInput(
-            self._shard, options.drain_max_groups, options.drain_time_budget_seconds
-        )
-        timeout = timedelta(
-            seconds=options.handler_timeout_seconds + options.drain_time_budget_seconds
-        )
-        try:
-            local = workflow.start_local_activity(
-                "drain_shard",
-                request,
-                result_type=DrainResult,
-                start_to_close_timeout=timeout,
-                retry_policy=dataclasses.replace(
-                    change.retry_policy(options, maximum_interval=10.0),
-                    maximum_attempts=LOCAL_DRAIN_ATTEMPTS,
-                ),
-            )
-            return await self._until_done(local, interruptible=False)
-        except (ActivityError, ApplicationError):
-            # A local activity's last failure arrives as the ApplicationError itself.
-            remote = workflow.start_activity(
-                "drain_shard",
-                request,
-                result_type=DrainResult,
-                start_to_close_timeout=timeout,
-                retry_policy=change.retry_policy(options),
-                cancellation_type=ActivityCancellationType.TRY_CANCEL,
-                summary=f"drain {self._shard.key}",
-            )
-            return await self._until_done(remote, interruptible=False)
 
     async def _retry_head(self, b: Blocked) -> None:
         """Retry the failing head group as its category activity until it succeeds, the shard
@@ -302,8 +269,7 @@ class OutboxShard:
         r.become(Draining())
 
     async def _hold(self, held_for: HeldFor, skip: SkipInfo | None = None) -> object:
-        """Move the owner table's row: skipped, or taken back from a skip. Held for ``skip``:
-        the sender of the skip as Temporal recorded it (``temporal:<identity>``), if found."""
+        """Skip, or take back from a skip, the owner row; for ``skip``, its sender if found."""
         handle: ActivityHandle[object] = workflow.start_activity(
             "hold_shard",
             HoldInput(self._shard, held_for, skip=skip),
@@ -313,18 +279,11 @@ class OutboxShard:
         )
         return await self._until_done(handle, cancel_on_skip=False, interruptible=False)
 
-    # -- waiting -----------------------------------------------------------------------------------
-
-    def _history_long(self) -> bool:
-        info = workflow.info()
-        return (
-            info.is_continue_as_new_suggested()
-            or info.get_current_history_length() >= self._options.max_history_events
-        )
-
     def _continue_due(self) -> bool:
-        """While waiting: the run should continue as new (not while a flush waits)."""
-        return self._history_long() and workflow.all_handlers_finished()
+        """The run should continue as new (not while a flush waits)."""
+        info = workflow.info()
+        long = info.get_current_history_length() >= self._options.max_history_events
+        return (info.is_continue_as_new_suggested() or long) and workflow.all_handlers_finished()
 
     async def _until_done(
         self,
@@ -465,44 +424,8 @@ class OutboxShard:
     async def flush(self, input: FlushInput) -> FlushResult:
         """Wait until every row of the shard up to ``up_to_id`` is handled, or say why not (see
         :class:`FlushResult`)."""
-        up_to = input.up_to_id
-        self._rows_committed(up_to, late=False)
-        stopped = view.flush_stopped(self._shard, self._r, up_to)
-        if stopped is not None:
-            return stopped
-        # An activity watches the table, on a task queue whose slots no drain needs.
-        check: ActivityHandle[FlushCheck] = workflow.start_activity(
-            "flush_check",
-            FlushCheckInput(self._shard, up_to, input.timeout_seconds),
-            result_type=FlushCheck,
-            task_queue=flush_queue(workflow.info().task_queue),
-            schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            cancellation_type=ActivityCancellationType.TRY_CANCEL,
-        )
-        await workflow.wait_condition(
-            lambda: check.done() or view.flush_stopped(self._shard, self._r, up_to) is not None
-        )
-        if not check.done():
-            check.cancel()
-            with contextlib.suppress(ActivityError, asyncio.CancelledError):
-                await check
-        else:
-            try:
-                checked = await check
-            except (ActivityError, ApplicationError):
-                checked = FlushCheck(handled=False)  # the table could not be read in time
-            if checked.handled:
-                return FlushResult(self._shard.key, FlushOutcome.HANDLED)
-            if checked.deferred_until is not None:
-                return FlushResult(
-                    self._shard.key,
-                    FlushOutcome.DEFERRED,
-                    deferred_until=checked.deferred_until,
-                    paused=checked.paused,
-                )
-        stopped = view.flush_stopped(self._shard, self._r, up_to)
-        return stopped or FlushResult(self._shard.key, FlushOutcome.TIMED_OUT)
+        self._rows_committed(input.up_to_id, late=False)
+        return await _flush(self._shard, lambda: self._r, input)
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
@@ -514,3 +437,72 @@ class OutboxShard:
 
     def _show(self) -> None:
         view.show(self._shard, self._r)
+
+
+async def _flush(
+    shard: ShardRef, record: Callable[[], ShardRecord], input: FlushInput
+) -> FlushResult:
+    """The ``flush`` update's answer: why the rows cannot be handled now, or what an activity
+    watching the table (on a task queue whose slots no drain needs) saw, or a timeout."""
+    up_to = input.up_to_id
+
+    def stopped() -> FlushResult | None:
+        return view.flush_stopped(shard, record(), up_to)
+
+    answer = stopped()
+    if answer is not None:
+        return answer
+    check: ActivityHandle[FlushCheck] = workflow.start_activity(
+        "flush_check",
+        FlushCheckInput(shard, up_to, input.timeout_seconds),
+        result_type=FlushCheck,
+        task_queue=flush_queue(workflow.info().task_queue),
+        schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
+        retry_policy=RetryPolicy(maximum_attempts=1),
+        cancellation_type=ActivityCancellationType.TRY_CANCEL,
+    )
+    await workflow.wait_condition(lambda: check.done() or stopped() is not None)
+    if not check.done():
+        check.cancel()
+        with contextlib.suppress(ActivityError, asyncio.CancelledError):
+            await check
+    else:
+        try:
+            checked = await check
+        except (ActivityError, ApplicationError):
+            checked = FlushCheck(handled=False)  # the table could not be read in time
+        if checked.handled:
+            return FlushResult(shard.key, FlushOutcome.HANDLED)
+        if checked.deferred_until is not None:
+            return FlushResult(
+                shard.key,
+                FlushOutcome.DEFERRED,
+                deferred_until=checked.deferred_until,
+                paused=checked.paused,
+            )
+    return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
+
+
+def _start_drain(
+    shard: ShardRef, options: ShardOptions, *, local: bool
+) -> ActivityHandle[DrainResult]:
+    request = DrainInput(shard, options.drain_max_groups, options.drain_time_budget_seconds)
+    timeout = timedelta(seconds=options.handler_timeout_seconds + options.drain_time_budget_seconds)
+    if local:
+        retry = change.retry_policy(options, maximum_interval=10.0)
+        return workflow.start_local_activity(
+            "drain_shard",
+            request,
+            result_type=DrainResult,
+            start_to_close_timeout=timeout,
+            retry_policy=dataclasses.replace(retry, maximum_attempts=LOCAL_DRAIN_ATTEMPTS),
+        )
+    return workflow.start_activity(
+        "drain_shard",
+        request,
+        result_type=DrainResult,
+        start_to_close_timeout=timeout,
+        retry_policy=change.retry_policy(options),
+        cancellation_type=ActivityCancellationType.TRY_CANCEL,
+        summary=f"drain {shard.key}",
+    )

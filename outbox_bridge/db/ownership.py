@@ -1,30 +1,12 @@
-"""Who may drain a shard: one state machine, kept in ``<table>_owners``.
+"""Who may drain a shard: one state machine, kept in ``<table>_owners`` (docs: How processing
+works, Ownership).
 
-A shard is in one of three states, read from its row:
-
-=========  ============================================  =======================================
-state      its row in ``<table>_owners``                  who drains it
-=========  ============================================  =======================================
-free       none                                          its partition
-held       ``held_for`` = failed, deferred or workflow   its own ``OutboxShard`` workflow
-skipped    ``held_for`` = skipped                        nobody, until its workflow resumes it
-=========  ============================================  =======================================
-
-Each transition is one statement that moves the row only from the states it may leave, and
-returns what it moved; a shard in any other state is left as it is. Every transition runs under
-the shard's advisory lock, so ownership never changes in the middle of a drain of the shard:
-
-=============  ==============================  ==============================================
-transition     from → to                       made by
-=============  ==============================  ==============================================
-hand_over      free → held (why) or skipped    a partition's round, for a failed or deferred
-                                               head or a shard on the skip list
-take           free, held → held (workflow)    the workflow's drain; never over a skip, so a
-                                               drain that started before a skip reads nothing
-skip           any → skipped                   the workflow, for the ``skip`` signal or update
-resume         skipped → held (workflow)       the workflow, for ``resume``
-release        held → free                     the workflow's drain, once the shard is empty
-=============  ==============================  ==============================================
+A shard is *free* (no row: its partition drains it), *held* (``held_for`` failed, deferred or
+workflow: its own ``OutboxShard`` workflow drains it) or *skipped* (``held_for`` skipped: nothing
+runs until its workflow resumes it). Each transition below is one statement that moves the row
+only from the states it may leave and returns what it moved; a shard in any other state is left
+as it is. Every transition runs under the shard's advisory lock, so ownership never changes in
+the middle of a drain of the shard.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ timers, idle waits and retry backoff pass in skipped time."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -314,6 +315,35 @@ async def deferred_shard(wf: Bench) -> WorkflowHandle[Any, Any]:
     handle = await start(wf, options(), max_id=10)
     await reaches(handle, ShardState.DEFERRED)
     return handle
+
+
+async def test_a_run_carried_over_by_older_code_starts_in_the_state_its_record_says(wf) -> None:
+    """Older code carried one flat record (here: blocked, then skipped, the skip recorded in
+    the owner table): the run it continued as new starts skipped on that head, records nothing
+    again, and on resume takes the shard back before it drains."""
+    flat: dict[str, Any] = {
+        **{"max_known_id": 13, "highest_seen_id": 13, "rows_handled": 2, "groups_handled": 1},
+        **{"pending": False, "skip_held": True, "attempts": 4, "retry_interval_seconds": 40.0},
+        "skip": {"reason": "replica down", "by": "ops", "at": "2026-11-29T07:00:00+00:00"},
+        "head": dataclasses.asdict(PROJECT_UPDATE),
+        "last_error": {"error_type": "ConnectionError", "message": "refused"},
+        "blocked_since": "2026-11-29T06:00:00+00:00",
+        **{"deferred_until": None, "paused": None, "parked": [], "refused": {"count": 0}},
+    }
+    shard = dataclasses.asdict(wf.shard)
+    arg = {"shard": shard, "options": dataclasses.asdict(options()), "record": flat}
+    handle = await wf.client.start_workflow(
+        WORKFLOW, arg, id=wf.shard.workflow_id, task_queue=wf.task_queue
+    )
+    wf.track(wf.shard.workflow_id)
+    skipped = await reaches(handle, ShardState.SKIPPED)
+    assert (skipped.head, skipped.attempts, skipped.rows_handled) == (PROJECT_UPDATE, 4, 2)
+    assert skipped.skip is not None and skipped.skip.reason == "replica down"
+    wf.doubles.drains.default = DrainResult(released=True)
+    await handle.execute_update("resume", ResumeInput(), result_type=ShardStatus)
+    await summary(wf, handle)
+    assert wf.doubles.order == ["hold_shard", "drain_shard"]
+    assert wf.doubles.holds.calls[0].input.held_for == HeldFor.WORKFLOW
 
 
 async def test_skip_and_resume_updates_are_refused_when_malformed_or_pointless(wf) -> None:

@@ -45,10 +45,13 @@ from bench.workloads import THROUGHPUT, workload_probe
 
 # The library a frame belongs to, by the path py-spy shows for it (first match wins).
 LIBRARIES = [
-    ("outbox_bridge/runtime/rounds", "outbox_bridge: rounds (batch.py)"),
+    ("outbox_bridge/runtime/rounds", "outbox_bridge: drain rounds"),
+    ("outbox_bridge/runtime/heads", "outbox_bridge: drain rounds"),
+    ("outbox_bridge/runtime/fence", "outbox_bridge: drain rounds"),
+    ("outbox_bridge/runtime/round_writes", "outbox_bridge: drain rounds"),
     ("outbox_bridge/runtime/calls", "outbox_bridge: handler calls (calls.py)"),
     ("outbox_bridge/runtime/partition_drain", "outbox_bridge: partition drain"),
-    ("outbox_bridge/db/", "outbox_bridge: SQL statements (store.py)"),
+    ("outbox_bridge/db/", "outbox_bridge: SQL statements (db/)"),
     ("outbox_bridge/observability", "outbox_bridge: observability"),
     ("outbox_bridge", "outbox_bridge: other"),
     ("workflows/", "outbox_bridge: workflows"),

@@ -140,8 +140,9 @@ async def running(worker: Worker) -> AsyncIterator[asyncio.Task[None]]:
     try:
         yield run
     finally:
-        await worker.shutdown()
-        await asyncio.wait_for(run, 60)
+        await asyncio.wait_for(worker.shutdown(), 60)
+        assert run.done(), "shutdown() returned before the outbox had stopped"
+        await run
 
 
 async def terminate_queue(client: Client, queue: str) -> None:

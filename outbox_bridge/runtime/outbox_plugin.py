@@ -205,15 +205,12 @@ class OutboxPlugin(temporalio.worker.Plugin):
 
 
 async def _finished(task: asyncio.Task[None]) -> BaseException | None:
-    """Wait for ``task``; what it raised, if any. If this wait is cancelled, ``task`` is
-    cancelled and still waited for (the outbox's stop is bounded): nothing of the outbox
-    outlives the worker's run."""
+    """Wait for ``task`` (if this wait is cancelled, cancel it and still wait: its stop is
+    bounded, and nothing of the outbox outlives the worker's run); what it raised, if any."""
     try:
         await asyncio.wait([task])
     except asyncio.CancelledError:
         task.cancel()
-        await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancel is what the caller sees
+        await asyncio.wait([task])  # it raises the cancel (run_outbox re-raises it)
         raise
     return None if task.cancelled() else task.exception()

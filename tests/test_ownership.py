@@ -126,7 +126,7 @@ async def test_skip_replaces_any_state(engine, before) -> None:
     if before is not None:
         await record_holder(engine, table, SHARD_ID, before.value)
     async with engine.begin() as conn:
-        await ownership.skip(conn, app.table(table), shard_of(table))
+        assert await ownership.skip(conn, app.table(table), shard_of(table))
     assert await holder(engine, table) == HeldFor.SKIPPED
 
 

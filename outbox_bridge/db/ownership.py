@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, delete, select, text, update
+from sqlalchemy import Table, and_, delete, select, text, true, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -25,6 +25,8 @@ from outbox_bridge.db.pauses import not_due
 from outbox_bridge.db.scans import FirstRow
 from outbox_bridge.db.schema import owners_of, shard_columns, shard_values, shard_where
 from outbox_bridge.workflows.models import HeldFor, ShardRef
+
+_SKIPPED = HeldFor.SKIPPED.value
 
 
 def _keys(owners: Table) -> list[Any]:
@@ -56,49 +58,44 @@ async def take(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """free or held → held by the workflow, for its drain. False when the shard is skipped:
     the row stays, and the drain must handle nothing."""
     owners = owners_of(table)
-    insert = _upsert(table, [shard], HeldFor.WORKFLOW)
-    statement = insert.on_conflict_do_update(
-        index_elements=list(owners.primary_key.columns),
-        set_={"held_for": insert.excluded.held_for},
-        where=owners.c.held_for != HeldFor.SKIPPED.value,
-    )
-    return (await conn.execute(statement.returning(owners.c.held_for))).first() is not None
+    return await _moved(conn, _held(table, shard, HeldFor.WORKFLOW, owners.c.held_for != _SKIPPED))
 
 
-async def skip(conn: AsyncConnection, table: Table, shard: ShardRef) -> None:
+async def skip(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """any → skipped: from now on no drain takes the shard, its workflow's included."""
-    owners = owners_of(table)
-    insert = _upsert(table, [shard], HeldFor.SKIPPED)
-    await conn.execute(
-        insert.on_conflict_do_update(
-            index_elements=list(owners.primary_key.columns),
-            set_={"held_for": insert.excluded.held_for},
-        )
-    )
+    return await _moved(conn, _held(table, shard, HeldFor.SKIPPED))
 
 
 async def resume(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """skipped → held by the workflow. False when the shard was not skipped (left as it is)."""
     owners = owners_of(table)
-    statement = (
-        update(owners)
-        .where(shard_where(owners, shard), owners.c.held_for == HeldFor.SKIPPED.value)
-        .values(held_for=HeldFor.WORKFLOW.value)
-        .returning(owners.c.held_for)
-    )
-    return (await conn.execute(statement)).first() is not None
+    row = update(owners).where(shard_where(owners, shard), owners.c.held_for == _SKIPPED)
+    return await _moved(conn, row.values(held_for=HeldFor.WORKFLOW.value))
 
 
 async def release(conn: AsyncConnection, table: Table, shard: ShardRef) -> bool:
     """held → free: the shard goes back to its partition. False when it was free, or skipped
     (only a resume ends a skip)."""
     owners = owners_of(table)
-    statement = (
-        delete(owners)
-        .where(shard_where(owners, shard), owners.c.held_for != HeldFor.SKIPPED.value)
-        .returning(owners.c.held_for)
+    return await _moved(
+        conn, delete(owners).where(shard_where(owners, shard), owners.c.held_for != _SKIPPED)
     )
-    return (await conn.execute(statement)).first() is not None
+
+
+def _held(table: Table, shard: ShardRef, held_for: HeldFor, *where: Any) -> Any:
+    """Insert ``shard``'s row held for ``held_for``, or move its row there (if ``where``)."""
+    insert = _upsert(table, [shard], held_for)
+    return insert.on_conflict_do_update(
+        index_elements=list(owners_of(table).primary_key.columns),
+        set_={"held_for": insert.excluded.held_for},
+        where=and_(true(), *where),
+    )
+
+
+async def _moved(conn: AsyncConnection, statement: Any) -> bool:
+    """Run a transition; whether it moved the row."""
+    owners = statement.table
+    return (await conn.execute(statement.returning(owners.c.held_for))).first() is not None
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,10 @@ SQL_NAMES = {
     "wait_seconds_sql(table, 't')",
     "wait_seconds_sql(table, 'w', 's.scope')",
     "due_at_sql(table, 'w', 's.scope')",
+    # A timed pause's end: the column's name, and the clause that a pause still holds.
+    "PAUSE_ENDS_AT",
+    "_holds()",
+    "_holds('p')",
     # What init-db adds to an existing table (db/install.py): the table's name, a column and a
     # check constraint compiled from the metadata, and the NOTIFY function's name and body
     # (db/schema.py), built from the table's name and the shard key columns.

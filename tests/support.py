@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -64,8 +65,54 @@ class Run:
         return self.stdout + self.stderr
 
 
+# A program that waits on something without a deadline uses no CPU; one that is only slow because
+# the machine is loaded does (starting Python and importing the package take 1.5-2.5 s of CPU,
+# 20-40 s of wall time at a load of 12-17). So a program is given up on once it (with its
+# children) used no CPU for ``timeout`` seconds, or at the latest after STALL_CAP times that.
+STALL_CAP = 5
+PROGRESS_STEP = 1.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time of process ``pid`` and its children so far (0 once it has ended)."""
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            times = process.cpu_times()
+            used = times.user + times.system + times.children_user + times.children_system
+        for child in process.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child_times = child.cpu_times()
+                used += child_times.user + child_times.system
+    except psutil.Error:
+        return 0.0
+    return used
+
+
+async def finish_while_progressing(
+    proc: asyncio.subprocess.Process, timeout: float
+) -> tuple[bytes, bytes]:
+    """``proc``'s output once it ended; :class:`TimeoutError` after it used no CPU for
+    ``timeout`` seconds (it waits on something that never comes), or after ``STALL_CAP`` times
+    ``timeout`` in all (it spins)."""
+    output = asyncio.ensure_future(proc.communicate())
+    loop = asyncio.get_running_loop()
+    started = progressed = loop.time()
+    used = cpu_seconds(proc.pid)
+    while not output.done():
+        now = loop.time()
+        if now - progressed > timeout or now - started > STALL_CAP * timeout:
+            output.cancel()
+            raise TimeoutError
+        await asyncio.wait([output], timeout=PROGRESS_STEP)
+        if (now_used := cpu_seconds(proc.pid)) > used:
+            used, progressed = now_used, loop.time()
+    return output.result()
+
+
 async def run_python(*args: str, env: dict[str, str], timeout: float = 60) -> Run:
-    """``python ARGS`` from the repository's root, to its end."""
+    """``python ARGS`` from the repository's root, to its end (see :func:`finish_while_progressing`
+    for ``timeout``)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *args,
@@ -76,11 +123,15 @@ async def run_python(*args: str, env: dict[str, str], timeout: float = 60) -> Ru
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        out, err = await finish_while_progressing(proc, timeout)
     except TimeoutError:
+        used = cpu_seconds(proc.pid)
         proc.kill()
         out, err = await proc.communicate()
-        raise AssertionError(f"{args} did not finish in {timeout}s: {out!r} {err!r}") from None
+        raise AssertionError(
+            f"{args} did not finish: no CPU used for {timeout}s, or {STALL_CAP * timeout}s in all "
+            f"({used:.1f} s of CPU used, load average {os.getloadavg()[0]:.1f}): {out!r} {err!r}"
+        ) from None
     assert proc.returncode is not None
     return Run(proc.returncode, out.decode(), err.decode())
 

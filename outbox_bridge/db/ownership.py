@@ -20,17 +20,12 @@ from sqlalchemy import Table, and_, delete, select, text, true, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.parked import not_parked
-from outbox_bridge.db.pauses import not_due
-from outbox_bridge.db.scans import FirstRow
-from outbox_bridge.db.schema import owners_of, shard_columns, shard_values, shard_where
+from outbox_bridge.db.reads import visible
+from outbox_bridge.db.scans import FirstRow, first_row_columns, shard_key_columns, with_region
+from outbox_bridge.db.schema import owners_of, shard_values, shard_where
 from outbox_bridge.workflows.models import HeldFor, ShardRef
 
 _SKIPPED = HeldFor.SKIPPED.value
-
-
-def _keys(owners: Table) -> list[Any]:
-    return [owners.c[name] for name in shard_columns("region" in owners.c)]
 
 
 def _upsert(table: Table, shards: Sequence[ShardRef], held_for: HeldFor) -> Any:
@@ -50,7 +45,7 @@ async def hand_over(
     insert = _upsert(table, shards, held_for).on_conflict_do_nothing(
         index_elements=list(owners.primary_key.columns)
     )
-    moved = {tuple(row) for row in await conn.execute(insert.returning(*_keys(owners)))}
+    moved = {tuple(row) for row in await conn.execute(insert.returning(*shard_key_columns(owners)))}
     return [s for s in shards if tuple(shard_values(table, s).values()) in moved]
 
 
@@ -114,18 +109,19 @@ async def read_held_shards(conn: AsyncConnection, table: Table) -> list[HeldShar
     """Every shard of ``table`` held or skipped, with its head row (one index lookup each)."""
     owners = owners_of(table)
     head = (
-        select(table.c.id, table.c.category, table.c.object_identifier, ~not_due(table))
-        .where(*(table.c[c.name] == c for c in _keys(owners)))
-        .where(text(not_parked(table, table.name)))
+        select(*first_row_columns(table))
+        .where(*(table.c[c.name] == c for c in shard_key_columns(owners)))
+        .where(visible(table))
         .order_by(table.c.id)
         .limit(1)
         .lateral("head")
     )
-    query = select(*_keys(owners), owners.c.held_for, owners.c.since, *head.c)
+    query = select(*shard_key_columns(owners), owners.c.held_for, owners.c.since, *head.c)
     held = []
     for row in await conn.execute(query.select_from(owners.outerjoin(head, text("true")))):
-        values = tuple(row) if "region" in owners.c else (None, *row)
-        region, scope, ident, held_for, since, head_id, category, obj, due = values
+        region, scope, ident, held_for, since, head_id, category, obj, due = with_region(
+            owners, row
+        )
         first = None if head_id is None else FirstRow(head_id, category, obj, bool(due))
         held.append(HeldShard(region, scope, ident, held_for, since, first))
     return held

@@ -113,29 +113,28 @@ class FlushRoute:
 
 @dataclass(frozen=True, eq=False)
 class CallLimit:
-    """At most ``calls`` calls at once in one worker, of ``categories`` together (one
-    registration's ``max_concurrency``; compared by identity)."""
+    """At most ``calls`` calls at once in one worker, and ``fleet_calls`` in every worker of the
+    app on its database, of ``categories`` together (one registration's ``max_concurrency`` and
+    ``fleet_max_concurrency``; None: no such limit; compared by identity)."""
 
-    calls: int
+    calls: int | None
     categories: tuple[IntEnum, ...]
+    fleet_calls: int | None = None
 
     @property
     def name(self) -> str:
         return "+".join(_enum_name(category) for category in self.categories)
 
 
-def _check_concurrency(value: object) -> None:
+def _check_concurrency(value: object, name: str = "max_concurrency") -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise RegistryError(
-            f"max_concurrency must be a positive integer or None, not {value!r} "
-            f"({type(value).__name__})"
+            f"{name} must be a positive integer or None, not {value!r} ({type(value).__name__})"
         )
     if value < 1:
-        raise RegistryError(
-            f"max_concurrency must be at least 1, not {value}; leave it out for no limit"
-        )
+        raise RegistryError(f"{name} must be at least 1, not {value}; leave it out for no limit")
 
 
 def _check_payload_limit(value: object) -> int:
@@ -292,7 +291,10 @@ class OutboxApp:
     # -- handlers --------------------------------------------------------------------------
 
     def handler(
-        self, *categories: IntEnum, max_concurrency: int | None = None
+        self,
+        *categories: IntEnum,
+        max_concurrency: int | None = None,
+        fleet_max_concurrency: int | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register the decorated function as the handler of ``categories``.
 
@@ -308,10 +310,16 @@ class OutboxApp:
                 other categories go on. The limit is per worker, not per task queue: with
                 ``N`` workers, up to ``N × max_concurrency`` calls run at once. ``None``
                 (the default): no limit of its own.
+            fleet_max_concurrency: at most this many calls of this handler run at once in
+                all the workers of the app on its database together, its categories
+                together. A call waits for a slot of it as for one of ``max_concurrency``
+                (taken after it); a worker that dies frees its slots. Each worker holds them
+                on one database connection of its own. ``None`` (the default): no such limit.
         """
         if not categories:
             raise RegistryError("app.handler() needs at least one category")
         _check_concurrency(max_concurrency)
+        _check_concurrency(fleet_max_concurrency, "fleet_max_concurrency")
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
@@ -335,7 +343,9 @@ class OutboxApp:
                         f"{_enum_name(category)} already has a handler "
                         f"({getattr(other, '__qualname__', other)!s})"
                     )
-            limit = None if max_concurrency is None else CallLimit(max_concurrency, categories)
+            limit = None
+            if max_concurrency is not None or fleet_max_concurrency is not None:
+                limit = CallLimit(max_concurrency, categories, fleet_max_concurrency)
             for category in categories:
                 self._handlers[int(category)] = fn
                 if limit is not None:
@@ -348,7 +358,7 @@ class OutboxApp:
         return self._handlers.get(int(category))
 
     def call_limit(self, category: int) -> CallLimit | None:
-        """The ``max_concurrency`` of ``category``'s handler, shared by the categories
+        """The concurrency limits of ``category``'s handler, shared by the categories
         registered with it; None when it has none."""
         return self._limits.get(int(category))
 

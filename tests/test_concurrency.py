@@ -1,5 +1,6 @@
-"""How many handler calls run at once: a handler's ``max_concurrency``, held by a real worker
-while other categories go on, and the checks of the value."""
+"""How many handler calls run at once: a handler's ``max_concurrency`` (and its
+``fleet_max_concurrency``, with one worker), held by a real worker while other categories go
+on, and the checks of the values. Several workers: tests/test_fleet_concurrency.py."""
 
 from __future__ import annotations
 
@@ -65,13 +66,15 @@ class Gauge:
                 self.others_done.set()
 
 
-def limited_app(gauge: Gauge, *, plain: bool) -> OutboxApp:
+def limited_app(gauge: Gauge, *, plain: bool, limit: str = "max_concurrency") -> OutboxApp:
+    """``limit``: the keyword of app.handler that limits ORGANIZATION_UPDATE's calls."""
     app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
     others = [c for c in Category if c is not Category.ORGANIZATION_UPDATE]
+    limited_handler = app.handler(Category.ORGANIZATION_UPDATE, **{limit: LIMIT})
 
     if plain:
 
-        @app.handler(Category.ORGANIZATION_UPDATE, max_concurrency=LIMIT)
+        @limited_handler
         def limited_sync(message: OutboxMessage) -> None:
             gauge.enter()
             try:
@@ -87,7 +90,7 @@ def limited_app(gauge: Gauge, *, plain: bool) -> OutboxApp:
 
     others_done = asyncio.Event()  # the same, for calls on the event loop
 
-    @app.handler(Category.ORGANIZATION_UPDATE, max_concurrency=LIMIT)
+    @limited_handler
     async def limited(message: OutboxMessage) -> None:
         gauge.enter()
         try:
@@ -104,12 +107,13 @@ def limited_app(gauge: Gauge, *, plain: bool) -> OutboxApp:
     return app
 
 
+@pytest.mark.parametrize("limit", ["max_concurrency", "fleet_max_concurrency"])
 @pytest.mark.parametrize("plain", [False, True], ids=["async", "plain-def"])
 async def test_max_concurrency_holds_while_other_categories_proceed(
-    servers: Servers, engine: AsyncEngine, plain: bool
+    servers: Servers, engine: AsyncEngine, plain: bool, limit: str
 ) -> None:
     gauge = Gauge()
-    app = limited_app(gauge, plain=plain)
+    app = limited_app(gauge, plain=plain, limit=limit)
     await create_tables(engine, app)
     limited_rows = [
         {"category": Category.ORGANIZATION_UPDATE, "shard_identifier": s, "object_identifier": o}
@@ -135,11 +139,15 @@ def test_call_limit_is_shared_by_the_categories_registered_together() -> None:
     app = OutboxApp(scopes=SCOPES, categories=[Category])
     shared = app.handler(Category.ORGANIZATION_UPDATE, Category.PROJECT_UPDATE, max_concurrency=3)
     shared(_noop)
-    app.handler(Category.MEMBER_UPDATE, Category.USER_UPDATE)(_noop)
+    app.handler(Category.USER_UPDATE)(_noop)
     limit = app.call_limit(Category.ORGANIZATION_UPDATE)
-    assert limit is not None and limit.calls == 3
+    assert limit is not None and (limit.calls, limit.fleet_calls) == (3, None)
     assert app.call_limit(Category.PROJECT_UPDATE) is limit
     assert app.call_limit(Category.USER_UPDATE) is None
+    fleet = app.handler(Category.MEMBER_UPDATE, fleet_max_concurrency=4)
+    fleet(_noop)
+    limit = app.call_limit(Category.MEMBER_UPDATE)
+    assert limit is not None and (limit.calls, limit.fleet_calls) == (None, 4)
 
 
 @pytest.mark.parametrize(
@@ -152,10 +160,13 @@ def test_call_limit_is_shared_by_the_categories_registered_together() -> None:
         (True, "positive integer or None, not True (bool)"),
     ],
 )
-def test_a_bad_max_concurrency_is_refused_and_registers_nothing(value: object, says: str) -> None:
+@pytest.mark.parametrize("limit", ["max_concurrency", "fleet_max_concurrency"])
+def test_a_bad_max_concurrency_is_refused_and_registers_nothing(
+    value: object, says: str, limit: str
+) -> None:
     app = OutboxApp(scopes=SCOPES, categories=[Category])
-    with pytest.raises(RegistryError, match=f"max_concurrency must be .*{re.escape(says)}"):
-        app.handler(Category.USER_UPDATE, max_concurrency=value)  # type: ignore[arg-type]
+    with pytest.raises(RegistryError, match=f"^{limit} must be .*{re.escape(says)}"):
+        app.handler(Category.USER_UPDATE, **{limit: value})  # type: ignore[arg-type]
     assert app.handler_for(Category.USER_UPDATE) is None
 
 

@@ -1,4 +1,5 @@
-"""The shards' advisory locks: a drain round of a shard runs only under its lock."""
+"""The advisory locks: a drain round of a shard runs only under its shard's lock, and a call of
+a handler with a fleet-wide limit under one of its slots' locks."""
 
 from __future__ import annotations
 
@@ -41,8 +42,46 @@ UNLOCK_SHARDS = text(
 
 async def unlock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> None:
     """Release the advisory locks of ``shards`` held by this connection."""
-    if shards:
-        await conn.execute(UNLOCK_SHARDS, {"keys": [lock_key(shard) for shard in shards]})
+    await unlock_keys(conn, [lock_key(shard) for shard in shards])
+
+
+async def unlock_keys(conn: AsyncConnection, keys: Sequence[str]) -> None:
+    """Release the advisory locks of ``keys`` held by this connection."""
+    if keys:
+        await conn.execute(UNLOCK_SHARDS, {"keys": list(keys)})
+
+
+# Up to ``wanted`` free slots of each limit, slot n being the lock of prefix || n. CASE keeps a
+# slot this session holds from being locked a second time (session locks stack); LIMIT stops
+# the scan, and so the locking, once enough slots are taken.
+TRY_SLOTS = text(
+    "SELECT w.n, s.slot FROM unnest(CAST(:prefixes AS text[]), CAST(:sizes AS int[]), "
+    "CAST(:wanted AS int[])) WITH ORDINALITY AS w(prefix, size, wanted, n) "
+    "CROSS JOIN LATERAL (SELECT g.slot FROM generate_series(0, w.size - 1) AS g(slot) "
+    "WHERE CASE WHEN w.prefix || g.slot = ANY (CAST(:held AS text[])) THEN false "
+    "ELSE pg_try_advisory_lock(hashtextextended(w.prefix || g.slot, 0)) END "
+    "LIMIT w.wanted) AS s"
+)
+
+
+async def try_slots(
+    conn: AsyncConnection, wants: Sequence[tuple[str, int, int]], held: Sequence[str]
+) -> list[tuple[int, int]]:
+    """Take free slots of limits given as ``(prefix, size, wanted)``, in one statement, never
+    one of ``held`` (the keys this connection holds): ``(index in wants, slot)`` of each taken."""
+    if not wants:
+        return []
+    prefixes, sizes, wanted = zip(*wants, strict=True)
+    result = await conn.execute(
+        TRY_SLOTS,
+        {
+            "prefixes": list(prefixes),
+            "sizes": list(sizes),
+            "wanted": list(wanted),
+            "held": list(held),
+        },
+    )
+    return [(int(n) - 1, int(slot)) for n, slot in result]
 
 
 async def lock_shard_waiting(conn: AsyncConnection, shard: ShardRef, seconds: float) -> bool:

@@ -88,6 +88,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         timeout=settings.handler_timeout,
         max_calls=settings.max_concurrent_calls,
         max_payload_bytes=settings.max_payload_bytes,
+        engine=engine,
     )
     drain_engine = DrainEngine(
         engine,

@@ -1,7 +1,9 @@
-"""How many handler calls one worker runs at once: in all (``max_concurrent_calls``), and per
-handler that declared a ``max_concurrency``. A call takes a slot of each limit before it starts,
-first come first served; a wait ends at the round's deadline, or once every other shard of the
-round is done (:class:`RoundShards`), and the shard goes back to its queue with its rows.
+"""How many handler calls run at once: in one worker, in all (``max_concurrent_calls``) and per
+handler that declared a ``max_concurrency``, and across the workers, per handler that declared a
+``fleet_max_concurrency`` (:mod:`~outbox_bridge.runtime.fleet_slots`). A call takes a slot of each
+limit before it starts, first come first served; a wait ends at the round's deadline, or once
+every other shard of the round is done (:class:`RoundShards`), and the shard goes back to its
+queue with its rows.
 """
 
 from __future__ import annotations
@@ -9,8 +11,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.registry import CallLimit, OutboxApp
+from outbox_bridge.runtime.fleet_slots import FleetLimit, FleetLocks
 
 # The default of the worker's max_concurrent_calls setting.
 MAX_CONCURRENT_CALLS = 1000
@@ -46,30 +53,9 @@ class Slots:
 
     async def _wait(self, deadline: float, round_: RoundShards | None) -> bool:
         """Queue for the next slot given back, until ``deadline`` or ``round_`` is idle."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        # The loop's clock is time.monotonic() on every platform asyncio supports.
-        timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
-        if round_ is not None:
-            round_.waiting(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            # Handed a slot, then cancelled: it goes on. (exception() marks an expiry as seen.)
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.give()
-            raise
-        except TimeoutError:
-            return False
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if round_ is not None:
-                round_.woken(waiter)
-            # One that expired or was cancelled stays queued until it reaches the front and is
-            # skipped: removing it here would scan the whole queue (thousands) once per wait.
-        return True
+        return await await_turn(waiter, deadline, round_, self.give)
 
     def give(self) -> None:
         """Give a slot back: to the first waiter still waiting, if any."""
@@ -81,7 +67,63 @@ class Slots:
         self.taken -= 1
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+async def await_turn(
+    waiter: asyncio.Future[Any],
+    deadline: float,
+    round_: RoundShards | None,
+    give: Callable[[], None],
+) -> bool:
+    """Await ``waiter``, done when a slot was taken for it, until ``deadline`` or until
+    ``round_`` is idle (False then); a slot that came just before a cancellation is ``give``n
+    back."""
+    # The loop's clock is time.monotonic() on every platform asyncio supports.
+    loop = asyncio.get_running_loop()
+    timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
+    if round_ is not None:
+        round_.waiting(waiter)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        # Handed a slot, then cancelled: it goes on. (exception() marks an expiry as seen.)
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            give()
+        raise
+    except TimeoutError:
+        return False
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if round_ is not None:
+            round_.woken(waiter)
+        # One that expired or was cancelled stays queued until it reaches the front and is
+        # skipped: removing it here would scan the whole queue (thousands) once per wait.
+    return True
+
+
+class FleetSlots:
+    """A handler's slots across the workers (a :class:`FleetLimit`), taken like :class:`Slots`:
+    at once if one is free and no call of this worker waits, else in turn."""
+
+    def __init__(self, limit: FleetLimit) -> None:
+        self._limit = limit
+
+    async def take(self, deadline: float = math.inf, round_: RoundShards | None = None) -> bool:
+        limit = self._limit
+        if not limit.queued() and await limit.try_take():
+            return True
+        if round_ is not None and round_.idle:
+            return False
+        return await await_turn(limit.queue(), deadline, round_, limit.give)
+
+    def give(self) -> None:
+        self._limit.give()
+
+
+# A limit a call takes a slot of.
+Limit: TypeAlias = Slots | FleetSlots
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
 
@@ -120,30 +162,50 @@ class RoundShards:
 
 
 class CallSlots:
-    """The limits a worker's handler calls run under: the worker's and each declared one."""
+    """The limits a worker's handler calls run under: the worker's and each declared one. The
+    fleet-wide limits hold across the workers on ``engine``'s database; without one (a single
+    process, as in the testing toolkit's drain) they hold in this worker."""
 
-    def __init__(self, app: OutboxApp, total: int = MAX_CONCURRENT_CALLS) -> None:
+    def __init__(
+        self, app: OutboxApp, total: int = MAX_CONCURRENT_CALLS, engine: AsyncEngine | None = None
+    ) -> None:
         self._app = app
         self.total = Slots(total)
-        self._declared: dict[CallLimit, Slots] = {}
-        self._of_category: dict[int, list[Slots]] = {}
+        self.fleet = None if engine is None else FleetLocks(engine)
+        self._declared: dict[CallLimit, list[Limit]] = {}
+        self._of_category: dict[int, list[Limit]] = {}
 
-    def limits(self, category: int) -> list[Slots]:
+    def limits(self, category: int) -> list[Limit]:
         """The limits a call of ``category`` takes a slot of, in the order it takes them."""
         known = self._of_category.get(category)
-        if known is not None:
-            return known
-        limit = self._app.call_limit(category)
-        if limit is None:
-            known = [self.total]
-        else:
-            slots = self._declared.get(limit)
-            if slots is None:
-                slots = self._declared[limit] = Slots(limit.calls)
-            # The declared limit first: a call waiting for it holds none of the worker's slots.
-            known = [slots, self.total]
-        self._of_category[category] = known
+        if known is None:
+            limit = self._app.call_limit(category)
+            known = [self.total] if limit is None else self._declared_limits(limit)
+            self._of_category[category] = known
         return known
+
+    def _declared_limits(self, limit: CallLimit) -> list[Limit]:
+        # The worker's own first, the fleet's last: a call waiting for one holds no slot of the
+        # scarcer ones after it, and a fleet slot is held no longer than the call.
+        known = self._declared.get(limit)
+        if known is None:
+            known = [] if limit.calls is None else [Slots(limit.calls)]
+            known.append(self.total)
+            if limit.fleet_calls is not None:
+                known.append(self._fleet_slots(limit, limit.fleet_calls))
+            self._declared[limit] = known
+        return known
+
+    def _fleet_slots(self, limit: CallLimit, size: int) -> Limit:
+        if self.fleet is None:
+            return Slots(size)
+        handler = "+".join(str(value) for value in sorted(map(int, limit.categories)))
+        prefix = f"outbox-fleet:{self._app.table().name}:{handler}:"
+        return FleetSlots(self.fleet.limit(prefix, size))
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
 
 
 class Held:
@@ -154,7 +216,7 @@ class Held:
     __slots__ = ("_deadline", "_limits", "_round", "_taken")
 
     def __init__(
-        self, limits: list[Slots], deadline: float, round_: RoundShards | None = None
+        self, limits: list[Limit], deadline: float, round_: RoundShards | None = None
     ) -> None:
         self._limits = limits
         self._deadline = deadline

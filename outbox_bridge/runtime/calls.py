@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import Row
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.db.grants import Role, privilege_advice
 from outbox_bridge.db.reads import GroupRows
@@ -37,8 +38,8 @@ from outbox_bridge.runtime.call_slots import (
     MAX_CONCURRENT_CALLS,
     CallSlots,
     Held,
+    Limit,
     RoundShards,
-    Slots,
 )
 from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
@@ -102,6 +103,7 @@ class HandlerCalls:
         timeout: float = math.inf,
         max_calls: int = MAX_CONCURRENT_CALLS,
         max_payload_bytes: int | None = None,
+        engine: AsyncEngine | None = None,
     ) -> None:
         self._app = app
         # No row with a larger payload is read whole (the statement leaves its payload out).
@@ -111,7 +113,7 @@ class HandlerCalls:
         # stopped: its shard stays locked until it returns).
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="outbox-handler")
-        self.slots = CallSlots(app, max_calls)
+        self.slots = CallSlots(app, max_calls, engine)  # fleet-wide limits on engine's database
         any_async = any(
             OutboxApp.is_async_handler(handler)
             for category in app.categories
@@ -122,6 +124,7 @@ class HandlerCalls:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.slots.close()
 
     # -- preparing -------------------------------------------------------------------------
 
@@ -212,7 +215,7 @@ class HandlerCalls:
             if clock is not None:
                 clock.close()
 
-    def _sync_run_end(self, calls: list[Call], index: int, hop: int, limits: list[Slots]) -> int:
+    def _sync_run_end(self, calls: list[Call], index: int, hop: int, limits: list[Limit]) -> int:
         """Where the sync calls from ``index`` that run in one thread hop end: at most ``hop``
         of them, each under the same ``limits``."""
         end = index + 1

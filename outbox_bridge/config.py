@@ -67,14 +67,15 @@ def _or_otel(name: str, otel: str) -> AliasChoices:
     return AliasChoices(f"OUTBOX_{name.upper()}", otel)
 
 
-class OutboxSettings(BaseSettings):
-    """Settings of the worker, the bridge and the command line."""
+class LocationSettings(BaseSettings):
+    """Where things are: the database, Temporal, the app, the embedded servers' data, and which
+    regions and shards of the tables this worker takes. The first group of
+    :class:`OutboxSettings`, which adds how shards are processed, telemetry and the rest."""
 
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_", populate_by_name=True, extra="ignore", case_sensitive=False
     )
 
-    # -- where things are ---------------------------------------------------------------------
     database_url: SecretStr | None = Field(
         None,
         description="PostgreSQL URL (postgresql://user:password@host/db). Unset: start an "
@@ -169,6 +170,23 @@ class OutboxSettings(BaseSettings):
         description="Shards that start skipped, comma-separated SCOPE:ID (REGION:SCOPE:ID for "
         "a regional table), e.g. ORGANIZATION:42,USER:7: a kill switch for poison shards.",
     )
+
+    @field_validator("regions", "skip_shards", mode="before")
+    @classmethod
+    def _split_regions(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [r.strip() for r in value.split(",") if r.strip()] or None
+        return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> LocationSettings:
+        if (self.temporal_tls_cert is None) != (self.temporal_tls_key is None):
+            raise ValueError("temporal_tls_cert and temporal_tls_key go together (mTLS)")
+        return self
+
+
+class OutboxSettings(LocationSettings):
+    """Settings of the worker, the bridge and the command line."""
 
     # -- how shards are processed ----------------------------------------------------------------
     shard_workflows: str = Field(
@@ -387,19 +405,6 @@ class OutboxSettings(BaseSettings):
         if value != "on-demand":
             raise ValueError(f"the only mode is on-demand, not {value!r}")
         return value
-
-    @field_validator("regions", "skip_shards", mode="before")
-    @classmethod
-    def _split_regions(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [r.strip() for r in value.split(",") if r.strip()] or None
-        return value
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> OutboxSettings:
-        if (self.temporal_tls_cert is None) != (self.temporal_tls_key is None):
-            raise ValueError("temporal_tls_cert and temporal_tls_key go together (mTLS)")
-        return self
 
     # -- derived -------------------------------------------------------------------------------
 

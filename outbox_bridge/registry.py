@@ -154,47 +154,22 @@ def _enum_name(member: IntEnum | int) -> str:
     return member.name if isinstance(member, IntEnum) else str(int(member))
 
 
-class OutboxApp:
-    """The scopes, categories, tables and handlers of one application.
-
-    Building the app checks the registry once: every category belongs to exactly one scope and
-    category values are unique. ``check_handlers()`` (called by the worker) refuses a category
-    without a handler.
-
-    ``max_payload_bytes`` bounds a payload (the UTF-8 bytes of its JSON text) on both sides:
-    ``write`` refuses a larger one (:class:`~outbox_bridge.PayloadTooLargeError`, nothing
-    written), and the worker never reads a larger row whole: its shard blocks on it. A worker's
-    ``OUTBOX_MAX_PAYLOAD_BYTES`` replaces it for what that worker reads.
-    """
+class ScopeRegistry:
+    """The scopes and categories of an app, checked once when it is built: every category
+    belongs to exactly one scope, and no two share a value. The lookups by value and name of
+    :class:`OutboxApp`."""
 
     def __init__(
         self,
         scopes: Mapping[ScopeT, Iterable[IntEnum]],
-        *,
         categories: Iterable[type[IntEnum]] = (),
-        tables: Sequence[OutboxTable] = (OutboxTable(),),
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
-        self.max_payload_bytes = _check_payload_limit(max_payload_bytes)
         self._scope_of: dict[int, IntEnum] = {}
         self._categories: dict[int, IntEnum] = {}
         self._scopes: dict[int, IntEnum] = {}
-        self._handlers: dict[int, Handler] = {}
-        self._limits: dict[int, CallLimit] = {}
-        self.flush_route = FlushRoute()
         for scope, members in scopes.items():
             self._add_scope(scope, members)
         self._check_declared_enums(categories)
-        if not tables:
-            raise RegistryError("an OutboxApp needs at least one table")
-        names = [t.name for t in tables]
-        if len(set(names)) != len(names):
-            raise RegistryError(f"table names must be unique, got {names}")
-        self.tables: dict[str, OutboxTable] = {t.name: t for t in tables}
-        self.metadata = MetaData()
-        self._sql_tables: dict[str, Table] = {
-            t.name: outbox_table(t.name, self.metadata, regional=t.regional) for t in tables
-        }
 
     def _add_scope(self, scope: IntEnum, members: Iterable[IntEnum]) -> None:
         if not isinstance(scope, IntEnum):
@@ -235,8 +210,6 @@ class OutboxApp:
                     "add each one to the scope it belongs to"
                 )
 
-    # -- lookups ---------------------------------------------------------------------------
-
     @property
     def scopes(self) -> list[IntEnum]:
         return list(self._scopes.values())
@@ -273,6 +246,46 @@ class OutboxApp:
                 return self._scopes[int(name)]
         known = ", ".join(s.name for s in self._scopes.values())
         raise RegistryError(f"unknown scope {name!r}; known scopes: {known}")
+
+
+class OutboxApp(ScopeRegistry):
+    """The scopes, categories, tables and handlers of one application.
+
+    Building the app checks the registry once: every category belongs to exactly one scope and
+    category values are unique. ``check_handlers()`` (called by the worker) refuses a category
+    without a handler.
+
+    ``max_payload_bytes`` bounds a payload (the UTF-8 bytes of its JSON text) on both sides:
+    ``write`` refuses a larger one (:class:`~outbox_bridge.PayloadTooLargeError`, nothing
+    written), and the worker never reads a larger row whole: its shard blocks on it. A worker's
+    ``OUTBOX_MAX_PAYLOAD_BYTES`` replaces it for what that worker reads.
+    """
+
+    def __init__(
+        self,
+        scopes: Mapping[ScopeT, Iterable[IntEnum]],
+        *,
+        categories: Iterable[type[IntEnum]] = (),
+        tables: Sequence[OutboxTable] = (OutboxTable(),),
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        self.max_payload_bytes = _check_payload_limit(max_payload_bytes)
+        super().__init__(scopes, categories)
+        self._handlers: dict[int, Handler] = {}
+        self._limits: dict[int, CallLimit] = {}
+        self.flush_route = FlushRoute()
+        if not tables:
+            raise RegistryError("an OutboxApp needs at least one table")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise RegistryError(f"table names must be unique, got {names}")
+        self.tables: dict[str, OutboxTable] = {t.name: t for t in tables}
+        self.metadata = MetaData()
+        self._sql_tables: dict[str, Table] = {
+            t.name: outbox_table(t.name, self.metadata, regional=t.regional) for t in tables
+        }
+
+    # -- tables ----------------------------------------------------------------------------
 
     def table(self, name: str | None = None) -> Table:
         """The SQLAlchemy Core table for ``name`` (the first table when omitted)."""

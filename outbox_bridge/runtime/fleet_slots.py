@@ -44,7 +44,7 @@ class FleetLimit:
 
     async def try_take(self) -> bool:
         """Take a free slot at once (in the worker's next statement), or False."""
-        tried = asyncio.get_running_loop().create_future()
+        tried: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.tries.append(tried)
         self._locks.wake()
         try:
@@ -70,15 +70,15 @@ class FleetLimit:
     def wanted(self) -> int:
         return len(self.tries) + sum(not waiter.done() for waiter in self.waiters)
 
-    def hand_out(self, slots: list[int]) -> None:
-        """Pass ``slots``, just taken, to the waiters, then the tries; any left over are freed."""
-        tries, self.tries = self.tries, []
+    def hand_out(self, slots: list[int], tried: int) -> None:
+        """Pass ``slots``, just taken, to the waiters, then the first ``tried`` tries (those the
+        statement asked for); any left over are freed. Those tries that got none fail."""
+        tries, self.tries = self.tries[:tried], self.tries[tried:]
         for slot in slots:
             self.held.append(slot)
-            taker = next((f for f in tries if not f.done()), None)
             if self.queued():
                 self.waiters.popleft().set_result(None)
-            elif taker is not None:
+            elif (taker := next((f for f in tries if not f.done()), None)) is not None:
                 taker.set_result(True)
             else:
                 self.give()  # its taker was cancelled or timed out meanwhile
@@ -90,7 +90,7 @@ class FleetLimit:
         """The connection is gone, and with it every slot held: the tries fail, the waiters wait."""
         self.stale += len(self.held)
         self.held.clear()
-        self.hand_out([])
+        self.hand_out([], len(self.tries))
 
 
 class FleetLocks:
@@ -169,12 +169,13 @@ class FleetLocks:
         freed, self._unlock = self._unlock, []
         await unlock_keys(conn, freed)
         limits = [limit for limit in self._limits.values() if limit.wanted()]
+        tried = [len(limit.tries) for limit in limits]
         held = [f"{limit.prefix}{slot}" for limit in limits for slot in limit.held]
         taken = await try_slots(
             conn, [(limit.prefix, limit.size, limit.wanted()) for limit in limits], held
         )
         for index, limit in enumerate(limits):
-            limit.hand_out([slot for n, slot in taken if n == index])
+            limit.hand_out([slot for n, slot in taken if n == index], tried[index])
         return bool(taken)
 
     async def _lose(self, conn: AsyncConnection | None, exc: Exception) -> None:

@@ -168,33 +168,40 @@ async def test_a_killed_fleet_connection_frees_its_slots_and_comes_back(
         first.app,
         [
             {"category": LIMITED[0], "shard_identifier": shard, "object_identifier": 1}
-            for shard in (1, 2, 3)
+            for shard in (1, 2, 3, 4)
         ],
     )
-    # The first worker's calls of shards 1 and 2 hold both slots until released.
-    held = asyncio.create_task(first.round(shards_of(first, range(1, 3))))
+    # The first worker's calls of shards 1 and 2 hold both slots until released; its call of
+    # shard 4 waits for one, and so does the second worker's call of shard 3.
+    held = asyncio.create_task(
+        first.round([*shards_of(first, range(1, 3)), *shards_of(first, range(4, 5))])
+    )
     await wait_until(lambda: first.gauge.running == FLEET_LIMIT, what="two calls holding slots")
     prefix = first.fleet_slots(LIMITED[0])._limit.prefix
-    holders = {slot: await lock_holders(engine, f"{prefix}{slot}") for slot in (0, 1)}
+    keys = [f"{prefix}{slot}" for slot in range(FLEET_LIMIT)]
+    holders = [await lock_holders(engine, key) for key in keys]
     assert holders[0] == holders[1] and len(holders[0]) == 1, holders
-    # The second worker's call of shard 3 waits for a slot: none is free.
+    killed = holders[0][0]
     waiting = asyncio.create_task(second.round(shards_of(second, range(3, 4))))
     await wait_until(second.fleet_slots(LIMITED[0])._limit.queued, what="a call waiting")
-    assert second.handled == []
+    await wait_until(first.fleet_slots(LIMITED[0])._limit.queued, what="a call waiting")
+    assert second.handled == [] and first.gauge.by_engine["first"] == FLEET_LIMIT
 
-    await sql(engine, "SELECT pg_terminate_backend(:pid)", pid=holders[0][0])
+    await sql(engine, "SELECT pg_terminate_backend(:pid)", pid=killed)
     # Its slots are free: the second worker's call takes one and runs.
     await asyncio.wait_for(waiting, 30)
     assert second.handled == [3]
+    # The first worker's waiting call runs once its new connection holds a slot for it.
+    await wait_until(lambda: first.gauge.by_engine["first"] == 3, what="shard 4's call")
+
+    async def held_by_a_new_connection() -> bool:
+        holders = [pid for key in keys for pid in await lock_holders(engine, key)]
+        return len(holders) == 1 and holders[0] != killed
+
+    await wait_until(held_by_a_new_connection, what="shard 4's slot")
     first.hold.set()
     await asyncio.wait_for(held, 30)
-    assert sorted(first.handled) == [1, 2]
-    # The first worker connects again for its next call, which runs under a slot.
-    await write_rows(
-        engine, first.app, [{"category": LIMITED[1], "shard_identifier": 1, "object_identifier": 2}]
-    )
-    await asyncio.wait_for(first.round(shards_of(first, range(1, 2))), 30)
-    assert sorted(first.handled) == [1, 1, 2]
+    assert sorted(first.handled) == [1, 2, 4]
     assert await count_rows(engine, first.app) == 0
 
 

@@ -55,7 +55,7 @@ async def unlock_keys(conn: AsyncConnection, keys: Sequence[str]) -> None:
 # slot this session holds from being locked a second time (session locks stack); LIMIT stops
 # the scan, and so the locking, once enough slots are taken.
 TRY_SLOTS = text(
-    "SELECT w.n, s.slot FROM unnest(CAST(:prefixes AS text[]), CAST(:sizes AS int[]), "
+    "SELECT w.n, s.slot FROM unnest(CAST(:prefixes AS text[]), CAST(:sizes AS bigint[]), "
     "CAST(:wanted AS int[])) WITH ORDINALITY AS w(prefix, size, wanted, n) "
     "CROSS JOIN LATERAL (SELECT g.slot FROM generate_series(0, w.size - 1) AS g(slot) "
     "WHERE CASE WHEN w.prefix || g.slot = ANY (CAST(:held AS text[])) THEN false "

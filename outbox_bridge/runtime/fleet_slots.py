@@ -1,8 +1,9 @@
 """Fleet-wide slots: a handler's ``fleet_max_concurrency`` of ``M`` as ``M`` PostgreSQL session
 advisory locks, slot ``n`` the lock of ``outbox-fleet:<table>:<handler>:<n>``. A worker holds its
 slots on one connection of its own: a crashed worker's closed connection frees them, so no slot
-leaks, and no table is needed. Workers have no queue in common: a freed slot goes to whichever
-asks first, and a worker that finds none free asks again after 20 ms, then up to every 200 ms.
+leaks, and no table is needed. A slot freed while calls of the same worker wait passes to
+the first of them; else it is unlocked, and goes to whichever worker asks first: workers share
+no queue. A worker that finds none free asks again after 20 ms, then up to every 200 ms.
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ class FleetLimit:
         return waiter
 
     def give(self) -> None:
+        """Pass the slot to a call of this worker that waits, else free it in the database."""
         if self.stale:
             self.stale -= 1  # a lost connection freed it
+        elif self.queued():
+            self.waiters.popleft().set_result(None)  # the slot passes on: ``held`` stays
         else:
             self._locks.unlock(f"{self.prefix}{self.held.pop()}")
 

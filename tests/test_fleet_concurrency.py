@@ -97,7 +97,7 @@ class Worker:
                 await asyncio.sleep(0.005)  # every shard is the other engine's: let it run
 
     def fleet_slots(self, category: Category) -> FleetSlots:
-        slots = self.calls.slots.limits(category)[-1]
+        slots = self.calls.slots.limits(category)[0]
         assert isinstance(slots, FleetSlots)
         return slots
 
@@ -210,7 +210,7 @@ async def test_without_a_database_the_fleet_limit_holds_in_the_worker() -> None:
     app.handler(*LIMITED, max_concurrency=5, fleet_max_concurrency=3)(_noop)
     limits = CallSlots(app, 100).limits(LIMITED[1])
     assert [type(limit) for limit in limits] == [Slots, Slots, Slots]
-    assert [limit.size for limit in limits if isinstance(limit, Slots)] == [5, 100, 3]
+    assert [limit.size for limit in limits if isinstance(limit, Slots)] == [5, 3, 100]
 
 
 async def test_the_fleet_slots_are_locks_of_the_app_s_first_table_and_the_handler(

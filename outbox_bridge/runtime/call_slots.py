@@ -185,14 +185,14 @@ class CallSlots:
         return known
 
     def _declared_limits(self, limit: CallLimit) -> list[Limit]:
-        # The worker's own first, the fleet's last: a call waiting for one holds no slot of the
-        # scarcer ones after it, and a fleet slot is held no longer than the call.
+        # The declared limits first: a call waiting for one holds none of the worker's slots
+        # (a backlog of one handler never keeps the other categories' calls waiting).
         known = self._declared.get(limit)
         if known is None:
             known = [] if limit.calls is None else [Slots(limit.calls)]
-            known.append(self.total)
             if limit.fleet_calls is not None:
                 known.append(self._fleet_slots(limit, limit.fleet_calls))
+            known.append(self.total)
             self._declared[limit] = known
         return known
 

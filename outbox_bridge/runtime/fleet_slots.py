@@ -116,7 +116,8 @@ class FleetLocks:
         return limit
 
     def wake(self) -> None:
-        if self._task is None:
+        task = self._task
+        if task is None or (task.done() and not task.cancelled()):  # not closed: (re)start
             self._task = asyncio.get_running_loop().create_task(self._run(), name="fleet-slots")
         self._wake.set()
 

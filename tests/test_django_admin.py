@@ -8,11 +8,12 @@ tell."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.db import connections, transaction
 from django.test import Client
@@ -175,6 +176,13 @@ def test_pause_and_unpause_are_recorded_as_the_admin_user() -> None:
     unpaused = client.post(f"{URL}pauses/", {"unpause": "1", "kind": "category", "number": "2"})
     assert unpaused.status_code == 302
     assert pauses() == []
+    # Both in the admin's own history, as the user who made them.
+    since = pause.since.astimezone(UTC)
+    history = LogEntry.objects.filter(user__username="ann").order_by("action_time")
+    assert [entry.change_message for entry in history] == [
+        "category PROJECT_UPDATE paused: search is down",
+        f"category PROJECT_UPDATE resumed (paused since {since:%Y-%m-%d %H:%M} UTC)",
+    ]
 
 
 def test_a_scope_pause_without_a_duration_lasts_until_unpaused() -> None:
@@ -243,6 +251,11 @@ def test_park_and_unpark_are_recorded_as_the_admin_user() -> None:
     [record] = parked(with_unparked=True)
     assert record.unparked_by == "django:bob"
     assert record.unparked_at is not None
+    history = LogEntry.objects.filter(user__username="bob").order_by("action_time")
+    assert [entry.change_message for entry in history] == [
+        "shard ORGANIZATION:51: parked PROJECT_UPDATE object=7 (1 rows)",
+        "shard ORGANIZATION:51: unparked PROJECT_UPDATE object=7",
+    ]
 
 
 def test_bad_park_input_changes_nothing() -> None:

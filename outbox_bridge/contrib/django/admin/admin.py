@@ -5,6 +5,7 @@ the command line's pause, unpause, park and unpark. Who acts is the admin user, 
 from __future__ import annotations
 
 import logging
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync
@@ -160,7 +161,8 @@ class OutboxAdmin(_ModelAdmin):
             messages.warning(request, f"{kind} {number} was not paused")
         else:
             name = _member(outbox.app, done)
-            self._done(request, f"{kind} {name} resumed (paused since {done.since:%Y-%m-%d %H:%M})")
+            since = done.since.astimezone(UTC)
+            self._done(request, f"{kind} {name} resumed (paused since {since:%Y-%m-%d %H:%M} UTC)")
         return _back(request)
 
     def parked_view(self, request: HttpRequest) -> HttpResponse:
@@ -247,8 +249,10 @@ class OutboxAdmin(_ModelAdmin):
             messages.error(request, str(exc))
             return None
 
-    @staticmethod
-    def _done(request: HttpRequest, what: str) -> None:
+    def _done(self, request: HttpRequest, what: str) -> None:
+        """A change made: in the admin's own history (its user, for the unpause and the unpark
+        too, which leave no row), the log and the page."""
+        self.log_change(request, Outbox(), what)
         log.info("outbox admin: %s by %s", what, admin_user(request))
         messages.success(request, what)
 

@@ -22,3 +22,6 @@ class Outbox(models.Model):
             ("pause_outbox", "Can pause and unpause categories and scopes of the outbox"),
             ("park_outbox", "Can park and unpark coalescing groups of the outbox"),
         ]
+
+    def __str__(self) -> str:
+        return "outbox"

@@ -7,7 +7,8 @@ tell."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, timedelta
 from typing import Any
 
@@ -22,12 +23,14 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from outbox_bridge.config import sqlalchemy_url
 from outbox_bridge.contrib.django.admin import admin as outbox_admin
 from outbox_bridge.contrib.django.conf import outbox_settings
+from outbox_bridge.contrib.django.testing import outbox_worker_django
 from outbox_bridge.contrib.django.writes import write_row
 from outbox_bridge.db.parked import ParkedGroup, read_parked
 from outbox_bridge.db.pauses import Pause, read_pauses
 from outbox_bridge.db.schema import owners_of, parked_of, pauses_of
-from tests.django_app.outbox import app
-from tests.django_support import OUTBOX
+from outbox_bridge.testing import worker_settings
+from tests.django_app.outbox import app, recorder
+from tests.django_support import OUTBOX, next_identifier
 from tests.harness import Category, Scope
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -304,3 +307,46 @@ def test_users_without_the_permission_are_refused_and_change_nothing() -> None:
     assert client.get(URL).status_code == 302
     assert pauses() == []
     assert parked(with_unparked=True) == []
+
+
+# -- the park wakes the shard, as the command line's does ----------------------------------------
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+
+
+def held_for(shard: int) -> str | None:
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            f"SELECT held_for FROM {owners_of(TABLE).name} WHERE shard_identifier = %s", [shard]
+        )
+        found = cursor.fetchone()
+    return None if found is None else str(found[0])
+
+
+def test_a_park_lets_a_blocked_shard_go_on_at_once(servers: Any) -> None:
+    """The shard's failing head is tried again in two minutes, and the sweep looks at held
+    shards as seldom: only the park's wake-up lets the shard go on within the test."""
+    shard = next_identifier()
+    recorder.fail_until_fixed(Category.PROJECT_UPDATE)
+    settings = worker_settings(
+        idle_timeout=0, initial_retry_interval=120.0, max_retry_interval=120.0, sweep_interval=120.0
+    )
+    client = staff("bob", "view_outbox", "park_outbox")
+    try:
+        with outbox_worker_django(
+            app, temporal_address=servers.temporal_address, settings=settings
+        ):
+            stuck = write(Category.PROJECT_UPDATE, shard, 1)
+            member = write(Category.MEMBER_UPDATE, shard, 2)
+            wait_for(lambda: held_for(shard) == "failed", "blocked shard")
+            form = {"scope": str(int(Scope.ORGANIZATION)), "shard_identifier": str(shard)}
+            assert client.post(f"{URL}park/", {**form, "reason": "replica down"}).status_code == 302
+            wait_for(lambda: member in recorder.ids(), "call for the shard's next group")
+            assert stuck not in recorder.ids()
+    finally:
+        recorder.behaviour.pop(int(Category.PROJECT_UPDATE))

@@ -155,6 +155,7 @@ def test_the_shards_are_paginated_deepest_first(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_pause_and_unpause_are_recorded_as_the_admin_user() -> None:
+    write(Category.PROJECT_UPDATE, 45, 1)
     client = staff("ann", "view_outbox", "pause_outbox")
     form = {
         "kind": "category",
@@ -175,6 +176,8 @@ def test_pause_and_unpause_are_recorded_as_the_admin_user() -> None:
     listed = client.get(f"{URL}pauses/")
     assert b"django:ann" in listed.content
     assert b"PROJECT_UPDATE" in listed.content
+    [waiting] = client.get(URL).context["shards"]
+    assert waiting.paused == "category PROJECT_UPDATE by django:ann: search is down"
 
     unpaused = client.post(f"{URL}pauses/", {"unpause": "1", "kind": "category", "number": "2"})
     assert unpaused.status_code == 302

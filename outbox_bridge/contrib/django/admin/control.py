@@ -24,6 +24,7 @@ from outbox_bridge.db.pauses import remove_pause as remove_pause_row
 from outbox_bridge.db.scans import read_shard_depths
 from outbox_bridge.errors import ConfigurationError, OutboxError, ShardLockedError
 from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.pause_control import member_name
 from outbox_bridge.runtime.temporal import connect, temporal_address
 from outbox_bridge.workflows.models import NotifyInput, PauseKind, RecheckInput, ShardRef
 
@@ -49,7 +50,7 @@ class ShardLine:
     groups: int
     oldest_age_seconds: float
     owner: str  # free, held (failed|deferred|workflow), skipped
-    pause: Pause | None  # the pause its first row not due waits for
+    paused: str  # the pause its first row not due waits for, if any: kind, name, who, why
     parked_groups: int
 
 
@@ -112,11 +113,18 @@ async def read_shards(
                     depth.groups,
                     (now - depth.oldest).total_seconds(),
                     owner if owner in (FREE, "skipped") else f"held ({owner})",
-                    await read_shard_pause(conn, table, ref),
+                    _paused(app, await read_shard_pause(conn, table, ref)),
                     parked[key],
                 )
             )
     return lines
+
+
+def _paused(app: OutboxApp, pause: Pause | None) -> str:
+    if pause is None:
+        return ""
+    name = member_name(app, pause.kind, pause.number)
+    return f"{pause.kind} {name} by {pause.paused_by}: {pause.reason}"
 
 
 async def read_table_pauses(settings: OutboxSettings, table: Table) -> list[Pause]:

@@ -33,11 +33,39 @@ USE_TZ = True
 TIME_ZONE = "America/Chicago"
 DEBUG = False
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-INSTALLED_APPS = ["outbox_bridge.contrib.django", "tests.django_app"]
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "outbox_bridge.contrib.django",
+    "outbox_bridge.contrib.django.admin",
+    "tests.django_app",
+]
+# What the admin needs (tests/test_django_admin.py): its templates and middleware, which touch
+# no database in a request that neither logs in nor sends a message.
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
 DATABASES = {
     "default": _database(os.environ.get("DJANGO_TESTS_DATABASE", "djangotests")),
     "other": _database("djangotests_other"),
 }
 ROOT_URLCONF = "tests.django_app.urls"
-MIDDLEWARE: list[str] = []
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
 OUTBOX_BRIDGE: dict[str, Any] = {"APP": "tests.django_app.outbox:app"}

@@ -22,6 +22,7 @@ PACKAGE = ROOT / "outbox_bridge"
 # The Django integration's modules that a Django project loads to write rows (its settings, its
 # models' modules, its migrations, its views): the producer's side, like the modules below.
 DJANGO_PRODUCER_SIDE = (
+    "admin",  # the package only, which Django's admin imports; its app is the worker's side
     "apps",
     "checks",
     "conf",
@@ -306,7 +307,13 @@ import django
 from django.conf import settings
 
 settings.configure(
-    INSTALLED_APPS=["outbox_bridge.contrib.django"],
+    INSTALLED_APPS=[
+        "django.contrib.admin",  # which imports each app's admin module
+        "django.contrib.auth",
+        "django.contrib.contenttypes",
+        "django.contrib.messages",
+        "outbox_bridge.contrib.django",
+    ],
     DATABASES={{"default": {{"ENGINE": "django.db.backends.postgresql", "NAME": "x"}}}},
     OUTBOX_BRIDGE={{}},
 )

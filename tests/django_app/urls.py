@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.contrib import admin
 from django.urls import path
 
 from tests.django_app import views
@@ -15,4 +16,5 @@ urlpatterns = [
     ),
     path("async/<int:organization>", views.async_write),
     path("projects/<str:name>", views.create_project),
+    path("admin/", admin.site.urls),
 ]

@@ -23,6 +23,7 @@ from sqlalchemy.pool import NullPool
 from outbox_bridge import demo
 from outbox_bridge.config import OutboxSettings, retired_variables, safe_url, sqlalchemy_url
 from outbox_bridge.db.install import install_schema
+from outbox_bridge.dev.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime
 from outbox_bridge.observability.summary import (
@@ -34,7 +35,6 @@ from outbox_bridge.observability.summary import (
 )
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.assembly import RunningOutbox
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.outbox_plugin import OutboxPlugin
 from outbox_bridge.runtime.temporal import connect, embedded_temporal, temporal_address
 

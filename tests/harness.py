@@ -28,7 +28,7 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
 from outbox_bridge.db.install import install_schema
-from outbox_bridge.runtime.embedded import EmbeddedTemporal, free_port
+from outbox_bridge.dev.embedded import EmbeddedTemporal, free_port
 from outbox_bridge.runtime.worker import serve
 from outbox_bridge.testing import PostgresServer, worker_settings
 

@@ -38,8 +38,8 @@ from outbox_bridge.config import (
     retired_variables,
     setting_group,
 )
+from outbox_bridge.dev.embedded import free_port
 from outbox_bridge.errors import ConfigurationError
-from outbox_bridge.runtime.embedded import free_port
 from tests.harness import COMMAND_POLL_INTERVAL, Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
 from tests.support import (
@@ -689,7 +689,7 @@ def test_the_tools_start_without_loading_the_worker() -> None:
     probe = (
         "import sys, outbox_bridge.cli; "
         "print(sorted(m for m in ('outbox_bridge.runtime.worker', 'outbox_bridge.demo', "
-        "'outbox_bridge.runtime.replayer') if m in sys.modules))"
+        "'outbox_bridge.dev.replayer') if m in sys.modules))"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.cli import main as cli_main
 from outbox_bridge.config import OutboxSettings
-from outbox_bridge.runtime.embedded import free_port
+from outbox_bridge.dev.embedded import free_port
 from tests.harness import (
     COMMAND_POLL_INTERVAL,
     Category,

@@ -32,8 +32,8 @@ import outbox_bridge.workflows.models
 from outbox_bridge.cli import main as cli
 from outbox_bridge.cli.connections import command_app
 from outbox_bridge.config import OutboxSettings, env_name, env_names
+from outbox_bridge.dev.embedded import temporal_cli
 from outbox_bridge.observability.health import CHECK_TIMEOUT, LIVENESS_PATH, READINESS_PATH
-from outbox_bridge.runtime.embedded import temporal_cli
 from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
 from tests.support import clear_settings
 

@@ -21,8 +21,8 @@ from django.test import Client
 
 from outbox_bridge import OutboxSettings
 from outbox_bridge.contrib.django.flush import flush_report
+from outbox_bridge.dev.embedded import free_port
 from outbox_bridge.registry import FlushRoute
-from outbox_bridge.runtime.embedded import free_port
 from tests.django_app.outbox import app
 from tests.django_support import database_settings, end_workflows, next_identifier, rows
 from tests.harness import Servers

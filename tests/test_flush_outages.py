@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session
 from outbox_bridge import OutboxApp, outbox_context
 from outbox_bridge import flush as flush_module
 from outbox_bridge.config import OutboxSettings
+from outbox_bridge.dev.embedded import EmbeddedTemporal, free_port
 from outbox_bridge.flush import FlushReport
-from outbox_bridge.runtime.embedded import EmbeddedTemporal, free_port
 from tests.harness import (
     Category,
     Recorder,

@@ -28,9 +28,9 @@ from sqlalchemy.engine import make_url
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.config import OutboxSettings
+from outbox_bridge.dev.embedded import EmbeddedPostgres, free_port
 from outbox_bridge.observability.health import LIVENESS_PATH, READINESS_PATH, HealthServer
 from outbox_bridge.runtime.assembly import build_drains, build_worker
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, free_port
 from tests.harness import (
     Recorder,
     Servers,

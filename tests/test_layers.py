@@ -179,7 +179,7 @@ def test_no_import_inside_functions() -> None:
         ],
         "outbox_bridge.cli.commands": [
             "outbox_bridge.demo",
-            "outbox_bridge.runtime.replayer",
+            "outbox_bridge.dev.replayer",
             "outbox_bridge.runtime.worker",
         ],
         "outbox_bridge.cli.connections": ["outbox_bridge.demo"],

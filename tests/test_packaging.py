@@ -32,9 +32,9 @@ from packaging.requirements import Requirement
 
 import outbox_bridge
 from outbox_bridge.config import OutboxSettings
+from outbox_bridge.dev.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, check_embedded, temporal_cli
 from outbox_bridge.runtime.worker import run as run_worker
 from scripts.packages import folder_packages
 from tests.harness import Servers

@@ -24,10 +24,10 @@ from sqlalchemy.engine import make_url
 
 from outbox_bridge.config import libpq_url
 from outbox_bridge.db.tls import refuse_tls_failures, tls_refusal
+from outbox_bridge.dev.embedded import free_port
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.runtime.assembly import build_engine
 from outbox_bridge.runtime.bridge import Bridge
-from outbox_bridge.runtime.embedded import free_port
 from outbox_bridge.runtime.hub import ShardHub
 from tests.harness import (
     Category,

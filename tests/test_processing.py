@@ -20,8 +20,8 @@ from temporalio.service import RPCError
 
 from outbox_bridge import MissingHandlerError, OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.db.locks import lock_key
+from outbox_bridge.dev.embedded import temporal_cli as temporal_binary
 from outbox_bridge.flush import Flusher
-from outbox_bridge.runtime.embedded import temporal_cli as temporal_binary
 from outbox_bridge.runtime.hub import partition_of
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.workflows.models import (

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox_bridge.runtime.embedded import free_port
+from outbox_bridge.dev.embedded import free_port
 from tests.harness import (
     Recorder,
     Servers,

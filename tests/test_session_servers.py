@@ -199,7 +199,7 @@ KILLED_SESSION = """
 import asyncio, json, sys
 from pathlib import Path
 
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.dev.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from outbox_bridge.testing.server_folder import ServerFolder
 
 folder = ServerFolder(Path(sys.argv[1]))

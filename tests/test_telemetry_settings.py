@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from outbox_bridge.cli import main as cli_main
 from outbox_bridge.cli.flags import build_settings
+from outbox_bridge.dev.embedded import free_port
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.observability.sdk import Telemetry, setup_telemetry
-from outbox_bridge.runtime.embedded import free_port
 from tests.support import clear_settings
 
 # setting -> (outbox-bridge's variable, OpenTelemetry's, a value, another value)

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.engine import make_url
 
-from outbox_bridge.runtime.embedded import EmbeddedPostgres
+from outbox_bridge.dev.embedded import EmbeddedPostgres
 
 PRELOAD = "pg_stat_statements"
 

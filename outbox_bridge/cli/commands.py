@@ -99,7 +99,7 @@ history.add_command(history_export)
 def replay(files: tuple[Path, ...]) -> None:
     """Replay exported histories against the current workflow code, as the worker runs it and
     under the sandbox; exit 1 on nondeterminism, naming the first event that differs."""
-    from outbox_bridge.runtime.replayer import HistoryReplayer
+    from outbox_bridge.dev.replayer import HistoryReplayer
 
     click.echo(f"replaying {len(files)} histories, several at once", err=True)
     failures = asyncio.run(HistoryReplayer().replay_all(files))

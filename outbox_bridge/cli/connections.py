@@ -14,12 +14,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from temporalio.client import Client
 
 from outbox_bridge import registry
+from outbox_bridge.cli.scope_directory import find_shard
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
 from outbox_bridge.db.grants import INSUFFICIENT_PRIVILEGE, Role, privilege_error
+from outbox_bridge.dev.embedded import EmbeddedPostgres
 from outbox_bridge.errors import ConfigurationError, RegistryError
 from outbox_bridge.registry import OutboxApp, OutboxTable
-from outbox_bridge.runtime.embedded import EmbeddedPostgres
-from outbox_bridge.runtime.scope_directory import find_shard
 from outbox_bridge.runtime.temporal import connect, temporal_address
 from outbox_bridge.workflows.models import ShardRef
 

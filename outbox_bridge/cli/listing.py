@@ -20,12 +20,12 @@ from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
 from outbox_bridge.cli.park_commands import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
+from outbox_bridge.cli.scope_directory import NO_APP_HINT, ScopeDirectory
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.pauses import read_shard_pause
 from outbox_bridge.db.scans import read_shard_depths
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.scope_directory import NO_APP_HINT, ScopeDirectory
 from outbox_bridge.runtime.shards import scope_number
 from outbox_bridge.workflows.models import ShardRef, ShardState, ShardStatus
 

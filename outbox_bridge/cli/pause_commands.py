@@ -19,13 +19,13 @@ from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, shard_app, tables_of
 from outbox_bridge.cli.failures import exits_on_failure, run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.scope_directory import NO_APP_HINT
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.pauses import Pause, add_pause, read_pauses, read_shard_pause, remove_pause
 from outbox_bridge.db.schema import pauses_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.pause_control import member_name, member_number, timed_end, view_of
-from outbox_bridge.runtime.scope_directory import NO_APP_HINT
 from outbox_bridge.workflows.models import PauseKind, ShardRef, via_text
 
 # The state `shards` and `status` show of a shard whose workflow waits for a paused row.

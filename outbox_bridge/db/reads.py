@@ -36,7 +36,7 @@ from outbox_bridge.db.parked import not_parked
 from outbox_bridge.db.pauses import due_at_sql, not_due_sql, wait_seconds_sql
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of
 from outbox_bridge.db.timestamps import LATEST
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.workflows.models import HeldFor, ShardRef
 
 
 @dataclass(slots=True)
@@ -59,10 +59,6 @@ class GroupRows:
 def any_id(ids: Sequence[int]) -> ColumnElement[Any]:
     # One array parameter, not one parameter per id: groups can hold many thousand rows.
     return any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
-
-
-# held_for of a shard held because it is skipped (no drain takes it, not even its workflow's).
-SKIPPED_HOLD = "skipped"
 
 
 def visible(table: Table) -> TextClause:
@@ -152,7 +148,7 @@ async def read_windows(
     if skip_held or skip_paused:
         owners = owners_of(table)
         paused = "" if skip_held else " AND o.held_for = :paused"
-        params["paused"] = SKIPPED_HOLD
+        params["paused"] = HeldFor.SKIPPED.value
         held = (
             f"WHERE NOT EXISTS (SELECT 1 FROM {owners.name} o "
             f"WHERE {_joins('o', regional)}{paused})"
@@ -256,14 +252,6 @@ async def read_group_tails(
     return [(list(ids), _finite(deferred)) for _, ids, deferred in result]
 
 
-def payload_bytes(payload: Any) -> ColumnElement[Any]:
-    """The UTF-8 bytes of ``payload``'s JSON text as the worker reads it (``payload::text``):
-    the uncompressed size, not the stored one. PostgreSQL builds the text to measure it, which
-    costs the database what reading the payload would (half a second for 100 MB), and the
-    worker nothing."""
-    return func.octet_length(cast(payload, Text))
-
-
 async def read_rows(
     conn: AsyncConnection,
     table: Table,
@@ -274,8 +262,8 @@ async def read_rows(
 ) -> dict[int, Row[Any]]:
     """The rows ``ids`` still there, payloads as JSON text: the caller decodes them, so that a
     payload PostgreSQL stores but Python cannot decode fails its own row only. A payload over
-    ``max_payload_bytes`` (:func:`payload_bytes`) is never sent: its row's ``payload`` is None
-    and its ``payload_bytes`` says how large it is (None for the other rows)."""
+    ``max_payload_bytes`` (:func:`read_payload_sizes`) is never sent: its row's ``payload`` is
+    None and its ``payload_bytes`` says how large it is (None for the other rows)."""
     if not ids:
         return {}
     statement = _rows_statement(table, with_trace_context)
@@ -319,6 +307,9 @@ def _rows_statement(table: Table, with_trace_context: bool) -> Any:
 async def read_payload_sizes(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, int]:
-    """The :func:`payload_bytes` of each of ``ids`` still there (0 without a payload); no
-    payload is sent."""
-    return await by_id(conn, table, func.coalesce(payload_bytes(table.c.payload), 0), ids)
+    """The UTF-8 bytes of the JSON text of each of ``ids``' payload as the worker reads it
+    (``payload::text``, 0 without one): the uncompressed size, not the stored one. PostgreSQL
+    builds the text to measure it, which costs the database what reading the payload would
+    (half a second for 100 MB); no payload is sent."""
+    size = func.coalesce(func.octet_length(cast(table.c.payload, Text)), 0)
+    return await by_id(conn, table, size, ids)

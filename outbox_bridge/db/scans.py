@@ -27,7 +27,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, BIT
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox_bridge.db.pauses import due_at, not_due
-from outbox_bridge.db.reads import any_id, by_id, visible
+from outbox_bridge.db.reads import by_id, visible
 from outbox_bridge.db.schema import shard_columns, shard_where
 from outbox_bridge.workflows.models import ShardRef
 
@@ -93,22 +93,6 @@ async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef
     highest = select(func.max(table.c.id)).where(shard_where(table, shard), visible(table))
     value: int | None = (await conn.execute(highest)).scalar_one()
     return value
-
-
-async def read_oldest_ages(
-    conn: AsyncConnection, table: Table, ids: Sequence[int]
-) -> dict[int, float]:
-    """Per scope, the age in seconds (by the database's clock) of the oldest of ``ids`` (each
-    shard's lowest pending id: one index lookup per shard, no scan of the table)."""
-    if not ids:
-        return {}
-    age = func.extract("epoch", func.max(func.now() - table.c.date_added))
-    result = await conn.execute(
-        select(table.c.shard_scope, age)
-        .where(table.c.id == any_id(ids))
-        .group_by(table.c.shard_scope)
-    )
-    return {int(scope): float(seconds) for scope, seconds in result}
 
 
 async def read_row_ages(

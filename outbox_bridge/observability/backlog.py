@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from outbox_bridge.db.scans import ShardRange, read_oldest_ages
+from outbox_bridge.db.scans import ShardRange, read_row_ages
 from outbox_bridge.observability.metrics import Attributes, OutboxMetrics
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.shards import WORKFLOW
@@ -33,12 +33,13 @@ async def observe_backlog(
 ) -> None:
     """Report ``outbox.backlog.rows`` and ``outbox.backlog.oldest_age_seconds`` (of the oldest
     shard head, by the database's clock) for every scope of ``table``, 0 for an empty scope."""
+    ranges = list(ranges)
+    heads = await read_row_ages(conn, table, [shard.min_id for shard in ranges])
     rows = {int(scope): 0 for scope in app.scopes}
-    heads: list[int] = []
+    ages: dict[int, float] = {}
     for shard in ranges:
         rows[shard.scope] = rows.get(shard.scope, 0) + shard.rows
-        heads.append(shard.min_id)
-    ages = await read_oldest_ages(conn, table, heads)
+        ages[shard.scope] = max(heads.get(shard.min_id, 0.0), ages.get(shard.scope, 0.0))
     counts: dict[Attributes, float] = {}
     oldest: dict[Attributes, float] = {}
     for scope, count in rows.items():

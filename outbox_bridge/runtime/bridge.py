@@ -27,7 +27,7 @@ from outbox_bridge.observability.backlog import observe_backlog, observe_shard_s
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, shard_of, wait_any
+from outbox_bridge.runtime.hub import ShardHub, in_regions, shard_of, wait_any
 from outbox_bridge.runtime.notifications import RefusalLog, Throttle, parse_notification
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
@@ -205,23 +205,20 @@ class Bridge:
             metrics = active_metrics()
             if metrics is not None:
                 metrics.notifications_refused.add(1, {"outbox.table": table.name})
-            refusals = self._refusals.get(table.name)
-            if refusals is None:
-                refusals = self._refusals[table.name] = RefusalLog(notify_channel(table.name))
+            refusals = self._refusals.setdefault(table.name, RefusalLog(notify_channel(table.name)))
             refusals.refuse(parsed, payload)
             self._scan_asked(table.name)
             return
         for entry in parsed:
             key = shard_of(self._app, table.name, entry.region, entry.scope, entry.shard_identifier)
-            if self._wanted_region(key.region) and self._hub.offer_to_partition(key, entry.max_id):
+            wanted = in_regions(key.region, self._settings.regions)
+            if wanted and self._hub.offer_to_partition(key, entry.max_id):
                 self.handed_to_drains += 1
 
     def _scan_asked(self, table: str) -> None:
         """A notification asks for a scan of every shard of ``table``: now, unless one was
         asked less than :data:`NOTIFIED_SCAN_INTERVAL` ago (then the loop asks when it may)."""
-        throttle = self._scans_asked.get(table)
-        if throttle is None:
-            throttle = self._scans_asked[table] = Throttle(NOTIFIED_SCAN_INTERVAL)
+        throttle = self._scans_asked.setdefault(table, Throttle(NOTIFIED_SCAN_INTERVAL))
         throttle.request()
         if throttle.take():
             self._hub.rescan(table)
@@ -298,7 +295,3 @@ class Bridge:
 
     def _tables(self) -> list[Table]:
         return [self._app.table(name) for name in self._app.tables]
-
-    def _wanted_region(self, region: str | None) -> bool:
-        regions = self._settings.regions
-        return region is None or regions is None or region in regions

@@ -4,6 +4,7 @@ that runs elsewhere finds the rows by its own scans). Both sides run on one even
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from outbox_bridge.db.scans import partition_number
@@ -18,6 +19,11 @@ def shard_of(
 ) -> ShardRef:
     """A shard named from its columns (a notification's, a scan's), its scope named by ``app``."""
     return ShardRef(table, scope, app.scope_name(scope), shard_identifier, region)
+
+
+def in_regions(region: str | None, regions: Sequence[str] | None) -> bool:
+    """Whether this worker serves a shard of ``region`` (None: a table without regions)."""
+    return region is None or regions is None or region in regions
 
 
 def partition_of(shard: ShardRef, partitions: int) -> int:

@@ -89,19 +89,14 @@ def groups_per_shard(options: PartitionOptions, shards: int) -> int:
 def carried_round(details: Sequence[object]) -> PartitionRound | None:
     """The counts of the last heartbeat of an earlier attempt of a drain (None if it sent
     none): its worker died or stopped while it ran."""
-    if not details or not isinstance(details[-1], dict):
+    last = details[-1] if details else None
+    if not isinstance(last, dict):
         return None
-    last = details[-1]
-
-    def count(name: str) -> int:
-        value = last.get(name, 0)
-        return value if isinstance(value, int) else 0
-
-    return PartitionRound(
-        rows_handled=count("rows_handled"),
-        groups_handled=count("groups_handled"),
-        handed_over=count("handed_over"),
-    )
+    carried = PartitionRound()
+    for name in ("rows_handled", "groups_handled", "handed_over"):
+        if isinstance(value := last.get(name), int):
+            setattr(carried, name, value)
+    return carried
 
 
 def elsewhere(why: str) -> ApplicationError:

@@ -27,7 +27,7 @@ from outbox_bridge.db.ownership import HeldShard, read_held_shards
 from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import ShardHub, shard_of
+from outbox_bridge.runtime.hub import ShardHub, in_regions, shard_of
 from outbox_bridge.runtime.pause_control import ControlViews, PauseControl
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
@@ -240,7 +240,7 @@ class PartitionSupervisor:
                 log.warning("cannot read the held shards of %s: %s", table, exc)
                 continue
             for shard in held:
-                if shard.head is not None and self._wanted(shard):
+                if shard.head is not None and in_regions(shard.region, self._regions):
                     ref = shard_of(
                         self._app, table, shard.region, shard.scope, shard.shard_identifier
                     )
@@ -254,9 +254,6 @@ class PartitionSupervisor:
                 await self._check(ref, shard, running)
 
         await asyncio.gather(*(check(ref, shard) for ref, shard in checks))
-
-    def _wanted(self, shard: HeldShard) -> bool:
-        return shard.region is None or self._regions is None or shard.region in self._regions
 
     async def _check(self, ref: ShardRef, shard: HeldShard, running: dict[str, str]) -> None:
         state = running.get(ref.workflow_id)

@@ -117,10 +117,7 @@ class UnhandledShards:
         return owner is not None and int(owner) == scope
 
     def _books(self, table: str) -> _TableCap:
-        books = self._tables.get(table)
-        if books is None:
-            books = self._tables[table] = _TableCap()
-        return books
+        return self._tables.setdefault(table, _TableCap())
 
     def _log(self, table: str, books: _TableCap) -> None:
         now = self._clock()

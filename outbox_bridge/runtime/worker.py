@@ -17,12 +17,10 @@ from typing import Any
 from urllib.parse import quote
 
 from pydantic import SecretStr
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import NullPool
 
 from outbox_bridge import demo
 from outbox_bridge.config import OutboxSettings, retired_variables, safe_url, sqlalchemy_url
-from outbox_bridge.db.install import install_schema
+from outbox_bridge.dev.embedded import check_embedded, start_missing_servers
 from outbox_bridge.observability.health import HealthServer
 from outbox_bridge.observability.sdk import setup_telemetry, temporal_runtime
 from outbox_bridge.observability.summary import (
@@ -34,9 +32,8 @@ from outbox_bridge.observability.summary import (
 )
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.assembly import RunningOutbox
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, check_embedded
 from outbox_bridge.runtime.outbox_plugin import OutboxPlugin
-from outbox_bridge.runtime.temporal import connect, embedded_temporal, temporal_address
+from outbox_bridge.runtime.temporal import connect, embedded_temporal
 
 log = logging.getLogger("outbox_bridge.worker")
 
@@ -168,33 +165,12 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
     app.check_handlers()
     for name in retired_variables(os.environ):
         log.warning("%s is set, but 1.0 retired that setting: it is ignored (remove it)", name)
-    embedded = embedded_temporal(settings)  # no address, neither set nor in a Temporal profile
-    check_embedded(postgres=settings.database_url is None, temporal=embedded)
+    # Before anything starts: a server to start here whose extra is not installed.
+    check_embedded(postgres=settings.database_url is None, temporal=embedded_temporal(settings))
     with contextlib.ExitStack() as stopped_at_exit:
         # The process leaves with os._exit: telemetry exports what it holds first.
         stopped_at_exit.callback(setup_telemetry(settings).shutdown)
-        if settings.database_url is not None:
-            database_url = settings.database_url.get_secret_value()
-        else:
-            postgres = EmbeddedPostgres(settings.data_dir / "postgres")
-            stopped_at_exit.callback(postgres.stop)
-            database_url = await asyncio.to_thread(postgres.start)
-            # This process started the database and owns it: it installs the schema itself,
-            # as no worker on a database of its own does.
-            await install_embedded_schema(database_url, app)
-        ui = None
-        if not embedded:
-            address = temporal_address(settings)
-        else:
-            temporal = EmbeddedTemporal(
-                settings.data_dir / "temporal",
-                port=settings.temporal_port,
-                ui_port=settings.temporal_ui_port,
-                namespace=settings.temporal_namespace,
-            )
-            stopped_at_exit.callback(temporal.stop)
-            address = await temporal.start()
-            ui = f"http://localhost:{settings.temporal_ui_port}"
+        database_url, address, ui = await start_missing_servers(settings, app, stopped_at_exit)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -216,15 +192,6 @@ async def run(settings: OutboxSettings, app: OutboxApp) -> None:
         )
         banner.cancel()
         log.info("outbox-bridge stopped")
-
-
-async def install_embedded_schema(database_url: str, app: OutboxApp) -> None:
-    """Install ``app``'s outbox tables in the embedded database (``init-db`` for the demo)."""
-    engine = create_async_engine(sqlalchemy_url(database_url), poolclass=NullPool)
-    try:
-        await install_schema(engine, app.metadata)
-    finally:
-        await engine.dispose()
 
 
 async def _banner_when_ready(ready: asyncio.Event, *args: Any) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox_bridge.db.ownership import read_held_shards
-from outbox_bridge.db.reads import SKIPPED_HOLD, GroupRows
+from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.db.scans import read_shard_ranges
 from outbox_bridge.db.writes import delete_handled
 from outbox_bridge.errors import OutboxError
@@ -22,7 +22,7 @@ from outbox_bridge.runtime.calls import Call, HandlerCalls
 from outbox_bridge.runtime.heads import read_shard_heads
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.testing.report import DrainFailure, DrainReport, HandlerFailedError, ShardReport
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.workflows.models import HeldFor, ShardRef
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ class _Drain:
             skipped = {
                 (held.region, held.scope, held.shard_identifier)
                 for held in await read_held_shards(self.conn, table)
-                if held.held_for == SKIPPED_HOLD
+                if held.held_for == HeldFor.SKIPPED
             }
             for ref in await self._pending(table, only):
                 report = self._reports.get((table.name, ref.key))

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from temporalio.client import WorkflowHistory
 
-from outbox_bridge.runtime.replayer import HistoryReplayer
+from outbox_bridge.dev.replayer import HistoryReplayer
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from outbox_bridge.runtime.embedded import stop_left_over
+from outbox_bridge.dev.embedded import stop_left_over
 
 if sys.platform != "win32":
     import fcntl

@@ -19,9 +19,9 @@ from sqlalchemy.pool import NullPool
 from outbox_bridge import registry
 from outbox_bridge.config import sqlalchemy_url
 from outbox_bridge.db.install import create_outbox_tables
+from outbox_bridge.dev.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from outbox_bridge.runtime.loop_thread import EventLoopThread as EventLoopThread  # re-exported
 from outbox_bridge.testing.server_folder import ServerFolder as ServerFolder  # re-exported
 

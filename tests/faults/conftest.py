@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
-from outbox_bridge.runtime.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
+from outbox_bridge.dev.embedded import EmbeddedPostgres, EmbeddedTemporal, free_port
 from tests.faults.harness import FIGURES, Figures, WorkerProcess, with_password
 from tests.faults.scenario import Scenario
 from tests.harness import Servers

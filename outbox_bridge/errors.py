@@ -74,6 +74,14 @@ class ShardLockedError(OutboxError):
     """Another execution of the same shard still holds the shard lock; the attempt is retried."""
 
 
+class NothingToParkError(OutboxError):
+    """The shard has no row that is not parked already."""
+
+
+class NothingParkedError(OutboxError):
+    """The shard has no parked group (or not the one named)."""
+
+
 class EmbeddedServiceError(OutboxError):
     """An embedded PostgreSQL or Temporal dev server failed to start."""
 

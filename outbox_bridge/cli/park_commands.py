@@ -18,31 +18,20 @@ from rich.table import Table as View
 from sqlalchemy import Table, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.client import Client
-from temporalio.service import RPCError
 
 from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, named_shard, shard_app, tables_of
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, shard_options, tool_command
 from outbox_bridge.config import OutboxSettings, SettingGroup
-from outbox_bridge.db.locks import lock_shard_waiting, unlock_shards
-from outbox_bridge.db.parked import ParkedGroup, park_head, read_parked, unpark
+from outbox_bridge.db.parked import ParkedGroup, park_head_locked, read_parked, unpark
 from outbox_bridge.db.schema import parked_of
-from outbox_bridge.errors import ConfigurationError, OutboxError, ShardLockedError
+from outbox_bridge.errors import ConfigurationError, NothingParkedError
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.workflows.models import NotifyInput, RecheckInput, ShardRef
+from outbox_bridge.runtime.shards import wake_shard
+from outbox_bridge.workflows.models import ShardRef
 
-# How long park waits for a drain of the shard (a handler call under way) to end.
-LOCK_WAIT_SECONDS = 30.0
 PARK_GROUPS = (SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
-
-
-class NothingToParkError(OutboxError):
-    """The shard has no row that is not parked already."""
-
-
-class NothingParkedError(OutboxError):
-    """The shard has no parked group (or not the one named)."""
 
 
 @dataclasses.dataclass
@@ -62,16 +51,6 @@ async def _shard(settings: OutboxSettings, name: str, table: str | None) -> Asyn
         yield _Shard(client, ref, shard_app(settings, ref).table(ref.table), conn)
 
 
-async def _wake(client: Client, shard: ShardRef, why: str) -> None:
-    """Tell the shard's workflow, if one runs, that its head changed in the table (``why``,
-    shown in its history): a blocked one tries its head again now, rather than after its
-    backoff; another drains again."""
-    handle = client.get_workflow_handle(shard.workflow_id)
-    with contextlib.suppress(RPCError):  # no workflow runs: a partition drains the shard
-        await handle.signal("recheck", RecheckInput(reason=why))
-        await handle.signal("notify", NotifyInput(max_id=0, late=True))
-
-
 @tool_command("park")
 @click.option("--reason", required=True, help="Why the group is set aside (kept, and listed).")
 @click.option("--by", help="Who parks it, for the record (default: the user running this).")
@@ -88,9 +67,11 @@ def park(shard: str, table: str | None, reason: str, by: str | None, **overrides
 
     async def work() -> ParkedGroup:
         async with _shard(settings, shard, table) as found:
-            parked = await _park_locked(found, reason, flags.who(by))
+            parked = await park_head_locked(
+                found.conn, found.table, found.ref, reason=reason, by=flags.who(by)
+            )
         why = f"parked {group_text(parked, app)} by {parked.parked_by}: {parked.reason}"
-        await _wake(found.client, found.ref, why)
+        await wake_shard(found.client, found.ref, why)
         return parked
 
     group = run_or_exit(work(), shard=shard)
@@ -98,28 +79,6 @@ def park(shard: str, table: str | None, reason: str, by: str | None, **overrides
     click.echo(
         f"shard {shard}: parked {name} ({group.rows} rows from id {group.first_id}): {reason}"
     )
-
-
-async def _park_locked(found: _Shard, reason: str, by: str) -> ParkedGroup:
-    conn, ref = found.conn, found.ref
-    if not await lock_shard_waiting(conn, ref, LOCK_WAIT_SECONDS):
-        raise ShardLockedError(
-            f"shard {ref.key} is being drained (a handler call has run for over "
-            f"{LOCK_WAIT_SECONDS:.0f} s); nothing was parked, try again"
-        )
-    try:
-        parked = await park_head(conn, found.table, ref, reason=reason, by=by)
-        await conn.commit()
-    finally:
-        await conn.rollback()  # what a failed statement left: the unlock needs a transaction
-        await unlock_shards(conn, [ref])
-        await conn.commit()
-    if parked is None:
-        raise NothingToParkError(
-            f"shard {ref.key} has no row to park in table {found.table.name} (it has no "
-            "pending rows, or all of them are parked: see `outbox-bridge parked`)"
-        )
-    return parked
 
 
 @tool_command("unpark")
@@ -154,7 +113,7 @@ def unpark_command(
                 "`outbox-bridge parked` lists the parked groups"
             )
         names = ", ".join(group_text(g, app) for g in groups)
-        await _wake(found.client, found.ref, f"unparked {names} by {groups[0].unparked_by}")
+        await wake_shard(found.client, found.ref, f"unparked {names} by {groups[0].unparked_by}")
         return groups
 
     for unparked in run_or_exit(work(), shard=shard):

@@ -17,6 +17,7 @@ from sqlalchemy import Table, func, literal, null, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.locks import lock_shard_waiting, unlock_shards
 from outbox_bridge.db.schema import (
     PARKED_ROLE,
     SESSION_USER,
@@ -26,10 +27,13 @@ from outbox_bridge.db.schema import (
     shard_columns,
     shard_where,
 )
+from outbox_bridge.errors import NothingToParkError, ShardLockedError
 from outbox_bridge.workflows.models import ShardRef
 
 # The columns that name a coalescing group, after the shard's.
 GROUP_COLUMNS = ("category", "object_identifier")
+# How long a park waits for a drain of the shard (a handler call under way) to end.
+PARK_LOCK_WAIT_SECONDS = 30.0
 
 
 def not_parked(table: Table, alias: str) -> str:
@@ -109,6 +113,31 @@ async def park_head(
         return None
     [group] = await _read(conn, table, parked.c.id == new_id)
     return group
+
+
+async def park_head_locked(
+    conn: AsyncConnection, table: Table, shard: ShardRef, *, reason: str, by: str
+) -> ParkedGroup:
+    """:func:`park_head` under the shard's lock, waited for :data:`PARK_LOCK_WAIT_SECONDS` at
+    most (a drain under way ends first), committed; raises if there is no group to park."""
+    if not await lock_shard_waiting(conn, shard, PARK_LOCK_WAIT_SECONDS):
+        raise ShardLockedError(
+            f"shard {shard.key} is being drained (a handler call has run for over "
+            f"{PARK_LOCK_WAIT_SECONDS:.0f} s); nothing was parked, try again"
+        )
+    try:
+        parked = await park_head(conn, table, shard, reason=reason, by=by)
+        await conn.commit()
+    finally:
+        await conn.rollback()  # what a failed statement left: the unlock needs a transaction
+        await unlock_shards(conn, [shard])
+        await conn.commit()
+    if parked is None:
+        raise NothingToParkError(
+            f"shard {shard.key} has no row to park in table {table.name} (no pending rows, or "
+            "all of them are parked: see `outbox-bridge parked`)"
+        )
+    return parked
 
 
 async def unpark(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
@@ -290,3 +291,13 @@ class ShardStarter:
             log.warning("%s of shard %s failed: %s", signal, shard.key, exc.message)
             return False
         return True
+
+
+async def wake_shard(client: Client, shard: ShardRef, why: str) -> None:
+    """Tell the shard's workflow, if one runs, that its head changed in the table (``why``,
+    shown in its history): a blocked one tries its head again now, rather than after its
+    backoff; another drains again."""
+    handle = client.get_workflow_handle(shard.workflow_id)
+    with contextlib.suppress(RPCError):  # no workflow runs: a partition drains the shard
+        await handle.signal("recheck", RecheckInput(reason=why))
+        await handle.signal("notify", NotifyInput(max_id=0, late=True))

@@ -12,33 +12,21 @@ from dataclasses import dataclass
 from sqlalchemy import Table, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
-from temporalio.client import Client
-from temporalio.service import RPCError
 
 from outbox_bridge.config import OutboxSettings, safe_url, sqlalchemy_url
-from outbox_bridge.db.locks import lock_shard_waiting, unlock_shards
 from outbox_bridge.db.ownership import read_held_shards
-from outbox_bridge.db.parked import ParkedGroup, park_head, read_parked, unpark
+from outbox_bridge.db.parked import ParkedGroup, park_head_locked, read_parked, unpark
 from outbox_bridge.db.pauses import Pause, PauseEnd, add_pause, read_pauses, read_shard_pause
 from outbox_bridge.db.pauses import remove_pause as remove_pause_row
 from outbox_bridge.db.scans import read_shard_depths
-from outbox_bridge.errors import ConfigurationError, OutboxError, ShardLockedError
+from outbox_bridge.errors import ConfigurationError, NothingParkedError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.pause_control import member_name
+from outbox_bridge.runtime.shards import wake_shard
 from outbox_bridge.runtime.temporal import connect, temporal_address
-from outbox_bridge.workflows.models import NotifyInput, PauseKind, RecheckInput, ShardRef
+from outbox_bridge.workflows.models import PauseKind, ShardRef
 
-# How long a park waits for a drain of the shard (a handler call under way) to end.
-LOCK_WAIT_SECONDS = 30.0
 FREE = "free"
-
-
-class NothingToParkError(OutboxError):
-    """The shard has no row that is not parked already."""
-
-
-class NothingParkedError(OutboxError):
-    """The shard has no parked group (or not the one named)."""
 
 
 @dataclass(frozen=True)
@@ -166,24 +154,8 @@ async def park(
     ``outbox-bridge park`` does (Temporal first: nothing is parked when it cannot be told)."""
     client = await connect(settings, temporal_address(settings))
     async with connected(settings, table) as conn:
-        if not await lock_shard_waiting(conn, shard, LOCK_WAIT_SECONDS):
-            raise ShardLockedError(
-                f"shard {shard.key} is being drained (a handler call has run for over "
-                f"{LOCK_WAIT_SECONDS:.0f} s); nothing was parked, try again"
-            )
-        try:
-            parked = await park_head(conn, table, shard, reason=reason, by=by)
-            await conn.commit()
-        finally:
-            await conn.rollback()  # what a failed statement left: the unlock needs a transaction
-            await unlock_shards(conn, [shard])
-            await conn.commit()
-    if parked is None:
-        raise NothingToParkError(
-            f"shard {shard.key} has no row to park in table {table.name} (no pending rows, or "
-            "all of them are parked)"
-        )
-    await _wake(client, shard, f"parked {group_text(app, parked)} by {by}: {reason}")
+        parked = await park_head_locked(conn, table, shard, reason=reason, by=by)
+    await wake_shard(client, shard, f"parked {group_text(app, parked)} by {by}: {reason}")
     return parked
 
 
@@ -205,17 +177,8 @@ async def put_back(
         raise NothingParkedError(
             f"shard {shard.key} has no parked group {group[0]}:{group[1]} in table {table.name}"
         )
-    await _wake(client, shard, f"unparked {group_text(app, groups[0])} by {by}")
+    await wake_shard(client, shard, f"unparked {group_text(app, groups[0])} by {by}")
     return groups
-
-
-async def _wake(client: Client, shard: ShardRef, why: str) -> None:
-    """Tell the shard's workflow, if one runs, that its head changed (``why`` is in its
-    history): a blocked one tries its head again now, another drains again."""
-    handle = client.get_workflow_handle(shard.workflow_id)
-    with contextlib.suppress(RPCError):  # no workflow runs: its partition drains the shard
-        await handle.signal("recheck", RecheckInput(reason=why))
-        await handle.signal("notify", NotifyInput(max_id=0, late=True))
 
 
 def group_text(app: OutboxApp, group: ParkedGroup) -> str:

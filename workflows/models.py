@@ -92,11 +92,18 @@ def via_text(via: str | None) -> str:
     return f" (via {via})" if via else ""
 
 
+def when(moment: datetime | str | None) -> str:
+    """A time as the UI's reader wants it: to the second, in UTC (``?`` when unknown)."""
+    if moment is None:
+        return "?"
+    moment = datetime.fromisoformat(moment) if isinstance(moment, str) else moment
+    moment = moment.astimezone(UTC) if moment.tzinfo is not None else moment
+    return f"{moment:%Y-%m-%d %H:%M:%S} UTC"
+
+
 def until_text(ends_at: str | None) -> str:
     """When a timed pause ends, as its details show it: ``, until 2026-12-01 09:00:00 UTC``."""
-    if ends_at is None:
-        return ""
-    return f", until {datetime.fromisoformat(ends_at).astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+    return "" if ends_at is None else f", until {when(ends_at)}"
 
 
 @dataclass

@@ -26,10 +26,9 @@ with workflow.unsafe.imports_passed_through():
     from outbox_bridge.workflows import shard_view as view
     from outbox_bridge.workflows.inputs import (
         InvalidInput,
+        check_fields,
         check_flush,
         check_handover,
-        check_notify,
-        check_recheck,
         check_resume,
         check_shard_options,
         check_skip,
@@ -67,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
         SkipInput,
         Skipped,
         flush_queue,
+        when,
     )
 
 T = TypeVar("T")
@@ -205,9 +205,7 @@ class OutboxShard:
             return
         remaining = (datetime.fromisoformat(b.next_attempt_at) - workflow.now()).total_seconds()
         if remaining > 0:
-            next_attempt = (
-                f"{view.headline(self._r)}; next attempt at {view.when(b.next_attempt_at)}"
-            )
+            next_attempt = f"{view.headline(self._r)}; next attempt at {when(b.next_attempt_at)}"
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: self._r.skip is not None or self._recheck or self._continue_due(),
@@ -326,7 +324,7 @@ class OutboxShard:
     @workflow.signal
     def notify(self, *args: Any) -> None:
         """Rows up to ``max_id`` are committed in this shard (see :class:`NotifyInput`)."""
-        notice = self._decoded("notify", args, NotifyInput, check_notify)
+        notice = self._decoded("notify", args, NotifyInput, check_fields)
         if notice is not None:
             self._rows_committed(notice.max_id, late=notice.late)
 
@@ -350,7 +348,7 @@ class OutboxShard:
     @workflow.signal
     def recheck(self, *args: Any) -> None:
         """The head in the table is no longer the group this shard is blocked on: try again."""
-        if self._decoded("recheck", args, RecheckInput, check_recheck) is None:
+        if self._decoded("recheck", args, RecheckInput, check_fields) is None:
             return
         if self._r.state == ShardState.BLOCKED:
             self._recheck = True

@@ -3,7 +3,7 @@ its search attributes. Pure functions of the record: nothing here waits or runs 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from temporalio import workflow
@@ -22,6 +22,7 @@ from outbox_bridge.workflows.models import (
     ShardState,
     ShardStatus,
     until_text,
+    when,
 )
 
 
@@ -138,13 +139,3 @@ def _pause_line(pause: PauseInfo) -> str:
     """``category PROJECT_UPDATE (search down, by ann, since ...)``."""
     since = f"since {when(pause.since)}{until_text(pause.ends_at)}"
     return f"{pause.kind} {pause.name} ({pause.reason}, by {pause.paused_by}, {since})"
-
-
-def when(iso: str | None) -> str:
-    """An ISO timestamp as the UI's reader wants it: to the second, in UTC."""
-    if iso is None:
-        return "?"
-    moment = datetime.fromisoformat(iso)
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(UTC)
-    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -18,6 +18,7 @@ from enum import Enum
 from types import UnionType
 from typing import Any, TypeVar, get_args, get_type_hints
 
+from temporalio import workflow
 from temporalio.converter import value_to_type
 
 from outbox_bridge.workflows.models import (
@@ -141,22 +142,30 @@ def check_fields(model: object, *, required: Collection[str] = (), prefix: str =
     checker's own."""
     hints = get_type_hints(type(model))
     for field in dataclasses.fields(model):  # type: ignore[arg-type]
-        name, value, kind = prefix + field.name, getattr(model, field.name), hints[field.name]
+        value, kind = getattr(model, field.name), hints[field.name]
         if isinstance(kind, UnionType):  # X | None
             if value is None:
                 continue
             kind = next(t for t in get_args(kind) if t is not type(None))
-        if kind is bool and not isinstance(value, bool):
-            raise InvalidInput(f"{name} must be true or false, got {_shown(value)}")
-        if kind in (int, float):
-            check_number(name, value, NUMBERS[field.name])
-        elif kind is str:
-            limit = MAX_ERROR_TEXT if field.name == "message" else MAX_TEXT
-            check_text(name, value, required=name in required, limit=limit)
-        elif isinstance(kind, type) and issubclass(kind, Enum) and not isinstance(value, kind):
-            raise InvalidInput(f"{name} must be one of {', '.join(kind)}")
-        elif dataclasses.is_dataclass(kind):
-            check_fields(value, required=required, prefix=f"{name}.")
+        _check_field(prefix + field.name, value, kind, required)
+
+
+def _check_field(name: str, value: object, kind: Any, required: Collection[str]) -> None:
+    field = name.rpartition(".")[2]
+    if kind is bool and not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false, got {_shown(value)}")
+    if kind in (int, float):
+        check_number(name, value, NUMBERS[field])
+    elif kind is str:
+        limit = MAX_ERROR_TEXT if field == "message" else MAX_TEXT
+        check_text(name, value, required=name in required, limit=limit)
+    elif isinstance(kind, type) and issubclass(kind, Enum) and not isinstance(value, kind):
+        raise InvalidInput(f"{name} must be one of {', '.join(kind)}")
+    elif dataclasses.is_dataclass(kind):
+        check_fields(value, required=required, prefix=f"{name}.")
+
+
+check_shard_options = check_fields
 
 
 def check_partition_options(options: PartitionOptions) -> None:
@@ -174,9 +183,6 @@ def check_partition_options(options: PartitionOptions) -> None:
                 f"skip_shards holds {_shown(shard)}, not a shard workflow id (outbox:<table>:"
                 f"<SCOPE>:<id>, at most {MAX_WORKFLOW_ID:,} characters)"
             )
-
-
-check_shard_options = check_fields
 
 
 def check_skip(skip: SkipInput) -> None:
@@ -289,8 +295,19 @@ def _shown(value: object) -> str:
     return clipped(repr(value), 80)
 
 
-def note_refusal(refusals: Refusals, what: str, at: datetime, error: Exception) -> str:
-    """Count a refused signal in ``refusals`` and return its line: ``what at <time>: why``."""
+def refused(refusals: Refusals, what: str, error: Exception) -> None:
+    """Count a refused input in ``refusals`` as its line (``what at <time>: why``), and log it."""
     refusals.count += 1
-    refusals.last = f"{what} at {when(at)}: {clipped(str(error), 300)}"
-    return refusals.last
+    refusals.last = f"{what} at {when(workflow.now())}: {clipped(str(error), 300)}"
+    workflow.logger.warning("%s refused: %s", workflow.info().workflow_id, refusals.last)
+
+
+def decoded(
+    what: str, args: Sequence[Any], model: type[T], check: Callable[[T], None], refusals: Refusals
+) -> T | None:
+    """A signal's argument as ``model``, or None when it is refused (and counted)."""
+    try:
+        return decode(args, model, check)
+    except InvalidInput as exc:
+        refused(refusals, what, exc)
+        return None

@@ -32,8 +32,8 @@ with workflow.unsafe.imports_passed_through():
         check_resume,
         check_shard_options,
         check_skip,
-        decode,
-        note_refusal,
+        decoded,
+        refused,
     )
     from outbox_bridge.workflows.models import (
         Blocked,
@@ -107,7 +107,7 @@ class OutboxShard:
             check_shard_options(self._options)
         except InvalidInput as exc:  # started by hand with options out of bounds
             self._options = ShardOptions()
-            note_refusal(self._r.refused, "start options (defaults used)", workflow.now(), exc)
+            refused(self._r.refused, "start options (defaults used)", exc)
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
@@ -116,7 +116,7 @@ class OutboxShard:
             self._show()
             if self._continue_due():
                 workflow.continue_as_new(ShardInput(self._shard, self._options, self._r))
-            try:
+            with contextlib.suppress(_Interrupted):  # continue as new at the top of the loop
                 match self._r.phase:
                     case Resumed():
                         await self._hold(HeldFor.WORKFLOW)  # the table says skipped no more
@@ -141,8 +141,6 @@ class OutboxShard:
                         # completion fails this task and is replayed first: nothing is dropped.
                         r = self._r
                         return ShardSummary(self._shard.key, r.rows_handled, r.groups_handled)
-            except _Interrupted:
-                pass  # continue as new at the top of the loop
 
     async def _drain(self) -> None:
         """One drain of the shard: a local activity, falling back to a normal one (retried by
@@ -294,26 +292,25 @@ class OutboxShard:
         """Await ``handle``. A skip cancels it and yields None; with ``recheck``, a changed head
         cancels it and raises :class:`_Recheck`; when ``interruptible``, a due continue-as-new
         cancels it and raises :class:`_Interrupted`."""
-        r = self._r
-        await workflow.wait_condition(
-            lambda: (
-                handle.done()
-                or (cancel_on_skip and r.skip is not None)
-                or (recheck and self._recheck)
-                or (interruptible and self._continue_due())
-            )
-        )
+        stops = (cancel_on_skip, recheck, interruptible)
+        await workflow.wait_condition(lambda: handle.done() or self._stopped(*stops))
         if handle.done():
             return await handle
-        skipped = cancel_on_skip and r.skip is not None
-        handle.cancel()
-        with contextlib.suppress(ActivityError, asyncio.CancelledError):
-            await handle
+        skipped = cancel_on_skip and self._r.skip is not None
+        await _cancelled(handle)
         if skipped:
             return None
         if recheck and self._recheck:
             raise _Recheck
         raise _Interrupted
+
+    def _stopped(self, skip: bool, recheck: bool, interrupt: bool) -> bool:
+        """A skip, a changed head or a due continue-as-new stops the activity awaited."""
+        return (
+            (skip and self._r.skip is not None)
+            or (recheck and self._recheck)
+            or (interrupt and self._continue_due())
+        )
 
     # -- signals, updates and queries ----------------------------------------------------------
 
@@ -382,14 +379,10 @@ class OutboxShard:
         self, signal: str, args: Sequence[Any], model: type[T], check: Callable[[T], None]
     ) -> T | None:
         """The signal's argument as ``model``, or None when it is refused (and shown)."""
-        try:
-            return decode(args, model, check)
-        except InvalidInput as exc:
-            line = note_refusal(self._r.refused, signal, workflow.now(), exc)
-            workflow.logger.warning("%s refused: %s", self._shard.workflow_id, line)
-            # The details only: a refused signal changes no search attribute.
+        value = decoded(signal, args, model, check, self._r.refused)
+        if value is None:  # the details only: a refused signal changes no search attribute
             view.describe(self._shard, self._r)
-            return None
+        return value
 
     # The same two as updates: the caller learns whether they were taken; validators refuse.
 
@@ -461,9 +454,7 @@ async def _flush(
     )
     await workflow.wait_condition(lambda: check.done() or stopped() is not None)
     if not check.done():
-        check.cancel()
-        with contextlib.suppress(ActivityError, asyncio.CancelledError):
-            await check
+        await _cancelled(check)
     else:
         try:
             checked = await check
@@ -479,6 +470,12 @@ async def _flush(
                 paused=checked.paused,
             )
     return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
+
+
+async def _cancelled(handle: ActivityHandle[T]) -> None:
+    handle.cancel()
+    with contextlib.suppress(ActivityError, asyncio.CancelledError):
+        await handle
 
 
 def _start_drain(

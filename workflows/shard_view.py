@@ -13,6 +13,7 @@ from outbox_bridge.workflows.models import (
     BLOCKED_CATEGORY_ATTRIBUTE,
     BLOCKED_SINCE_ATTRIBUTE,
     STATE_ATTRIBUTE,
+    Blocked,
     Deferred,
     FlushOutcome,
     FlushResult,
@@ -111,11 +112,7 @@ def describe(shard: ShardRef, r: ShardRecord) -> None:
         f"**Rows handled** {r.rows_handled} in {r.groups_handled} groups",
     ]
     if b is not None:
-        lines.append(f"**Head group** {b.head.summary}, ids {b.head.first_id}–{b.head.last_id}")
-        if b.last_error is not None:
-            lines.append(f"**Attempts** {b.attempts}+, last error `{b.last_error.error_type}`")
-        if b.blocked_since is not None:
-            lines.append(f"**Blocked since** {b.blocked_since}")
+        lines += _blocked_lines(b)
     if isinstance(current, Deferred) and current.paused is not None:
         lines.append(f"**Paused** {_pause_line(current.paused)}")
     elif isinstance(current, Deferred):
@@ -133,6 +130,15 @@ def describe(shard: ShardRef, r: ShardRecord) -> None:
     if r.refused.summary is not None:
         lines.append(f"**{r.refused.summary}**")
     workflow.set_current_details("\n\n".join(lines))
+
+
+def _blocked_lines(b: Blocked) -> list[str]:
+    lines = [f"**Head group** {b.head.summary}, ids {b.head.first_id}–{b.head.last_id}"]
+    if b.last_error is not None:
+        lines.append(f"**Attempts** {b.attempts}+, last error `{b.last_error.error_type}`")
+    if b.blocked_since is not None:
+        lines.append(f"**Blocked since** {b.blocked_since}")
+    return lines
 
 
 def _pause_line(pause: PauseInfo) -> str:

@@ -1,11 +1,9 @@
 """What the outbox's workflows accept from outside: the documented bounds of every signal and
-update input and of the options a run is started with, as pure checks.
-
-Anyone with access to the Temporal namespace can send a signal or an update, so each input is
-checked before it is applied: an update's validator rejects it (no history event), a signal
-handler refuses it (nothing applied; the workflow shows it). The bridge and the command line run
-the same checks before they send, so what they send is never refused. The bounds accept every
-input this project's own code has sent, which keeps the recorded histories replaying.
+update input and of the options a run is started with. Anyone with access to the namespace can
+send a signal or an update: a validator rejects an update out of bounds (no history event), a
+signal handler refuses a signal (nothing applied; the workflow shows it). The bridge and the
+command line run the same checks before they send. The bounds accept every input this project's
+own code has sent, which keeps the recorded histories replaying.
 """
 
 from __future__ import annotations
@@ -41,8 +39,6 @@ MAX_TEXT = 1000
 # A handler's error message as a handover carries it (the worker cuts it at 2,000 characters
 # and says how many more the log has).
 MAX_ERROR_TEXT = 4000
-# Seconds until a deferred head is due: any time a timestamp can name.
-MAX_DEFERRAL = 1e12
 # Shards listed in ``skip_shards``, and the length of each one's workflow id.
 MAX_SKIP_SHARDS = 10_000
 MAX_WORKFLOW_ID = 1000
@@ -56,8 +52,7 @@ WEEK = 7 * DAY
 
 
 class InvalidInput(ValueError):
-    """An input outside its documented bounds; the message names the field, the value and the
-    bounds."""
+    """An input outside its documented bounds; the message names the field, value and bounds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +65,8 @@ class Bound:
     open_low: bool = False
 
     def text(self) -> str:
-        high = f"{self.high:,.0f}" if self.high == int(self.high) else str(self.high)
-        if self.open_low:
-            return f"> 0 and ≤ {high}"
-        low = f"{self.low:,.0f}" if self.low == int(self.low) else str(self.low)
-        return f"{low}..{high}"
+        low, high = (f"{n:,.0f}" if n == int(n) else str(n) for n in (self.low, self.high))
+        return f"> {low} and ≤ {high}" if self.open_low else f"{low}..{high}"
 
 
 # The bounds of each option, by field name: the reference documents them from here.
@@ -109,7 +101,7 @@ NUMBERS: dict[str, Bound] = {
     **dict.fromkeys(("max_id", "first_id", "last_id", "rows"), ID),
     **dict.fromkeys(("category", "number"), INT32),  # a head group's category, a pause's number
     "object_identifier": Bound(-MAX_ID - 1, MAX_ID, integer=True),
-    "deferred_seconds": Bound(-MAX_DEFERRAL, MAX_DEFERRAL),
+    "deferred_seconds": Bound(-1e12, 1e12),  # until a head is due: any time a timestamp names
     "for_seconds": PAUSE_FOR,
 }
 

@@ -633,15 +633,10 @@ class PartitionDrainInput:
     options: PartitionOptions
 
 
-@dataclass
-class PartitionStatus:
-    """Answer of a partition's ``status`` query."""
+@dataclass(kw_only=True)
+class PartitionStatus(PartitionCarry):
+    """Answer of a partition's ``status`` query: its totals, and the last round."""
 
     partition: str
-    rows_handled: int
-    groups_handled: int
-    handed_over: int
-    rounds: int
     last_round: PartitionRound | None = None
     options: PartitionOptions | None = None  # what its drains run with
-    refused: Refusals | None = None

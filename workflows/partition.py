@@ -131,16 +131,9 @@ class OutboxPartition:
 
     @workflow.query
     def status(self) -> PartitionStatus:
-        carry = self._carry
+        partition = self._partition.workflow_id
         return PartitionStatus(
-            partition=self._partition.workflow_id,
-            rows_handled=carry.rows_handled,
-            groups_handled=carry.groups_handled,
-            handed_over=carry.handed_over,
-            rounds=carry.rounds,
-            last_round=self._last,
-            options=self._options,
-            refused=carry.refused,
+            **vars(self._carry), partition=partition, last_round=self._last, options=self._options
         )
 
     # -- what the UI shows ----------------------------------------------------------------------

@@ -1,10 +1,6 @@
 """The OutboxShard workflow: owns one shard that needs attention (a failed handler, a deferred
-head, a skip, a flush) until it is empty, then gives it back and completes.
-
-Everything it knows is one :class:`ShardRecord`, carried whole across continue-as-new; the state
-is derived from it. It drains with a local activity, retries a failing head as a normal activity
-named after its category, sleeps on a durable timer while the head is deferred, and carries ids
-and counts only, never a payload.
+head, a skip, a flush) until it is empty, then gives it back and completes. Everything it knows
+is one :class:`ShardRecord` (ids and counts, never a payload), carried across continue-as-new.
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ with workflow.unsafe.imports_passed_through():
         ResumeInput,
         ShardInput,
         ShardOptions,
-        ShardRecord,
         ShardRef,
         ShardState,
         ShardStatus,
@@ -413,10 +408,42 @@ class OutboxShard:
 
     @workflow.update
     async def flush(self, input: FlushInput) -> FlushResult:
-        """Wait until every row of the shard up to ``up_to_id`` is handled, or say why not (see
-        :class:`FlushResult`)."""
+        """Wait until every row of the shard up to ``up_to_id`` is handled, or say why not: the
+        shard's state, what an activity watching the table (on a task queue whose slots no
+        drain needs) saw, or a timeout."""
         self._rows_committed(input.up_to_id, late=False)
-        return await _flush(self._shard, lambda: self._r, input)
+        shard, up_to = self._shard, input.up_to_id
+
+        def stopped() -> FlushResult | None:
+            return view.flush_stopped(shard, self._r, up_to)
+
+        if (answer := stopped()) is not None:
+            return answer
+        check: ActivityHandle[FlushCheck] = workflow.start_activity(
+            "flush_check",
+            FlushCheckInput(shard, up_to, input.timeout_seconds),
+            result_type=FlushCheck,
+            task_queue=flush_queue(workflow.info().task_queue),
+            schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+        )
+        await workflow.wait_condition(lambda: check.done() or stopped() is not None)
+        if not check.done():
+            await _cancelled(check)
+        else:
+            try:
+                checked = await check
+            except (ActivityError, ApplicationError):
+                checked = FlushCheck(handled=False)  # the table could not be read in time
+            if checked.handled:
+                return FlushResult(shard.key, FlushOutcome.HANDLED)
+            if checked.deferred_until is not None:
+                outcome = FlushOutcome.DEFERRED
+                return FlushResult(
+                    shard.key, outcome, deferred_until=checked.deferred_until, paused=checked.paused
+                )
+        return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
@@ -428,48 +455,6 @@ class OutboxShard:
 
     def _show(self) -> None:
         view.show(self._shard, self._r)
-
-
-async def _flush(
-    shard: ShardRef, record: Callable[[], ShardRecord], input: FlushInput
-) -> FlushResult:
-    """The ``flush`` update's answer: why the rows cannot be handled now, or what an activity
-    watching the table (on a task queue whose slots no drain needs) saw, or a timeout."""
-    up_to = input.up_to_id
-
-    def stopped() -> FlushResult | None:
-        return view.flush_stopped(shard, record(), up_to)
-
-    answer = stopped()
-    if answer is not None:
-        return answer
-    check: ActivityHandle[FlushCheck] = workflow.start_activity(
-        "flush_check",
-        FlushCheckInput(shard, up_to, input.timeout_seconds),
-        result_type=FlushCheck,
-        task_queue=flush_queue(workflow.info().task_queue),
-        schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
-        retry_policy=RetryPolicy(maximum_attempts=1),
-        cancellation_type=ActivityCancellationType.TRY_CANCEL,
-    )
-    await workflow.wait_condition(lambda: check.done() or stopped() is not None)
-    if not check.done():
-        await _cancelled(check)
-    else:
-        try:
-            checked = await check
-        except (ActivityError, ApplicationError):
-            checked = FlushCheck(handled=False)  # the table could not be read in time
-        if checked.handled:
-            return FlushResult(shard.key, FlushOutcome.HANDLED)
-        if checked.deferred_until is not None:
-            return FlushResult(
-                shard.key,
-                FlushOutcome.DEFERRED,
-                deferred_until=checked.deferred_until,
-                paused=checked.paused,
-            )
-    return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
 
 
 async def _cancelled(handle: ActivityHandle[T]) -> None:

@@ -52,6 +52,7 @@ class OutboxActivities:
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, request: DrainInput) -> DrainResult:
+        """Hold the shard for its workflow, handle head groups in order, give it back if empty."""
         with log_context(shard=request.shard.key):
             return await self._drainer.drain(request)
 
@@ -70,7 +71,8 @@ class OutboxActivities:
 
     @activity.defn(name="flush_check")
     async def flush_check(self, request: FlushCheckInput) -> FlushCheck:
-        """Run by the ``flush`` update (as a local activity): wait for rows to be handled."""
+        """Run by the ``flush`` update: wait until no row up to ``up_to_id`` is pending, or
+        the head of those rows is deferred, for at most ``timeout_seconds``."""
         with log_context(shard=request.shard.key):
             return await self._drainer.wait_handled(request)
 

@@ -68,7 +68,7 @@ class Handle:
     async def query(self, *args: Any, **kwargs: Any) -> Any:
         self.client.queried.append(self.id)
         if self.client.options is not None:  # a partition's status: the options it runs with
-            return PartitionStatus(self.id, 0, 0, 0, 0, options=self.client.options.get(self.id))
+            return PartitionStatus(partition=self.id, options=self.client.options.get(self.id))
         # A workflow whose task stays open answers no query until the query times out.
         await asyncio.Event().wait()
 

@@ -15,8 +15,7 @@ with workflow.unsafe.imports_passed_through():
         InvalidInput,
         check_pause_change,
         check_pauses_view,
-        decode,
-        note_refusal,
+        decoded,
     )
     from outbox_bridge.workflows.models import (
         ControlInput,
@@ -85,14 +84,10 @@ class OutboxControl:
     def refresh(self, *args: Any) -> None:
         """The table's pauses (:class:`PausesView`), as the worker read them after a change made
         elsewhere. A view out of bounds or of another shape is refused and shown."""
-        try:
-            view = decode(args, PausesView, check_pauses_view)
-        except InvalidInput as exc:
-            line = note_refusal(self._refused, "refresh", workflow.now(), exc)
-            workflow.logger.warning("outbox:%s:control refused: %s", self._table, line)
+        view = decoded("refresh", args, PausesView, check_pauses_view, self._refused)
+        if view is None:
             self._publish()  # the details only: the headline timer stands
-            return
-        if view != self._view:  # the bridge also refreshes after the updates' own changes
+        elif view != self._view:  # the bridge also refreshes after the updates' own changes
             self._view = view
             self._changed = True
 

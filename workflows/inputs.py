@@ -1,39 +1,35 @@
 """What the outbox's workflows accept from outside: the documented bounds of every signal and
-update input and of the options a run is started with, as pure checks.
-
-Anyone with access to the Temporal namespace can send a signal or an update, so each input is
-checked before it is applied: an update's validator rejects it (no history event), a signal
-handler refuses it (nothing applied; the workflow shows it). The bridge and the command line run
-the same checks before they send, so what they send is never refused. The bounds accept every
-input this project's own code has sent, which keeps the recorded histories replaying.
+update input and of the options a run is started with. Anyone with access to the namespace can
+send a signal or an update: a validator rejects an update out of bounds (no history event), a
+signal handler refuses a signal (nothing applied; the workflow shows it). The bridge and the
+command line run the same checks before they send. The bounds accept every input this project's
+own code has sent, which keeps the recorded histories replaying.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Sequence
+from datetime import datetime
+from enum import Enum
+from types import UnionType
+from typing import Any, TypeVar, get_args, get_type_hints
 
+from temporalio import workflow
 from temporalio.converter import value_to_type
 
 from outbox_bridge.workflows.models import (
     FLUSH_MAX_TIMEOUT_SECONDS,
     FlushInput,
     HandoverInput,
-    HeadGroup,
-    HeldFor,
-    NotifyInput,
     PartitionOptions,
     PauseChange,
     PausesView,
-    RecheckInput,
     Refusals,
     ResumeInput,
-    ShardOptions,
-    SkipInfo,
     SkipInput,
+    when,
 )
 
 T = TypeVar("T")
@@ -43,8 +39,6 @@ MAX_TEXT = 1000
 # A handler's error message as a handover carries it (the worker cuts it at 2,000 characters
 # and says how many more the log has).
 MAX_ERROR_TEXT = 4000
-# Seconds until a deferred head is due: any time a timestamp can name.
-MAX_DEFERRAL = 1e12
 # Shards listed in ``skip_shards``, and the length of each one's workflow id.
 MAX_SKIP_SHARDS = 10_000
 MAX_WORKFLOW_ID = 1000
@@ -58,11 +52,10 @@ WEEK = 7 * DAY
 
 
 class InvalidInput(ValueError):
-    """An input outside its documented bounds; the message names the field, the value and the
-    bounds."""
+    """An input outside its documented bounds; the message names the field, value and bounds."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Bound:
     """A number's documented range: ``low`` excluded when ``open_low`` (a positive interval)."""
 
@@ -72,11 +65,8 @@ class Bound:
     open_low: bool = False
 
     def text(self) -> str:
-        high = f"{self.high:,.0f}" if self.high == int(self.high) else str(self.high)
-        if self.open_low:
-            return f"> 0 and ≤ {high}"
-        low = f"{self.low:,.0f}" if self.low == int(self.low) else str(self.low)
-        return f"{low}..{high}"
+        low, high = (f"{n:,.0f}" if n == int(n) else str(n) for n in (self.low, self.high))
+        return f"> {low} and ≤ {high}" if self.open_low else f"{low}..{high}"
 
 
 # The bounds of each option, by field name: the reference documents them from here.
@@ -101,34 +91,34 @@ SHARD_BOUNDS: dict[str, Bound] = {
     "max_history_events": Bound(10, 50_000, integer=True),
 }
 ID = Bound(0, MAX_ID, integer=True)
+INT32 = Bound(-(2**31), 2**31 - 1, integer=True)
 # The longest a timed pause may last (a pause without an end lasts until unpaused).
 PAUSE_FOR = Bound(0, 366 * DAY, open_low=True)
+# The bound of every number a message carries, by field name.
+NUMBERS: dict[str, Bound] = {
+    **PARTITION_BOUNDS,
+    **SHARD_BOUNDS,
+    **dict.fromkeys(("max_id", "first_id", "last_id", "rows"), ID),
+    **dict.fromkeys(("category", "number"), INT32),  # a head group's category, a pause's number
+    "object_identifier": Bound(-MAX_ID - 1, MAX_ID, integer=True),
+    "deferred_seconds": Bound(-1e12, 1e12),  # until a head is due: any time a timestamp names
+    "for_seconds": PAUSE_FOR,
+}
 
 
 def check_number(name: str, value: object, bound: Bound) -> None:
     """Raise :class:`InvalidInput` unless ``value`` is a number within ``bound``."""
-    wanted = "an integer" if bound.integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not _is_number(value) or (bound.integer and not isinstance(value, int)):
+        wanted = "an integer" if bound.integer else "a number"
         raise InvalidInput(f"{name} must be {wanted} ({bound.text()}), got {_shown(value)}")
-    if bound.integer and not isinstance(value, int):
-        raise InvalidInput(f"{name} must be {wanted} ({bound.text()}), got {_shown(value)}")
+    assert isinstance(value, int | float)
     too_low = value <= bound.low if bound.open_low else value < bound.low
     if math.isnan(value) or too_low or value > bound.high:
         raise InvalidInput(f"{name} {_shown(value)} is outside {bound.text()}")
 
 
-def check_text(
-    name: str,
-    value: object,
-    *,
-    optional: bool = False,
-    required: bool = False,
-    limit: int = MAX_TEXT,
-) -> None:
-    """Raise unless ``value`` is text of at most ``limit`` characters (None if ``optional``;
-    not blank if ``required``)."""
-    if value is None and optional:
-        return
+def check_text(name: str, value: object, *, required: bool = False, limit: int = MAX_TEXT) -> None:
+    """Raise unless ``value`` is text of at most ``limit`` characters, not blank if ``required``."""
     if not isinstance(value, str):
         raise InvalidInput(f"{name} must be text, got {_shown(value)}")
     if len(value) > limit:
@@ -137,8 +127,41 @@ def check_text(
         raise InvalidInput(f"{name} is required (it is shown to every operator)")
 
 
+def check_fields(model: object, *, required: Collection[str] = (), prefix: str = "") -> None:
+    """Check each field of ``model`` as its type says: a number within its bound in
+    :data:`NUMBERS`, text within its limit (not blank if named in ``required``), a member of its
+    enum, a nested model field by field; None where the type allows it. Lists are their
+    checker's own."""
+    hints = get_type_hints(type(model))
+    for field in dataclasses.fields(model):  # type: ignore[arg-type]
+        value, kind = getattr(model, field.name), hints[field.name]
+        if isinstance(kind, UnionType):  # X | None
+            if value is None:
+                continue
+            kind = next(t for t in get_args(kind) if t is not type(None))
+        _check_field(prefix + field.name, value, kind, required)
+
+
+def _check_field(name: str, value: object, kind: Any, required: Collection[str]) -> None:
+    field = name.rpartition(".")[2]
+    if kind is bool and not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false, got {_shown(value)}")
+    if kind in (int, float):
+        check_number(name, value, NUMBERS[field])
+    elif kind is str:
+        limit = MAX_ERROR_TEXT if field == "message" else MAX_TEXT
+        check_text(name, value, required=name in required, limit=limit)
+    elif isinstance(kind, type) and issubclass(kind, Enum) and not isinstance(value, kind):
+        raise InvalidInput(f"{name} must be one of {', '.join(kind)}")
+    elif dataclasses.is_dataclass(kind):
+        check_fields(value, required=required, prefix=f"{name}.")
+
+
+check_shard_options = check_fields
+
+
 def check_partition_options(options: PartitionOptions) -> None:
-    _check_bounds(options, PARTITION_BOUNDS)
+    check_fields(options)
     skips = options.skip_shards
     if not isinstance(skips, tuple | list) or len(skips) > MAX_SKIP_SHARDS:
         raise InvalidInput(f"skip_shards must list at most {MAX_SKIP_SHARDS:,} shard workflow ids")
@@ -154,58 +177,26 @@ def check_partition_options(options: PartitionOptions) -> None:
             )
 
 
-def check_shard_options(options: ShardOptions) -> None:
-    _check_bounds(options, SHARD_BOUNDS)
-
-
-def check_notify(notice: NotifyInput) -> None:
-    check_number("max_id", notice.max_id, ID)
-    if not isinstance(notice.late, bool):
-        raise InvalidInput(f"late must be true or false, got {_shown(notice.late)}")
-
-
-def check_recheck(recheck: RecheckInput) -> None:
-    check_text("reason", recheck.reason)
-
-
 def check_skip(skip: SkipInput) -> None:
     if not isinstance(skip.reason, str) or not skip.reason.strip():
         raise InvalidInput("skip needs a reason (it is shown to every operator)")
-    check_text("reason", skip.reason)
-    check_text("by", skip.by, optional=True)
+    check_fields(skip)
 
 
 def check_resume(resume: ResumeInput | None) -> None:
     if resume is not None:
-        check_text("by", resume.by, optional=True)
+        check_fields(resume)
 
 
 def check_handover(handover: HandoverInput) -> None:
-    check_number("max_id", handover.max_id, ID)
-    if not isinstance(handover.held_for, HeldFor):
-        raise InvalidInput(f"held_for must be one of {', '.join(HeldFor)}")
-    if handover.head is not None:
-        _check_head(handover.head)
-    if handover.failure is not None:
-        check_text("failure.error_type", handover.failure.error_type)
-        check_text("failure.message", handover.failure.message, limit=MAX_ERROR_TEXT)
-    check_text("deferred_until", handover.deferred_until, optional=True)
-    if handover.deferred_seconds is not None:
-        deferral = Bound(-MAX_DEFERRAL, MAX_DEFERRAL)
-        check_number("deferred_seconds", handover.deferred_seconds, deferral)
-    if handover.skip is not None:
-        _check_skip_info(handover.skip)
+    check_fields(handover, required=("head.category_name", "skip.reason"))
 
 
 def check_flush(flush: FlushInput) -> None:
     up_to, timeout = flush.up_to_id, flush.timeout_seconds
-    if isinstance(up_to, bool) or not isinstance(up_to, int) or not 1 <= up_to <= MAX_ID:
+    if not _is_number(up_to) or not isinstance(up_to, int) or not 1 <= up_to <= MAX_ID:
         raise InvalidInput(f"flush needs up_to_id, a positive integer row id; got {_shown(up_to)}")
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not 0 < timeout <= FLUSH_MAX_TIMEOUT_SECONDS
-    ):
+    if not _is_number(timeout) or not 0 < timeout <= FLUSH_MAX_TIMEOUT_SECONDS:
         raise InvalidInput(
             f"flush needs timeout_seconds between 0 and {FLUSH_MAX_TIMEOUT_SECONDS:.0f}; "
             f"got {_shown(timeout)}"
@@ -215,10 +206,7 @@ def check_flush(flush: FlushInput) -> None:
 def check_pause_change(change: PauseChange, *, pausing: bool) -> None:
     if (change.category is None) == (change.scope is None):
         raise InvalidInput("give exactly one of category and scope (a name or a number)")
-    check_text("category", change.category, optional=True)
-    check_text("scope", change.scope, optional=True)
-    check_text("reason", change.reason, required=pausing)
-    check_text("by", change.by)
+    check_fields(change, required=("reason",) if pausing else ())
     if not (change.category or change.scope or "").strip():
         raise InvalidInput("category or scope is blank: give a name or a number")
     if pausing:
@@ -253,17 +241,7 @@ def check_pauses_view(view: PausesView) -> None:
     if not isinstance(view.pauses, list) or len(view.pauses) > MAX_PAUSES:
         raise InvalidInput(f"pauses must list at most {MAX_PAUSES:,} pauses")
     for pause in view.pauses:
-        check_number("number", pause.number, Bound(-(2**31), 2**31 - 1, integer=True))
-        for name in ("name", "reason", "paused_by", "since"):
-            check_text(name, getattr(pause, name))
-        check_text("paused_via", pause.paused_via, optional=True)
-        check_text("ends_at", pause.ends_at, optional=True)
-
-
-def clipped(text: str) -> str:
-    """``text`` cut to :data:`MAX_TEXT` characters: operator text read from a table (which
-    takes any length) as a workflow is shown it."""
-    return text if len(text) <= MAX_TEXT else f"{text[: MAX_TEXT - 1]}…"
+        check_fields(pause)
 
 
 def decode(args: Sequence[Any], model: type[T], check: Callable[[T], None]) -> T:
@@ -275,7 +253,7 @@ def decode(args: Sequence[Any], model: type[T], check: Callable[[T], None]) -> T
     try:
         value: T = value_to_type(model, args[0])
     except (TypeError, ValueError, KeyError) as exc:
-        raise InvalidInput(f"is not a {model.__name__}: {_clip(str(exc))}") from None
+        raise InvalidInput(f"is not a {model.__name__}: {clipped(str(exc), 80)}") from None
     if isinstance(args[0], dict):
         _check_raw_numbers(args[0], value)
     check(value)
@@ -286,47 +264,42 @@ def _check_raw_numbers(raw: dict[Any, Any], value: object) -> None:
     """The converter turns ``true`` into 1 and 1.5 into 1 for an integer field: refuse both."""
     for name, given in raw.items():
         converted = getattr(value, str(name), None)
-        if isinstance(converted, bool) or not isinstance(converted, int | float):
+        if not _is_number(converted):
             continue
-        if isinstance(given, bool) or not isinstance(given, int | float):
+        if not _is_number(given):
             raise InvalidInput(f"{name} must be a number, got {_shown(given)}")
         if isinstance(converted, int) and given != converted:
             raise InvalidInput(f"{name} must be an integer, got {_shown(given)}")
 
 
-def _check_bounds(options: object, bounds: dict[str, Bound]) -> None:
-    for name, bound in bounds.items():
-        check_number(name, getattr(options, name), bound)
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _check_head(head: HeadGroup) -> None:
-    check_number("head.category", head.category, Bound(-(2**31), 2**31 - 1, integer=True))
-    check_text("head.category_name", head.category_name, required=True)
-    for name in ("object_identifier",):
-        check_number(f"head.{name}", getattr(head, name), Bound(-MAX_ID - 1, MAX_ID, integer=True))
-    for name in ("first_id", "last_id", "rows"):
-        check_number(f"head.{name}", getattr(head, name), ID)
-
-
-def _check_skip_info(skip: SkipInfo) -> None:
-    check_text("skip.reason", skip.reason, required=True)
-    check_text("skip.by", skip.by, optional=True)
-    check_text("skip.at", skip.at, optional=True)
-
-
-def _shown(value: object) -> str:
-    """A refused value as a message shows it: cut short, so a huge input cannot fill history."""
-    return _clip(repr(value))
-
-
-def _clip(text: str, limit: int = 80) -> str:
+def clipped(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters: operator text read from a table (which takes any
+    length) as a workflow shows it, or a refused value as a message shows it."""
     return text if len(text) <= limit else f"{text[: limit - 1]}…"
 
 
-def note_refusal(refusals: Refusals, what: str, at: datetime, error: Exception) -> str:
-    """Count a refused signal in ``refusals`` and return its line: ``what at <time>: why``."""
-    when = at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    line = f"{what} at {when}: {_clip(str(error), 300)}"
+def _shown(value: object) -> str:
+    """A refused value, cut short: a huge input cannot fill history."""
+    return clipped(repr(value), 80)
+
+
+def refused(refusals: Refusals, what: str, error: Exception) -> None:
+    """Count a refused input in ``refusals`` as its line (``what at <time>: why``), and log it."""
     refusals.count += 1
-    refusals.last = line
-    return line
+    refusals.last = f"{what} at {when(workflow.now())}: {clipped(str(error), 300)}"
+    workflow.logger.warning("%s refused: %s", workflow.info().workflow_id, refusals.last)
+
+
+def decoded(
+    what: str, args: Sequence[Any], model: type[T], check: Callable[[T], None], refusals: Refusals
+) -> T | None:
+    """A signal's argument as ``model``, or None when it is refused (and counted)."""
+    try:
+        return decode(args, model, check)
+    except InvalidInput as exc:
+        refused(refusals, what, exc)
+        return None

@@ -92,17 +92,23 @@ def via_text(via: str | None) -> str:
     return f" (via {via})" if via else ""
 
 
+def when(moment: datetime | str | None) -> str:
+    """A time as the UI's reader wants it: to the second, in UTC (``?`` when unknown)."""
+    if moment is None:
+        return "?"
+    moment = datetime.fromisoformat(moment) if isinstance(moment, str) else moment
+    moment = moment.astimezone(UTC) if moment.tzinfo is not None else moment
+    return f"{moment:%Y-%m-%d %H:%M:%S} UTC"
+
+
 def until_text(ends_at: str | None) -> str:
     """When a timed pause ends, as its details show it: ``, until 2026-12-01 09:00:00 UTC``."""
-    if ends_at is None:
-        return ""
-    return f", until {datetime.fromisoformat(ends_at).astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+    return "" if ends_at is None else f", until {when(ends_at)}"
 
 
 @dataclass
 class SkipInfo:
-    """Why a shard is skipped: ``by`` as the sender declared it, ``via`` as Temporal recorded
-    the sender (``temporal:<client identity>``, with the Cloud principal when there is one)."""
+    """Why a shard is skipped: ``by`` as the sender declared it, ``via`` as Temporal recorded it."""
 
     reason: str
     by: str | None = None
@@ -111,14 +117,12 @@ class SkipInfo:
 
     @property
     def who(self) -> str:
-        """``by`` as declared, and beside it the sender Temporal recorded, when known."""
         return f"{self.by or 'an operator'}{via_text(self.via)}"
 
 
 @dataclass
 class Refusals:
-    """Signals a workflow refused (nothing of them was applied): how many, and the last one,
-    e.g. ``reconfigure at 2026-11-29 07:00:00 UTC: max_shards 0 is outside 1..10,000``."""
+    """Signals a workflow refused (nothing of them was applied): how many, and the last one."""
 
     count: int = 0
     last: str | None = None
@@ -168,9 +172,8 @@ class ParkedNote:
     rows: int = 0
 
 
-# -- what a shard workflow knows: its counts, and one state of a tagged union ---------------------
-# Each state carries only its own fields, and its tag (``state``) names it in the run's input
-# when it continues as new.
+# What a shard workflow knows: its counts, and one state of a tagged union; each state carries
+# its own fields, and its tag (``state``) names it in the input of the run it continues as.
 
 
 @dataclass
@@ -202,8 +205,7 @@ class Blocked:
 
 @dataclass
 class Deferred:
-    """A head row scheduled later: when it is due, and how long that is by the database's
-    clock (which decides when the row is due) at the moment it was read."""
+    """A head row scheduled later: when it is due, and in how long by the database's clock."""
 
     deferred_until: str
     deferred_seconds: float | None = None
@@ -213,9 +215,8 @@ class Deferred:
 
 @dataclass
 class Skipped:
-    """Paused by an operator: nothing runs. ``recorded`` once the owner table says skipped (the
-    answer of the skip's transition, or a partition's skip); ``before`` is the state it paused,
-    shown meanwhile and changed by what arrives (news, a handover)."""
+    """Paused by an operator: nothing runs. ``recorded`` once the owner table says skipped;
+    ``before``, the state it paused, still changes on what arrives (news, a handover)."""
 
     skip: SkipInfo
     before: Draining | Idle | Blocked | Deferred = field(default_factory=Draining)
@@ -268,8 +269,7 @@ class ShardRecord:
         return ShardState.SKIPPED if self.skip is not None else ShardState(self.current.state)
 
     def become(self, phase: Phase) -> None:
-        """Move to ``phase``; under a skip, the skipped state changes instead (shown, and
-        dropped on resume)."""
+        """Move to ``phase``; under a skip, the skipped state changes instead."""
         if isinstance(self.phase, Skipped):
             self.phase.before = phase
         else:
@@ -278,8 +278,7 @@ class ShardRecord:
 
 @dataclass(kw_only=True)
 class CarriedRecord(ShardRecord):
-    """A record carried across continue-as-new by code before the states had classes of their
-    own (one flat record): read once, as :meth:`upgraded`."""
+    """The flat record older runs carry (and the recorded histories start with), read once."""
 
     pending: bool  # required: the mark of the flat record
     skip: SkipInfo | None = None
@@ -335,8 +334,7 @@ class ShardInput:
 
 @dataclass
 class NotifyInput:
-    """Signal ``notify``: rows up to ``max_id`` are committed. ``late`` marks a row that
-    committed after rows with higher ids had been announced."""
+    """``late``: a row committed after rows with higher ids had been announced."""
 
     max_id: int = 0
     late: bool = False
@@ -344,32 +342,23 @@ class NotifyInput:
 
 @dataclass
 class RecheckInput:
-    """Signal ``recheck``: the shard's head in the table is no longer the group its workflow is
-    blocked on (an operator deleted the row or changed its category): try the head again now
-    instead of at the next retry."""
-
     reason: str = ""
 
 
 @dataclass
 class SkipInput:
-    """Signal ``skip``: pause the shard, keeping every row."""
-
     reason: str = ""
     by: str | None = None
 
 
 @dataclass
 class ResumeInput:
-    """Signal ``resume``: continue a skipped shard; its head is retried at once."""
-
     by: str | None = None
 
 
 @dataclass
 class HandoverInput:
-    """Signal ``handover``: a partition gives the shard to its workflow, with what it found
-    (the failed head group and the failure, or the deferred head, or a configured skip)."""
+    """What the partition found: the failed head and its failure, a deferred head, or a skip."""
 
     max_id: int = 0
     held_for: HeldFor = HeldFor.WORKFLOW
@@ -382,9 +371,6 @@ class HandoverInput:
 
 @dataclass
 class DrainInput:
-    """Local activity ``drain_shard``: hold the shard for its workflow, handle head groups in
-    order, and give the shard back once it is empty."""
-
     shard: ShardRef
     max_groups: int = 1000
     time_budget_seconds: float = 2.0
@@ -392,19 +378,17 @@ class DrainInput:
 
 @dataclass
 class HoldInput:
-    """Activity ``hold_shard``: move the owner row, once a round in the shard has ended: to
-    skipped (``held_for`` skipped), or back from a skip to held by the workflow (any other)."""
+    """To skipped (``held_for`` skipped, with the ``skip``), or back to held by the workflow."""
 
     shard: ShardRef
     held_for: HeldFor = HeldFor.WORKFLOW
     wait_seconds: float = 30.0
-    # Held for a skip: the skip, whose sender the activity looks up in the run's history.
     skip: SkipInfo | None = None
 
 
 @dataclass
 class DrainResult:
-    """What one drain call did, and why it stopped."""
+    """What one drain did, and why it stopped."""
 
     groups_handled: int = 0
     rows_handled: int = 0
@@ -421,8 +405,7 @@ class DrainResult:
 
 @dataclass
 class HandleHeadInput:
-    """Input of a category activity: handle the head group of the shard if it is this group.
-    ``prior_attempts``: calls of the group before this activity began (numbered on from them)."""
+    """Handle the shard's head group if it is this one; calls of it so far: ``prior_attempts``."""
 
     shard: ShardRef
     category: int
@@ -439,8 +422,6 @@ class HandleHeadResult:
 
 @dataclass
 class ShardSummary:
-    """Result of a shard workflow run that went idle."""
-
     shard: str
     rows_handled: int
     groups_handled: int
@@ -470,19 +451,14 @@ FLUSH_MAX_TIMEOUT_SECONDS = 3600.0
 
 @dataclass
 class FlushInput:
-    """Update ``flush``: wait until every row of the shard up to ``up_to_id`` is handled."""
-
     up_to_id: int = 0
     timeout_seconds: float = 10.0
 
 
 @dataclass
 class FlushResult:
-    """Answer of ``flush``: ``handled``; ``blocked`` behind ``head`` (since ``blocked_since``,
-    failing with ``error``); ``skipped`` (``skip`` says why); ``deferred`` (the head row is
-    scheduled for ``deferred_until``, or its category or scope is ``paused``); or
-    ``timed_out``. Only ``handled`` means the rows were processed; the others leave them for
-    asynchronous processing, nothing is lost."""
+    """Only ``handled`` means the rows were processed; every other outcome leaves them for
+    asynchronous processing (nothing is lost), with the fields that say why."""
 
     shard: str
     outcome: FlushOutcome
@@ -507,9 +483,6 @@ def flush_queue(task_queue: str) -> str:
 
 @dataclass
 class FlushCheckInput:
-    """Local activity ``flush_check``: wait until no row of the shard up to ``up_to_id`` is
-    pending, or the head of those rows is deferred, for at most ``timeout_seconds``."""
-
     shard: ShardRef
     up_to_id: int
     timeout_seconds: float
@@ -520,9 +493,6 @@ class FlushCheck:
     handled: bool
     deferred_until: str | None = None
     paused: PauseInfo | None = None  # the pause the not-due head waits for, if it is paused
-
-
-# -- OutboxControl: the paused categories and scopes of a table ---------------------------------
 
 
 class PauseKind(StrEnum):
@@ -542,19 +512,14 @@ class PauseInfo:
     reason: str
     paused_by: str
     since: str
-    # Who Temporal recorded as the sender of the pause update (``temporal:<identity>``); None
-    # for a pause made otherwise (the command line, SQL).
-    paused_via: str | None = None
-    # When a timed pause ends by itself (ISO 8601, UTC); None: when unpaused.
-    ends_at: str | None = None
+    paused_via: str | None = None  # the update's sender as Temporal recorded it
+    ends_at: str | None = None  # when a timed pause ends by itself (ISO 8601, UTC)
 
 
 @dataclass
 class PauseChange:
-    """Argument of the control workflow's ``pause`` and ``unpause`` updates: exactly one of
-    ``category`` and ``scope``, each a name of the worker's app or a number, as text;
-    ``reason`` (required to pause) and ``by`` are shown with the pause. A timed pause ends by
-    itself ``for_seconds`` after it is made, or at ``until`` (ISO 8601 with a time zone)."""
+    """Exactly one of ``category`` and ``scope`` (a name or a number, as text); a timed pause
+    ends ``for_seconds`` after it is made, or at ``until`` (ISO 8601 with a time zone)."""
 
     category: str | None = None
     scope: str | None = None
@@ -566,13 +531,10 @@ class PauseChange:
 
 @dataclass
 class PauseChangeInput:
-    """Input of the ``change_pauses`` activity: pause (``paused``) or resume, in ``table``."""
-
     table: str
     change: PauseChange
-    paused: bool
-    # The update that asked for the change: its sender is looked up in the run's history.
-    update_id: str | None = None
+    paused: bool  # pause, else resume
+    update_id: str | None = None  # whose sender the activity looks up in the run's history
 
 
 @dataclass
@@ -587,9 +549,6 @@ class PausesView:
 class ControlInput:
     table: str
     view: PausesView = field(default_factory=PausesView)
-
-
-# -- partitions ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -629,7 +588,7 @@ class PartitionOptions:
 
 @dataclass
 class PartitionCarry:
-    """What a partition carries across continue-as-new: its totals."""
+    """A partition's totals, carried across continue-as-new."""
 
     rows_handled: int = 0
     groups_handled: int = 0
@@ -674,15 +633,10 @@ class PartitionDrainInput:
     options: PartitionOptions
 
 
-@dataclass
-class PartitionStatus:
-    """Answer of a partition's ``status`` query."""
+@dataclass(kw_only=True)
+class PartitionStatus(PartitionCarry):
+    """Answer of a partition's ``status`` query: its totals, and the last round."""
 
     partition: str
-    rows_handled: int
-    groups_handled: int
-    handed_over: int
-    rounds: int
     last_round: PartitionRound | None = None
     options: PartitionOptions | None = None  # what its drains run with
-    refused: Refusals | None = None

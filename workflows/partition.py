@@ -18,8 +18,8 @@ with workflow.unsafe.imports_passed_through():
     from outbox_bridge.workflows.inputs import (
         InvalidInput,
         check_partition_options,
-        decode,
-        note_refusal,
+        decoded,
+        refused,
     )
     from outbox_bridge.workflows.models import (
         PartitionCarry,
@@ -48,7 +48,7 @@ class OutboxPartition:
             check_partition_options(input.options)
         except InvalidInput as exc:  # a start by hand: the bridge's next sweep reconfigures it
             self._options = PartitionOptions()
-            note_refusal(self._carry.refused, "start options (defaults used)", workflow.now(), exc)
+            refused(self._carry.refused, "start options (defaults used)", exc)
 
     @workflow.run
     async def run(self, input: PartitionInput) -> PartitionCarry:
@@ -116,12 +116,11 @@ class OutboxPartition:
     def reconfigure(self, *args: Any) -> None:
         """New :class:`PartitionOptions`: the running drain stops and the next one uses them.
         Options outside their bounds (``workflows/inputs.py``) are refused and shown."""
-        try:
-            options = decode(args, PartitionOptions, check_partition_options)
-        except InvalidInput as exc:
-            self._refuse("reconfigure", exc)
-            return
-        if options != self._options:
+        refusals = self._carry.refused
+        options = decoded("reconfigure", args, PartitionOptions, check_partition_options, refusals)
+        if options is None:
+            self._publish()
+        elif options != self._options:
             self._options = options
             self._reconfigured = True
 
@@ -132,22 +131,10 @@ class OutboxPartition:
 
     @workflow.query
     def status(self) -> PartitionStatus:
-        carry = self._carry
+        partition = self._partition.workflow_id
         return PartitionStatus(
-            partition=self._partition.workflow_id,
-            rows_handled=carry.rows_handled,
-            groups_handled=carry.groups_handled,
-            handed_over=carry.handed_over,
-            rounds=carry.rounds,
-            last_round=self._last,
-            options=self._options,
-            refused=carry.refused,
+            **vars(self._carry), partition=partition, last_round=self._last, options=self._options
         )
-
-    def _refuse(self, what: str, error: InvalidInput) -> None:
-        line = note_refusal(self._carry.refused, what, workflow.now(), error)
-        workflow.logger.warning("%s refused: %s", self._partition.workflow_id, line)
-        self._publish()
 
     # -- what the UI shows ----------------------------------------------------------------------
 

@@ -1,10 +1,6 @@
 """The OutboxShard workflow: owns one shard that needs attention (a failed handler, a deferred
-head, a skip, a flush) until it is empty, then gives it back and completes.
-
-Everything it knows is one :class:`ShardRecord`, carried whole across continue-as-new; the state
-is derived from it. It drains with a local activity, retries a failing head as a normal activity
-named after its category, sleeps on a durable timer while the head is deferred, and carries ids
-and counts only, never a payload.
+head, a skip, a flush) until it is empty, then gives it back and completes. Everything it knows
+is one :class:`ShardRecord` (ids and counts, never a payload), carried across continue-as-new.
 """
 
 from __future__ import annotations
@@ -26,15 +22,14 @@ with workflow.unsafe.imports_passed_through():
     from outbox_bridge.workflows import shard_view as view
     from outbox_bridge.workflows.inputs import (
         InvalidInput,
+        check_fields,
         check_flush,
         check_handover,
-        check_notify,
-        check_recheck,
         check_resume,
         check_shard_options,
         check_skip,
-        decode,
-        note_refusal,
+        decoded,
+        refused,
     )
     from outbox_bridge.workflows.models import (
         Blocked,
@@ -58,7 +53,6 @@ with workflow.unsafe.imports_passed_through():
         ResumeInput,
         ShardInput,
         ShardOptions,
-        ShardRecord,
         ShardRef,
         ShardState,
         ShardStatus,
@@ -67,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         SkipInput,
         Skipped,
         flush_queue,
+        when,
     )
 
 T = TypeVar("T")
@@ -107,7 +102,7 @@ class OutboxShard:
             check_shard_options(self._options)
         except InvalidInput as exc:  # started by hand with options out of bounds
             self._options = ShardOptions()
-            note_refusal(self._r.refused, "start options (defaults used)", workflow.now(), exc)
+            refused(self._r.refused, "start options (defaults used)", exc)
 
     @workflow.run
     async def run(self, input: ShardInput) -> ShardSummary:
@@ -116,7 +111,7 @@ class OutboxShard:
             self._show()
             if self._continue_due():
                 workflow.continue_as_new(ShardInput(self._shard, self._options, self._r))
-            try:
+            with contextlib.suppress(_Interrupted):  # continue as new at the top of the loop
                 match self._r.phase:
                     case Resumed():
                         await self._hold(HeldFor.WORKFLOW)  # the table says skipped no more
@@ -141,8 +136,6 @@ class OutboxShard:
                         # completion fails this task and is replayed first: nothing is dropped.
                         r = self._r
                         return ShardSummary(self._shard.key, r.rows_handled, r.groups_handled)
-            except _Interrupted:
-                pass  # continue as new at the top of the loop
 
     async def _drain(self) -> None:
         """One drain of the shard: a local activity, falling back to a normal one (retried by
@@ -205,9 +198,7 @@ class OutboxShard:
             return
         remaining = (datetime.fromisoformat(b.next_attempt_at) - workflow.now()).total_seconds()
         if remaining > 0:
-            next_attempt = (
-                f"{view.headline(self._r)}; next attempt at {view.when(b.next_attempt_at)}"
-            )
+            next_attempt = f"{view.headline(self._r)}; next attempt at {when(b.next_attempt_at)}"
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: self._r.skip is not None or self._recheck or self._continue_due(),
@@ -296,26 +287,25 @@ class OutboxShard:
         """Await ``handle``. A skip cancels it and yields None; with ``recheck``, a changed head
         cancels it and raises :class:`_Recheck`; when ``interruptible``, a due continue-as-new
         cancels it and raises :class:`_Interrupted`."""
-        r = self._r
-        await workflow.wait_condition(
-            lambda: (
-                handle.done()
-                or (cancel_on_skip and r.skip is not None)
-                or (recheck and self._recheck)
-                or (interruptible and self._continue_due())
-            )
-        )
+        stops = (cancel_on_skip, recheck, interruptible)
+        await workflow.wait_condition(lambda: handle.done() or self._stopped(*stops))
         if handle.done():
             return await handle
-        skipped = cancel_on_skip and r.skip is not None
-        handle.cancel()
-        with contextlib.suppress(ActivityError, asyncio.CancelledError):
-            await handle
+        skipped = cancel_on_skip and self._r.skip is not None
+        await _cancelled(handle)
         if skipped:
             return None
         if recheck and self._recheck:
             raise _Recheck
         raise _Interrupted
+
+    def _stopped(self, skip: bool, recheck: bool, interrupt: bool) -> bool:
+        """A skip, a changed head or a due continue-as-new stops the activity awaited."""
+        return (
+            (skip and self._r.skip is not None)
+            or (recheck and self._recheck)
+            or (interrupt and self._continue_due())
+        )
 
     # -- signals, updates and queries ----------------------------------------------------------
 
@@ -326,7 +316,7 @@ class OutboxShard:
     @workflow.signal
     def notify(self, *args: Any) -> None:
         """Rows up to ``max_id`` are committed in this shard (see :class:`NotifyInput`)."""
-        notice = self._decoded("notify", args, NotifyInput, check_notify)
+        notice = self._decoded("notify", args, NotifyInput, check_fields)
         if notice is not None:
             self._rows_committed(notice.max_id, late=notice.late)
 
@@ -350,7 +340,7 @@ class OutboxShard:
     @workflow.signal
     def recheck(self, *args: Any) -> None:
         """The head in the table is no longer the group this shard is blocked on: try again."""
-        if self._decoded("recheck", args, RecheckInput, check_recheck) is None:
+        if self._decoded("recheck", args, RecheckInput, check_fields) is None:
             return
         if self._r.state == ShardState.BLOCKED:
             self._recheck = True
@@ -384,14 +374,10 @@ class OutboxShard:
         self, signal: str, args: Sequence[Any], model: type[T], check: Callable[[T], None]
     ) -> T | None:
         """The signal's argument as ``model``, or None when it is refused (and shown)."""
-        try:
-            return decode(args, model, check)
-        except InvalidInput as exc:
-            line = note_refusal(self._r.refused, signal, workflow.now(), exc)
-            workflow.logger.warning("%s refused: %s", self._shard.workflow_id, line)
-            # The details only: a refused signal changes no search attribute.
+        value = decoded(signal, args, model, check, self._r.refused)
+        if value is None:  # the details only: a refused signal changes no search attribute
             view.describe(self._shard, self._r)
-            return None
+        return value
 
     # The same two as updates: the caller learns whether they were taken; validators refuse.
 
@@ -422,10 +408,42 @@ class OutboxShard:
 
     @workflow.update
     async def flush(self, input: FlushInput) -> FlushResult:
-        """Wait until every row of the shard up to ``up_to_id`` is handled, or say why not (see
-        :class:`FlushResult`)."""
+        """Wait until every row of the shard up to ``up_to_id`` is handled, or say why not: the
+        shard's state, what an activity watching the table (on a task queue whose slots no
+        drain needs) saw, or a timeout."""
         self._rows_committed(input.up_to_id, late=False)
-        return await _flush(self._shard, lambda: self._r, input)
+        shard, up_to = self._shard, input.up_to_id
+
+        def stopped() -> FlushResult | None:
+            return view.flush_stopped(shard, self._r, up_to)
+
+        if (answer := stopped()) is not None:
+            return answer
+        check: ActivityHandle[FlushCheck] = workflow.start_activity(
+            "flush_check",
+            FlushCheckInput(shard, up_to, input.timeout_seconds),
+            result_type=FlushCheck,
+            task_queue=flush_queue(workflow.info().task_queue),
+            schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+        )
+        await workflow.wait_condition(lambda: check.done() or stopped() is not None)
+        if not check.done():
+            await _cancelled(check)
+        else:
+            try:
+                checked = await check
+            except (ActivityError, ApplicationError):
+                checked = FlushCheck(handled=False)  # the table could not be read in time
+            if checked.handled:
+                return FlushResult(shard.key, FlushOutcome.HANDLED)
+            if checked.deferred_until is not None:
+                outcome = FlushOutcome.DEFERRED
+                return FlushResult(
+                    shard.key, outcome, deferred_until=checked.deferred_until, paused=checked.paused
+                )
+        return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
@@ -439,48 +457,10 @@ class OutboxShard:
         view.show(self._shard, self._r)
 
 
-async def _flush(
-    shard: ShardRef, record: Callable[[], ShardRecord], input: FlushInput
-) -> FlushResult:
-    """The ``flush`` update's answer: why the rows cannot be handled now, or what an activity
-    watching the table (on a task queue whose slots no drain needs) saw, or a timeout."""
-    up_to = input.up_to_id
-
-    def stopped() -> FlushResult | None:
-        return view.flush_stopped(shard, record(), up_to)
-
-    answer = stopped()
-    if answer is not None:
-        return answer
-    check: ActivityHandle[FlushCheck] = workflow.start_activity(
-        "flush_check",
-        FlushCheckInput(shard, up_to, input.timeout_seconds),
-        result_type=FlushCheck,
-        task_queue=flush_queue(workflow.info().task_queue),
-        schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
-        retry_policy=RetryPolicy(maximum_attempts=1),
-        cancellation_type=ActivityCancellationType.TRY_CANCEL,
-    )
-    await workflow.wait_condition(lambda: check.done() or stopped() is not None)
-    if not check.done():
-        check.cancel()
-        with contextlib.suppress(ActivityError, asyncio.CancelledError):
-            await check
-    else:
-        try:
-            checked = await check
-        except (ActivityError, ApplicationError):
-            checked = FlushCheck(handled=False)  # the table could not be read in time
-        if checked.handled:
-            return FlushResult(shard.key, FlushOutcome.HANDLED)
-        if checked.deferred_until is not None:
-            return FlushResult(
-                shard.key,
-                FlushOutcome.DEFERRED,
-                deferred_until=checked.deferred_until,
-                paused=checked.paused,
-            )
-    return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
+async def _cancelled(handle: ActivityHandle[T]) -> None:
+    handle.cancel()
+    with contextlib.suppress(ActivityError, asyncio.CancelledError):
+        await handle
 
 
 def _start_drain(

@@ -17,6 +17,7 @@ from outbox_bridge.workflows.models import (
     HandoverInput,
     HeldFor,
     Idle,
+    Phase,
     Resumed,
     ShardOptions,
     ShardRecord,
@@ -64,16 +65,23 @@ def handed_over(
     current = r.current
     if isinstance(current, Blocked | Draining):
         return True
-    if input.held_for == HeldFor.FAILED and input.head is not None:
-        r.become(Blocked(input.head, 1, input.failure, now))  # the partition's call
-    elif input.held_for == HeldFor.DEFERRED and drains_first():
-        r.become(Draining())  # the drain finds out why the head waits, for the UI
-    elif input.held_for == HeldFor.DEFERRED and input.deferred_until is not None:
-        paused = current.paused if isinstance(current, Deferred) else None
-        r.become(Deferred(input.deferred_until, input.deferred_seconds, paused))
-    elif input.skip is None:
-        r.become(Draining())
+    phase = _handed_phase(current, input, now, drains_first)
+    if phase is not None:
+        r.become(phase)
     return False
+
+
+def _handed_phase(
+    current: Idle | Deferred, input: HandoverInput, now: str, drains_first: Callable[[], bool]
+) -> Phase | None:
+    if input.held_for == HeldFor.FAILED and input.head is not None:
+        return Blocked(input.head, 1, input.failure, now)  # the partition's call
+    if input.held_for == HeldFor.DEFERRED and drains_first():
+        return Draining()  # the drain finds out why the head waits, for the UI
+    if input.held_for == HeldFor.DEFERRED and input.deferred_until is not None:
+        paused = current.paused if isinstance(current, Deferred) else None
+        return Deferred(input.deferred_until, input.deferred_seconds, paused)
+    return Draining() if input.skip is None else None
 
 
 def skipped(r: ShardRecord, skip: SkipInfo) -> None:

@@ -3,7 +3,7 @@ its search attributes. Pure functions of the record: nothing here waits or runs 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from temporalio import workflow
@@ -13,6 +13,7 @@ from outbox_bridge.workflows.models import (
     BLOCKED_CATEGORY_ATTRIBUTE,
     BLOCKED_SINCE_ATTRIBUTE,
     STATE_ATTRIBUTE,
+    Blocked,
     Deferred,
     FlushOutcome,
     FlushResult,
@@ -22,6 +23,7 @@ from outbox_bridge.workflows.models import (
     ShardState,
     ShardStatus,
     until_text,
+    when,
 )
 
 
@@ -110,11 +112,7 @@ def describe(shard: ShardRef, r: ShardRecord) -> None:
         f"**Rows handled** {r.rows_handled} in {r.groups_handled} groups",
     ]
     if b is not None:
-        lines.append(f"**Head group** {b.head.summary}, ids {b.head.first_id}–{b.head.last_id}")
-        if b.last_error is not None:
-            lines.append(f"**Attempts** {b.attempts}+, last error `{b.last_error.error_type}`")
-        if b.blocked_since is not None:
-            lines.append(f"**Blocked since** {b.blocked_since}")
+        lines += _blocked_lines(b)
     if isinstance(current, Deferred) and current.paused is not None:
         lines.append(f"**Paused** {_pause_line(current.paused)}")
     elif isinstance(current, Deferred):
@@ -134,17 +132,16 @@ def describe(shard: ShardRef, r: ShardRecord) -> None:
     workflow.set_current_details("\n\n".join(lines))
 
 
+def _blocked_lines(b: Blocked) -> list[str]:
+    lines = [f"**Head group** {b.head.summary}, ids {b.head.first_id}–{b.head.last_id}"]
+    if b.last_error is not None:
+        lines.append(f"**Attempts** {b.attempts}+, last error `{b.last_error.error_type}`")
+    if b.blocked_since is not None:
+        lines.append(f"**Blocked since** {b.blocked_since}")
+    return lines
+
+
 def _pause_line(pause: PauseInfo) -> str:
     """``category PROJECT_UPDATE (search down, by ann, since ...)``."""
     since = f"since {when(pause.since)}{until_text(pause.ends_at)}"
     return f"{pause.kind} {pause.name} ({pause.reason}, by {pause.paused_by}, {since})"
-
-
-def when(iso: str | None) -> str:
-    """An ISO timestamp as the UI's reader wants it: to the second, in UTC."""
-    if iso is None:
-        return "?"
-    moment = datetime.fromisoformat(iso)
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(UTC)
-    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -1,6 +1,10 @@
 """The OutboxShard workflow: owns one shard that needs attention (a failed handler, a deferred
 head, a skip, a flush) until it is empty, then gives it back and completes. Everything it knows
 is one :class:`ShardRecord` (ids and counts, never a payload), carried across continue-as-new.
+
+Its signal handlers take their arguments undecoded (``*args``) and decode them: an input of any
+shape or out of bounds (``workflows/inputs.py``) is refused, counted and shown, never applied,
+and never a failed workflow task.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ with workflow.unsafe.imports_passed_through():
         ResumeInput,
         ShardInput,
         ShardOptions,
+        ShardRecord,
         ShardRef,
         ShardState,
         ShardStatus,
@@ -161,19 +166,7 @@ class OutboxShard:
         self._recheck = False
         retry_from = b.retry_interval_seconds or self._options.initial_retry_seconds
         self._blocked_at = workflow.now()
-        head = b.head
-        handle = workflow.start_activity(
-            head.category_name,
-            HandleHeadInput(
-                self._shard, head.category, head.object_identifier, prior_attempts=b.attempts
-            ),
-            result_type=HandleHeadResult,
-            start_to_close_timeout=timedelta(seconds=self._options.handler_timeout_seconds),
-            heartbeat_timeout=timedelta(seconds=self._options.heartbeat_timeout_seconds),
-            retry_policy=change.retry_policy(self._options, initial=retry_from),
-            cancellation_type=ActivityCancellationType.TRY_CANCEL,
-            summary=view.headline(self._r),
-        )
+        handle = _start_head(self._shard, self._options, b, retry_from, view.headline(self._r))
         try:
             result = await self._until_done(handle, recheck=True)
         except _Interrupted:
@@ -196,15 +189,10 @@ class OutboxShard:
         scheduled: continuing as new never retries sooner than the backoff says."""
         if b.next_attempt_at is None:
             return
-        remaining = (datetime.fromisoformat(b.next_attempt_at) - workflow.now()).total_seconds()
+        remaining = _seconds_until(b.next_attempt_at)
         if remaining > 0:
             next_attempt = f"{view.headline(self._r)}; next attempt at {when(b.next_attempt_at)}"
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(
-                    lambda: self._r.skip is not None or self._recheck or self._continue_due(),
-                    timeout=timedelta(seconds=remaining),
-                    timeout_summary=next_attempt,
-                )
+            await _wait(lambda: self._stopped(True, True, True), remaining, next_attempt)
             if self._r.skip is not None:
                 return
             if not self._recheck and self._continue_due():
@@ -212,17 +200,10 @@ class OutboxShard:
         change.scheduled_attempt(b, self._options)
 
     def _carry_backoff(self, b: Blocked, retry_from: float) -> None:
-        """The server's attempts since this run's category activity began (from the retry
-        schedule) and where the backoff stands, for the next run to go on from."""
+        """Where the backoff stands, for the next run to go on from."""
         assert self._blocked_at is not None
-        elapsed = (workflow.now() - self._blocked_at).total_seconds()
-        ceiling = self._options.max_retry_interval_seconds
-        attempts, interval, _ = change.attempts_since(elapsed, retry_from, ceiling)
-        b.attempts += attempts
-        b.retry_interval_seconds = interval
-        # The server's last attempt may be just behind us: a whole interval from now.
         workflow.deprecate_patch(CARRY_BACKOFF_FROM_NOW)
-        b.next_attempt_at = (workflow.now() + timedelta(seconds=interval)).isoformat()
+        change.carry_backoff(b, self._options, self._blocked_at, workflow.now(), retry_from)
 
     async def _stay_skipped(self, skipped: Skipped) -> None:
         r = self._r
@@ -234,12 +215,7 @@ class OutboxShard:
             change.skip_recorded(r)
             self._show()
         # The timer is there for its summary, the first thing the UI shows of a skipped shard.
-        with contextlib.suppress(TimeoutError):
-            await workflow.wait_condition(
-                lambda: r.skip is None or self._continue_due(),
-                timeout=SKIPPED_TIMER,
-                timeout_summary=view.headline(r),
-            )
+        await _wait(lambda: r.skip is None or self._continue_due(), SKIPPED_TIMER, view.headline(r))
 
     async def _wait_deferred(self, d: Deferred) -> None:
         r = self._r
@@ -248,26 +224,15 @@ class OutboxShard:
             remaining = max(d.deferred_seconds, 0.05)
             d.deferred_seconds = None
         else:
-            remaining = (datetime.fromisoformat(d.deferred_until) - workflow.now()).total_seconds()
-        if remaining > 0:
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(
-                    lambda: r.state != ShardState.DEFERRED or self._continue_due(),
-                    timeout=timedelta(seconds=remaining),
-                    timeout_summary=view.headline(r),
-                )
-                return  # news, a skip, a handover, or a continue-as-new (which carries it)
+            remaining = _seconds_until(d.deferred_until)
+        waited = lambda: r.state != ShardState.DEFERRED or self._continue_due()  # noqa: E731
+        if remaining > 0 and await _wait(waited, remaining, view.headline(r)):
+            return  # news, a skip, a handover, or a continue-as-new (which carries it)
         r.become(Draining())
 
     async def _hold(self, held_for: HeldFor, skip: SkipInfo | None = None) -> object:
         """Skip, or take back from a skip, the owner row; for ``skip``, its sender if found."""
-        handle: ActivityHandle[object] = workflow.start_activity(
-            "hold_shard",
-            HoldInput(self._shard, held_for, skip=skip),
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=change.retry_policy(self._options, maximum_interval=10.0),
-            summary=f"hold {self._shard.key}",
-        )
+        handle = _start_hold(self._shard, self._options, held_for, skip)
         return await self._until_done(handle, cancel_on_skip=False, interruptible=False)
 
     def _continue_due(self) -> bool:
@@ -308,10 +273,6 @@ class OutboxShard:
         )
 
     # -- signals, updates and queries ----------------------------------------------------------
-
-    # Signal handlers take their arguments undecoded (``*args``) and decode them here: an input
-    # of any shape or out of bounds (``workflows/inputs.py``) is refused, counted and shown,
-    # never applied, and never a failed workflow task.
 
     @workflow.signal
     def notify(self, *args: Any) -> None:
@@ -412,38 +373,7 @@ class OutboxShard:
         shard's state, what an activity watching the table (on a task queue whose slots no
         drain needs) saw, or a timeout."""
         self._rows_committed(input.up_to_id, late=False)
-        shard, up_to = self._shard, input.up_to_id
-
-        def stopped() -> FlushResult | None:
-            return view.flush_stopped(shard, self._r, up_to)
-
-        if (answer := stopped()) is not None:
-            return answer
-        check: ActivityHandle[FlushCheck] = workflow.start_activity(
-            "flush_check",
-            FlushCheckInput(shard, up_to, input.timeout_seconds),
-            result_type=FlushCheck,
-            task_queue=flush_queue(workflow.info().task_queue),
-            schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            cancellation_type=ActivityCancellationType.TRY_CANCEL,
-        )
-        await workflow.wait_condition(lambda: check.done() or stopped() is not None)
-        if not check.done():
-            await _cancelled(check)
-        else:
-            try:
-                checked = await check
-            except (ActivityError, ApplicationError):
-                checked = FlushCheck(handled=False)  # the table could not be read in time
-            if checked.handled:
-                return FlushResult(shard.key, FlushOutcome.HANDLED)
-            if checked.deferred_until is not None:
-                outcome = FlushOutcome.DEFERRED
-                return FlushResult(
-                    shard.key, outcome, deferred_until=checked.deferred_until, paused=checked.paused
-                )
-        return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
+        return await _flush(self._shard, lambda: self._r, input)
 
     @flush.validator
     def _validate_flush(self, input: FlushInput) -> None:
@@ -455,6 +385,21 @@ class OutboxShard:
 
     def _show(self) -> None:
         view.show(self._shard, self._r)
+
+
+def _seconds_until(iso: str) -> float:
+    return (datetime.fromisoformat(iso) - workflow.now()).total_seconds()
+
+
+async def _wait(until: Callable[[], bool], timeout: float | timedelta, summary: str) -> bool:
+    """Wait until ``until()`` (True) or a timer the UI shows as ``summary`` fires (False)."""
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=timeout)
+    try:
+        await workflow.wait_condition(until, timeout=timeout, timeout_summary=summary)
+    except TimeoutError:
+        return False
+    return True
 
 
 async def _cancelled(handle: ActivityHandle[T]) -> None:
@@ -485,4 +430,72 @@ def _start_drain(
         retry_policy=change.retry_policy(options),
         cancellation_type=ActivityCancellationType.TRY_CANCEL,
         summary=f"drain {shard.key}",
+    )
+
+
+async def _flush(
+    shard: ShardRef, record: Callable[[], ShardRecord], input: FlushInput
+) -> FlushResult:
+    """The ``flush`` update's answer: why the rows cannot be handled now, what an activity
+    watching the table (on a task queue whose slots no drain needs) saw, or a timeout."""
+    up_to = input.up_to_id
+
+    def stopped() -> FlushResult | None:
+        return view.flush_stopped(shard, record(), up_to)
+
+    if (answer := stopped()) is not None:
+        return answer
+    check: ActivityHandle[FlushCheck] = workflow.start_activity(
+        "flush_check",
+        FlushCheckInput(shard, up_to, input.timeout_seconds),
+        result_type=FlushCheck,
+        task_queue=flush_queue(workflow.info().task_queue),
+        schedule_to_close_timeout=timedelta(seconds=input.timeout_seconds + 10),
+        retry_policy=RetryPolicy(maximum_attempts=1),
+        cancellation_type=ActivityCancellationType.TRY_CANCEL,
+    )
+    await workflow.wait_condition(lambda: check.done() or stopped() is not None)
+    if not check.done():
+        await _cancelled(check)
+    else:
+        try:
+            checked = await check
+        except (ActivityError, ApplicationError):
+            checked = FlushCheck(handled=False)  # the table could not be read in time
+        if checked.handled:
+            return FlushResult(shard.key, FlushOutcome.HANDLED)
+        if checked.deferred_until is not None:
+            outcome = FlushOutcome.DEFERRED
+            return FlushResult(
+                shard.key, outcome, deferred_until=checked.deferred_until, paused=checked.paused
+            )
+    return stopped() or FlushResult(shard.key, FlushOutcome.TIMED_OUT)
+
+
+def _start_head(
+    shard: ShardRef, options: ShardOptions, b: Blocked, retry_from: float, summary: str
+) -> ActivityHandle[HandleHeadResult]:
+    """The category activity retrying the blocked head group, backing off from ``retry_from``."""
+    head = b.head
+    return workflow.start_activity(
+        head.category_name,
+        HandleHeadInput(shard, head.category, head.object_identifier, prior_attempts=b.attempts),
+        result_type=HandleHeadResult,
+        start_to_close_timeout=timedelta(seconds=options.handler_timeout_seconds),
+        heartbeat_timeout=timedelta(seconds=options.heartbeat_timeout_seconds),
+        retry_policy=change.retry_policy(options, initial=retry_from),
+        cancellation_type=ActivityCancellationType.TRY_CANCEL,
+        summary=summary,
+    )
+
+
+def _start_hold(
+    shard: ShardRef, options: ShardOptions, held_for: HeldFor, skip: SkipInfo | None
+) -> ActivityHandle[object]:
+    return workflow.start_activity(
+        "hold_shard",
+        HoldInput(shard, held_for, skip=skip),
+        start_to_close_timeout=timedelta(seconds=60),
+        retry_policy=change.retry_policy(options, maximum_interval=10.0),
+        summary=f"hold {shard.key}",
     )

@@ -5,7 +5,7 @@ blocked run carries over. Pure functions of the record: nothing here waits or ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio.common import RetryPolicy
 
@@ -147,3 +147,16 @@ def scheduled_attempt(b: Blocked, options: ShardOptions) -> None:
         interval * BACKOFF_COEFFICIENT, options.max_retry_interval_seconds
     )
     b.next_attempt_at = None
+
+
+def carry_backoff(
+    b: Blocked, options: ShardOptions, blocked_at: datetime, now: datetime, retry_from: float
+) -> None:
+    """The server's attempts since the category activity began at ``blocked_at`` (from the
+    retry schedule) and where the backoff stands, for the next run to go on from; its next
+    attempt a whole interval from ``now`` (the server's last one may be just behind us)."""
+    elapsed = (now - blocked_at).total_seconds()
+    attempts, interval, _ = attempts_since(elapsed, retry_from, options.max_retry_interval_seconds)
+    b.attempts += attempts
+    b.retry_interval_seconds = interval
+    b.next_attempt_at = (now + timedelta(seconds=interval)).isoformat()

@@ -23,18 +23,20 @@ LISTED_FILES = 25
 
 def used_cpu() -> float:
     """CPU seconds of this process, its finished children, its running descendants and the
-    running embedded PostgreSQL servers it started (which are not its descendants)."""
+    embedded PostgreSQL servers it started (which run detached: not its descendants)."""
     import psutil  # the embedded extra, which the servers need anyway
 
     seconds = 0.0
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         seconds += usage.ru_utime + usage.ru_stime
-    me = psutil.Process()
-    processes = me.children(recursive=True)
+    processes = psutil.Process().children(recursive=True)
     for postgres in _postgres_pids():
         try:
             main = psutil.Process(postgres)
+            # Its backends that ended (a connection each) count in its children's times.
+            times = main.cpu_times()
+            seconds += times.children_user + times.children_system
             processes += [main, *main.children(recursive=True)]
         except psutil.Error:
             continue

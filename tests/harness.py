@@ -23,17 +23,14 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
-from temporalio.client import Client, WorkflowQueryFailedError, WorkflowUpdateFailedError
-from temporalio.service import RPCError
+from temporalio.client import Client, WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.config import sqlalchemy_url
 from outbox_bridge.db.install import install_schema
 from outbox_bridge.runtime.embedded import EmbeddedTemporal, free_port
-from outbox_bridge.runtime.shards import shard_report
 from outbox_bridge.runtime.worker import serve
 from outbox_bridge.testing import PostgresServer, worker_settings
-from outbox_bridge.workflows.models import ShardRef, ShardState, ShardStatus
 
 
 class Scope(IntEnum):
@@ -276,32 +273,6 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(interval)
-
-
-def shard_ref(table: str, shard: str) -> ShardRef:
-    """Shard ``SCOPE:ID`` (a scope of :class:`Scope`) of ``table``."""
-    scope, _, identifier = shard.partition(":")
-    return ShardRef(table, int(Scope[scope]), scope, int(identifier))
-
-
-async def shard_status(client: Client, table: str, shard: str) -> ShardStatus | None:
-    """What ``outbox-bridge status`` shows of ``shard`` (``SCOPE:ID``) of ``table``, but a
-    pause, or None while its workflow does not answer: what a wait polls, where running the
-    command at each poll would start a program each time."""
-    try:
-        return (await shard_report(client, shard_ref(table, shard))).status
-    except (RPCError, WorkflowQueryFailedError):
-        return None
-
-
-async def shards_in(client: Client, table: str, states: Mapping[str, ShardState]) -> bool:
-    """Whether the workflow of each shard (``SCOPE:ID``) of ``table`` in ``states`` answers
-    ``status`` with the state given for it."""
-    for shard, state in states.items():
-        shown = await shard_status(client, table, shard)
-        if shown is None or shown.state != state:
-            return False
-    return True
 
 
 async def count_rows(engine: AsyncEngine, app: OutboxApp) -> int:

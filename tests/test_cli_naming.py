@@ -17,7 +17,6 @@ from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
 from outbox_bridge.cli import main as cli_main
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.runtime.embedded import free_port
-from outbox_bridge.workflows.models import ShardState
 from tests.harness import (
     COMMAND_POLL_INTERVAL,
     Category,
@@ -25,7 +24,6 @@ from tests.harness import (
     fast_settings,
     fresh_app,
     running_worker,
-    shards_in,
     unique_table,
     wait_until,
     write_rows,
@@ -147,7 +145,7 @@ async def test_a_scope_whose_value_is_0_is_named_in_a_scope_error(servers, engin
 
 
 async def test_without_an_app_the_commands_learn_scope_names_from_the_workflows(
-    servers, engine, client
+    servers, engine
 ) -> None:
     """Without --app: `shards` shows what the table holds (scope numbers) and says what it
     lacks; once a shard of the scope has a workflow, `shards` and `status` name it as the
@@ -173,13 +171,6 @@ async def test_without_an_app_the_commands_learn_scope_names_from_the_workflows(
         return [(e["shard"], e["state"]) for e in entries] == [("ORGANIZATION:8", "blocked")]
 
     async with running_worker(servers, app):
-        # The workflow blocked (a query), then the command's view of it (a program per poll).
-        await wait_until(
-            lambda: shards_in(client, table, {"ORGANIZATION:8": ShardState.BLOCKED}),
-            timeout=60,
-            interval=0.5,
-            what="ORGANIZATION:8 blocked",
-        )
         await wait_until(
             named_and_blocked,
             timeout=60,

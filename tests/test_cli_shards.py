@@ -15,15 +15,14 @@ from temporalio.client import WorkflowUpdateFailedError
 
 from outbox_bridge import OutboxMessage
 from outbox_bridge.testing import assert_replays
-from outbox_bridge.workflows.models import ResumeInput, ShardState, SkipInput
+from outbox_bridge.workflows.models import ResumeInput, SkipInput
 from tests.harness import (
+    COMMAND_POLL_INTERVAL,
     Category,
     fast_settings,
     fresh_app,
     refusal,
     running_worker,
-    shard_status,
-    shards_in,
     table_empty,
     unique_table,
     wait_until,
@@ -78,15 +77,21 @@ async def test_status_skip_and_resume_from_the_command_line(servers, engine, cli
         shown: dict[str, Any] = json.loads(out)
         return shown
 
-    async def retried() -> bool:
-        shown = await shard_status(client, table, "ORGANIZATION:8")
-        return shown is not None and shown.state == ShardState.BLOCKED and shown.attempts >= 3
+    async def state_is(state: str) -> bool:
+        code, out, _ = await cli(servers, table, "status", "ORGANIZATION:8", "--json")
+        return code == 0 and json.loads(out)["state"] == state
 
     settings = fast_settings()
     async with running_worker(servers, app, settings):
-        await wait_until(retried, interval=0.5, what="a blocked shard, retried on the server")
+        await wait_until(
+            lambda: state_is("blocked"), interval=COMMAND_POLL_INTERVAL, what="a blocked shard"
+        )
+        await wait_until(
+            lambda: _attempts_at_least(status(), 3),
+            interval=COMMAND_POLL_INTERVAL,
+            what="server-side retries",
+        )
         shown = await status()
-        assert shown["state"] == "blocked" and int(shown["attempts"]) >= 3
         assert shown["head"]["category_name"] == "PROJECT_UPDATE"
         assert shown["head"]["last_id"] == head
         assert shown["last_error"]["error_type"] == "ConnectionError"
@@ -148,6 +153,10 @@ async def test_status_of_a_shard_without_workflow_says_so(servers) -> None:
     code, _, err = await cli(servers, unique_table(), "status", "TEAM:1")
     assert code == 2
     assert "unknown scope" in err
+
+
+async def _attempts_at_least(shown, minimum: int) -> bool:
+    return int((await shown)["attempts"]) >= minimum
 
 
 async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
@@ -215,7 +224,7 @@ async def test_history_export_then_replay_and_a_nondeterministic_history_fails(
     assert "(unsandboxed)" in out, out
 
 
-async def test_shards_lists_depth_age_and_state(servers, engine, client) -> None:
+async def test_shards_lists_depth_age_and_state(servers, engine) -> None:
     from datetime import timedelta
 
     recorder, table, app = await fresh_app(engine)
@@ -256,16 +265,15 @@ async def test_shards_lists_depth_age_and_state(servers, engine, client) -> None
         found: list[dict[str, object]] = json.loads(out)
         return found
 
-    expected = {"ORGANIZATION:8": ShardState.BLOCKED, "USER:2": ShardState.DEFERRED}
+    async def settled() -> bool:
+        states = {e["shard"]: e["state"] for e in await listed()}
+        return states == {"ORGANIZATION:8": "blocked", "USER:2": "deferred"}
 
     async with running_worker(servers, app):
         await wait_until(
-            lambda: shards_in(client, table, expected),
-            interval=0.5,
-            what="one blocked and one deferred shard",
+            settled, interval=COMMAND_POLL_INTERVAL, what="one blocked and one deferred shard"
         )
         deepest = await listed()
-        assert {e["shard"]: e["state"] for e in deepest} == expected
         assert [(e["shard"], e["rows"], e["groups"]) for e in deepest] == [
             ("ORGANIZATION:8", 3, 2),
             ("USER:2", 1, 1),

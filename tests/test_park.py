@@ -12,8 +12,9 @@ from sqlalchemy import text
 from outbox_bridge.db.parked import park_head, read_parked, unpark
 from outbox_bridge.db.scans import read_pending_up_to
 from outbox_bridge.testing import drain_outbox_async
-from outbox_bridge.workflows.models import ShardRef, ShardState
+from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
+    COMMAND_POLL_INTERVAL,
     Category,
     Recorder,
     create_tables,
@@ -21,7 +22,6 @@ from tests.harness import (
     fresh_app,
     make_app,
     running_worker,
-    shard_status,
     sql,
     table_empty,
     unique_table,
@@ -39,7 +39,7 @@ def row(category: Category, obj: int) -> dict[str, Any]:
 
 
 async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
-    servers, engine, client
+    servers, engine
 ) -> None:
     recorder, table, app = await fresh_app(engine)
     fixed = recorder.fail_until_fixed(Category.PROJECT_UPDATE)
@@ -59,9 +59,9 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
         shown: dict[str, Any] | list[Any] = json.loads(out)
         return shown
 
-    async def blocked() -> bool:
-        shown = await shard_status(client, table, SHARD)
-        return shown is not None and shown.state == ShardState.BLOCKED
+    async def state_is(state: str) -> bool:
+        code, out, _ = await cli(servers, table, "status", SHARD, "--json")
+        return code == 0 and json.loads(out)["state"] == state
 
     async def remaining() -> list[int]:
         async with engine.connect() as conn:
@@ -74,9 +74,9 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
         initial_retry_interval=120.0, max_retry_interval=120.0, sweep_interval=120.0
     )
     async with running_worker(servers, app, settings):
-        await wait_until(blocked, interval=0.5, what="a blocked shard")
-        shown_blocked = await run("status", SHARD)
-        assert isinstance(shown_blocked, dict) and shown_blocked["state"] == "blocked"
+        await wait_until(
+            lambda: state_is("blocked"), interval=COMMAND_POLL_INTERVAL, what="a blocked shard"
+        )
         code, out, err = await cli(servers, table, "park", SHARD, "--reason", "replica down")
         assert code == 0, err
         assert "parked PROJECT_UPDATE object=80" in out, out

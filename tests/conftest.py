@@ -29,7 +29,9 @@ from tests.harness import (
 )
 
 # tests/slots.py: a test of any tier but ``unit`` waits for one of the machine's test slots.
-pytest_plugins = ["pytester", "tests.slots"]
+# tests/schedule.py: the order pytest-xdist hands out the files in.
+# tests/cpu.py: with OUTBOX_TEST_CPU set, the CPU each test used.
+pytest_plugins = ["pytester", "tests.slots", "tests.schedule", "tests.cpu"]
 
 # A test that provokes an ERROR record of the library on purpose says so with this marker;
 # any other ERROR record of an ``outbox_bridge`` logger fails the test that was running.
@@ -91,11 +93,18 @@ def tier_of(item: pytest.Item) -> str:
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the markers
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
+    # The ``faults`` tier (the full fault scenarios, the full exit loops) runs only when an -m
+    # expression names it.
+    if "faults" not in (config.option.markexpr or ""):
+        full = [item for item in items if item.get_closest_marker("faults")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker("faults")]
 
 
 class _ErrorRecords(logging.Handler):

@@ -20,7 +20,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -78,11 +78,29 @@ async def start_servers(base: Path) -> Servers:
     if url is None:
         postgres = await asyncio.to_thread(PostgresServer.embedded, base / "postgres")
         url = postgres.url.render_as_string(hide_password=False)
+        await asyncio.to_thread(skip_durability, url)
     temporal = EmbeddedTemporal(base / "temporal", port=free_port(), ui_port=None, in_memory=True)
     address = await temporal.start()
     return Servers(
         str(sqlalchemy_url(url).render_as_string(hide_password=False)), address, temporal, postgres
     )
+
+
+# The embedded server's data is thrown away with the session: it need not survive a crash of
+# the machine, so commits wait for no disk flush (settings a reload applies).
+NO_DURABILITY = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+def skip_durability(url: str) -> None:
+    """Turn off the embedded test server's crash safety, which only costs the tests time."""
+    admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            for name, value in NO_DURABILITY.items():
+                conn.execute(text(f"ALTER SYSTEM SET {name} = {value}"))
+            conn.execute(text("SELECT pg_reload_conf()"))
+    finally:
+        admin.dispose()
 
 
 def fast_settings(**overrides: Any) -> OutboxSettings:

@@ -534,16 +534,15 @@ async def test_demo_blocks_a_shard_to_skip_and_resume_and_summarises_failures(
         code, said = await demo_cli(env, "resume", OUTAGE_SHARD)
         assert code == 0, said
 
-        async def flushed() -> bool:
-            code, _ = await demo_cli(env, "flush", OUTAGE_SHARD, "--timeout", "5")
-            return code == 0
+        async def drained() -> bool:
+            return int(str(await outage_rows(engine))) == 0
 
+        # Waited for in the database (a query, not a program per poll), then confirmed by flush.
         await wait_until(
-            flushed,
-            timeout=90,
-            interval=COMMAND_POLL_INTERVAL,
-            what="ORGANIZATION:7 drained after its outage",
+            drained, timeout=90, interval=0.5, what="ORGANIZATION:7 drained after its outage"
         )
+        code, said = await demo_cli(env, "flush", OUTAGE_SHARD, "--timeout", "5")
+        assert code == 0, said
     banner = " ".join(output.stdout.split())
     assert "ORGANIZATION:7 is blocked: the project replica of organization 7 is down" in banner
     assert "(60 s)" in banner and "--log-failures logs each" in banner

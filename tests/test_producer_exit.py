@@ -74,8 +74,12 @@ print(json.dumps([[r.shard, str(r.outcome), r.detail] for r in report]))
 sys.exit(EXIT_CODE)
 """
 EXIT_CODE = 3
-# Runs per case, half of them sync; OUTBOX_EXIT_RUNS=100 for the long proof.
+# Runs per case, half of them sync: two in the default suite, the full loop in the ``faults``
+# tier (`pytest -m faults`); OUTBOX_EXIT_RUNS=100 for the long proof.
 RUNS = int(os.environ.get("OUTBOX_EXIT_RUNS", "10"))
+EACH_RUNS = pytest.mark.parametrize(
+    "runs", [pytest.param(2, id="twice"), pytest.param(RUNS, marks=pytest.mark.faults, id="full")]
+)
 AT_ONCE = 4
 
 
@@ -136,8 +140,9 @@ async def silent_server() -> AsyncIterator[str]:
             writer.close()
 
 
+@EACH_RUNS
 async def test_producers_exit_with_their_own_code_with_temporal_up(
-    servers: Servers, engine: AsyncEngine, producer: Path
+    servers: Servers, engine: AsyncEngine, producer: Path, runs: int
 ) -> None:
     table = unique_table()
     app = make_app(table, Recorder())
@@ -146,19 +151,20 @@ async def test_producers_exit_with_their_own_code_with_temporal_up(
     async with running_worker(servers, app, settings):
         env = producer_env(servers, table, servers.temporal_address, timeout=30)
         env["OUTBOX_TASK_QUEUE"] = settings.task_queue
-        runs = await run_producers(producer, env, RUNS)
-    assert outcomes(runs) == ["handled"] * RUNS
+        done = await run_producers(producer, env, runs)
+    assert outcomes(done) == ["handled"] * runs
 
 
+@EACH_RUNS
 async def test_producers_exit_with_their_own_code_with_temporal_down(
-    servers: Servers, engine: AsyncEngine, producer: Path
+    servers: Servers, engine: AsyncEngine, producer: Path, runs: int
 ) -> None:
     table = unique_table()
     await create_tables(engine, make_app(table, Recorder()))
     env = producer_env(servers, table, f"127.0.0.1:{free_port()}", timeout=2)
-    runs = await run_producers(producer, env, RUNS)
-    assert outcomes(runs) == ["unavailable"] * RUNS
-    assert all("cannot connect to Temporal" in run.stdout for run in runs)
+    done = await run_producers(producer, env, runs)
+    assert outcomes(done) == ["unavailable"] * runs
+    assert all("cannot connect to Temporal" in run.stdout for run in done)
 
 
 async def test_producers_exit_with_their_own_code_when_temporal_never_answers(

@@ -87,8 +87,9 @@ except RuntimeError as error:
 sys.exit(5)
 """
 # How many times each clean ending runs, with rows in flight and without (4 programs at once):
-# an unclean stop hung or aborted a run now and then, so one run proves little.
-# OUTBOX_EXIT_RUNS=100 for the long proof.
+# an unclean stop hung or aborted a run now and then, so one run proves little. The default
+# suite runs each once; the full loop is in the ``faults`` tier (`pytest -m faults`), and
+# OUTBOX_EXIT_RUNS=100 makes it the long proof.
 RUNS = int(os.environ.get("OUTBOX_EXIT_RUNS", "3"))
 CLEAN = list(itertools.product(["rows", "none"], ["await", "cancel", "return"]))
 
@@ -123,8 +124,11 @@ async def test_a_program_that_fails_while_its_worker_runs_ends_its_event_loop(
 
 # 18 programs, 4 at a time: 1.5-2 minutes on a loaded machine (48 took 9 minutes).
 @pytest.mark.timeout(max(600, 15 * RUNS * len(CLEAN)))
+@pytest.mark.parametrize(
+    "runs", [pytest.param(1, id="once"), pytest.param(RUNS, marks=pytest.mark.faults, id="full")]
+)
 async def test_a_program_that_stops_its_worker_exits_with_its_own_code_every_time(
-    servers: Servers, program: Path
+    servers: Servers, program: Path, runs: int
 ) -> None:
     at_once = asyncio.Semaphore(4)
 
@@ -133,8 +137,8 @@ async def test_a_program_that_stops_its_worker_exits_with_its_own_code_every_tim
             run = await run_program(servers, program, in_flight, ending)
         return f"{in_flight} in flight, then {ending}", run
 
-    runs = await asyncio.gather(*(one(*case) for case in CLEAN for _ in range(RUNS)))
-    for case, run in runs:
+    done = await asyncio.gather(*(one(*case) for case in CLEAN for _ in range(runs)))
+    for case, run in done:
         assert run.code == 5, f"{case}:\n{run.output}"
         # shutdown() returned with the outbox stopped: nothing of it was left to cancel.
         assert run.stdout.splitlines()[-1:] == [

@@ -2,7 +2,7 @@
 
 Every scenario has a fast variant, run by default, and a full one, marked ``faults``: the full
 ones (and the slowest fast ones) run only when asked for with ``pytest -m faults`` (or any
-``-m`` expression that names the marker). The figures of every scenario that ran are printed at
+``-m`` expression that names the marker; tests/conftest.py leaves them out otherwise). The figures of every scenario that ran are printed at
 the end (tests/conftest.py: also from the test processes of pytest-xdist).
 """
 
@@ -20,15 +20,6 @@ from outbox_bridge.dev.embedded import EmbeddedPostgres, EmbeddedTemporal, free_
 from tests.faults.harness import FIGURES, Figures, WorkerProcess, with_password
 from tests.faults.scenario import Scenario
 from tests.harness import Servers
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "faults" in (config.option.markexpr or ""):
-        return
-    full = [item for item in items if item.get_closest_marker("faults")]
-    if full:
-        config.hook.pytest_deselected(items=full)
-        items[:] = [item for item in items if not item.get_closest_marker("faults")]
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Unpack
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.config import DEFAULT_MAX_PAYLOAD_BYTES, MAX_PAYLOAD_LIMIT, MIN_PAYLOAD_LIMIT
+from outbox_bridge.db.limits import RateLimit, parse_rate
 from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, OutboxError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
@@ -182,6 +183,7 @@ class OutboxApp:
         self._scopes: dict[int, IntEnum] = {}
         self._handlers: dict[int, Handler] = {}
         self._limits: dict[int, CallLimit] = {}
+        self._rates: dict[int, RateLimit] = {}
         self.flush_route = FlushRoute()
         for scope, members in scopes.items():
             self._add_scope(scope, members)
@@ -292,7 +294,10 @@ class OutboxApp:
     # -- handlers --------------------------------------------------------------------------
 
     def handler(
-        self, *categories: IntEnum, max_concurrency: int | None = None
+        self,
+        *categories: IntEnum,
+        max_concurrency: int | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register the decorated function as the handler of ``categories``.
 
@@ -308,10 +313,18 @@ class OutboxApp:
                 other categories go on. The limit is per worker, not per task queue: with
                 ``N`` workers, up to ``N × max_concurrency`` calls run at once. ``None``
                 (the default): no limit of its own.
+            rate_limit: at most this many calls per second, minute or hour (``"50/s"``,
+                ``"300/m"``, ``"1000/h"``) of each of its categories, in every worker of the
+                app together (a token bucket per table and category in ``<table>_limits``,
+                with a burst of one second's worth). A group waiting for its turn holds back
+                only its own shard, like ``max_concurrency``; waiting shards are served in
+                turn. ``outbox-bridge limit`` changes it at run time. ``None`` (the
+                default): no limit unless an operator sets one.
         """
         if not categories:
             raise RegistryError("app.handler() needs at least one category")
         _check_concurrency(max_concurrency)
+        rate = None if rate_limit is None else parse_rate(rate_limit)
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
@@ -340,6 +353,8 @@ class OutboxApp:
                 self._handlers[int(category)] = fn
                 if limit is not None:
                     self._limits[int(category)] = limit
+                if rate is not None:
+                    self._rates[int(category)] = rate
             return fn
 
         return register
@@ -351,6 +366,10 @@ class OutboxApp:
         """The ``max_concurrency`` of ``category``'s handler, shared by the categories
         registered with it; None when it has none."""
         return self._limits.get(int(category))
+
+    def rate_limit(self, category: int) -> RateLimit | None:
+        """The declared ``rate_limit`` of ``category``; None when it has none."""
+        return self._rates.get(int(category))
 
     def wrap_handlers(self, wrapper: Callable[[Handler], Handler]) -> None:
         """Replace every handler ``fn`` with ``wrapper(fn)`` (once, whatever its categories),

@@ -40,6 +40,7 @@ from outbox_bridge.runtime.call_slots import (
     RoundShards,
     Slots,
 )
+from outbox_bridge.runtime.rate_limits import RateLimits
 from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
@@ -102,8 +103,10 @@ class HandlerCalls:
         timeout: float = math.inf,
         max_calls: int = MAX_CONCURRENT_CALLS,
         max_payload_bytes: int | None = None,
+        rates: RateLimits | None = None,
     ) -> None:
         self._app = app
+        self.rates = rates  # the categories' rate limits (None: none is applied)
         # No row with a larger payload is read whole (the statement leaves its payload out).
         self.max_payload_bytes = max_payload_bytes or app.max_payload_bytes
         self._redact = redact_errors
@@ -122,6 +125,8 @@ class HandlerCalls:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.rates is not None:
+            self.rates.close()
 
     # -- preparing -------------------------------------------------------------------------
 
@@ -180,12 +185,16 @@ class HandlerCalls:
                 if not await _may_start(index, deadline, may_continue, pace):
                     return False
                 limits = self.slots.limits(call.group.category)
+                # A rate-limited call takes its token first, waiting as for a slot.
+                rated = self._rated(shard, call)
+                if rated and not await rated.token(shard, call.group.category, deadline, round_):
+                    return False
                 async with Held(limits, deadline, round_) as free:
                     # A wait for a slot may have outlived the round's connection.
                     if not free or not may_continue():
                         return False
                     if call.is_sync:
-                        end = self._sync_run_end(calls, index, hop, limits)
+                        end = self._sync_run_end(shard, calls, index, 1 if rated else hop, limits)
                         count, error, paused = await self._in_thread(
                             calls[index:end],
                             handled,
@@ -212,15 +221,24 @@ class HandlerCalls:
             if clock is not None:
                 clock.close()
 
-    def _sync_run_end(self, calls: list[Call], index: int, hop: int, limits: list[Slots]) -> int:
+    def _rated(self, shard: ShardRef, call: Call) -> RateLimits | None:
+        """The rate limits if ``call``'s category has one (a token per call), else None."""
+        rates = self.rates
+        limited = rates is not None and rates.limited(shard.table, call.group.category)
+        return rates if limited else None
+
+    def _sync_run_end(
+        self, shard: ShardRef, calls: list[Call], index: int, hop: int, limits: list[Slots]
+    ) -> int:
         """Where the sync calls from ``index`` that run in one thread hop end: at most ``hop``
-        of them, each under the same ``limits``."""
+        of them, each under the same ``limits`` and none rate limited."""
         end = index + 1
         while (
             end < len(calls)
             and end - index < hop
             and calls[end].is_sync
             and self.slots.limits(calls[end].group.category) == limits
+            and not self._rated(shard, calls[end])
         ):
             end += 1
         return end

@@ -18,6 +18,7 @@ from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, tables_of, temporal_client
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.limit_commands import read_limit_views, shard_rate_limit
 from outbox_bridge.cli.park_commands import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
 from outbox_bridge.config import OutboxSettings, SettingGroup
@@ -85,10 +86,14 @@ def _table(listed: list[dict[str, Any]]) -> Table:
     view = Table(title="shards with pending rows")
     # The parked column only when a shard has parked groups (`outbox-bridge parked` lists them).
     parked = any(entry["parked_groups"] for entry in listed)
+    # The rate-limit column only when a shard's first row has a limited category.
+    limited = any(entry["rate_limited"] for entry in listed)
     for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
         view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
     if parked:
         view.add_column("parked groups", justify="right")
+    if limited:
+        view.add_column("rate limited")
     for entry in listed:
         view.add_row(
             entry["shard"],
@@ -98,6 +103,7 @@ def _table(listed: list[dict[str, Any]]) -> Table:
             entry["state"],
             entry["blocked_category"] or "",
             *([str(entry["parked_groups"] or "")] if parked else []),
+            *([entry["rate_limited"] or ""] if limited else []),
         )
     return view
 
@@ -127,9 +133,11 @@ async def _list(
             for d in depths
         ]
         pauses = [await read_shard_pause(conn, table, ref) for ref in refs]
+        views = await read_limit_views(conn, app, table)
+        limited = [await shard_rate_limit(conn, table, views, ref) for ref in refs]
         parked = await parked_per_shard(conn, table)
     listed: list[dict[str, Any]] = []
-    for depth, pause in zip(depths, pauses, strict=True):
+    for depth, pause, rate_limited in zip(depths, pauses, limited, strict=True):
         scope_name = await names.name(depth.scope)
         ref = ShardRef(table.name, depth.scope, scope_name, depth.shard_identifier, depth.region)
         found, blocked = await _workflow_state(client, ref)
@@ -148,6 +156,7 @@ async def _list(
                 "state": found,
                 "blocked_category": blocked,
                 "parked_groups": parked[(depth.region, depth.scope, depth.shard_identifier)],
+                "rate_limited": rate_limited,
             }
         )
         if len(listed) >= top:

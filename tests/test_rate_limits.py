@@ -31,6 +31,7 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
+from tests.otel import metric_reader, points
 from tests.test_cli_shards import cli
 
 LIMITED = Category.ORGANIZATION_UPDATE
@@ -139,14 +140,20 @@ async def test_waiting_shards_take_turns_so_that_a_flooding_shard_takes_its_shar
         granted.append(shard)
 
     flood = [call(1) for _ in range(12)]  # shard 1 queued first, twelve times
-    try:
-        await asyncio.gather(*flood, call(2), call(3), call(4))
-    finally:
-        rates.close()
+    with metric_reader() as reader:
+        try:
+            await asyncio.gather(*flood, call(2), call(3), call(4))
+        finally:
+            rates.close()
+        waits = list(points(reader.get_metrics_data(), "outbox.rate_limit.wait"))
     # In turn: shard 1 once, then each other shard, before shard 1 again (first come, first
     # served would give shard 1 its twelve tokens first).
     assert sorted(granted[:4]) == [1, 2, 3, 4], granted
     assert granted[4:] == [1] * 11
+    # Each call's wait, by category (the bucket started empty: every call waited).
+    [wait] = waits
+    assert wait.attributes == {"outbox.category": "ORGANIZATION_UPDATE"}
+    assert wait.count == 15 and wait.sum > 0
 
 
 def _row(category: Category, shard: int, obj: int) -> dict[str, Any]:

@@ -50,27 +50,23 @@ def limit_views(app: OutboxApp | None, records: list[LimitRecord]) -> list[Limit
     """Every category with a declared limit or a row in the table, by number."""
     by_number = {record.category: record for record in records}
     declared = {int(c) for c in app.categories if app.rate_limit(c)} if app is not None else set()
-    views = []
-    for number in sorted(declared | set(by_number)):
-        record = by_number.get(number)
-        own = app.rate_limit(number) if app is not None else None
-        views.append(
-            LimitView(
-                category=member_name(app, PauseKind.CATEGORY, number),
-                number=number,
-                declared=None if own is None else str(own),
-                override=None
-                if record is None or record.per_second is None
-                else str(RateLimit(record.per_second)),
-                set_by=None if record is None else record.set_by,
-                set_role=None if record is None else record.set_role,
-                set_at=None
-                if record is None or record.set_at is None
-                else record.set_at.isoformat(timespec="seconds"),
-                waiting=record is not None and record.waiting,
-            )
-        )
-    return views
+    return [_view(app, n, by_number.get(n)) for n in sorted(declared | set(by_number))]
+
+
+def _view(app: OutboxApp | None, number: int, record: LimitRecord | None) -> LimitView:
+    own = app.rate_limit(number) if app is not None else None
+    set_rate = None if record is None else record.per_second
+    set_at = None if record is None else record.set_at
+    return LimitView(
+        category=member_name(app, PauseKind.CATEGORY, number),
+        number=number,
+        declared=None if own is None else str(own),
+        override=None if set_rate is None else str(RateLimit(set_rate)),
+        set_by=None if record is None else record.set_by,
+        set_role=None if record is None else record.set_role,
+        set_at=None if set_at is None else set_at.isoformat(timespec="seconds"),
+        waiting=record is not None and record.waiting,
+    )
 
 
 def effective(view: LimitView) -> str | None:
@@ -108,14 +104,22 @@ async def table_limits(
         return limit_views(app, await read_limits(conn, table))
 
 
+async def shard_rate_limits(
+    conn: AsyncConnection, app: OutboxApp | None, table: SqlTable, shards: list[ShardRef]
+) -> list[str | None]:
+    """:func:`shard_rate_limit` of each of ``shards``."""
+    views = await read_limit_views(conn, app, table)
+    return [await shard_rate_limit(conn, table, views, shard) for shard in shards]
+
+
 async def shard_limit(settings: OutboxSettings, ref: ShardRef) -> str | None:
     """:func:`shard_rate_limit` of ``ref``; None when the database cannot be read (``status``
     shows the workflow's state whatever the database says)."""
     try:
         async with connected(settings, ref.table, read_only=True) as conn:
             table = shard_app(settings, ref).table(ref.table)
-            views = await read_limit_views(conn, command_app(settings), table)
-            return await shard_rate_limit(conn, table, views, ref)
+            [limited] = await shard_rate_limits(conn, command_app(settings), table, [ref])
+            return limited
     except (ConfigurationError, SQLAlchemyError):
         return None
 

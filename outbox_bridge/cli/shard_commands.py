@@ -85,7 +85,10 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         click.echo(json.dumps(shown | {"parked_groups": groups}, indent=2, default=str))
         return
     if report is not None:
-        Console().print(_status_table(report, paused, limited))
+        view = _status_table(report, paused)
+        if limited is not None:
+            view.add_row("rate limited", limited)
+        Console().print(view)
     else:
         click.echo(f"shard {shard} has no workflow of its own: a partition drains it")
         if limited is not None:
@@ -113,9 +116,7 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="seconds") if moment is not None else None
 
 
-def _status_table(
-    report: ShardReport, paused: str | None = None, limited: str | None = None
-) -> Table:
+def _status_table(report: ShardReport, paused: str | None = None) -> Table:
     status = report.status
     view = Table(title=f"shard {status.shard}", show_header=False)
     if report.running:
@@ -148,8 +149,6 @@ def _status_table(
         view.add_row("refused", status.refused.summary)
     if paused is not None:
         view.add_row("paused", paused)
-    if limited is not None:
-        view.add_row("rate limited", limited)
     return view
 
 

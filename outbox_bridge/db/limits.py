@@ -17,7 +17,7 @@ from sqlalchemy import Table, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_bridge.db.schema import LIMIT_ROLE, SESSION_USER, limits_of
+from outbox_bridge.db.schema import LIMIT_ROLE, MAX_PER_SECOND, SESSION_USER, limits_of
 from outbox_bridge.errors import OutboxError, RegistryError
 
 # A bucket holds at most this many seconds of its rate (one token at least): an idle category
@@ -26,9 +26,6 @@ BURST_SECONDS = 1.0
 # A bucket taken from this recently has calls waiting for it: workers take only then, at
 # least every two seconds.
 WAITING_SECONDS = 5.0
-# The highest rate a limit may have: past it, a limit shared through one row costs more than
-# it saves.
-MAX_PER_SECOND = 100_000.0
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _RATE = re.compile(r"(\d+(?:\.\d+)?)\s*/\s*([smh])")

@@ -42,6 +42,9 @@ PAUSED_ROLE = "paused_role"
 PAUSE_ENDS_AT = "ends_at"
 PARKED_ROLE = "parked_role"
 LIMIT_ROLE = "set_role"
+# The highest rate a category's limit may have (calls per second): past it, a limit shared
+# through one row costs more than it saves.
+MAX_PER_SECOND = 100_000
 UNPARKED_ROLE = "unparked_role"
 
 
@@ -192,7 +195,10 @@ def limit_table(outbox: Table) -> Table:
         # The role PostgreSQL authenticated, beside the declared ``set_by``.
         Column(LIMIT_ROLE, Text, nullable=True),
         Column("set_at", DateTime(timezone=True), nullable=True),
-        CheckConstraint("per_second > 0", name=f"{outbox.name}_limits_per_second"),
+        CheckConstraint(
+            f"per_second > 0 AND per_second <= {MAX_PER_SECOND}",
+            name=f"{outbox.name}_limits_per_second",
+        ),
     )
     return _beside(outbox, "limits", limits)
 

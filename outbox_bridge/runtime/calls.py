@@ -40,7 +40,7 @@ from outbox_bridge.runtime.call_slots import (
     RoundShards,
     Slots,
 )
-from outbox_bridge.runtime.rate_limits import RateLimits
+from outbox_bridge.runtime.rate_limits import Rated, RateLimits
 from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
@@ -185,16 +185,12 @@ class HandlerCalls:
                 if not await _may_start(index, deadline, may_continue, pace):
                     return False
                 limits = self.slots.limits(call.group.category)
-                # A rate-limited call takes its token first, waiting as for a slot.
-                rated = self._rated(shard, call)
-                if rated and not await rated.token(shard, call.group.category, deadline, round_):
-                    return False
-                async with Held(limits, deadline, round_) as free:
+                async with self._turn(shard, call, limits, deadline, round_) as free:
                     # A wait for a slot may have outlived the round's connection.
                     if not free or not may_continue():
                         return False
                     if call.is_sync:
-                        end = self._sync_run_end(shard, calls, index, 1 if rated else hop, limits)
+                        end = self._sync_run_end(shard, calls, index, hop, limits)
                         count, error, paused = await self._in_thread(
                             calls[index:end],
                             handled,
@@ -221,18 +217,33 @@ class HandlerCalls:
             if clock is not None:
                 clock.close()
 
-    def _rated(self, shard: ShardRef, call: Call) -> RateLimits | None:
-        """The rate limits if ``call``'s category has one (a token per call), else None."""
-        rates = self.rates
-        limited = rates is not None and rates.limited(shard.table, call.group.category)
-        return rates if limited else None
+    def _rated(self, shard: ShardRef, call: Call) -> bool:
+        """Whether ``call``'s category is rate limited (a token per call)."""
+        return self.rates is not None and self.rates.limited(shard.table, call.group.category)
+
+    def _turn(
+        self,
+        shard: ShardRef,
+        call: Call,
+        limits: list[Slots],
+        deadline: float,
+        round_: RoundShards | None,
+    ) -> Held | Rated:
+        """A slot of each of ``limits``, after a token when ``call``'s category is rate limited
+        (it waits for its token first, holding no slot meanwhile)."""
+        held = Held(limits, deadline, round_)
+        if self.rates is None or not self._rated(shard, call):
+            return held
+        return Rated(self.rates, shard, call.group.category, held, deadline, round_)
 
     def _sync_run_end(
         self, shard: ShardRef, calls: list[Call], index: int, hop: int, limits: list[Slots]
     ) -> int:
         """Where the sync calls from ``index`` that run in one thread hop end: at most ``hop``
-        of them, each under the same ``limits`` and none rate limited."""
+        of them, each under the same ``limits``, and one alone if rate limited."""
         end = index + 1
+        if self._rated(shard, calls[index]):
+            return end
         while (
             end < len(calls)
             and end - index < hop

@@ -27,7 +27,7 @@ from outbox_bridge.db.grants import Role, privilege_advice
 from outbox_bridge.db.limits import Grant, RateLimit, read_limits, take_tokens
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import RoundShards
+from outbox_bridge.runtime.call_slots import Held, RoundShards
 from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,13 @@ class Bucket:
         if round_ is not None and round_.idle:
             return False
         started = time.monotonic()
+        if not await self._wait(tenant, deadline, round_):
+            return False
+        self._limits.waited(self, time.monotonic() - started)
+        return True
+
+    async def _wait(self, tenant: str, deadline: float, round_: RoundShards | None) -> bool:
+        """Queue behind ``tenant``'s turn for the next token handed out."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._turns.setdefault(tenant, collections.deque()).append(waiter)
@@ -87,14 +94,22 @@ class Bucket:
         except TimeoutError:
             return False
         finally:
-            if not _granted(waiter):
-                self.waiting -= 1
-            if timer is not None:
-                timer.cancel()
-            if round_ is not None:
-                round_.woken(waiter)
-        self._limits.waited(self, time.monotonic() - started)
+            self._left(waiter, timer, round_)
         return True
+
+    def _left(
+        self,
+        waiter: asyncio.Future[None],
+        timer: asyncio.TimerHandle | None,
+        round_: RoundShards | None,
+    ) -> None:
+        """``waiter`` stopped waiting (a token handed out to it was counted then)."""
+        if not _granted(waiter):
+            self.waiting -= 1
+        if timer is not None:
+            timer.cancel()
+        if round_ is not None:
+            round_.woken(waiter)
 
     async def _fill(self) -> None:
         """Take tokens for the waiters, in batches, until none waits."""
@@ -110,7 +125,7 @@ class Bucket:
                 return
             self.per_second = grant.per_second
             self._hand_out()
-            if grant.tokens < want and grant.per_second is not None:
+            if grant.tokens < want:
                 await asyncio.sleep(min(max(want / grant.per_second, MIN_PAUSE), MAX_PAUSE))
 
     def _batch(self) -> int:
@@ -138,6 +153,38 @@ class Bucket:
             turns.move_to_end(tenant)
             if not queue:
                 del turns[tenant]
+
+
+class Rated:
+    """A token of ``rates``, then the slots of ``held``, for an ``async with`` block, which gets
+    True, or False (holding nothing) if either did not come in time."""
+
+    __slots__ = ("_category", "_deadline", "_held", "_rates", "_round", "_shard")
+
+    def __init__(
+        self,
+        rates: RateLimits,
+        shard: ShardRef,
+        category: int,
+        held: Held,
+        deadline: float,
+        round_: RoundShards | None,
+    ) -> None:
+        self._rates = rates
+        self._shard = shard
+        self._category = category
+        self._held = held
+        self._deadline = deadline
+        self._round = round_
+
+    async def __aenter__(self) -> bool:
+        token = self._rates.token(self._shard, self._category, self._deadline, self._round)
+        if not await token:
+            return False
+        return await self._held.__aenter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._held.__aexit__(*exc)
 
 
 def _granted(waiter: asyncio.Future[None]) -> bool:

@@ -169,6 +169,7 @@ SQL_NAMES = {
     # The rate limits' take (db/limits.py): their table's name, and the burst, a constant.
     "limits",
     "BURST_SECONDS",
+    "MAX_PER_SECOND",
     "_holds('p')",
     # What init-db adds to an existing table (db/install.py): the table's name, a column and a
     # check constraint compiled from the metadata, and the NOTIFY function's name and body

@@ -31,6 +31,8 @@ from outbox_bridge.runtime.worker import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING, READY = "serving", "ready"
+# The longest line read from the process: its last one carries every row's start when asked.
+LINE_LIMIT = 64 * 1024 * 1024
 
 
 @dataclass
@@ -55,6 +57,7 @@ async def run_worker_process(
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.worker_process",
         cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        limit=LINE_LIMIT,
     )  # fmt: skip
     assert process.stdin is not None and process.stdout is not None
     stdout = process.stdout

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.client import Client
 
 from outbox_bridge import OutboxApp, OutboxTable, RegistryError
 from outbox_bridge.db.limits import RateLimit, parse_rate, read_limits, set_limit, take_tokens
 from outbox_bridge.db.schema import limits_of
 from outbox_bridge.runtime.rate_limits import RateLimits
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.workflows.models import PartitionRef, ShardRef
 from tests.harness import (
     SCOPES,
     Category,
@@ -160,8 +161,19 @@ def _row(category: Category, shard: int, obj: int) -> dict[str, Any]:
     return {"category": category, "shard_identifier": shard, "object_identifier": obj}
 
 
+async def _drains_say(client: Client, table: str, partitions: int, text: str) -> bool:
+    """Whether the heartbeat details of a running drain of ``table`` list ``text``."""
+    for partition in range(partitions):
+        handle = client.get_workflow_handle(PartitionRef(table, partition, partitions).workflow_id)
+        for pending in (await handle.describe()).raw_description.pending_activities:
+            details = await client.data_converter.decode(list(pending.heartbeat_details.payloads))
+            if details and any(text in line for line in details[-1].get("rate_limited", [])):
+                return True
+    return False
+
+
 async def test_a_limited_category_waits_while_others_drain_until_a_limit_set_at_run_time(
-    servers: Servers, engine: AsyncEngine
+    servers: Servers, engine: AsyncEngine, client: Client
 ) -> None:
     recorder = Recorder()
     # One call an hour, from an empty bucket: none of the limited category runs on its own.
@@ -172,10 +184,22 @@ async def test_a_limited_category_waits_while_others_drain_until_a_limit_set_at_
     # Behind a limited row in its shard (order per shard), and in shards of their own.
     behind = await write_rows(engine, app, [_row(Category.PROJECT_UPDATE, 1, 2)])
     others = await write_rows(engine, app, [_row(Category.PROJECT_UPDATE, s, 1) for s in (4, 5)])
-    async with running_worker(servers, app, fast_settings()):
+    async with running_worker(servers, app, fast_settings()) as settings:
         await wait_until(lambda: set(others) <= set(recorder.ids()), what="other shards drained")
-        code, out, err = await cli(servers, table, "limits", "--json")
+        # Visible while they wait: the drains' live details, shards and status.
+        waiting = "ORGANIZATION_UPDATE 1/h: "
+        await wait_until(
+            lambda: _drains_say(client, table, settings.partitions, waiting),
+            what="a drain's heartbeat naming the category waiting",
+        )
+        code, out, err = await cli(servers, table, "shards", "--json")
         assert code == 0, err
+        limited_line = "ORGANIZATION_UPDATE 1/h (declared), calls wait for tokens"
+        listed = {entry["shard"]: entry["rate_limited"] for entry in json.loads(out)}
+        assert listed == {f"ORGANIZATION:{s}": limited_line for s in (1, 2, 3)}
+        code, out, err = await cli(servers, table, "status", "ORGANIZATION:2", "--json")
+        assert code == 0, err
+        assert json.loads(out)["rate_limited"] == limited_line
         code, out, err = await cli(servers, table, "limit", "organization_update", "100/s")
         assert code == 0, err
         assert "limited to 100/s in every worker" in out

@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import Table as SqlTable
+from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -54,7 +55,10 @@ def limit_views(app: OutboxApp | None, records: list[LimitRecord]) -> list[Limit
 
 
 def _view(app: OutboxApp | None, number: int, record: LimitRecord | None) -> LimitView:
+    """The app's declared rate, else the one the workers declare (without the app)."""
     own = app.rate_limit(number) if app is not None else None
+    if own is None and record is not None and record.declared is not None:
+        own = RateLimit(record.declared)
     set_rate = None if record is None else record.per_second
     set_at = None if record is None else record.set_at
     return LimitView(
@@ -77,8 +81,13 @@ def effective(view: LimitView) -> str | None:
 async def read_limit_views(
     conn: AsyncConnection, app: OutboxApp | None, table: SqlTable
 ) -> dict[int, LimitView]:
-    """The limits of ``table`` by category number."""
-    return {view.number: view for view in limit_views(app, await read_limits(conn, table))}
+    """The limits of ``table`` by category number (the declared ones alone before
+    ``init-db`` created the table's rate-limit table)."""
+    found = await conn.execute(
+        text("SELECT to_regclass(:name) IS NOT NULL"), {"name": limits_of(table).name}
+    )
+    records = await read_limits(conn, table) if found.scalar() else []
+    return {view.number: view for view in limit_views(app, records)}
 
 
 async def shard_rate_limit(
@@ -107,8 +116,11 @@ async def table_limits(
 async def shard_rate_limits(
     conn: AsyncConnection, app: OutboxApp | None, table: SqlTable, shards: list[ShardRef]
 ) -> list[str | None]:
-    """:func:`shard_rate_limit` of each of ``shards``."""
+    """:func:`shard_rate_limit` of each of ``shards`` (none read when no category is
+    limited)."""
     views = await read_limit_views(conn, app, table)
+    if not any(effective(view) for view in views.values()):
+        return [None] * len(shards)
     return [await shard_rate_limit(conn, table, views, shard) for shard in shards]
 
 

@@ -73,9 +73,10 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         try:
             return await shard_report(client, ref), parked, paused, limited
         except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND or not isinstance(parked, list) or not parked:
+            # No workflow of its own: what the database says of the shard is shown, if anything.
+            if exc.status != RPCStatusCode.NOT_FOUND or not (parked_list(parked) or limited):
                 raise
-            return None, parked, paused, limited  # no workflow of its own, parked groups to show
+            return None, parked, paused, limited
 
     report, parked, paused, limited = run_or_exit(work(), shard=shard)
     if as_json:
@@ -99,6 +100,11 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         app = command_app(settings)
         title = f"parked groups of shard {shard}"
         Console().print(parked_table(parked, app, title=title, one_shard=True))
+
+
+def parked_list(parked: list[ParkedGroup] | str) -> list[ParkedGroup]:
+    """The parked groups, or none when they could not be read (``parked`` says why)."""
+    return parked if isinstance(parked, list) else []
 
 
 def _status_json(report: ShardReport, paused: str | None) -> dict[str, Any]:

@@ -77,14 +77,16 @@ class Grant:
 @dataclass(frozen=True)
 class LimitRecord:
     """A category's row in ``<table>_limits``: the rate an operator set (None: the declared
-    one), who changed it last, as declared and as PostgreSQL authenticated them, and whether
-    calls wait for its tokens (a worker took some in the last :data:`WAITING_SECONDS`)."""
+    one), who changed it last, as declared and as PostgreSQL authenticated them, the rate the
+    workers declare, and whether calls wait for its tokens (a worker took some in the last
+    :data:`WAITING_SECONDS`)."""
 
     category: int
     per_second: float | None
     set_by: str | None
     set_role: str | None
     set_at: datetime | None
+    declared: float | None = None  # as the worker that last took tokens declared it
     waiting: bool = False
 
 
@@ -92,7 +94,8 @@ def _take_sql(limits: str) -> str:
     # The sub-select locks the row (a concurrent take waits, then reads its result), so that the
     # refill and the take are computed from the row as the last take left it.
     return f"""
-        UPDATE {limits} l SET tokens = b.avail - b.granted, refilled_at = b.at
+        UPDATE {limits} l SET tokens = b.avail - b.granted, refilled_at = b.at,
+                              declared = CAST(:declared AS float8)
         FROM (
             SELECT category, at, rate, avail, least(floor(avail), :want)::int AS granted
             FROM (
@@ -114,8 +117,8 @@ async def take_tokens(
     conn: AsyncConnection, table: Table, category: int, declared: float | None, want: int
 ) -> Grant:
     """Take up to ``want`` tokens of ``category``'s bucket (created at its first take), at the
-    operator's rate, else ``declared`` (calls per second). Run it outside a transaction: the
-    row stays locked until the statement's transaction ends."""
+    operator's rate, else ``declared`` (calls per second), which the row records. Run it in a
+    transaction of its own: the row stays locked until the transaction ends."""
     limits = limits_of(table)
     params = {"category": category, "declared": declared, "want": want}
     statement = text(_take_sql(limits.name))
@@ -149,8 +152,8 @@ async def set_limit(
 async def read_limits(conn: AsyncConnection, table: Table) -> list[LimitRecord]:
     """Every category of ``table`` with a bucket or a record of a change, by category."""
     limits = limits_of(table)
-    names = ("category", "per_second", "set_by", LIMIT_ROLE, "set_at")
+    names = ("category", "per_second", "set_by", LIMIT_ROLE, "set_at", "declared")
     since = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, WAITING_SECONDS)
     waiting = limits.c.refilled_at > since
     statement = select(*(limits.c[n] for n in names), waiting).order_by(limits.c.category)
-    return [LimitRecord(*row[:5], waiting=bool(row[5])) for row in await conn.execute(statement)]
+    return [LimitRecord(*row[:6], waiting=bool(row[6])) for row in await conn.execute(statement)]

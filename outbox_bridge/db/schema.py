@@ -191,6 +191,8 @@ def limit_table(outbox: Table) -> Table:
         Column("refilled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
         # Calls per second an operator set (``outbox-bridge limit``); NULL: the declared one.
         Column("per_second", Double, nullable=True),
+        # The declared rate, as the worker that last took tokens declared it (for the commands).
+        Column("declared", Double, nullable=True),
         Column("set_by", Text, nullable=True),
         # The role PostgreSQL authenticated, beside the declared ``set_by``.
         Column(LIMIT_ROLE, Text, nullable=True),

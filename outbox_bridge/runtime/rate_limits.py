@@ -3,8 +3,9 @@ from the table's bucket that every worker shares (:mod:`outbox_bridge.db.limits`
 
 A worker takes tokens in small batches, and only while it has calls waiting for one. A wait
 ends like a wait for a call slot (:class:`~outbox_bridge.runtime.call_slots.Slots`): with a
-token, at the round's deadline, or once every other shard of the round is done; the shard then
-goes back to its queue with its rows, and other categories never wait.
+token, at the round's deadline, or once every other shard of the round is done (after
+:data:`IDLE_ROUND_GRACE` more); the shard then goes back to its queue with its rows, and other
+categories never wait.
 
 Waiters are served in turn by *tenant*, the shard (its scope and identifier, and region): a
 shard that had a token goes behind every shard already waiting, so one shard with a flood of
@@ -41,6 +42,11 @@ MIN_PAUSE, MAX_PAUSE = 0.01, 2.0
 REFRESH_SECONDS = 2.0
 # After a failed take, the bucket is asked again after this long (seconds).
 RETRY_SECONDS = 1.0
+# A call waiting for a token when the other shards of its round are done waits this much
+# longer (seconds) before its shard goes back to the queue: unlike a call slot, a token is
+# due at a known pace, and a round given up for nothing re-reads its shards while the tokens
+# go untaken (a bucket holds one second of them).
+IDLE_ROUND_GRACE = 0.25
 
 
 class Bucket:
@@ -65,9 +71,9 @@ class Bucket:
             self.tokens -= 1
             self._limits.waited(self, 0.0)
             return True
-        if round_ is not None and round_.idle:
-            return False
         started = time.monotonic()
+        if round_ is not None and round_.idle:
+            deadline, round_ = min(deadline, started + IDLE_ROUND_GRACE), None
         if not await self._wait(tenant, deadline, round_):
             return False
         self._limits.waited(self, time.monotonic() - started)
@@ -80,8 +86,12 @@ class Bucket:
         self._turns.setdefault(tenant, collections.deque()).append(waiter)
         self.waiting += 1
         timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
+        # The round sees the wait through a stand-in: when the round gives its waiters up, this
+        # one waits a moment more (its token may be due), then gives up too.
+        stand_in = loop.create_future()
+        stand_in.add_done_callback(lambda done: _expire_soon(done, waiter, deadline))
         if round_ is not None:
-            round_.waiting(waiter)
+            round_.waiting(stand_in)
         if self.filler is None or self.filler.done():
             self.filler = asyncio.create_task(self._fill())
         try:
@@ -94,22 +104,18 @@ class Bucket:
         except TimeoutError:
             return False
         finally:
-            self._left(waiter, timer, round_)
+            self._left(waiter, timer)
+            stand_in.cancel()
+            if round_ is not None:
+                round_.woken(stand_in)
         return True
 
-    def _left(
-        self,
-        waiter: asyncio.Future[None],
-        timer: asyncio.TimerHandle | None,
-        round_: RoundShards | None,
-    ) -> None:
+    def _left(self, waiter: asyncio.Future[None], timer: asyncio.TimerHandle | None) -> None:
         """``waiter`` stopped waiting (a token handed out to it was counted then)."""
         if not _granted(waiter):
             self.waiting -= 1
         if timer is not None:
             timer.cancel()
-        if round_ is not None:
-            round_.woken(waiter)
 
     async def _fill(self) -> None:
         """Take tokens for the waiters, in batches, until none waits."""
@@ -189,6 +195,18 @@ class Rated:
 
 def _granted(waiter: asyncio.Future[None]) -> bool:
     return waiter.done() and not waiter.cancelled() and waiter.exception() is None
+
+
+def _expire_soon(
+    stand_in: asyncio.Future[None], waiter: asyncio.Future[None], deadline: float
+) -> None:
+    """The round gave ``stand_in`` up: give ``waiter`` up :data:`IDLE_ROUND_GRACE` from now
+    (by ``deadline`` at the latest)."""
+    if not stand_in.cancelled():
+        stand_in.exception()  # seen: the round's expiry is no error
+    if not waiter.done():
+        loop = asyncio.get_running_loop()
+        loop.call_at(min(deadline, loop.time() + IDLE_ROUND_GRACE), _expire, waiter)
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from enum import IntEnum
 from typing import Any
 
@@ -150,10 +150,18 @@ class HandlerProbe:
                 self.starts.setdefault(message.id, started)
 
 
-def make_app(table: str, probe: HandlerProbe) -> OutboxApp:
-    """An app with one table whose every category is handled by ``probe``."""
+def make_app(
+    table: str, probe: HandlerProbe, rate_limits: Mapping[int, str] | None = None
+) -> OutboxApp:
+    """An app with one table whose every category is handled by ``probe``, under the
+    ``rate_limits`` given (category value: ``"100/s"``)."""
     app = OutboxApp(
         scopes={Scope.TENANT: set(Category)}, categories=[Category], tables=[OutboxTable(table)]
     )
-    app.handler(*Category)(probe.handle_plain if probe.plain else probe.handle)
+    handle = probe.handle_plain if probe.plain else probe.handle
+    if not rate_limits:
+        app.handler(*Category)(handle)
+        return app
+    for category in Category:
+        app.handler(category, rate_limit=rate_limits.get(int(category)))(handle)
     return app

@@ -51,7 +51,16 @@ WORKERS_COLUMNS = [
     ("seconds", "s", "{:.1f}"),
     ("completed", "completed", "{}"),
 ]
-KIND_COLUMNS = {"latency": LATENCY_COLUMNS, "workers": WORKERS_COLUMNS}
+LIMITS_COLUMNS = [
+    ("limit_per_s", "limit/s", "{}"),
+    ("limited_rate_per_s", "limited rows/s", "{:.1f}"),
+    ("other_rate_per_s_with_limit", "other rows/s", "{:,.0f}"),
+    ("other_rate_per_s_without_limit", "other, no limit", "{:,.0f}"),
+    ("quiet_p99_wait_s", "quiet p99 s", "{:.2f}"),
+    ("quiet_p99_wait_s_with_flood", "with flood", "{:.2f}"),
+    ("flood_p99_ratio", "ratio", "{:.2f}"),
+]
+KIND_COLUMNS = {"latency": LATENCY_COLUMNS, "workers": WORKERS_COLUMNS, "limits": LIMITS_COLUMNS}
 EXTRA_COLUMNS = {
     "many-shards": [
         ("running_after_idle", "running after idle", "{}"),

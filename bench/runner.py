@@ -14,6 +14,7 @@ from bench import report
 from bench.app import FlakyError
 from bench.context import BenchConfig, Context
 from bench.latency import run_latency
+from bench.limits import run_limits
 from bench.progress import say
 from bench.servers import database
 from bench.tuning import applied
@@ -46,6 +47,7 @@ WORKLOADS: dict[str, Runner] = {
     "io": _throughput("io-async", "io-plain"),
     "io-remote": _throughput("io-async-remote", "io-plain-remote"),
     "workers": run_workers,
+    "limits": run_limits,
     "flaky": _throughput("flaky"),
 }
 

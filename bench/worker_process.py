@@ -31,6 +31,8 @@ from outbox_bridge.runtime.worker import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING, READY = "serving", "ready"
+# The longest line read from the process: its last one carries every row's start when asked.
+LINE_LIMIT = 64 * 1024 * 1024
 
 
 @dataclass
@@ -44,6 +46,7 @@ class WorkerSpec:
     temporal_address: str
     probe: dict[str, Any] = field(default_factory=dict)
     partition_options: dict[str, Any] = field(default_factory=dict)
+    rate_limits: dict[str, str] = field(default_factory=dict)  # category value: "100/s"
 
 
 async def run_worker_process(
@@ -54,6 +57,7 @@ async def run_worker_process(
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.worker_process",
         cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        limit=LINE_LIMIT,
     )  # fmt: skip
     assert process.stdin is not None and process.stdout is not None
     stdout = process.stdout
@@ -107,7 +111,7 @@ async def _serve(spec: WorkerSpec) -> dict[str, Any]:
     with applied(Tuning(partition_options=spec.partition_options)):
         await serve(
             OutboxSettings(**spec.settings),
-            make_app(spec.table, probe),
+            make_app(spec.table, probe, {int(c): r for c, r in spec.rate_limits.items()}),
             stop=stop,
             database_url=spec.database_url,
             temporal_address=spec.temporal_address,
@@ -121,6 +125,7 @@ async def _serve(spec: WorkerSpec) -> dict[str, Any]:
         "peak_concurrent_calls": probe.peak,
         "worker_peak_rss_mb": peak_rss_mb(),
         "worker_cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        **({"starts": probe.starts} if probe.record_starts else {}),
     }
 
 

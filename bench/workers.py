@@ -14,8 +14,10 @@ the Temporal server over the drain, so that a reader sees what bounded it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psutil
@@ -88,44 +90,32 @@ async def _drain_with(
         probe={"plain": True, "wait_seconds": IO_WAIT_SECONDS},
         partition_options=dict(ctx.config.tuning.partition_options),
     )
-    stop = asyncio.Event()
-    readies = [asyncio.Event() for _ in range(count)]
-    outcomes: list[dict[str, Any]] = [{} for _ in range(count)]
-    running = [
-        asyncio.create_task(run_worker_process(spec, stop, ready, outcome))
-        for ready, outcome in zip(readies, outcomes, strict=True)
-    ]
     try:
-        await _all_ready(readies, running)
-        pids = [int(outcome["pid"]) for outcome in outcomes]
-        client = await Client.connect(server.address)
-        spread_began = time.monotonic()
-        drains = await _spread(client, table, pids)
-        spread_s = time.monotonic() - spread_began
-        processes = [psutil.Process(pid) for pid in pids]
-        meter = ctx.cpu_meter(server)
-        await asyncio.to_thread(copy_rows, ctx.database_url, table, rowset.rows)
-        load_before = os.getloadavg()[0]
-        before = [tree_seconds(process) for process in processes]
-        meter.start()
-        started = time.monotonic()
-        watch = await watch_drain(
-            ctx.database_url,
-            table,
-            label=f"workers/{count}",
-            total=len(rowset.rows),
-            started=started,
-            deadline=ctx.phase_deadline(share),
-        )
-        seconds = watch.ended - started
-        cpu = [round(tree_seconds(p) - b, 2) for p, b in zip(processes, before, strict=True)]
-        servers_cpu = meter.stop()
+        async with worker_processes(spec, count) as outcomes:
+            pids = [int(outcome["pid"]) for outcome in outcomes]
+            spread_began = time.monotonic()
+            drains = await spread(server.address, table, pids)
+            spread_s = time.monotonic() - spread_began
+            processes = [psutil.Process(pid) for pid in pids]
+            meter = ctx.cpu_meter(server)
+            await asyncio.to_thread(copy_rows, ctx.database_url, table, rowset.rows)
+            load_before = os.getloadavg()[0]
+            before = [tree_seconds(process) for process in processes]
+            meter.start()
+            started = time.monotonic()
+            watch = await watch_drain(
+                ctx.database_url,
+                table,
+                label=f"workers/{count}",
+                total=len(rowset.rows),
+                started=started,
+                deadline=ctx.phase_deadline(share),
+            )
+            seconds = watch.ended - started
+            cpu = [round(tree_seconds(p) - b, 2) for p, b in zip(processes, before, strict=True)]
+            servers_cpu = meter.stop()
     finally:
-        stop.set()
-        await asyncio.gather(*running, return_exceptions=True)
         await asyncio.to_thread(drop_table, ctx.database_url, table)
-    for task in running:
-        task.result()  # a worker process that failed fails the run
     rows_done = len(rowset.rows) - watch.remaining
     return {
         "temporal": server.mode,
@@ -147,7 +137,28 @@ async def _drain_with(
     }
 
 
-async def _all_ready(readies: list[asyncio.Event], running: list[asyncio.Task[None]]) -> None:
+@contextlib.asynccontextmanager
+async def worker_processes(spec: WorkerSpec, count: int) -> AsyncIterator[list[dict[str, Any]]]:
+    """``count`` worker processes of ``spec``, ready for the block; what each reports (its
+    ``pid`` at once, the rest at its end). A worker process that failed fails the block."""
+    stop = asyncio.Event()
+    readies = [asyncio.Event() for _ in range(count)]
+    outcomes: list[dict[str, Any]] = [{} for _ in range(count)]
+    running = [
+        asyncio.create_task(run_worker_process(spec, stop, ready, outcome))
+        for ready, outcome in zip(readies, outcomes, strict=True)
+    ]
+    try:
+        await all_ready(readies, running)
+        yield outcomes
+    finally:
+        stop.set()
+        await asyncio.gather(*running, return_exceptions=True)
+    for task in running:
+        task.result()
+
+
+async def all_ready(readies: list[asyncio.Event], running: list[asyncio.Task[None]]) -> None:
     """Wait until every worker process is ready; one that ends first fails the run."""
     deadline = time.monotonic() + READY_SECONDS
     while not all(ready.is_set() for ready in readies):
@@ -160,9 +171,10 @@ async def _all_ready(readies: list[asyncio.Event], running: list[asyncio.Task[No
         await asyncio.sleep(0.2)
 
 
-async def _spread(client: Client, table: str, pids: list[int]) -> list[int]:
+async def spread(address: str, table: str, pids: list[int]) -> list[int]:
     """Wait until every worker runs a partition drain and none two more than another (or
     ``SPREAD_SECONDS``); the drains each worker runs then."""
+    client = await Client.connect(address)
     deadline = time.monotonic() + SPREAD_SECONDS
     while True:
         running = await _drains_by_pid(client, table)

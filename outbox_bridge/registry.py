@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Unpack
 from sqlalchemy import MetaData, Table
 
 from outbox_bridge.config import DEFAULT_MAX_PAYLOAD_BYTES, MAX_PAYLOAD_LIMIT, MIN_PAYLOAD_LIMIT
+from outbox_bridge.db.limits import RateLimit, parse_rate
 from outbox_bridge.db.schema import outbox_table
 from outbox_bridge.errors import InvalidRowError, MissingHandlerError, OutboxError, RegistryError
 from outbox_bridge.observability.producer_spans import observed_write
@@ -273,6 +274,7 @@ class OutboxApp(ScopeRegistry):
         super().__init__(scopes, categories)
         self._handlers: dict[int, Handler] = {}
         self._limits: dict[int, CallLimit] = {}
+        self._rates: dict[int, RateLimit] = {}
         self.flush_route = FlushRoute()
         if not tables:
             raise RegistryError("an OutboxApp needs at least one table")
@@ -308,6 +310,7 @@ class OutboxApp(ScopeRegistry):
         *categories: IntEnum,
         max_concurrency: int | None = None,
         fleet_max_concurrency: int | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register the decorated function as the handler of ``categories``.
 
@@ -328,11 +331,19 @@ class OutboxApp(ScopeRegistry):
                 together. A call waits for a slot of it as for one of ``max_concurrency``
                 (taken after it); a worker that dies frees its slots. Each worker holds them
                 on one database connection of its own. ``None`` (the default): no such limit.
+            rate_limit: at most this many calls per second, minute or hour (``"50/s"``,
+                ``"300/m"``, ``"1000/h"``) of each of its categories, in every worker of the
+                app together (a token bucket per table and category in ``<table>_limits``,
+                with a burst of one second's worth). A group waiting for its turn holds back
+                only its own shard, like ``max_concurrency``; waiting shards are served in
+                turn. ``outbox-bridge limit`` changes it at run time. ``None`` (the
+                default): no limit unless an operator sets one.
         """
         if not categories:
             raise RegistryError("app.handler() needs at least one category")
         _check_concurrency(max_concurrency)
         _check_concurrency(fleet_max_concurrency, "fleet_max_concurrency")
+        rate = None if rate_limit is None else parse_rate(rate_limit)
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
@@ -363,6 +374,8 @@ class OutboxApp(ScopeRegistry):
                 self._handlers[int(category)] = fn
                 if limit is not None:
                     self._limits[int(category)] = limit
+                if rate is not None:
+                    self._rates[int(category)] = rate
             return fn
 
         return register
@@ -374,6 +387,10 @@ class OutboxApp(ScopeRegistry):
         """The concurrency limits of ``category``'s handler, shared by the categories
         registered with it; None when it has none."""
         return self._limits.get(int(category))
+
+    def rate_limit(self, category: int) -> RateLimit | None:
+        """The declared ``rate_limit`` of ``category``; None when it has none."""
+        return self._rates.get(int(category))
 
     def wrap_handlers(self, wrapper: Callable[[Handler], Handler]) -> None:
         """Replace every handler ``fn`` with ``wrapper(fn)`` (once, whatever its categories),

@@ -266,6 +266,8 @@ COMMAND_GROUPS: dict[str, set[SettingGroup]] = {
     "pause": {SettingGroup.DATABASE, SettingGroup.APP},
     "unpause": {SettingGroup.DATABASE, SettingGroup.APP},
     "pauses": {SettingGroup.DATABASE, SettingGroup.APP},
+    "limit": {SettingGroup.DATABASE, SettingGroup.APP},
+    "limits": {SettingGroup.DATABASE, SettingGroup.APP},
 }
 
 

@@ -42,6 +42,7 @@ PRODUCER_SIDE = frozenset(
         "outbox_bridge.config",
         "outbox_bridge.db.catalog",  # what the migrations' upgrades read and plan
         "outbox_bridge.db.install",
+        "outbox_bridge.db.limits",  # the registry parses a handler's rate_limit with it
         "outbox_bridge.db.migrations",
         "outbox_bridge.db.schema",
         "outbox_bridge.declarations",

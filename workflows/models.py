@@ -625,6 +625,9 @@ class PartitionRound:
     queued: int = 0  # shards waiting when it ended
     deepest: list[ShardBacklog] = field(default_factory=list)
     oldest: list[ShardBacklog] = field(default_factory=list)
+    # The table's rate-limited categories whose calls waited for a token in this worker then:
+    # ``ORGANIZATION_UPDATE 100/s: 3 waiting`` (calls).
+    rate_limited: list[str] = field(default_factory=list)
 
 
 @dataclass

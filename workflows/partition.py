@@ -160,6 +160,8 @@ class OutboxPartition:
             if last.oldest:
                 oldest = ", ".join(f"`{b.shard}` {b.age_seconds:.0f} s" for b in last.oldest)
                 lines.append(f"**Oldest rows** {oldest}")
+            if last.rate_limited:
+                lines.append(f"**Rate limited** {'; '.join(last.rate_limited)}")
         refused = carry.refused.summary
         if refused is not None:
             lines.append(f"**{refused}**")

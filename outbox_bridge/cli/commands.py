@@ -14,6 +14,7 @@ import click
 from outbox_bridge import __version__
 from outbox_bridge.cli.connections import worker_app
 from outbox_bridge.cli.flags import build_settings, settings_options
+from outbox_bridge.cli.limit_commands import limit, limits
 from outbox_bridge.cli.listing import shards
 from outbox_bridge.cli.park_commands import park, parked, unpark_command
 from outbox_bridge.cli.pause_commands import pause, pauses, unpause
@@ -124,5 +125,7 @@ for command in (
     pause,
     unpause,
     pauses,
+    limit,
+    limits,
 ):
     main.add_command(command)

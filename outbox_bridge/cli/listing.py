@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import click
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 from sqlalchemy import func, select
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError
@@ -18,6 +18,7 @@ from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, tables_of, temporal_client
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.limit_commands import shard_rate_limits
 from outbox_bridge.cli.park_commands import parked_per_shard
 from outbox_bridge.cli.pause_commands import PAUSED, describe
 from outbox_bridge.cli.scope_directory import NO_APP_HINT, ScopeDirectory
@@ -81,14 +82,25 @@ def _unnamed_note(numbers: list[int]) -> str:
     )
 
 
+# Columns shown only when a listed shard has a value in them: parked groups (`outbox-bridge
+# parked` lists them), and the rate limit of its first row's category.
+OPTIONAL_COLUMNS: tuple[tuple[str, str, JustifyMethod], ...] = (
+    ("parked_groups", "parked groups", "right"),
+    ("rate_limited", "rate limited", "left"),
+)
+
+
+def _optional_columns(listed: list[dict[str, Any]]) -> list[tuple[str, str, JustifyMethod]]:
+    return [c for c in OPTIONAL_COLUMNS if any(entry[c[0]] for entry in listed)]
+
+
 def _table(listed: list[dict[str, Any]]) -> Table:
     view = Table(title="shards with pending rows")
-    # The parked column only when a shard has parked groups (`outbox-bridge parked` lists them).
-    parked = any(entry["parked_groups"] for entry in listed)
+    optional = _optional_columns(listed)
     for column in ("shard", "rows", "groups", "oldest row age", "state", "blocked on"):
         view.add_column(column, justify="right" if column in ("rows", "groups") else "left")
-    if parked:
-        view.add_column("parked groups", justify="right")
+    for _, title, justify in optional:
+        view.add_column(title, justify=justify)
     for entry in listed:
         view.add_row(
             entry["shard"],
@@ -97,7 +109,7 @@ def _table(listed: list[dict[str, Any]]) -> Table:
             f"{entry['oldest_age_seconds']:.0f} s",
             entry["state"],
             entry["blocked_category"] or "",
-            *([str(entry["parked_groups"] or "")] if parked else []),
+            *(str(entry[key] or "") for key, _, _ in optional),
         )
     return view
 
@@ -127,9 +139,10 @@ async def _list(
             for d in depths
         ]
         pauses = [await read_shard_pause(conn, table, ref) for ref in refs]
+        limited = await shard_rate_limits(conn, app, table, refs)
         parked = await parked_per_shard(conn, table)
     listed: list[dict[str, Any]] = []
-    for depth, pause in zip(depths, pauses, strict=True):
+    for depth, pause, rate_limited in zip(depths, pauses, limited, strict=True):
         scope_name = await names.name(depth.scope)
         ref = ShardRef(table.name, depth.scope, scope_name, depth.shard_identifier, depth.region)
         found, blocked = await _workflow_state(client, ref)
@@ -148,6 +161,7 @@ async def _list(
                 "state": found,
                 "blocked_category": blocked,
                 "parked_groups": parked[(depth.region, depth.scope, depth.shard_identifier)],
+                "rate_limited": rate_limited,
             }
         )
         if len(listed) >= top:

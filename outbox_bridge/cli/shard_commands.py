@@ -22,6 +22,7 @@ from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, named_shard, shard_app
 from outbox_bridge.cli.failures import run_or_exit
 from outbox_bridge.cli.flags import build_settings, shard_options, tool_command
+from outbox_bridge.cli.limit_commands import shard_limit
 from outbox_bridge.cli.park_commands import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
 from outbox_bridge.config import SettingGroup
@@ -58,38 +59,52 @@ POLLERS_WAIT = 5.0
 @shard_options(SettingGroup.DATABASE, SettingGroup.TEMPORAL, SettingGroup.APP)
 def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> None:
     """Show the workflow of SHARD: its state, what it handled, its head group and error, its
-    skip, its parked groups, and the pause it waits for. SHARD is SCOPE:ID (REGION:SCOPE:ID in a
+    skip, its parked groups, the pause it waits for, and the rate limit of its first row's
+    category. SHARD is SCOPE:ID (REGION:SCOPE:ID in a
     regional table), SCOPE a name or a number."""
     settings = build_settings(overrides)
 
-    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None]:
+    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None, str | None]:
         client, ref = await named_shard(settings, shard, table)
         parked = await shard_parked(settings, ref)
         pause = await shard_pause(settings, ref)
         paused = None if pause is None else describe(command_app(settings), pause)
+        limited = await shard_limit(settings, ref)
         try:
-            return await shard_report(client, ref), parked, paused
+            return await shard_report(client, ref), parked, paused, limited
         except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND or not isinstance(parked, list) or not parked:
+            # No workflow of its own: what the database says of the shard is shown, if anything.
+            if exc.status != RPCStatusCode.NOT_FOUND or not (parked_list(parked) or limited):
                 raise
-            return None, parked, paused  # no workflow of its own, and parked groups to show
+            return None, parked, paused, limited
 
-    report, parked, paused = run_or_exit(work(), shard=shard)
+    report, parked, paused, limited = run_or_exit(work(), shard=shard)
     if as_json:
-        shown = {"shard": shard} if report is None else _status_json(report, paused)
+        shown: dict[str, Any] = {"shard": shard} if report is None else _status_json(report, paused)
+        shown["rate_limited"] = limited
         groups = [dataclasses.asdict(g) for g in parked] if isinstance(parked, list) else parked
         click.echo(json.dumps(shown | {"parked_groups": groups}, indent=2, default=str))
         return
     if report is not None:
-        Console().print(_status_table(report, paused))
+        view = _status_table(report, paused)
+        if limited is not None:
+            view.add_row("rate limited", limited)
+        Console().print(view)
     else:
         click.echo(f"shard {shard} has no workflow of its own: a partition drains it")
+        if limited is not None:
+            click.echo(f"rate limited: {limited}")
     if isinstance(parked, str):
         click.echo(f"parked groups: unknown ({parked})", err=True)
     elif parked:
         app = command_app(settings)
         title = f"parked groups of shard {shard}"
         Console().print(parked_table(parked, app, title=title, one_shard=True))
+
+
+def parked_list(parked: list[ParkedGroup] | str) -> list[ParkedGroup]:
+    """The parked groups, or none when they could not be read (``parked`` says why)."""
+    return parked if isinstance(parked, list) else []
 
 
 def _status_json(report: ShardReport, paused: str | None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ it lacks.
 
 The schema owner (who runs ``init-db`` or the migrations) owns the tables and needs no grant.
 A worker changes only rows; a producer only inserts; a reader only reads; an operator reads and
-pauses, parks and unparks.
+pauses, parks and unparks, and sets rate limits.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.db.catalog import is_outbox
-from outbox_bridge.db.schema import owners_of, parked_of, pauses_of
+from outbox_bridge.db.schema import limits_of, owners_of, parked_of, pauses_of
 from outbox_bridge.errors import MissingPrivilegeError, OutboxError
 
 
@@ -39,6 +39,7 @@ class Side(enum.StrEnum):
     OWNERS = "owners"
     PARKED = "parked"
     PAUSES = "pauses"
+    LIMITS = "limits"
 
 
 _READ = ("SELECT",)
@@ -46,16 +47,24 @@ _WRITE = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 # What each role does with each table (the documentation's table is this one):
 # - worker: reads and deletes handled rows, records which shards their own workflow holds,
-#   reads parked groups, and records pauses asked of the pause control workflow;
+#   reads parked groups, records pauses asked of the pause control workflow, and takes tokens
+#   of the rate limits' buckets (creates a category's bucket, changes its tokens alone);
 # - producer: INSERT ... RETURNING id (the producer API returns the new id: SELECT on id alone);
 # - reader: the listing commands (shards, status, pause --list, park --list, summaries);
-# - operator: a reader who pauses and unpauses, parks and unparks.
+# - operator: a reader who pauses and unpauses, parks and unparks, and sets rate limits.
 PRIVILEGES: dict[Role, dict[Side, tuple[str, ...]]] = {
     Role.WORKER: {
         Side.OUTBOX: ("SELECT", "DELETE"),
         Side.OWNERS: _WRITE,
         Side.PARKED: _READ,
         Side.PAUSES: _WRITE,
+        Side.LIMITS: (
+            "SELECT",
+            "INSERT (category)",
+            "UPDATE (tokens)",
+            "UPDATE (refilled_at)",
+            "UPDATE (declared)",
+        ),
     },
     Role.PRODUCER: {Side.OUTBOX: ("INSERT", "SELECT (id)")},
     Role.READER: {side: _READ for side in Side},
@@ -64,13 +73,19 @@ PRIVILEGES: dict[Role, dict[Side, tuple[str, ...]]] = {
         Side.OWNERS: _READ,
         Side.PARKED: ("SELECT", "INSERT", "UPDATE"),
         Side.PAUSES: ("SELECT", "INSERT", "UPDATE", "DELETE"),
+        Side.LIMITS: ("SELECT", "INSERT", "UPDATE"),
     },
 }
 
 
 def side_table(outbox: Table, side: Side) -> Table:
     """``outbox``'s table of ``side``."""
-    sides = {Side.OWNERS: owners_of, Side.PARKED: parked_of, Side.PAUSES: pauses_of}
+    sides = {
+        Side.OWNERS: owners_of,
+        Side.PARKED: parked_of,
+        Side.PAUSES: pauses_of,
+        Side.LIMITS: limits_of,
+    }
     return outbox if side is Side.OUTBOX else sides[side](outbox)
 
 

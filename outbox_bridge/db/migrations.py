@@ -41,6 +41,8 @@ from sqlalchemy.schema import (
 from outbox_bridge.db.install import add_column_ddl, ddl_sql, lock_timeout_statement
 from outbox_bridge.db.schema import (
     drop_notify_ddl,
+    limits_name,
+    limits_of,
     notify_ddl,
     owners_name,
     owners_of,
@@ -67,7 +69,8 @@ def _tables(app: OutboxApp, tables: Iterable[str] | None) -> list[Table]:
 
 def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
     """The statements that create the app's outbox tables (all, or those named in ``tables``)
-    with their indexes, NOTIFY triggers, owner, parked-group and pause tables, in order."""
+    with their indexes, NOTIFY triggers, owner, parked-group, pause and rate-limit tables, in
+    order."""
     statements: list[DDL] = []
     for table in _tables(app, tables):
         statements.append(CreateTable(table))
@@ -78,6 +81,7 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
         statements.append(CreateTable(owners_of(table)))
         statements += _create_parked(table)
         statements.append(CreateTable(pauses_of(table)))
+        statements.append(CreateTable(limits_of(table)))
     return statements
 
 
@@ -91,7 +95,8 @@ def upgrade_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -
     run it again."""
     statements: list[DDL] = [lock_timeout_statement()]
     for table in _tables(app, tables):
-        for each in (table, owners_of(table), parked_of(table), pauses_of(table)):
+        sides = [side(table) for side in (owners_of, parked_of, pauses_of, limits_of)]
+        for each in (table, *sides):
             statements.append(CreateTable(each, if_not_exists=True))
             statements += [
                 add_column_ddl(each.name, ddl_sql(CreateColumn(column)))
@@ -119,7 +124,7 @@ def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> l
     statements: list[DDL] = []
     for table in reversed(_tables(app, tables)):
         trigger, function = drop_notify_ddl(table)
-        sides = [pauses_of(table), parked_of(table), owners_of(table)]
+        sides = [limits_of(table), pauses_of(table), parked_of(table), owners_of(table)]
         statements += [DropTable(side, if_exists=True) for side in sides]
         statements += [trigger, DropTable(table), function]
     return statements
@@ -187,9 +192,8 @@ def exclude_outbox_tables(
 
         context.configure(..., include_name=exclude_outbox_tables(app))
     """
-    names = {
-        name(table) for table in app.tables for name in (str, owners_name, pauses_name, parked_name)
-    }
+    sides = (str, owners_name, pauses_name, parked_name, limits_name)
+    names = {name(table) for table in app.tables for name in sides}
 
     def include_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
         return not (type_ == "table" and name in names)

@@ -15,6 +15,7 @@ from sqlalchemy import (
     Column,
     ColumnElement,
     DateTime,
+    Double,
     Identity,
     Index,
     Integer,
@@ -40,6 +41,10 @@ SESSION_USER = text("session_user")
 PAUSED_ROLE = "paused_role"
 PAUSE_ENDS_AT = "ends_at"
 PARKED_ROLE = "parked_role"
+LIMIT_ROLE = "set_role"
+# The highest rate a category's limit may have (calls per second): past it, a limit shared
+# through one row costs more than it saves.
+MAX_PER_SECOND = 100_000
 UNPARKED_ROLE = "unparked_role"
 
 
@@ -67,9 +72,10 @@ def shard_where(table: Table, shard: ShardRef) -> ColumnElement[bool]:
 
 
 def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Table:
-    """Define an outbox table named ``name`` on ``metadata``, with its owner, parked-group and
-    pause tables. Only the five core columns (and ``region`` in a regional table) need a value
-    on insert; the dates default to now. The columns are described on the contract page.
+    """Define an outbox table named ``name`` on ``metadata``, with its owner, parked-group,
+    pause and rate-limit tables. Only the five core columns (and ``region`` in a regional
+    table) need a value on insert; the dates default to now. The columns are described on the
+    contract page.
     """
     shard = shard_columns(regional)
     columns: list[Column[object]] = [
@@ -103,6 +109,7 @@ def outbox_table(name: str, metadata: MetaData, *, regional: bool = False) -> Ta
     owner_table(table)
     parked_table(table)
     pause_table(table)
+    limit_table(table)
     return table
 
 
@@ -173,6 +180,40 @@ def pauses_name(table: str) -> str:
     return f"{table}_pauses"
 
 
+def limit_table(outbox: Table) -> Table:
+    """The token bucket of each rate-limited category of ``outbox``, shared by every worker,
+    and the rate an operator set at run time in place of the declared one."""
+    limits = Table(
+        limits_name(outbox.name),
+        outbox.metadata,
+        Column("category", Integer, primary_key=True),
+        Column("tokens", Double, nullable=False, server_default=text("0")),
+        Column("refilled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        # Calls per second an operator set (``outbox-bridge limit``); NULL: the declared one.
+        Column("per_second", Double, nullable=True),
+        # The declared rate, as the worker that last took tokens declared it (for the commands).
+        Column("declared", Double, nullable=True),
+        Column("set_by", Text, nullable=True),
+        # The role PostgreSQL authenticated, beside the declared ``set_by``.
+        Column(LIMIT_ROLE, Text, nullable=True),
+        Column("set_at", DateTime(timezone=True), nullable=True),
+        CheckConstraint(
+            f"per_second > 0 AND per_second <= {MAX_PER_SECOND}",
+            name=f"{outbox.name}_limits_per_second",
+        ),
+    )
+    return _beside(outbox, "limits", limits)
+
+
+def limits_name(table: str) -> str:
+    return f"{table}_limits"
+
+
+def limits_of(outbox: Table) -> Table:
+    """The rate-limit table of an outbox table defined by :func:`outbox_table`."""
+    return _side(outbox, "limits")
+
+
 def pauses_of(outbox: Table) -> Table:
     """The pause table of an outbox table defined by :func:`outbox_table`."""
     return _side(outbox, "pauses")
@@ -227,7 +268,7 @@ def parked_of(outbox: Table) -> Table:
 
 
 def _beside(outbox: Table, kind: str, side: Table) -> Table:
-    """Record ``side`` as ``outbox``'s table of ``kind`` (owners, parked, pauses)."""
+    """Record ``side`` as ``outbox``'s table of ``kind`` (owners, parked, pauses, limits)."""
     side.info[f"{kind}_of"] = outbox.name
     outbox.info[kind] = side
     return side

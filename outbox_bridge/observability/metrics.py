@@ -63,6 +63,13 @@ class OutboxMetrics:
             description="Time from a handled row's date_added to its handler's success.",
             explicit_bucket_boundaries_advisory=QUEUE_BUCKETS,
         )
+        self.rate_limit_wait = meter.create_histogram(
+            "outbox.rate_limit.wait",
+            unit="s",
+            description="Time a handler call of a rate-limited category waited for its token, "
+            "by category.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
         self.notifications_refused = meter.create_counter(
             "outbox.notifications.refused",
             unit="{notification}",

@@ -33,6 +33,7 @@ from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
 from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
 from outbox_bridge.runtime.pause_control import PauseControl
+from outbox_bridge.runtime.rate_limits import RateLimits
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_drain import ShardDrainer
 from outbox_bridge.runtime.shards import ShardStarter, static_skips
@@ -89,6 +90,7 @@ def build_drains(engine: AsyncEngine, app: OutboxApp, settings: OutboxSettings) 
         max_calls=settings.max_concurrent_calls,
         max_payload_bytes=settings.max_payload_bytes,
         engine=engine,
+        rates=RateLimits(app, engine),
     )
     drain_engine = DrainEngine(
         engine,

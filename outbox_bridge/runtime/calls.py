@@ -41,6 +41,7 @@ from outbox_bridge.runtime.call_slots import (
     Limit,
     RoundShards,
 )
+from outbox_bridge.runtime.rate_limits import Rated, RateLimits
 from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
@@ -104,8 +105,10 @@ class HandlerCalls:
         max_calls: int = MAX_CONCURRENT_CALLS,
         max_payload_bytes: int | None = None,
         engine: AsyncEngine | None = None,
+        rates: RateLimits | None = None,
     ) -> None:
         self._app = app
+        self.rates = rates  # the categories' rate limits (None: none is applied)
         # No row with a larger payload is read whole (the statement leaves its payload out).
         self.max_payload_bytes = max_payload_bytes or app.max_payload_bytes
         self._redact = redact_errors
@@ -125,6 +128,8 @@ class HandlerCalls:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.slots.close()
+        if self.rates is not None:
+            self.rates.close()
 
     # -- preparing -------------------------------------------------------------------------
 
@@ -183,12 +188,12 @@ class HandlerCalls:
                 if not await _may_start(index, deadline, may_continue, pace):
                     return False
                 limits = self.slots.limits(call.group.category)
-                async with Held(limits, deadline, round_) as free:
+                async with self._turn(shard, call, limits, deadline, round_) as free:
                     # A wait for a slot may have outlived the round's connection.
                     if not free or not may_continue():
                         return False
                     if call.is_sync:
-                        end = self._sync_run_end(calls, index, hop, limits)
+                        end = self._sync_run_end(shard, calls, index, hop, limits)
                         count, error, paused = await self._in_thread(
                             calls[index:end],
                             handled,
@@ -215,15 +220,39 @@ class HandlerCalls:
             if clock is not None:
                 clock.close()
 
-    def _sync_run_end(self, calls: list[Call], index: int, hop: int, limits: list[Limit]) -> int:
+    def _rated(self, shard: ShardRef, call: Call) -> bool:
+        """Whether ``call``'s category is rate limited (a token per call)."""
+        return self.rates is not None and self.rates.limited(shard.table, call.group.category)
+
+    def _turn(
+        self,
+        shard: ShardRef,
+        call: Call,
+        limits: list[Limit],
+        deadline: float,
+        round_: RoundShards | None,
+    ) -> Held | Rated:
+        """A slot of each of ``limits``, after a token when ``call``'s category is rate limited
+        (it waits for its token first, holding no slot meanwhile)."""
+        held = Held(limits, deadline, round_)
+        if self.rates is None or not self._rated(shard, call):
+            return held
+        return Rated(self.rates, shard, call.group.category, held, deadline, round_)
+
+    def _sync_run_end(
+        self, shard: ShardRef, calls: list[Call], index: int, hop: int, limits: list[Limit]
+    ) -> int:
         """Where the sync calls from ``index`` that run in one thread hop end: at most ``hop``
-        of them, each under the same ``limits``."""
+        of them, each under the same ``limits``, and one alone if rate limited."""
         end = index + 1
+        if self._rated(shard, calls[index]):
+            return end
         while (
             end < len(calls)
             and end - index < hop
             and calls[end].is_sync
             and self.slots.limits(calls[end].group.category) == limits
+            and not self._rated(shard, calls[end])
         ):
             end += 1
         return end

@@ -400,6 +400,8 @@ class PartitionDrain:
         stats.seconds = round(time.monotonic() - began, 3)
         stats.shards_drained = len(self._drained)
         stats.queued = len(self._queue)
+        rates = self._engine.calls.rates
+        stats.rate_limited = [] if rates is None else rates.waiting_lines(self._ref.table)
         return stats
 
 

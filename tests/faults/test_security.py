@@ -166,6 +166,10 @@ SQL_NAMES = {
     # A timed pause's end: the column's name, and the clause that a pause still holds.
     "PAUSE_ENDS_AT",
     "_holds()",
+    # The rate limits' take (db/limits.py): their table's name, and the burst, a constant.
+    "limits",
+    "BURST_SECONDS",
+    "MAX_PER_SECOND",
     "_holds('p')",
     # What init-db adds to an existing table (db/install.py): the table's name, a column and a
     # check constraint compiled from the metadata, and the NOTIFY function's name and body

@@ -1,0 +1,324 @@
+"""Rate limits per category in one worker: a call of a limited category takes a token first,
+from the table's bucket that every worker shares (:mod:`outbox_bridge.db.limits`).
+
+A worker takes tokens in small batches, and only while it has calls waiting for one. A wait
+ends like a wait for a call slot (:class:`~outbox_bridge.runtime.call_slots.Slots`): with a
+token, at the round's deadline, or once every other shard of the round is done (after
+:data:`IDLE_ROUND_GRACE` more); the shard then goes back to its queue with its rows, and other
+categories never wait.
+
+Waiters are served in turn by *tenant*, the shard (its scope and identifier, and region): a
+shard that had a token goes behind every shard already waiting, so one shard with a flood of
+rows takes no more than its share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+
+from sqlalchemy import Table
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox_bridge.db.grants import Role, privilege_advice
+from outbox_bridge.db.limits import Grant, RateLimit, read_limits, take_tokens
+from outbox_bridge.observability.metrics import active_metrics
+from outbox_bridge.registry import OutboxApp
+from outbox_bridge.runtime.call_slots import Held, RoundShards
+from outbox_bridge.workflows.models import ShardRef
+
+log = logging.getLogger(__name__)
+
+# A take asks for at most this many seconds of the rate: small batches share the rate between
+# workers, and a worker holds few tokens it may not use.
+BATCH_SECONDS = 0.05
+# An empty bucket is asked again after a batch's time, within these bounds (seconds).
+MIN_PAUSE, MAX_PAUSE = 0.01, 2.0
+# How old the rates an operator set may be when a call is checked (seconds).
+REFRESH_SECONDS = 2.0
+# After a failed take, the bucket is asked again after this long (seconds).
+RETRY_SECONDS = 1.0
+# A call waiting for a token when the other shards of its round are done waits this much
+# longer (seconds) before its shard goes back to the queue: unlike a call slot, a token is
+# due at a known pace, and a round given up for nothing re-reads its shards while the tokens
+# go untaken (a bucket holds one second of them).
+IDLE_ROUND_GRACE = 0.25
+
+
+class Bucket:
+    """One category's waiters in this worker, and the tokens taken for them."""
+
+    def __init__(self, limits: RateLimits, table: Table, category: int) -> None:
+        self._limits = limits
+        self._table = table
+        self.category = category
+        self.per_second = 0.0
+        self.tokens = 0  # taken from the table, not handed out yet
+        self.waiting = 0
+        self._turns: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = (
+            collections.OrderedDict()
+        )
+        self.filler: asyncio.Task[None] | None = None
+
+    async def take(self, tenant: str, deadline: float, round_: RoundShards | None) -> bool:
+        """A token for a call of ``tenant``, waiting until ``deadline`` (``time.monotonic``)
+        at most, or until the other shards of ``round_`` are done; False if none came."""
+        if self.tokens and not self.waiting:
+            self.tokens -= 1
+            self._limits.waited(self, 0.0)
+            return True
+        started = time.monotonic()
+        if round_ is not None and round_.idle:
+            deadline, round_ = min(deadline, started + IDLE_ROUND_GRACE), None
+        if not await self._wait(tenant, deadline, round_):
+            return False
+        self._limits.waited(self, time.monotonic() - started)
+        return True
+
+    async def _wait(self, tenant: str, deadline: float, round_: RoundShards | None) -> bool:
+        """Queue behind ``tenant``'s turn for the next token handed out."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._turns.setdefault(tenant, collections.deque()).append(waiter)
+        self.waiting += 1
+        timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
+        # The round sees the wait through a stand-in: when the round gives its waiters up, this
+        # one waits a moment more (its token may be due), then gives up too.
+        stand_in = loop.create_future()
+        stand_in.add_done_callback(lambda done: _expire_soon(done, waiter, deadline))
+        if round_ is not None:
+            round_.waiting(stand_in)
+        if self.filler is None or self.filler.done():
+            self.filler = asyncio.create_task(self._fill())
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if _granted(waiter):  # handed a token, then cancelled: it passes on
+                self.tokens += 1
+                self._hand_out()
+            raise
+        except TimeoutError:
+            return False
+        finally:
+            self._left(waiter, timer)
+            stand_in.cancel()
+            if round_ is not None:
+                round_.woken(stand_in)
+        return True
+
+    def _left(self, waiter: asyncio.Future[None], timer: asyncio.TimerHandle | None) -> None:
+        """``waiter`` stopped waiting (a token handed out to it was counted then)."""
+        if not _granted(waiter):
+            self.waiting -= 1
+        if timer is not None:
+            timer.cancel()
+
+    async def _fill(self) -> None:
+        """Take tokens for the waiters, in batches, until none waits."""
+        while self.waiting > self.tokens:
+            want = max(1, min(self.waiting - self.tokens, self._batch()))
+            grant = await self._limits.take(self._table, self.category, want)
+            if grant is None:
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            self.tokens += grant.tokens
+            if grant.per_second is None:
+                self.lift()
+                return
+            self.per_second = grant.per_second
+            self._hand_out()
+            if grant.tokens < want:
+                await asyncio.sleep(min(max(want / grant.per_second, MIN_PAUSE), MAX_PAUSE))
+
+    def _batch(self) -> int:
+        per_second = self.per_second or self._limits.per_second(self._table.name, self.category)
+        return math.ceil((per_second or 1.0) * BATCH_SECONDS)
+
+    def lift(self) -> None:
+        """The limit was lifted: every waiter goes."""
+        self.tokens += self.waiting
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Hand the tokens to the waiters, one per tenant in turn."""
+        turns = self._turns
+        while self.tokens and turns:
+            tenant, queue = next(iter(turns.items()))
+            while queue and queue[0].done():  # expired or cancelled
+                queue.popleft()
+            if not queue:
+                del turns[tenant]
+                continue
+            queue.popleft().set_result(None)
+            self.tokens -= 1
+            self.waiting -= 1
+            turns.move_to_end(tenant)
+            if not queue:
+                del turns[tenant]
+
+
+class Rated:
+    """A token of ``rates``, then the slots of ``held``, for an ``async with`` block, which gets
+    True, or False (holding nothing) if either did not come in time."""
+
+    __slots__ = ("_category", "_deadline", "_held", "_rates", "_round", "_shard")
+
+    def __init__(
+        self,
+        rates: RateLimits,
+        shard: ShardRef,
+        category: int,
+        held: Held,
+        deadline: float,
+        round_: RoundShards | None,
+    ) -> None:
+        self._rates = rates
+        self._shard = shard
+        self._category = category
+        self._held = held
+        self._deadline = deadline
+        self._round = round_
+
+    async def __aenter__(self) -> bool:
+        token = self._rates.token(self._shard, self._category, self._deadline, self._round)
+        if not await token:
+            return False
+        return await self._held.__aenter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._held.__aexit__(*exc)
+
+
+def _granted(waiter: asyncio.Future[None]) -> bool:
+    return waiter.done() and not waiter.cancelled() and waiter.exception() is None
+
+
+def _expire_soon(
+    stand_in: asyncio.Future[None], waiter: asyncio.Future[None], deadline: float
+) -> None:
+    """The round gave ``stand_in`` up: give ``waiter`` up :data:`IDLE_ROUND_GRACE` from now
+    (by ``deadline`` at the latest)."""
+    if not stand_in.cancelled():
+        stand_in.exception()  # seen: the round's expiry is no error
+    if not waiter.done():
+        loop = asyncio.get_running_loop()
+        loop.call_at(min(deadline, loop.time() + IDLE_ROUND_GRACE), _expire, waiter)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class RateLimits:
+    """The rate limits of one worker's handler calls: the declared ones, and those an operator
+    set in ``<table>_limits``, read again at most :data:`REFRESH_SECONDS` after calls asked."""
+
+    def __init__(self, app: OutboxApp, engine: AsyncEngine) -> None:
+        self._app = app
+        self._engine = engine
+        self._buckets: dict[tuple[str, int], Bucket] = {}
+        self._set: dict[str, dict[int, float]] = {}  # table: category: rate set by an operator
+        self._read_at = -math.inf
+        self._reading: asyncio.Task[None] | None = None
+
+    def per_second(self, table: str, category: int) -> float | None:
+        """The rate of ``category`` in ``table`` as this worker knows it (None: no limit)."""
+        rate = self._set.get(table, {}).get(category)
+        if rate is not None:
+            return rate
+        declared = self._app.rate_limit(category)
+        return None if declared is None else declared.per_second
+
+    def limited(self, table: str, category: int) -> bool:
+        """Whether calls of ``category`` in ``table`` take a token (the rates operators set
+        are read again, in the background, once they are old)."""
+        self._refresh()
+        return self.per_second(table, category) is not None
+
+    async def take(self, table: Table, category: int, want: int) -> Grant | None:
+        """Up to ``want`` tokens of ``category``'s bucket; None if the database refused."""
+        declared = self._app.rate_limit(category)
+        try:
+            async with self._engine.begin() as conn:
+                return await take_tokens(
+                    conn, table, category, None if declared is None else declared.per_second, want
+                )
+        except (SQLAlchemyError, OSError) as exc:
+            cause = getattr(exc, "orig", None) or exc
+            advice = privilege_advice(cause, Role.WORKER)
+            log.warning(
+                "cannot take tokens of category %s's rate limit in %s (calls of it wait): %s: %s%s",
+                self._app.category_name(category),
+                table.name,
+                type(cause).__qualname__,
+                cause,
+                advice,
+            )
+            return None
+
+    async def token(
+        self, shard: ShardRef, category: int, deadline: float, round_: RoundShards | None
+    ) -> bool:
+        """A token for a call of ``category`` in ``shard`` (at once when it has no limit);
+        False if none came by ``deadline`` or before ``round_`` gave up."""
+        if not self.limited(shard.table, category):
+            return True
+        key = (shard.table, category)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = Bucket(self, self._app.table(shard.table), category)
+        return await bucket.take(shard.key, deadline, round_)
+
+    def waiting_lines(self, table: str) -> list[str]:
+        """The categories of ``table`` that calls of this worker wait for now, one line each:
+        ``ORGANIZATION_UPDATE 100/s: 3 waiting`` (calls)."""
+        lines = []
+        for (name, category), bucket in self._buckets.items():
+            rate = bucket.per_second or self.per_second(name, category)
+            if name == table and bucket.waiting and rate:
+                name = self._app.category_name(category)
+                lines.append(f"{name} {RateLimit(rate)}: {bucket.waiting} waiting")
+        return lines
+
+    def waited(self, bucket: Bucket, seconds: float) -> None:
+        metrics = active_metrics()
+        if metrics is not None:
+            name = self._app.category_name(bucket.category)
+            metrics.rate_limit_wait.record(seconds, {"outbox.category": name})
+
+    def _refresh(self) -> None:
+        """Read the rates operators set again, in the background, once they are old."""
+        now = time.monotonic()
+        if now - self._read_at < REFRESH_SECONDS:
+            return
+        self._read_at = now
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        found: dict[str, dict[int, float]] = {}
+        try:
+            async with self._engine.connect() as conn:
+                for name in self._app.tables:
+                    records = await read_limits(conn, self._app.table(name))
+                    found[name] = {
+                        r.category: r.per_second for r in records if r.per_second is not None
+                    }
+        except (SQLAlchemyError, OSError) as exc:
+            log.warning("cannot read the rate limits set at run time (kept as they were): %s", exc)
+            return
+        self._set = found
+        for (table, category), bucket in self._buckets.items():
+            if bucket.waiting and not self.limited(table, category):
+                bucket.lift()
+
+    def close(self) -> None:
+        """Stop taking tokens (the worker stops)."""
+        for task in [self._reading, *(bucket.filler for bucket in self._buckets.values())]:
+            if task is not None:
+                task.cancel()

@@ -70,7 +70,8 @@ def limited_app(gauge: Gauge, *, plain: bool, limit: str = "max_concurrency") ->
     """``limit``: the keyword of app.handler that limits ORGANIZATION_UPDATE's calls."""
     app = OutboxApp(scopes=SCOPES, categories=[Category], tables=[OutboxTable(unique_table())])
     others = [c for c in Category if c is not Category.ORGANIZATION_UPDATE]
-    limited_handler = app.handler(Category.ORGANIZATION_UPDATE, **{limit: LIMIT})
+    limits: dict[str, Any] = {limit: LIMIT}
+    limited_handler = app.handler(Category.ORGANIZATION_UPDATE, **limits)
 
     if plain:
 

@@ -19,6 +19,7 @@ from outbox_bridge.cli import flags
 from outbox_bridge.cli.connections import command_app, connected, shard_app, tables_of
 from outbox_bridge.cli.failures import exits_on_failure, run_or_exit
 from outbox_bridge.cli.flags import build_settings, settings_options, tool_command
+from outbox_bridge.cli.scope_directory import NO_APP_HINT
 from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.limits import LimitRecord, RateLimit, parse_rate, read_limits, set_limit
 from outbox_bridge.db.scans import read_first_row
@@ -26,7 +27,6 @@ from outbox_bridge.db.schema import limits_of
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.pause_control import member_name, member_number
-from outbox_bridge.runtime.scope_directory import NO_APP_HINT
 from outbox_bridge.workflows.models import PauseKind, ShardRef
 
 # What `limit CATEGORY off` takes: back to the limit the handler declares.

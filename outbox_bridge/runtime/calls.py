@@ -37,11 +37,10 @@ from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
 from outbox_bridge.runtime.call_slots import (
     MAX_CONCURRENT_CALLS,
     CallSlots,
-    Held,
     Limit,
     RoundShards,
 )
-from outbox_bridge.runtime.rate_limits import Rated, RateLimits
+from outbox_bridge.runtime.rate_limits import RateLimits, turn
 from outbox_bridge.runtime.scrub import scrub_credentials
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
@@ -188,7 +187,8 @@ class HandlerCalls:
                 if not await _may_start(index, deadline, may_continue, pace):
                     return False
                 limits = self.slots.limits(call.group.category)
-                async with self._turn(shard, call, limits, deadline, round_) as free:
+                category = call.group.category
+                async with turn(self.rates, shard, category, limits, deadline, round_) as free:
                     # A wait for a slot may have outlived the round's connection.
                     if not free or not may_continue():
                         return False
@@ -206,7 +206,7 @@ class HandlerCalls:
                         )
                         index += count
                         if error is not None:
-                            raise self.failure(shard, calls[index], error, attempt)
+                            raise failure(shard, calls[index], error, attempt, self._redact)
                         if index < end and not paused:
                             return False
                         continue
@@ -223,21 +223,6 @@ class HandlerCalls:
     def _rated(self, shard: ShardRef, call: Call) -> bool:
         """Whether ``call``'s category is rate limited (a token per call)."""
         return self.rates is not None and self.rates.limited(shard.table, call.group.category)
-
-    def _turn(
-        self,
-        shard: ShardRef,
-        call: Call,
-        limits: list[Limit],
-        deadline: float,
-        round_: RoundShards | None,
-    ) -> Held | Rated:
-        """A slot of each of ``limits``, after a token when ``call``'s category is rate limited
-        (it waits for its token first, holding no slot meanwhile)."""
-        held = Held(limits, deadline, round_)
-        if self.rates is None or not self._rated(shard, call):
-            return held
-        return Rated(self.rates, shard, call.group.category, held, deadline, round_)
 
     def _sync_run_end(
         self, shard: ShardRef, calls: list[Call], index: int, hop: int, limits: list[Limit]
@@ -277,9 +262,9 @@ class HandlerCalls:
                 raise  # this attempt was cancelled (a timeout, a skip, a shutdown)
             # The handler raised CancelledError itself: a failure like any other, or
             # the local drain would fail the shard's workflow instead of blocking it.
-            raise self.failure(shard, call, exc, attempt) from exc
+            raise failure(shard, call, exc, attempt, self._redact) from exc
         except BaseException as exc:  # a handler's SystemExit must not stop the worker
-            raise self.failure(shard, call, exc, attempt) from exc
+            raise failure(shard, call, exc, attempt, self._redact) from exc
         _check_returned(self._app, call, returned)
 
     async def _bounded(self, call: Call, clock: _CallClock | None) -> object:
@@ -365,28 +350,6 @@ class HandlerCalls:
         await asyncio.sleep(0)  # let the reports scheduled by the thread run first
         return count, error, paused
 
-    def failure(
-        self, shard: ShardRef, call: Call, exc: BaseException, attempt: int
-    ) -> HandlerFailed:
-        group = call.group
-        with log_context(shard=shard.key, category=call.category):
-            # The traceback on the first failure and every tenth retry; one line in between.
-            log.warning(
-                "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: "
-                "%s: %s",
-                shard.key,
-                call.category,
-                group.object_identifier,
-                group.last_id,
-                len(group.ids),
-                attempt,
-                type(exc).__qualname__,
-                exc,
-                exc_info=exc if attempt % 10 == 1 else None,
-                extra={FAILED_CALL: FailedCall(shard.key, call.category, type(exc).__qualname__)},
-            )
-        return HandlerFailed(HandlerFailure(type(exc).__qualname__, self._history_text(exc)), group)
-
     def fault(self, shard: ShardRef, what: str, exc: BaseException) -> HandlerFailure:
         """A step of a round (``what``: "its rows cannot be read") failed for ``shard`` alone:
         logged with its traceback; returns what may enter Temporal history about it."""
@@ -397,21 +360,7 @@ class HandlerCalls:
         )
         with log_context(shard=shard.key):
             log.warning("%s", error, exc_info=exc)
-        return HandlerFailure(type(error).__qualname__, self._history_text(error))
-
-    def _history_text(self, exc: BaseException) -> str:
-        """The exception's message as Temporal may keep it: none when redacted, else bounded
-        and scrubbed of credentials."""
-        if self._redact:
-            return ""
-        text = str(exc)
-        # Scrubbed before the cut, which would leave a password without its URL's "@"; with
-        # a margin, so that what masking shortened is still filled with scrubbed text.
-        scrubbed = scrub_credentials(text[: 2 * MAX_ERROR_MESSAGE])
-        if len(text) > MAX_ERROR_MESSAGE:
-            cut = len(text) - MAX_ERROR_MESSAGE
-            return f"{scrubbed[:MAX_ERROR_MESSAGE]}… ({cut} more characters in the worker's log)"
-        return scrubbed
+        return HandlerFailure(type(error).__qualname__, history_text(error, self._redact))
 
 
 class _CallClock:
@@ -552,3 +501,41 @@ def _check_returned(app: OutboxApp, call: Call, returned: object) -> None:
             app.category_name(call.group.category),
             type(returned).__name__,
         )
+
+
+def failure(
+    shard: ShardRef, call: Call, exc: BaseException, attempt: int, redact: bool
+) -> HandlerFailed:
+    """The failure of ``call``, logged (its traceback now and then), as it enters history."""
+    group = call.group
+    with log_context(shard=shard.key, category=call.category):
+        # The traceback on the first failure and every tenth retry; one line in between.
+        log.warning(
+            "handler failed: shard=%s category=%s object=%s id=%s coalesced=%s attempt=%s: %s: %s",
+            shard.key,
+            call.category,
+            group.object_identifier,
+            group.last_id,
+            len(group.ids),
+            attempt,
+            type(exc).__qualname__,
+            exc,
+            exc_info=exc if attempt % 10 == 1 else None,
+            extra={FAILED_CALL: FailedCall(shard.key, call.category, type(exc).__qualname__)},
+        )
+    return HandlerFailed(HandlerFailure(type(exc).__qualname__, history_text(exc, redact)), group)
+
+
+def history_text(exc: BaseException, redact: bool) -> str:
+    """The exception's message as Temporal may keep it: none when redacted, else bounded
+    and scrubbed of credentials."""
+    if redact:
+        return ""
+    text = str(exc)
+    # Scrubbed before the cut, which would leave a password without its URL's "@"; with
+    # a margin, so that what masking shortened is still filled with scrubbed text.
+    scrubbed = scrub_credentials(text[: 2 * MAX_ERROR_MESSAGE])
+    if len(text) > MAX_ERROR_MESSAGE:
+        cut = len(text) - MAX_ERROR_MESSAGE
+        return f"{scrubbed[:MAX_ERROR_MESSAGE]}… ({cut} more characters in the worker's log)"
+    return scrubbed

@@ -28,7 +28,7 @@ from outbox_bridge.db.grants import Role, privilege_advice
 from outbox_bridge.db.limits import Grant, RateLimit, read_limits, take_tokens
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import Held, RoundShards
+from outbox_bridge.runtime.call_slots import Held, Limit, RoundShards
 from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
@@ -322,3 +322,19 @@ class RateLimits:
         for task in [self._reading, *(bucket.filler for bucket in self._buckets.values())]:
             if task is not None:
                 task.cancel()
+
+
+def turn(
+    rates: RateLimits | None,
+    shard: ShardRef,
+    category: int,
+    limits: list[Limit],
+    deadline: float,
+    round_: RoundShards | None,
+) -> Held | Rated:
+    """A slot of each of ``limits``, after a token when ``category`` is rate limited (the
+    call waits for its token first, holding no slot meanwhile)."""
+    held = Held(limits, deadline, round_)
+    if rates is None or not rates.limited(shard.table, category):
+        return held
+    return Rated(rates, shard, category, held, deadline, round_)

@@ -6,6 +6,7 @@ workflow (and each partition) again on the current code, losing nothing."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -34,10 +35,12 @@ from tests.harness import (
     record_holder,
     running_worker,
     table_empty,
+    unique_table,
     wait_until,
     write_rows,
 )
 from tests.test_cli_shards import cli
+from tests.test_error_text import ReversingCodec
 
 
 async def test_runs_of_older_code_are_found_ended_and_started_again(
@@ -163,3 +166,31 @@ async def test_runs_found_by_their_patch_markers_and_partitions_by_their_memo(
 
     async with running_worker(servers, app):
         await wait_until(partition_restarted, what="the partition started again")
+
+
+async def test_a_run_whose_memo_this_process_cannot_decode_is_left_alone(
+    servers, engine, client
+) -> None:
+    """Another app's runs on the same namespace may carry a payload codec this command lacks:
+    each such run is named on stderr and left alone (never ended), and the check goes on."""
+    table = unique_table()
+    shard = ShardRef(table, 1, "ORGANIZATION", 32)
+    converter = dataclasses.replace(client.data_converter, payload_codec=ReversingCodec())
+    other_app = Client(client.service_client, namespace=client.namespace, data_converter=converter)
+    run = await other_app.start_workflow(
+        WORKFLOW,
+        ShardInput(shard),
+        id=shard.workflow_id,
+        task_queue=f"other-app-{table}",
+        memo={MEMO_CODE_KEY: 0},
+    )
+    try:
+        code, out, err = await cli(servers, table, "upgrade-check", "--json")
+        assert code in (0, 1) and out, f"exit {code}: {err}"
+        assert shard.workflow_id not in {r["workflow_id"] for r in json.loads(out)["runs"]}
+        assert f"cannot read the memo of {shard.workflow_id}" in err
+        code, out, err = await cli(servers, table, "upgrade-check", "--terminate")
+        assert code == 0, err
+        assert (await run.describe()).status == WorkflowExecutionStatus.RUNNING
+    finally:
+        await run.terminate()

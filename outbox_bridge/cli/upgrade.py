@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from outbox_bridge.runtime.shards import WORKFLOW
 from outbox_bridge.runtime.supervisor import PARTITION_WORKFLOW
 from outbox_bridge.workflows.models import MEMO_CODE_KEY, WORKFLOW_CODE
 from outbox_bridge.workflows.shard import CARRY_BACKOFF_FROM_NOW, DRAIN_HANDED_DEFERRED
+
+log = logging.getLogger(__name__)
 
 TERMINATE_REASON = (
     "outbox-bridge upgrade: a run of older workflow code; rows and shard ownership stay in the "
@@ -73,7 +76,11 @@ async def older_runs(client: Client) -> list[OlderRun]:
     found = []
     types = " OR ".join(f"WorkflowType = '{name}'" for name in (WORKFLOW, PARTITION_WORKFLOW))
     async for execution in client.list_workflows(f"({types}) AND ExecutionStatus = 'Running'"):
-        code = (await execution.memo()).get(MEMO_CODE_KEY, 0)
+        try:
+            code = (await execution.memo()).get(MEMO_CODE_KEY, 0)
+        except Exception as exc:  # a payload codec this process lacks (another app's, say)
+            log.warning("cannot read the memo of %s (%s): left alone", execution.id, exc)
+            continue
         handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
         patches = await unknown_patches(handle) if code == WORKFLOW_CODE else []
         if code != WORKFLOW_CODE or patches:

@@ -32,6 +32,7 @@ from tests.harness import (
 )
 
 LIMIT = 2
+FULL_WAIT = 10.0  # seconds a limited call waits for the limit to be reached
 LIMITED_SHARDS = 12  # each with 2 groups of the limited category
 OTHER_SHARDS = 30  # each with 1 group of another category
 
@@ -48,11 +49,16 @@ class Gauge:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Limited calls wait until every other category's call is done: those must not wait for them.
     others_done: threading.Event = field(default_factory=threading.Event)
+    # Then until the limit was reached once (a while at most): the calls that may overlap do,
+    # however slowly a slot of the database comes on a loaded machine.
+    full: threading.Event = field(default_factory=threading.Event)
 
     def enter(self) -> None:
         with self.lock:
             self.running += 1
             self.peak = max(self.peak, self.running)
+            if self.running >= LIMIT:
+                self.full.set()
 
     def leave(self) -> None:
         with self.lock:
@@ -80,6 +86,7 @@ def limited_app(gauge: Gauge, *, plain: bool, limit: str = "max_concurrency") ->
             gauge.enter()
             try:
                 assert gauge.others_done.wait(timeout=60), "other categories did not proceed"
+                gauge.full.wait(timeout=FULL_WAIT)
             finally:
                 gauge.leave()
 
@@ -96,6 +103,9 @@ def limited_app(gauge: Gauge, *, plain: bool, limit: str = "max_concurrency") ->
         gauge.enter()
         try:
             await asyncio.wait_for(others_done.wait(), timeout=60)
+            deadline = time.monotonic() + FULL_WAIT
+            while not gauge.full.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         finally:
             gauge.leave()
 

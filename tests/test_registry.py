@@ -79,6 +79,8 @@ def test_valid_registry_lookups() -> None:
         "second_outbox_parked",
         "first_outbox_pauses",  # the paused categories and scopes
         "second_outbox_pauses",
+        "first_outbox_limits",  # the categories' rate limits (token buckets)
+        "second_outbox_limits",
     }
 
 

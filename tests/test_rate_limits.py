@@ -218,6 +218,36 @@ async def test_a_limited_category_waits_while_others_drain_until_a_limit_set_at_
     assert json.loads(out)[0]["override"] is None
 
 
+async def test_a_shard_done_drains_again_while_its_round_waits_for_another_shard(
+    servers: Servers, engine: AsyncEngine
+) -> None:
+    recorder = Recorder()
+    app = limited_app(recorder, "100/s")
+    await create_tables(engine, app)
+    # A call of the limited category that does not return until told: its round stays open,
+    # as one waiting for a token would.
+    go_on, started = asyncio.Event(), asyncio.Event()
+
+    async def held_up(message: Any) -> None:
+        started.set()
+        await go_on.wait()
+
+    recorder.behaviour[int(LIMITED)] = held_up
+    [waiting] = await write_rows(engine, app, [_row(LIMITED, 1, 1)])
+    [first] = await write_rows(engine, app, [_row(Category.PROJECT_UPDATE, 2, 1)])
+    # One partition: both shards in one round, whose held call does not time out meanwhile.
+    async with running_worker(servers, app, fast_settings(partitions=1, handler_timeout=120.0)):
+        await wait_until(lambda: first in recorder.ids() and started.is_set(), what="first")
+        # The other shard's next row is drained by a later round while the first one still
+        # waits for its call (before, the shard waited for its round to end).
+        [later] = await write_rows(engine, app, [_row(Category.PROJECT_UPDATE, 2, 2)])
+        await wait_until(lambda: later in recorder.ids(), what="the later row, beside the wait")
+        assert waiting not in recorder.ids()
+        go_on.set()
+        await wait_until(lambda: table_empty(engine, app), what="every row handled")
+    assert set(recorder.ids()) == {waiting, first, later}
+
+
 async def test_limit_refuses_a_bad_rate_and_an_unknown_category(
     servers: Servers, engine: AsyncEngine
 ) -> None:

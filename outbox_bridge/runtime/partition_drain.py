@@ -304,10 +304,12 @@ class PartitionDrain:
         outcomes: list[ShardOutcome] = []
         skipped: list[ShardRef] = []
         held: set[ShardRef] = set()  # those the round's writes held for their workflow
+        released: set[ShardRef] = set()  # queued again before the round ended
         lost = False
         try:
             async with self._engine.locked(self._table, shards) as round_:
                 held = round_.held
+                round_.unlocked = functools.partial(_leave_round, self, round_, released)
                 skipped = await _hold_skipped(round_, self._skip)
                 heads = await self._engine.read_heads(
                     round_, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
@@ -325,6 +327,7 @@ class PartitionDrain:
             _log_failed_round(self._ref.workflow_id, exc)
             lost = True
         finally:
+            shards = [shard for shard in shards if shard not in released]
             for shard in shards:
                 self._queue.in_flight.discard(shard)
             self._round_done.set()
@@ -343,7 +346,8 @@ class PartitionDrain:
                 if shard not in handed:
                     self._queue.add(shard)
         else:
-            self._count(outcomes, handed)
+            self._count(outcomes, handed | released)
+            self._stats.handed_over += len(handed)
         if handovers:
             await asyncio.gather(
                 *(self._starter.hand_over(shard, handover) for shard, handover in handovers)
@@ -381,7 +385,8 @@ class PartitionDrain:
             self._hub.rescan(self._table.name)
         return time.monotonic() + (cap.count_due(self._table.name) or math.inf)
 
-    def _count(self, outcomes: list[ShardOutcome], handed: set[ShardRef]) -> None:
+    def _count(self, outcomes: list[ShardOutcome], queued: set[ShardRef]) -> None:
+        """Count what the round did; queue again its shards with more rows (but ``queued``)."""
         stats = self._stats
         for outcome in outcomes:
             key = outcome.shard
@@ -389,9 +394,8 @@ class PartitionDrain:
             stats.groups_handled += outcome.groups_handled
             if outcome.groups_handled:
                 self._drained.add(key)
-            if outcome.more and key not in handed:
+            if outcome.more and key not in queued:
                 self._queue.add(key)
-        stats.handed_over += len(handed)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -423,6 +427,22 @@ def _handover(outcome: ShardOutcome) -> HandoverInput | None:
             deferred_seconds=outcome.deferred_seconds,
         )
     return None
+
+
+def _leave_round(
+    drain: PartitionDrain, round_: Round, released: set[ShardRef], shard: ShardRef
+) -> None:
+    """``shard`` is done and unlocked: with nothing to hand over, it leaves its round now, not
+    when the round's last shard is done (one waiting for a rate limit's token, say), and a next
+    round of ``drain`` drains its further rows meanwhile."""
+    outcome = round_.outcomes.get(shard)
+    if outcome is None or round_.lost or shard in round_.held or _handover(outcome):
+        return
+    released.add(shard)
+    drain._queue.in_flight.discard(shard)
+    if outcome.more:
+        drain._queue.add(shard)
+        drain._round_done.set()
 
 
 def _log_failed_round(partition: str, exc: Exception) -> None:

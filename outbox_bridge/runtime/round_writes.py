@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -129,6 +130,7 @@ class RoundWrites(ShardLocks):
         # Handled and not deleted when the connection was lost (DrainEngine.locked retries).
         self.unwritten: list[Handled] = []
         self.held: set[ShardRef] = set()  # shards whose hold this round wrote
+        self.unlocked: Callable[[ShardRef], None] | None = None  # told of each shard unlocked
         self._flusher: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
 
@@ -264,3 +266,5 @@ class RoundWrites(ShardLocks):
         for shard in shards:
             if shard not in self.stuck:
                 self.locked.pop(shard, None)
+                if self.unlocked is not None:
+                    self.unlocked(shard)

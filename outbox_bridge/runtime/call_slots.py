@@ -78,14 +78,14 @@ async def await_turn(
     back."""
     # The loop's clock is time.monotonic() on every platform asyncio supports.
     loop = asyncio.get_running_loop()
-    timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
+    timer = None if deadline == math.inf else loop.call_at(deadline, expire, waiter)
     if round_ is not None:
         round_.waiting(waiter)
     try:
         await waiter
     except asyncio.CancelledError:
         # Handed a slot, then cancelled: it goes on. (exception() marks an expiry as seen.)
-        if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+        if granted(waiter):
             give()
         raise
     except TimeoutError:
@@ -123,9 +123,15 @@ class FleetSlots:
 Limit: TypeAlias = Slots | FleetSlots
 
 
-def _expire(waiter: asyncio.Future[Any]) -> None:
+def expire(waiter: asyncio.Future[Any]) -> None:
+    """A wait's deadline passed: its waiter gets a TimeoutError (unless it was served)."""
     if not waiter.done():
         waiter.set_exception(TimeoutError())
+
+
+def granted(waiter: asyncio.Future[Any]) -> bool:
+    """Whether ``waiter`` was served (not expired, not cancelled)."""
+    return waiter.done() and not waiter.cancelled() and waiter.exception() is None
 
 
 class RoundShards:
@@ -158,7 +164,7 @@ class RoundShards:
         if not self._busy and self._done:
             self.idle = True
             for waiter in list(self._waiters):
-                _expire(waiter)
+                expire(waiter)
 
 
 class CallSlots:

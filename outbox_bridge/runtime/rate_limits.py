@@ -28,7 +28,7 @@ from outbox_bridge.db.grants import Role, privilege_advice
 from outbox_bridge.db.limits import Grant, RateLimit, read_limits, take_tokens
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import Held, Limit, RoundShards
+from outbox_bridge.runtime.call_slots import Held, Limit, RoundShards, expire, granted
 from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Bucket:
         waiter = loop.create_future()
         self._turns.setdefault(tenant, collections.deque()).append(waiter)
         self.waiting += 1
-        timer = None if deadline == math.inf else loop.call_at(deadline, _expire, waiter)
+        timer = None if deadline == math.inf else loop.call_at(deadline, expire, waiter)
         # The round sees the wait through a stand-in: when the round gives its waiters up, this
         # one waits a moment more (its token may be due), then gives up too.
         stand_in = loop.create_future()
@@ -97,7 +97,7 @@ class Bucket:
         try:
             await waiter
         except asyncio.CancelledError:
-            if _granted(waiter):  # handed a token, then cancelled: it passes on
+            if granted(waiter):  # handed a token, then cancelled: it passes on
                 self.tokens += 1
                 self._hand_out()
             raise
@@ -112,7 +112,7 @@ class Bucket:
 
     def _left(self, waiter: asyncio.Future[None], timer: asyncio.TimerHandle | None) -> None:
         """``waiter`` stopped waiting (a token handed out to it was counted then)."""
-        if not _granted(waiter):
+        if not granted(waiter):
             self.waiting -= 1
         if timer is not None:
             timer.cancel()
@@ -193,10 +193,6 @@ class Rated:
         await self._held.__aexit__(*exc)
 
 
-def _granted(waiter: asyncio.Future[None]) -> bool:
-    return waiter.done() and not waiter.cancelled() and waiter.exception() is None
-
-
 def _expire_soon(
     stand_in: asyncio.Future[None], waiter: asyncio.Future[None], deadline: float
 ) -> None:
@@ -206,12 +202,7 @@ def _expire_soon(
         stand_in.exception()  # seen: the round's expiry is no error
     if not waiter.done():
         loop = asyncio.get_running_loop()
-        loop.call_at(min(deadline, loop.time() + IDLE_ROUND_GRACE), _expire, waiter)
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+        loop.call_at(min(deadline, loop.time() + IDLE_ROUND_GRACE), expire, waiter)
 
 
 class RateLimits:

@@ -1,12 +1,10 @@
-"""`outbox-bridge status|skip|resume` against a real worker, run as a subprocess."""
+"""`outbox-bridge status|skip|resume` against a real worker (the command run in this process)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,8 +26,7 @@ from tests.harness import (
     wait_until,
     write_rows,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import run_cli
 
 
 async def cli(
@@ -47,19 +44,8 @@ async def cli(
         "OUTBOX_APP": "tests.sample_app:app",  # same scope and category names as the harness
         "SAMPLE_OUTBOX_TABLE": table,
     }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "outbox_bridge",
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    run = await run_cli(*args, env=env)
+    return run.code, run.stdout, run.stderr
 
 
 async def test_status_skip_and_resume_from_the_command_line(servers, engine, client) -> None:

@@ -241,7 +241,7 @@ def _thread_output() -> Iterator[tuple[io.StringIO, io.StringIO]]:
 async def init_db(env: dict[str, str], *args: str) -> None:
     """``outbox-bridge init-db ARGS`` with ``env``'s settings, as a deploy runs it before its
     workers (which only check the tables)."""
-    result = await run_python("-m", "outbox_bridge", "init-db", *args, env=env)
+    result = await run_cli("init-db", *args, env=env)
     assert result.code == 0, result.output
 
 

@@ -1,6 +1,6 @@
-"""Acceptance tests of the command lines, run as real subprocesses: ``python worker.py`` and
-``python -m outbox_bridge`` (the worker in the shape of the design contract,
-docs/explanation/contract.md).
+"""Acceptance tests of the command lines: ``python worker.py`` and ``python -m outbox_bridge``
+run as real subprocesses (the worker in the shape of the design contract,
+docs/explanation/contract.md), the tools' commands in this process (``run_cli``).
 
 The worker is pointed at the test servers (OUTBOX_DATABASE_URL, TEMPORAL_ADDRESS), so nothing
 embedded starts. The database URL carries a password (the embedded PostgreSQL trusts any password
@@ -48,6 +48,7 @@ from tests.support import (
     clean_env,
     clear_settings,
     init_db,
+    run_cli,
     run_python,
     with_password,
     worker_process,
@@ -452,9 +453,9 @@ DEMO_TASK_QUEUE = f"tq-demo-{uuid.uuid4().hex[:8]}"
 
 
 async def demo_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
-    """``python -m outbox_bridge ARGS --demo`` with the worker's settings; exit code and
-    output (stdout, then stderr)."""
-    done = await run_python("-m", "outbox_bridge", *args, "--demo", env=env)
+    """``outbox-bridge ARGS --demo`` with the worker's settings; exit code and output (stdout,
+    then stderr)."""
+    done = await run_cli(*args, "--demo", env=env)
     return done.code, done.output
 
 
@@ -599,8 +600,8 @@ async def test_init_db_creates_the_tables_idempotently(servers, engine) -> None:
     table = unique_table()
     url, canary = canary_url(servers)
     env = clean_env(SAMPLE_OUTBOX_TABLE=table)
-    args = ["-m", "outbox_bridge", "init-db", "--database-url", url, "--app", SAMPLE_APP]
-    first = await run_python(*args, env=env)
+    args = ["init-db", "--database-url", url, "--app", SAMPLE_APP]
+    first = await run_cli(*args, env=env)
     assert first.code == 0, first.output
     assert f"tables ready: {table}" in first.stdout
     assert canary not in first.output
@@ -618,7 +619,7 @@ async def test_init_db_creates_the_tables_idempotently(servers, engine) -> None:
                 "VALUES (1, 1, 1, 1)"
             )
         )
-    second = await run_python(*args, env=env)
+    second = await run_cli(*args, env=env)
     assert second.code == 0, second.output
     assert f"tables ready: {table}" in second.stdout
     assert canary not in second.output
@@ -629,7 +630,7 @@ async def test_init_db_reads_the_environment(servers, engine) -> None:
     table = unique_table()
     url, canary = canary_url(servers)
     env = clean_env(SAMPLE_OUTBOX_TABLE=table, OUTBOX_DATABASE_URL=url, OUTBOX_APP=SAMPLE_APP)
-    result = await run_python("-m", "outbox_bridge", "init-db", env=env)
+    result = await run_cli("init-db", env=env)
     assert result.code == 0, result.output
     assert canary not in result.output
     assert await scalar(engine, "SELECT to_regclass(:t)::text", t=table) == table
@@ -640,9 +641,7 @@ async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engi
     url = make_url(servers.database_url)
     password = str(url.password) if url.password else CANARY
     in_query = url.set(password=None).update_query_dict({"password": password})
-    result = await run_python(
-        "-m",
-        "outbox_bridge",
+    result = await run_cli(
         "init-db",
         "--app",
         SAMPLE_APP,
@@ -671,7 +670,7 @@ async def test_init_db_masks_a_password_given_as_a_query_parameter(servers, engi
     ids=["not-an-app", "not-postgres", "unreachable", "app-and-demo"],
 )
 async def test_init_db_refusals(args, expected) -> None:
-    result = await run_python("-m", "outbox_bridge", "init-db", *args, env=clean_env())
+    result = await run_cli("init-db", *args, env=clean_env())
     assert result.code == 2, result.output
     assert result.stderr.startswith("outbox-bridge: error: ")
     assert expected in result.stderr

@@ -40,7 +40,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.otel import metric_reader, points
-from tests.support import clean_env, run_python
+from tests.support import clean_env, run_cli
 
 ORG = 1  # Scope.ORGANIZATION
 PROJECT_UPDATE = 2
@@ -57,7 +57,7 @@ async def cli(servers: Servers, table: str, *args: str, regional: bool) -> tuple
         SAMPLE_OUTBOX_TABLE=table,
         COLUMNS="250",
     )
-    result = await run_python("-m", "outbox_bridge", *args, env=env)
+    result = await run_cli(*args, env=env)
     return result.code, result.stdout, result.stderr
 
 

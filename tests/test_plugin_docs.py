@@ -18,7 +18,7 @@ from temporalio.client import Client
 
 from tests.harness import Servers, unique_table, wait_until
 from tests.sample_app import CALLS_DDL, CALLS_TABLE, SampleCategory, SampleScope
-from tests.support import ROOT, clean_env, run_python, worker_process
+from tests.support import ROOT, clean_env, run_cli, worker_process
 
 PAGE = ROOT / "docs" / "how-to" / "plugin.md"
 
@@ -102,9 +102,7 @@ async def test_the_plugin_page_program_runs_the_outbox_in_the_teams_worker(
         OUTBOX_TASK_QUEUE=f"outbox-docs-{uuid.uuid4().hex[:8]}",
     )
     # As the page says: the tables first, by their owner; the plugin only checks them.
-    init = await run_python(
-        "-m", "outbox_bridge", "init-db", env={**env, "OUTBOX_APP": "tests.sample_app:app"}
-    )
+    init = await run_cli("init-db", env={**env, "OUTBOX_APP": "tests.sample_app:app"})
     assert init.code == 0, init.output
     assert await table_exists(engine, table)
     async with worker_process(

@@ -30,7 +30,8 @@ from tests.harness import (
 
 # tests/slots.py: a test of any tier but ``unit`` waits for one of the machine's test slots.
 # tests/cpu.py: with OUTBOX_TEST_CPU set, the CPU each test used.
-pytest_plugins = ["pytester", "tests.slots", "tests.cpu"]
+# tests/mypy_early.py: mypy starts once the tests are collected, beside them.
+pytest_plugins = ["pytester", "tests.slots", "tests.cpu", "tests.mypy_early"]
 
 # A test that provokes an ERROR record of the library on purpose says so with this marker;
 # any other ERROR record of an ``outbox_bridge`` logger fails the test that was running.

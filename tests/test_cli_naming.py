@@ -33,22 +33,25 @@ from tests.support import Run, clean_env, run_cli, run_python, with_password
 CANARY = "s3cr3t-naming-canary"
 
 
-async def cli(
-    servers: Any, *args: str, app: str | None = None, process: bool = False, **env: str
-) -> Run:
-    """``outbox-bridge ARGS`` against the test servers, in this process (with ``process``, as
-    ``python -m outbox_bridge``: all it prints, Temporal's core included); with ``app``, the
+async def cli(servers: Any, *args: str, app: str | None = None, **env: str) -> Run:
+    """``outbox-bridge ARGS`` against the test servers, in this process; with ``app``, the
     sample app (same scope and category names as the harness) on table ``app``."""
+    return await run_cli(*args, env=cli_env(servers, app, env))
+
+
+async def cli_process(servers: Any, *args: str, **env: str) -> Run:
+    """:func:`cli` as ``python -m outbox_bridge``: all it prints, Temporal's core included."""
+    return await run_python("-m", "outbox_bridge", *args, env=cli_env(servers, None, env))
+
+
+def cli_env(servers: Any, app: str | None, env: dict[str, str]) -> dict[str, str]:
     settings = {
         "TEMPORAL_ADDRESS": servers.temporal_address,
         "OUTBOX_DATABASE_URL": servers.database_url,
     }
     if app is not None:
         settings |= {"OUTBOX_APP": "tests.sample_app:app", "SAMPLE_OUTBOX_TABLE": app}
-    env = clean_env(**(settings | env))
-    if process:
-        return await run_python("-m", "outbox_bridge", *args, env=env)
-    return await run_cli(*args, env=env)
+    return clean_env(**(settings | env))
 
 
 async def insert(engine: Any, table: str, scope: int, shard: int, category: int) -> int:
@@ -232,28 +235,28 @@ def test_each_shard_command_lists_its_own_options_only(command: str) -> None:
 
 async def test_connection_failures_are_one_line_that_says_what_to_do(servers, tmp_path) -> None:
     port = free_port()
-    run = await cli(
-        servers, "status", "ORGANIZATION:1", process=True, TEMPORAL_ADDRESS=f"127.0.0.1:{port}"
+    run = await cli_process(
+        servers, "status", "ORGANIZATION:1", TEMPORAL_ADDRESS=f"127.0.0.1:{port}"
     )
     assert run.code == 2
     line = one_error_line(run)
     assert f"cannot connect to Temporal at 127.0.0.1:{port}" in line
     assert "connection refused" in line and "TEMPORAL_ADDRESS" in line
 
-    run = await cli(
-        servers, "status", "ORGANIZATION:1", process=True, TEMPORAL_NAMESPACE="no-such-namespace"
+    run = await cli_process(
+        servers, "status", "ORGANIZATION:1", TEMPORAL_NAMESPACE="no-such-namespace"
     )
     line = one_error_line(run)
     assert "no-such-namespace" in line and "TEMPORAL_NAMESPACE" in line
 
     unreachable, canary = with_password(f"postgresql://postgres@127.0.0.1:{free_port()}/x", CANARY)
-    run = await cli(servers, "shards", process=True, OUTBOX_DATABASE_URL=unreachable)
+    run = await cli_process(servers, "shards", OUTBOX_DATABASE_URL=unreachable)
     assert run.code == 2
     line = one_error_line(run)
     assert "cannot read table outbox in postgresql+psycopg://postgres:***@127.0.0.1" in line
     assert "OUTBOX_DATABASE_URL" in line and canary not in line
 
-    run = await cli(servers, "shards", "--table", unique_table(), process=True)
+    run = await cli_process(servers, "shards", "--table", unique_table())
     line = one_error_line(run)
     assert "does not exist" in line and "--app" in line and "init-db" in line
 

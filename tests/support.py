@@ -142,9 +142,10 @@ async def run_python(*args: str, env: dict[str, str], timeout: float = 60) -> Ru
 
 
 # One command at a time runs in a process: its environment and sys.stdout/sys.stderr are the
-# process's. Modules that read the environment when imported, imported afresh for each command.
+# process's. The modules of the tests' apps that read the environment when imported (their table),
+# imported afresh for each command.
 CLI_LOCK = threading.Lock()
-FRESH_IMPORTS = ("tests.sample_app",)
+FRESH_IMPORTS = ("tests.sample_app", "tests.test_health")
 
 
 async def run_cli(*args: str, env: Mapping[str, str]) -> Run:
@@ -192,6 +193,9 @@ def _fresh_imports() -> Iterator[None]:
         for name in FRESH_IMPORTS:
             sys.modules.pop(name, None)
         sys.modules.update(saved)
+        for name, module in saved.items():  # the package's attribute, rebound by the import
+            package, _, attribute = name.rpartition(".")
+            setattr(sys.modules[package], attribute, module)
 
 
 class _ThreadStream(io.TextIOBase):

@@ -188,13 +188,13 @@ class GcTimer:
         )
 
 
-def _sampler(pid: int, output: Path, fmt: str, rate: int) -> subprocess.Popen[bytes]:
+def _sampler(pid: int, output: Path, fmt: str, rate: int, *, gil: bool) -> subprocess.Popen[bytes]:
     # This environment's scripts first: py-spy installed in a venv that is not activated.
     spy = shutil.which("py-spy", path=sysconfig.get_path("scripts")) or shutil.which("py-spy")
     if spy is None:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     command = [spy, "record", "--pid", str(pid), "--format", fmt, "--output", str(output)]
-    command += ["--rate", str(rate), "--nonblocking", "--function"]
+    command += ["--rate", str(rate), "--nonblocking", "--function", *(["--gil"] if gil else [])]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -233,8 +233,10 @@ async def profile(args: argparse.Namespace) -> None:
                 samplers = []
                 if args.rate > 0:
                     samplers = [
-                        _sampler(os.getpid(), raw, "raw", args.rate),
-                        _sampler(os.getpid(), out / f"{name}.svg", "flamegraph", args.rate),
+                        _sampler(os.getpid(), raw, "raw", args.rate, gil=args.gil),
+                        _sampler(
+                            os.getpid(), out / f"{name}.svg", "flamegraph", args.rate, gil=args.gil
+                        ),
                     ]
                 try:
                     with (
@@ -269,6 +271,8 @@ def _header(
     tuned = "".join(f" --partition-option {o}" for o in args.partition_option)
     if args.max_undeleted_groups is not None:
         tuned += f" --max-undeleted-groups {args.max_undeleted_groups}"
+    if args.gil:
+        tuned += " --gil"
     return (
         f"python -m bench.profile {args.workload} --scale {args.scale} --temporal "
         f"{args.temporal}{tuned}\n"
@@ -289,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temporal", choices=["file", "memory"], default="memory")
     parser.add_argument(
         "--rate", type=int, default=100, help="samples per second (0: measure without sampling)"
+    )
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="sample only the thread holding the interpreter lock: where the worker's Python "
+        "spends its CPU, without the threads that wait (a handler's sleep, the lock itself)",
     )
     parser.add_argument("--seconds", type=float, default=300.0, help="cap of the drain")
     parser.add_argument("--budget", type=float, default=900.0)

@@ -8,6 +8,10 @@ it prints ``serving`` once imported, as it calls ``serve`` (the bench's clock st
 it does in-process), ``ready`` once the worker is ready, and at the end one JSON
 line: its handler calls, its own peak RSS (the kernel's high-water mark over the whole life of
 the process, not samples) and its CPU seconds.
+
+With ``BENCH_TRACEMALLOC=FILE`` in its environment, the process traces its Python allocations
+and writes to ``FILE`` the largest of them at the moment it held the most (looked at twice a
+second): what a worker holds per shard. Tracing slows the worker and adds to its RSS.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import resource
 import signal
 import sys
 import time
+import tracemalloc
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,15 +115,17 @@ async def _serve(spec: WorkerSpec) -> dict[str, Any]:
 
     announcing = asyncio.create_task(announce())
     print(SERVING, flush=True)
+    traced = os.environ.get("BENCH_TRACEMALLOC")
     with applied(Tuning(partition_options=spec.partition_options)):
-        await serve(
-            OutboxSettings(**spec.settings),
-            make_app(spec.table, probe, {int(c): r for c, r in spec.rate_limits.items()}),
-            stop=stop,
-            database_url=spec.database_url,
-            temporal_address=spec.temporal_address,
-            ready=ready,
-        )
+        async with traced_peak(Path(traced)) if traced else nullcontext():
+            await serve(
+                OutboxSettings(**spec.settings),
+                make_app(spec.table, probe, {int(c): r for c, r in spec.rate_limits.items()}),
+                stop=stop,
+                database_url=spec.database_url,
+                temporal_address=spec.temporal_address,
+                ready=ready,
+            )
     announcing.cancel()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
@@ -127,6 +136,30 @@ async def _serve(spec: WorkerSpec) -> dict[str, Any]:
         "worker_cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
         **({"starts": probe.starts} if probe.record_starts else {}),
     }
+
+
+@asynccontextmanager
+async def traced_peak(out: Path, *, top: int = 30) -> AsyncIterator[None]:
+    """Trace the block's Python allocations; write the largest, by line, of the snapshot taken
+    when they were the most, to ``out``."""
+    tracemalloc.start()
+    most: list[Any] = [0, None]  # traced bytes, snapshot
+
+    async def look() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if (size := tracemalloc.get_traced_memory()[0]) > most[0]:
+                most[:] = [size, tracemalloc.take_snapshot()]
+
+    looking = asyncio.create_task(look())
+    try:
+        yield
+    finally:
+        looking.cancel()
+        tracemalloc.stop()
+        if most[1] is not None:
+            lines = [str(stat) for stat in most[1].statistics("lineno")[:top]]
+            out.write_text(f"most traced: {most[0] / 2**20:.1f} MiB\n" + "\n".join(lines) + "\n")
 
 
 def peak_rss_mb() -> float | None:

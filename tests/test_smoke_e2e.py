@@ -6,6 +6,7 @@ from typing import Any
 from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError
 
+from outbox_bridge.runtime.worker import YOUNG_THRESHOLD
 from tests.harness import (
     Category,
     fresh_app,
@@ -43,8 +44,10 @@ async def test_the_worker_leaves_its_startup_objects_out_of_collections(servers,
     drains allocate); once it stops, the process is as it was."""
     recorder, _, app = await fresh_app(engine)
     assert gc.get_freeze_count() == 0
+    thresholds = gc.get_threshold()
     async with running_worker(servers, app):
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] >= YOUNG_THRESHOLD
         ids = await write_rows(
             engine,
             app,
@@ -53,6 +56,7 @@ async def test_the_worker_leaves_its_startup_objects_out_of_collections(servers,
         await wait_until(lambda: table_empty(engine, app), what="empty table")
     assert recorder.ids() == ids
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == thresholds
 
 
 async def test_the_workers_report_their_workflow_code_as_build_id(servers, engine, client) -> None:

@@ -53,7 +53,7 @@ class HeldFor(StrEnum):
     WORKFLOW = "workflow"  # its workflow runs for another reason (a flush, a restart, ...)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardRef:
     """Which shard: the table, the scope (value and name), the identifier, and the region."""
 

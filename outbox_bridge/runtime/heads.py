@@ -30,7 +30,7 @@ from outbox_bridge.workflows.models import HandlerFailure, ShardRef
 Execute = Callable[[Callable[[AsyncConnection], Awaitable[Any]]], Awaitable[Any]]
 
 
-@dataclass
+@dataclass(slots=True)
 class ShardHead:
     """What a round found at the head of one shard: the groups to handle, in order."""
 

@@ -64,7 +64,7 @@ class Undeleted:
         await self._waiters.until(lambda: not self.ahead())
 
 
-@dataclass
+@dataclass(slots=True)
 class ShardOutcome:
     """What a round did in one shard, and why it stopped."""
 

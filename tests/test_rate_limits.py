@@ -151,6 +151,11 @@ async def test_waiting_shards_take_turns_so_that_a_flooding_shard_takes_its_shar
     # served would give shard 1 its twelve tokens first).
     assert sorted(granted[:4]) == [1, 2, 3, 4], granted
     assert granted[4:] == [1] * 11
+    # A round of 2 s reads from each shard no more groups than tokens are due in it, shared
+    # by the 4 shards that asked: 100/s × 2 s / 4; an unlimited category has no cap.
+    groups = rates.round_groups(table, 2.0)
+    assert groups(int(LIMITED)) == 50
+    assert groups(int(Category.PROJECT_UPDATE)) is None
     # Each call's wait, by category (the bucket started empty: every call waited).
     [wait] = waits
     assert wait.attributes == {"outbox.category": "ORGANIZATION_UPDATE"}

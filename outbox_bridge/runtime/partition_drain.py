@@ -312,7 +312,10 @@ class PartitionDrain:
                 round_.unlocked = functools.partial(_leave_round, self, round_, released)
                 skipped = await _hold_skipped(round_, self._skip)
                 heads = await self._engine.read_heads(
-                    round_, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
+                    round_,
+                    max_groups=groups_per_shard(self._options, len(shards)),
+                    skip_held=True,
+                    seconds=self._options.time_budget_seconds,
                 )
                 deadline = time.monotonic() + self._options.time_budget_seconds
                 outcomes = await self._engine.run(

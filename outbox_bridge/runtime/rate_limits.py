@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
@@ -42,6 +44,8 @@ MIN_PAUSE, MAX_PAUSE = 0.01, 2.0
 REFRESH_SECONDS = 2.0
 # After a failed take, the bucket is asked again after this long (seconds).
 RETRY_SECONDS = 1.0
+# A tenant that asked for a token within this many seconds shares the rate (seconds).
+RECENT_SECONDS = 5.0
 # A call waiting for a token when the other shards of its round are done waits this much
 # longer (seconds) before its shard goes back to the queue: unlike a call slot, a token is
 # due at a known pace, and a round given up for nothing re-reads its shards while the tokens
@@ -63,10 +67,19 @@ class Bucket:
             collections.OrderedDict()
         )
         self.filler: asyncio.Task[None] | None = None
+        self._asked: dict[str, float] = {}  # tenant: when it last asked for a token
+
+    def tenants(self) -> int:
+        """How many tenants asked for a token within :data:`RECENT_SECONDS` (at least 1)."""
+        since = time.monotonic() - RECENT_SECONDS
+        for tenant in [t for t, at in self._asked.items() if at < since]:
+            del self._asked[tenant]
+        return max(1, len(self._asked))
 
     async def take(self, tenant: str, deadline: float, round_: RoundShards | None) -> bool:
         """A token for a call of ``tenant``, waiting until ``deadline`` (``time.monotonic``)
         at most, or until the other shards of ``round_`` are done; False if none came."""
+        self._asked[tenant] = time.monotonic()
         if self.tokens and not self.waiting:
             self.tokens -= 1
             self._limits.waited(self, 0.0)
@@ -264,6 +277,23 @@ class RateLimits:
         if bucket is None:
             bucket = self._buckets[key] = Bucket(self, self._app.table(shard.table), category)
         return await bucket.take(shard.key, deadline, round_)
+
+    def round_groups(self, table: str, seconds: float) -> Callable[[int], int | None]:
+        """The groups of a category of ``table`` a round of ``seconds`` reads from one shard
+        at most: its share of the tokens due meanwhile, split between the tenants that ask
+        for them (None: no limit). More would be read again, round after round, while their
+        calls wait: work that slows the other categories down."""
+
+        @functools.cache
+        def groups(category: int) -> int | None:
+            per_second = self.per_second(table, category)
+            if per_second is None:
+                return None
+            bucket = self._buckets.get((table, category))
+            tenants = 1 if bucket is None else bucket.tenants()
+            return max(1, math.ceil(per_second * seconds / tenants))
+
+        return groups
 
     def waiting_lines(self, table: str) -> list[str]:
         """The categories of ``table`` that calls of this worker wait for now, one line each:

@@ -35,8 +35,10 @@ from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
 
-# A take asks for at most this many seconds of the rate: small batches share the rate between
-# workers, and a worker holds few tokens it may not use.
+# A take asks for this many seconds of the rate, or for as long as the last take took when that
+# was longer (up to the bucket's one second): small batches share the rate between workers, and
+# a worker holds few tokens it may not use, while a slow round trip (a busy database or worker)
+# still brings the tokens due meanwhile.
 BATCH_SECONDS = 0.05
 # An empty bucket is asked again after a batch's time, within these bounds (seconds).
 MIN_PAUSE, MAX_PAUSE = 0.01, 2.0
@@ -71,6 +73,7 @@ class Bucket:
         )
         self.filler: asyncio.Task[None] | None = None
         self._asked: dict[str, float] = {}  # tenant: when it last asked for a token
+        self._take_seconds = 0.0  # how long the last take took
 
     def tenants(self) -> int:
         """How many tenants asked for a token within :data:`RECENT_SECONDS` (at least 1)."""
@@ -137,7 +140,9 @@ class Bucket:
         """Take tokens for the waiters, in batches, until none waits."""
         while self.waiting > self.tokens:
             want = max(1, min(self.waiting - self.tokens, self._batch()))
+            started = time.monotonic()
             grant = await self._limits.take(self._table, self.category, want)
+            self._take_seconds = time.monotonic() - started
             if grant is None:
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
@@ -152,7 +157,8 @@ class Bucket:
 
     def _batch(self) -> int:
         per_second = self.per_second or self._limits.per_second(self._table.name, self.category)
-        return math.ceil((per_second or 1.0) * BATCH_SECONDS)
+        seconds = min(max(BATCH_SECONDS, self._take_seconds), 1.0)
+        return math.ceil((per_second or 1.0) * seconds)
 
     def lift(self) -> None:
         """The limit was lifted: every waiter goes."""

@@ -285,7 +285,7 @@ class DrainEngine:
         must be written under its lock."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         round_.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
-        busy = RoundShards(len(heads))
+        busy = RoundShards(len(heads), round_.went_idle)
 
         async def run_shard(head: ShardHead, outcome: ShardOutcome) -> None:
             shard = head.shard

@@ -56,6 +56,7 @@ LIMITS_COLUMNS = [
     ("limited_rate_per_s", "limited rows/s", "{:.1f}"),
     ("other_rate_per_s_with_limit", "other rows/s", "{:,.0f}"),
     ("other_rate_per_s_without_limit", "other, no limit", "{:,.0f}"),
+    ("other_rate_ratio", "other ratio", "{:.2f}"),
     ("quiet_p99_wait_s", "quiet p99 s", "{:.2f}"),
     ("quiet_p99_wait_s_with_flood", "with flood", "{:.2f}"),
     ("flood_p99_ratio", "ratio", "{:.2f}"),

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable, RegistryError
-from outbox_bridge.runtime.call_slots import Slots
+from outbox_bridge.runtime.call_slots import RoundShards, Slots
 from outbox_bridge.workflows.models import PartitionOptions
 from tests.harness import (
     SCOPES,
@@ -270,6 +270,23 @@ async def test_a_round_whose_other_shards_are_done_stops_waiting_for_a_slot(
     async with running_worker(servers, app, settings):
         await wait_until(others_done.is_set, timeout=30, what="the other shards' calls")
         await wait_until(lambda: table_empty(engine, app), timeout=60, what="an empty table")
+
+
+async def test_a_round_goes_idle_once_when_its_busy_shards_are_done_or_waiting() -> None:
+    """The partition's drain starts another round in an idle round's place: told once, when
+    no shard is busy and one was done; its waiters then give up."""
+    told: list[bool] = []
+    busy = RoundShards(3, lambda: told.append(True))
+    waiter = asyncio.get_running_loop().create_future()
+    busy.waiting(waiter)  # one shard waits for a slot or a token
+    busy.done()
+    assert not told and not busy.idle  # one shard is still busy
+    busy.done()
+    assert told == [True] and busy.idle
+    assert waiter.done()  # given up: its shard goes back to the queue
+    busy.woken(waiter)
+    busy.done()
+    assert told == [True]
 
 
 async def test_slots_go_first_come_first_served_and_a_wait_ends_at_its_deadline() -> None:

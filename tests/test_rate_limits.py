@@ -16,7 +16,7 @@ from temporalio.client import Client
 from outbox_bridge import OutboxApp, OutboxTable, RegistryError
 from outbox_bridge.db.limits import RateLimit, parse_rate, read_limits, set_limit, take_tokens
 from outbox_bridge.db.schema import limits_of
-from outbox_bridge.runtime.rate_limits import RateLimits
+from outbox_bridge.runtime.rate_limits import RateLimits, waiting_line
 from outbox_bridge.workflows.models import PartitionRef, ShardRef
 from tests.harness import (
     SCOPES,
@@ -55,6 +55,16 @@ def test_a_rate_is_calls_per_second_minute_or_hour() -> None:
         "1000/h",
         "30/m",
     ]
+
+
+def test_the_waiting_line_says_how_long_the_last_calls_waited() -> None:
+    assert waiting_line("SEARCH", 50.0, 3, []) == "SEARCH 50/s: 3 waiting"
+    assert waiting_line("SEARCH", 50.0, 3, [0.0, 2.0, 0.4]) == (
+        "SEARCH 50/s: 3 waiting; the last 3 calls waited 0.4 s at the median, 2.0 s at most"
+    )
+    assert waiting_line("SEARCH", 1 / 3600, 1, [12.0]).endswith(
+        "1/h: 1 waiting; the last call waited 12.0 s at the median, 12.0 s at most"
+    )
 
 
 @pytest.mark.parametrize("bad", ["50", "50/d", "fast", "0/s", "-1/s", "1000000/s", 50, ""])
@@ -151,6 +161,11 @@ async def test_waiting_shards_take_turns_so_that_a_flooding_shard_takes_its_shar
     # served would give shard 1 its twelve tokens first).
     assert sorted(granted[:4]) == [1, 2, 3, 4], granted
     assert granted[4:] == [1] * 11
+    # A round of 2 s reads from each shard no more groups than tokens are due in it, shared
+    # by the 4 shards that asked: 100/s × 2 s / 4; an unlimited category has no cap.
+    groups = rates.round_groups(table, 2.0)
+    assert groups(int(LIMITED)) == 50
+    assert groups(int(Category.PROJECT_UPDATE)) is None
     # Each call's wait, by category (the bucket started empty: every call waited).
     [wait] = waits
     assert wait.attributes == {"outbox.category": "ORGANIZATION_UPDATE"}

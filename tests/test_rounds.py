@@ -110,6 +110,21 @@ def test_max_groups_truncates_but_later_rows_of_taken_groups_still_coalesce() ->
     assert not head.open_ended
 
 
+def test_a_rate_limited_category_ends_the_head_after_its_cap_and_nothing_passes_it() -> None:
+    """Category 1 may have 2 groups in a head: the third ends it, also for the unlimited
+    groups after it (order within the shard), while taken groups still coalesce."""
+    rows = [due(1, 1, 1), due(2, 2, 9), due(3, 1, 2), due(4, 1, 3), due(5, 2, 8), due(6, 1, 1)]
+    head = head_of(SHARD, ShardWindow(0, rows, 6), 16, 100, {1: 2}.get)
+    assert [(g.category, g.object_identifier, g.ids) for g in head.groups] == [
+        (1, 1, [1, 6]),
+        (2, 9, [2]),
+        (1, 2, [3]),
+    ]
+    assert head.more  # group (1, 3) and the ones after it wait for a later round
+    uncapped = head_of(SHARD, ShardWindow(0, rows, 6), 16, 100, {1: None}.get)
+    assert len(uncapped.groups) == 5 and not uncapped.more
+
+
 def test_a_barrier_after_truncation_is_not_reported_as_the_shard_s_deferral() -> None:
     """Groups were left for the next round: the shard does not wait for the barrier yet."""
     rows = [due(1, 1, 1), due(2, 1, 2), deferred(3, 1, 3)]

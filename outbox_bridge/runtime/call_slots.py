@@ -139,11 +139,12 @@ class RoundShards:
     is and one was done, its waiting shards give up (they run in a later round) rather than
     keep the round's place while other shards queue."""
 
-    def __init__(self, shards: int) -> None:
+    def __init__(self, shards: int, went_idle: Callable[[], None] | None = None) -> None:
         self._busy = shards
         self._done = False
         self._waiters: set[asyncio.Future[None]] = set()
         self.idle = False
+        self._went_idle = went_idle  # told once, when the round goes idle
 
     def done(self) -> None:
         """A shard of the round is done."""
@@ -162,6 +163,8 @@ class RoundShards:
 
     def _check(self) -> None:
         if not self._busy and self._done:
+            if not self.idle and self._went_idle is not None:
+                self._went_idle()
             self.idle = True
             for waiter in list(self._waiters):
                 expire(waiter)

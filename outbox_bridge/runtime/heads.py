@@ -58,6 +58,7 @@ async def read_shard_heads(
     deferred_as_due: bool = False,
     max_bytes: int | None = None,
     reserve: Callable[[int], Awaitable[None]] | None = None,
+    rated: Callable[[int], int | None] | None = None,
 ) -> list[ShardHead]:
     """The head groups of each of ``shards`` (at most ``max_groups`` each) and their newest
     rows, in a few statements for all of them: the windows, the groups' tails past a full
@@ -66,7 +67,9 @@ async def read_shard_heads(
     whose newest rows fit that many payload bytes in all (their JSON text). A payload over
     ``max_payload_bytes`` is never read (its row comes without it, and its call fails), and
     its shard's later groups wait for a later round. ``reserve(bytes)`` is awaited before the
-    rows are read, with what they may hold (given back, when negative, once they are read)."""
+    rows are read, with what they may hold (given back, when negative, once they are read).
+    ``rated(category)`` caps the groups of a rate-limited category in one head (see
+    :func:`head_of`)."""
     window = max(2 * max_groups, 16)
     windows = await execute(
         lambda conn: read_windows(
@@ -80,7 +83,11 @@ async def read_shard_heads(
     )
     heads = [
         head_of(
-            shards[found.index], _as_due(found) if deferred_as_due else found, window, max_groups
+            shards[found.index],
+            _as_due(found) if deferred_as_due else found,
+            window,
+            max_groups,
+            rated,
         )
         for found in windows
     ]
@@ -186,11 +193,20 @@ def _keep_within(
     return cut
 
 
-def head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) -> ShardHead:
+def head_of(
+    shard: ShardRef,
+    window: ShardWindow,
+    size: int,
+    max_groups: int,
+    rated: Callable[[int], int | None] | None = None,
+) -> ShardHead:
     """Coalescing groups of the window, ordered by their first id, up to the first row not yet
     due (the barrier: order within a shard waits for it). A full window (``size`` rows)
-    without a barrier is open-ended: the head groups may go on past it."""
+    without a barrier is open-ended: the head groups may go on past it. The head also ends
+    after ``rated(category)`` groups of a rate-limited category (None: no cap): the calls
+    a round can get tokens for, not rows read again round after round while they wait."""
     groups: dict[tuple[int, int], GroupRows] = {}
+    per_category: dict[int, int] = {}
     head = ShardHead(shard, [], window.highest_id)
     barrier: WindowRow | None = None
     for row in window.rows:
@@ -203,6 +219,13 @@ def head_of(shard: ShardRef, window: ShardWindow, size: int, max_groups: int) ->
             if len(groups) == max_groups:
                 head.more = True
                 continue  # later rows of the groups already taken still coalesce into them
+            cap = None if rated is None else rated(row.category)
+            if cap is not None:
+                taken = per_category[row.category] = per_category.get(row.category, 0) + 1
+                if taken > cap:
+                    max_groups = len(groups)  # no further group: order within the shard
+                    head.more = True
+                    continue
             group = groups[key] = GroupRows(row.category, row.object_identifier, [])
         group.ids.append(row.id)
     if barrier is None and len(window.rows) == size:

@@ -140,6 +140,7 @@ class PartitionDrain:
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
+        self._idle_rounds = 0  # rounds whose shards only wait for a slot or a token
         self._share = share  # None: this drain runs wherever the task queue gives it
         self._attempt = attempt
         self._ran_before = carried is not None  # an earlier attempt ran: its worker left
@@ -220,8 +221,11 @@ class PartitionDrain:
         return scans.next_poll(self._options, self._hub.listening)
 
     def _start_rounds(self, rounds: set[asyncio.Task[None]]) -> None:
-        """Start rounds of the queued shards, up to ``max_rounds`` at once."""
-        while len(rounds) < self._options.max_rounds:
+        """Start rounds of the queued shards, up to ``max_rounds`` at once, not counting the
+        idle ones (their shards wait for a slot or a token, until the round's deadline or a
+        grace after it went idle), and twice that with them (each holds a connection)."""
+        at_most = self._options.max_rounds
+        while len(rounds) - self._idle_rounds < at_most and len(rounds) < 2 * at_most:
             shards = self._queue.next_round(self._options.max_shards)
             if not shards:
                 return
@@ -305,14 +309,25 @@ class PartitionDrain:
         skipped: list[ShardRef] = []
         held: set[ShardRef] = set()  # those the round's writes held for their workflow
         released: set[ShardRef] = set()  # queued again before the round ended
-        lost = False
+        lost = idle = False
+
+        def went_idle() -> None:
+            nonlocal idle
+            idle = True
+            self._idle_rounds += 1
+            self._round_done.set()  # another round may start
+
         try:
             async with self._engine.locked(self._table, shards) as round_:
                 held = round_.held
                 round_.unlocked = functools.partial(_leave_round, self, round_, released)
+                round_.went_idle = went_idle
                 skipped = await _hold_skipped(round_, self._skip)
                 heads = await self._engine.read_heads(
-                    round_, max_groups=groups_per_shard(self._options, len(shards)), skip_held=True
+                    round_,
+                    max_groups=groups_per_shard(self._options, len(shards)),
+                    skip_held=True,
+                    seconds=self._options.time_budget_seconds,
                 )
                 deadline = time.monotonic() + self._options.time_budget_seconds
                 outcomes = await self._engine.run(
@@ -327,6 +342,7 @@ class PartitionDrain:
             _log_failed_round(self._ref.workflow_id, exc)
             lost = True
         finally:
+            self._idle_rounds -= idle
             shards = [shard for shard in shards if shard not in released]
             for shard in shards:
                 self._queue.in_flight.discard(shard)

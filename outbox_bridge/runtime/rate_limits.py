@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 
 from sqlalchemy import Table
 from sqlalchemy.exc import SQLAlchemyError
@@ -33,8 +35,10 @@ from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
 
-# A take asks for at most this many seconds of the rate: small batches share the rate between
-# workers, and a worker holds few tokens it may not use.
+# A take asks for this many seconds of the rate, or for as long as the last take took when that
+# was longer (up to the bucket's one second): small batches share the rate between workers, and
+# a worker holds few tokens it may not use, while a slow round trip (a busy database or worker)
+# still brings the tokens due meanwhile.
 BATCH_SECONDS = 0.05
 # An empty bucket is asked again after a batch's time, within these bounds (seconds).
 MIN_PAUSE, MAX_PAUSE = 0.01, 2.0
@@ -42,6 +46,10 @@ MIN_PAUSE, MAX_PAUSE = 0.01, 2.0
 REFRESH_SECONDS = 2.0
 # After a failed take, the bucket is asked again after this long (seconds).
 RETRY_SECONDS = 1.0
+# A tenant that asked for a token within this many seconds shares the rate (seconds).
+RECENT_SECONDS = 5.0
+# The waits of this many calls that had their token last are what the details show.
+WAITS_SHOWN = 100
 # A call waiting for a token when the other shards of its round are done waits this much
 # longer (seconds) before its shard goes back to the queue: unlike a call slot, a token is
 # due at a known pace, and a round given up for nothing re-reads its shards while the tokens
@@ -59,14 +67,25 @@ class Bucket:
         self.per_second = 0.0
         self.tokens = 0  # taken from the table, not handed out yet
         self.waiting = 0
+        self.waits: collections.deque[float] = collections.deque(maxlen=WAITS_SHOWN)
         self._turns: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = (
             collections.OrderedDict()
         )
         self.filler: asyncio.Task[None] | None = None
+        self._asked: dict[str, float] = {}  # tenant: when it last asked for a token
+        self._take_seconds = 0.0  # how long the last take took
+
+    def tenants(self) -> int:
+        """How many tenants asked for a token within :data:`RECENT_SECONDS` (at least 1)."""
+        since = time.monotonic() - RECENT_SECONDS
+        for tenant in [t for t, at in self._asked.items() if at < since]:
+            del self._asked[tenant]
+        return max(1, len(self._asked))
 
     async def take(self, tenant: str, deadline: float, round_: RoundShards | None) -> bool:
         """A token for a call of ``tenant``, waiting until ``deadline`` (``time.monotonic``)
         at most, or until the other shards of ``round_`` are done; False if none came."""
+        self._asked[tenant] = time.monotonic()
         if self.tokens and not self.waiting:
             self.tokens -= 1
             self._limits.waited(self, 0.0)
@@ -121,7 +140,9 @@ class Bucket:
         """Take tokens for the waiters, in batches, until none waits."""
         while self.waiting > self.tokens:
             want = max(1, min(self.waiting - self.tokens, self._batch()))
+            started = time.monotonic()
             grant = await self._limits.take(self._table, self.category, want)
+            self._take_seconds = time.monotonic() - started
             if grant is None:
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
@@ -136,7 +157,8 @@ class Bucket:
 
     def _batch(self) -> int:
         per_second = self.per_second or self._limits.per_second(self._table.name, self.category)
-        return math.ceil((per_second or 1.0) * BATCH_SECONDS)
+        seconds = min(max(BATCH_SECONDS, self._take_seconds), 1.0)
+        return math.ceil((per_second or 1.0) * seconds)
 
     def lift(self) -> None:
         """The limit was lifted: every waiter goes."""
@@ -265,18 +287,36 @@ class RateLimits:
             bucket = self._buckets[key] = Bucket(self, self._app.table(shard.table), category)
         return await bucket.take(shard.key, deadline, round_)
 
+    def round_groups(self, table: str, seconds: float) -> Callable[[int], int | None]:
+        """The groups of a category of ``table`` a round of ``seconds`` reads from one shard
+        at most: its share of the tokens due meanwhile, split between the tenants that ask
+        for them (None: no limit). More would be read again, round after round, while their
+        calls wait: work that slows the other categories down."""
+
+        @functools.cache
+        def groups(category: int) -> int | None:
+            per_second = self.per_second(table, category)
+            if per_second is None:
+                return None
+            bucket = self._buckets.get((table, category))
+            tenants = 1 if bucket is None else bucket.tenants()
+            return max(1, math.ceil(per_second * seconds / tenants))
+
+        return groups
+
     def waiting_lines(self, table: str) -> list[str]:
-        """The categories of ``table`` that calls of this worker wait for now, one line each:
-        ``ORGANIZATION_UPDATE 100/s: 3 waiting`` (calls)."""
+        """The categories of ``table`` that calls of this worker wait for now, one line each
+        (see :func:`waiting_line`)."""
         lines = []
         for (name, category), bucket in self._buckets.items():
             rate = bucket.per_second or self.per_second(name, category)
             if name == table and bucket.waiting and rate:
-                name = self._app.category_name(category)
-                lines.append(f"{name} {RateLimit(rate)}: {bucket.waiting} waiting")
+                category_name = self._app.category_name(category)
+                lines.append(waiting_line(category_name, rate, bucket.waiting, bucket.waits))
         return lines
 
     def waited(self, bucket: Bucket, seconds: float) -> None:
+        bucket.waits.append(seconds)
         metrics = active_metrics()
         if metrics is not None:
             name = self._app.category_name(bucket.category)
@@ -313,6 +353,18 @@ class RateLimits:
         for task in [self._reading, *(bucket.filler for bucket in self._buckets.values())]:
             if task is not None:
                 task.cancel()
+
+
+def waiting_line(category: str, per_second: float, waiting: int, waits: Sequence[float]) -> str:
+    """``ORGANIZATION_UPDATE 100/s: 3 waiting; the last 100 calls waited 0.4 s at the median,
+    1.9 s at most`` (the second part once a call had its token)."""
+    line = f"{category} {RateLimit(per_second)}: {waiting} waiting"
+    if not waits:
+        return line
+    ordered = sorted(waits)
+    median, longest = ordered[len(ordered) // 2], ordered[-1]
+    calls = "the last call" if len(ordered) == 1 else f"the last {len(ordered)} calls"
+    return f"{line}; {calls} waited {median:.1f} s at the median, {longest:.1f} s at most"
 
 
 def turn(

@@ -235,10 +235,13 @@ class DrainEngine:
         max_groups: int,
         skip_held: bool,
         skip_paused: bool = False,
+        seconds: float | None = None,
     ) -> list[ShardHead]:
         """The head groups of every locked shard (at most ``max_groups`` each, within the
-        round's payload budget) and their newest rows. A shard whose own read fails gets a head
-        that carries why."""
+        round's payload budget, and of a rate-limited category no more than the round's
+        ``seconds`` may get tokens for) and their newest rows. A shard whose own read fails
+        gets a head that carries why."""
+        rates = self.calls.rates
         read = functools.partial(
             read_shard_heads,
             round_.execute,
@@ -250,6 +253,9 @@ class DrainEngine:
             max_bytes=self.max_round_bytes,
             max_payload_bytes=self.calls.max_payload_bytes,
             reserve=functools.partial(round_.reserve, self._payloads),
+            rated=None
+            if rates is None or seconds is None
+            else rates.round_groups(round_.table.name, seconds),
         )
         heads: list[ShardHead] = []
 
@@ -279,7 +285,7 @@ class DrainEngine:
         must be written under its lock."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         round_.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
-        busy = RoundShards(len(heads))
+        busy = RoundShards(len(heads), round_.went_idle)
 
         async def run_shard(head: ShardHead, outcome: ShardOutcome) -> None:
             shard = head.shard

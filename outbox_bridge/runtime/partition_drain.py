@@ -223,9 +223,11 @@ class PartitionDrain:
     def _start_rounds(self, rounds: set[asyncio.Task[None]]) -> None:
         """Start rounds of the queued shards, up to ``max_rounds`` at once, not counting the
         idle ones (their shards wait for a slot or a token, until the round's deadline or a
-        grace after it went idle), and twice that with them (each holds a connection)."""
+        grace after it went idle), and half as many again with them: each holds a connection,
+        and a worker running every partition's drain stays within its connection pool."""
         at_most = self._options.max_rounds
-        while len(rounds) - self._idle_rounds < at_most and len(rounds) < 2 * at_most:
+        with_idle = at_most + max(1, at_most // 2)
+        while len(rounds) - self._idle_rounds < at_most and len(rounds) < with_idle:
             shards = self._queue.next_round(self._options.max_shards)
             if not shards:
                 return

@@ -7,6 +7,7 @@ tell."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, timedelta
@@ -176,6 +177,8 @@ def test_pause_and_unpause_are_recorded_as_the_admin_user() -> None:
     listed = client.get(f"{URL}pauses/")
     assert b"django:ann" in listed.content
     assert b"PROJECT_UPDATE" in listed.content
+    # The time left, beside the end.
+    assert re.search(rb"\(in (29|30)\xc2\xa0minutes\)", listed.content), listed.content
     [waiting] = client.get(URL).context["shards"]
     assert waiting.paused == "category PROJECT_UPDATE by django:ann: search is down"
 

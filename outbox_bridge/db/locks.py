@@ -9,6 +9,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.driver import Compiled, rows_of
 from outbox_bridge.workflows.models import ShardRef
 
 # SQLSTATE of a lock wait that ran into lock_timeout.
@@ -19,20 +20,21 @@ def lock_key(shard: ShardRef) -> str:
     return f"outbox:{shard.table}:{shard.region or ''}:{shard.scope}:{shard.shard_identifier}"
 
 
+TRY_LOCK_SHARDS = text(
+    "SELECT pg_try_advisory_lock(hashtextextended(k, 0)) "
+    "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, n) ORDER BY n"
+)
+_TRY_LOCK = Compiled.of(TRY_LOCK_SHARDS)
+
+
 async def try_lock_shards(conn: AsyncConnection, shards: Sequence[ShardRef]) -> list[bool]:
     """Take the free advisory locks of ``shards`` in one statement; which were taken, in order.
     Session locks, not transaction ones (no transaction stays open while a handler runs): a
     crashed worker's closed connection releases them."""
     if not shards:
         return []
-    result = await conn.execute(
-        text(
-            "SELECT pg_try_advisory_lock(hashtextextended(k, 0)) "
-            "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, n) ORDER BY n"
-        ),
-        {"keys": [lock_key(shard) for shard in shards]},
-    )
-    return [bool(taken) for taken in result.scalars()]
+    keys = [lock_key(shard) for shard in shards]
+    return [bool(taken) for (taken,) in await rows_of(conn, _TRY_LOCK, {"keys": keys})]
 
 
 UNLOCK_SHARDS = text(

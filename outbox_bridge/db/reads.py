@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from psycopg.rows import namedtuple_row
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
@@ -32,6 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.driver import Compiled, rows_of
 from outbox_bridge.db.parked import not_parked
 from outbox_bridge.db.pauses import due_at_sql, not_due_sql, wait_seconds_sql
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN, owners_of
@@ -142,13 +144,34 @@ async def read_windows(
     skipped ones."""
     if not shards:
         return []
+    _, params = _shard_source(table, shards)
+    params.update(window=window, paused=HeldFor.SKIPPED.value)
+    statement = _windows_statement(table, skip_held, skip_paused)
+    windows: dict[int, ShardWindow] = {}
+    for n, row_id, category, object_identifier, deferred, due, highest in await rows_of(
+        conn, statement, params, generic_plan=True
+    ):
+        found = windows.get(n)
+        if found is None:
+            found = windows[n] = ShardWindow(n - 1, [], highest)
+        found.rows.append(WindowRow(row_id, category, object_identifier, _finite(deferred), due))
+    return list(windows.values())
+
+
+_WINDOWS_STATEMENTS: dict[tuple[Table, bool, bool], Compiled] = {}
+
+
+def _windows_statement(table: Table, skip_held: bool, skip_paused: bool) -> Compiled:
+    """:func:`read_windows`' statement, built and compiled once per table and kind."""
+    key = (table, skip_held, skip_paused)
+    if key in _WINDOWS_STATEMENTS:
+        return _WINDOWS_STATEMENTS[key]
     regional = "region" in table.c
-    source, params = _shard_source(table, shards)
+    source, _ = _shard_source(table, [])
     held = ""
     if skip_held or skip_paused:
         owners = owners_of(table)
         paused = "" if skip_held else " AND o.held_for = :paused"
-        params["paused"] = HeldFor.SKIPPED.value
         held = (
             f"WHERE NOT EXISTS (SELECT 1 FROM {owners.name} o "
             f"WHERE {_joins('o', regional)}{paused})"
@@ -156,9 +179,7 @@ async def read_windows(
     statement = text(
         f"""
         SELECT s.n, w.id, w.category, w.object_identifier,
-               {wait_seconds_sql(table, "w", "s.scope")} AS deferred,
-               {due_at_sql(table, "w", "s.scope")} AS due,
-               m.highest
+               extract(epoch FROM d.due - now())::float8 AS deferred, d.due, m.highest
         FROM {source}
         CROSS JOIN LATERAL (
             SELECT max(t.id) AS highest FROM {table.name} t WHERE {_joins("t", regional)}
@@ -168,19 +189,13 @@ async def read_windows(
             WHERE {_joins("t", regional)} AND {not_parked(table, "t")}
             ORDER BY t.id LIMIT :window
         ) w
+        CROSS JOIN LATERAL (SELECT {due_at_sql(table, "w", "s.scope")} AS due) d
         {held}
         ORDER BY s.n, w.id
         """
     )
-    windows: dict[int, ShardWindow] = {}
-    for n, row_id, category, object_identifier, deferred, due, highest in await conn.execute(
-        statement, {**params, "window": window}
-    ):
-        found = windows.get(n)
-        if found is None:
-            found = windows[n] = ShardWindow(n - 1, [], highest)
-        found.rows.append(WindowRow(row_id, category, object_identifier, _finite(deferred), due))
-    return list(windows.values())
+    _WINDOWS_STATEMENTS[key] = Compiled.of(statement)
+    return _WINDOWS_STATEMENTS[key]
 
 
 def _finite(seconds: float | None) -> float | None:
@@ -267,16 +282,17 @@ async def read_rows(
     if not ids:
         return {}
     statement = _rows_statement(table, with_trace_context)
-    result = await conn.execute(
-        statement, {"ids": list(ids), "max_payload_bytes": max_payload_bytes}
-    )
-    return {row.id: row for row in result}
+    params = {"ids": list(ids), "max_payload_bytes": max_payload_bytes}
+    return {
+        row.id: row
+        for row in await rows_of(conn, statement, params, namedtuple_row, generic_plan=True)
+    }
 
 
-_ROWS_STATEMENTS: dict[tuple[Table, bool], Any] = {}
+_ROWS_STATEMENTS: dict[tuple[Table, bool], Compiled] = {}
 
 
-def _rows_statement(table: Table, with_trace_context: bool) -> Any:
+def _rows_statement(table: Table, with_trace_context: bool) -> Compiled:
     """:func:`read_rows`' statement, built once per table (building it was a fifth of its
     cost): its parameters are ``ids`` and ``max_payload_bytes``."""
     key = (table, with_trace_context)
@@ -298,7 +314,7 @@ def _rows_statement(table: Table, with_trace_context: bool) -> Any:
         columns.append(case((fits, text_of.c.text)).label("payload"))
         columns.append(case((~fits, size)).label("payload_bytes"))
         ids = any_(bindparam("ids", type_=ARRAY(BigInteger)))
-        _ROWS_STATEMENTS[key] = (
+        _ROWS_STATEMENTS[key] = Compiled.of(
             select(*columns).select_from(table.join(text_of, true())).where(table.c.id == ids)
         )
     return _ROWS_STATEMENTS[key]

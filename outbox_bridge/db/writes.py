@@ -8,9 +8,9 @@ from typing import Any
 import psycopg
 from sqlalchemy import Table, delete, func, select
 from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox_bridge.db.driver import run
 from outbox_bridge.db.locks import UNLOCK_SHARDS, lock_key
 from outbox_bridge.db.reads import any_id
 from outbox_bridge.workflows.models import ShardRef
@@ -54,25 +54,13 @@ class DriverWrites:
         if not ids:
             return []
         params = {**self._delete_params, "ids": list(ids)}
-        return [row[0] for row in await _run(driver, self._delete, params)]
+        return [row[0] for row in await run(driver, self._delete, params)]
 
     async def unlock_shards(
         self, driver: psycopg.AsyncConnection[Any], shards: Sequence[ShardRef]
     ) -> None:
         if shards:
-            await _run(driver, self._unlock, {"keys": [lock_key(s) for s in shards]})
-
-
-async def _run(
-    driver: psycopg.AsyncConnection[Any], statement: str, params: dict[str, Any]
-) -> list[Any]:
-    """``statement``'s rows; a driver error raised as SQLAlchemy raises it (callers catch those)."""
-    async with driver.cursor() as cursor:
-        try:
-            await cursor.execute(statement, params)
-            return await cursor.fetchall()
-        except psycopg.Error as exc:
-            raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
+            await run(driver, self._unlock, {"keys": [lock_key(s) for s in shards]})
 
 
 _DRIVER_WRITES: dict[tuple[Table, str], DriverWrites] = {}

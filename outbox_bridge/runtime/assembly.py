@@ -23,6 +23,7 @@ from outbox_bridge.activities.control import ControlActivities
 from outbox_bridge.activities.outbox import OutboxActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
 from outbox_bridge.db.checks import check_database
+from outbox_bridge.db.disconnects import ping_idle_connections
 from outbox_bridge.db.grants import Role
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.db.tls import refuse_tls_failures
@@ -62,8 +63,8 @@ def build_engine(url: str, settings: OutboxSettings) -> AsyncEngine:
         sqlalchemy_url(url),
         pool_size=settings.database_pool_size,
         max_overflow=5,
-        pool_pre_ping=True,
     )
+    ping_idle_connections(engine)
     load_infinite_timestamps(engine)  # a plain-SQL scheduled_for = 'infinity' must not fail drains
     refuse_tls_failures(engine)
     return engine

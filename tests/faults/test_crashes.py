@@ -234,14 +234,14 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
         await workload.write(size.rows - await outbox_count(engine, scenario.table))
         worker.start()
         await worker.ready()
-        # Mid-drain: this process has been handling rows for a moment.
+        # Mid-drain: this process has handled a part of the backlog, chosen at random (a
+        # part, not a time: however fast the drain, the kill comes while rows remain).
         await wait_until(
-            partial(calls_over, engine, scenario.table, worker.pid, 200),
+            partial(calls_over, engine, scenario.table, worker.pid, kill_after(size, moments)),
             timeout=120,
             interval=0.02,
             what="the drain under way",
         )
-        await asyncio.sleep(moments.uniform(0.1, 1.0))
         assert await outbox_count(engine, scenario.table), "the backlog was drained before the kill"
         worker.kill()
         scenario.clock.fault()
@@ -259,6 +259,11 @@ async def test_kill_9_mid_drain_of_a_backlog_repeats_few_groups_per_kill(
         repeats_only_after_kills=True,
         max_repeats_per_kill=repeats_per_kill(shards),
     )
+
+
+def kill_after(size: Backlog, moments: random.Random) -> int:
+    """Calls of a worker after which it is killed: between a tenth and half of the backlog."""
+    return max(200, round(size.rows * moments.uniform(0.1, 0.5)))
 
 
 async def calls_over(engine, table: str, pid: int, count: int) -> bool:

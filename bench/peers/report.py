@@ -12,8 +12,8 @@ COLUMNS = [
     ("status", "run", "{}"),
     ("rows_done", "rows done", "{:,}"),
     ("rows_per_s", "rows/s", "{:,.0f}"),
-    ("p50_ms", "p50 ms", "{:,.0f}"),
-    ("p99_ms", "p99 ms", "{:,.0f}"),
+    ("p50_ms", "p50 ms", "ms"),
+    ("p99_ms", "p99 ms", "ms"),
     ("cpu_workers", "worker CPU s/1k", "{:.2f}"),
     ("cpu_postgres", "PG CPU s/1k", "{:.2f}"),
     ("cpu_temporal", "Temporal CPU s/1k", "{:.2f}"),
@@ -43,7 +43,11 @@ def _flat(entry: dict[str, Any]) -> dict[str, Any]:
 
 def _cell(entry: dict[str, Any], key: str, fmt: str) -> str:
     value = entry.get(key)
-    return "-" if value is None else fmt.format(value)
+    if value is None:
+        return "-"
+    if fmt == "ms":  # a latency of a few milliseconds keeps its tenths
+        fmt = "{:,.1f}" if value < 100 else "{:,.0f}"
+    return fmt.format(value)
 
 
 def markdown_table(workload: dict[str, Any]) -> str:

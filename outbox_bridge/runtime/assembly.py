@@ -133,7 +133,9 @@ def build_worker(
 ) -> Worker:
     starter = _starter(client, settings, skip_shards)
     share = PartitionShare(client, settings.task_queue, list(drains.engine.app.tables))
-    unhandled = UnhandledShards(drains.engine.app, settings.max_unhandled_shards)
+    unhandled = UnhandledShards(
+        drains.engine.app, settings.max_unhandled_shards, drains.engine.engine, drains.hub
+    )
 
     async def drain_partition(
         request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]

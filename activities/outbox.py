@@ -39,7 +39,7 @@ PartitionDrainer = Callable[
 class OutboxActivities:
     """Activity implementations bound to one :class:`ShardDrainer`."""
 
-    def __init__(self, drainer: ShardDrainer, partitions: PartitionDrainer) -> None:
+    def __init__(self, drainer: ShardDrainer, partitions: PartitionDrainer | None = None) -> None:
         self._drainer = drainer
         self._partitions = partitions
 
@@ -47,6 +47,7 @@ class OutboxActivities:
     async def drain_partition(self, request: PartitionDrainInput) -> PartitionRound:
         """Drain the partition's healthy shards for ``round_seconds``, heartbeating what it
         does (the Temporal UI shows it as the pending activity's details)."""
+        assert self._partitions is not None, "the flush task queue drains no partition"
         with log_context(shard=request.partition.workflow_id):
             return await self._partitions(request, activity.heartbeat)
 

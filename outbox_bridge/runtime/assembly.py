@@ -177,72 +177,18 @@ def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains)
     return Worker(
         client,
         task_queue=flush_queue(settings.task_queue),
-        activities=[OutboxActivities(drains.shards, _no_partitions).flush_check],
+        activities=[OutboxActivities(drains.shards).flush_check],
         build_id=build_id(),
         max_concurrent_activities=settings.max_concurrent_flushes,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
 
 
-async def _no_partitions(
-    request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
-) -> PartitionRound:
-    raise RuntimeError("the flush task queue drains no partition")
-
-
-def outbox_client(client: Client, settings: OutboxSettings) -> Client:
-    """``client``'s connection and namespace with the outbox's data converter (the default
-    one, with the ``payload_codec`` setting's codec if set) and interceptors only (an
-    application's converter, codec and plugins stay on its own client)."""
-    return Client(
-        client.service_client,
-        namespace=client.namespace,
-        data_converter=outbox_data_converter(settings),
-        interceptors=[tracing_interceptor()],
-    )
-
-
-def build_bridge(
-    app: OutboxApp,
-    settings: OutboxSettings,
-    engine: AsyncEngine,
-    client: Client,
-    hub: ShardHub,
-    *,
-    skip_shards: frozenset[str],
-) -> Bridge:
-    database_url = settings.database_url
-    assert database_url is not None
-    supervisor = PartitionSupervisor(
-        app=app,
-        engine=engine,
-        client=client,
-        starter=_starter(client, settings, skip_shards),
-        settings=settings,
-        hub=hub,
-    )
-    return Bridge(
-        app=app,
-        engine=engine,
-        listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
-        settings=settings,
-        supervisor=supervisor,
-        hub=hub,
-    )
-
-
 class RunningOutbox:
     """The outbox's workers and bridge, running (see :func:`run_outbox`)."""
 
-    def __init__(
-        self,
-        app: OutboxApp,
-        settings: OutboxSettings,
-        *,
-        engine: AsyncEngine,
-        drains: Drains,
-        client: Client,
-    ) -> None:
+    def __init__(self, settings: OutboxSettings, drains: Drains, client: Client) -> None:
+        app, engine = drains.engine.app, drains.engine.engine
         self.engine = engine
         self.client = client
         self._drains = drains
@@ -254,8 +200,23 @@ class RunningOutbox:
             client, settings, drains, skip_shards=skip_shards, interceptors=[self._grace]
         )
         self._flush_worker = build_flush_worker(client, settings, drains)
-        self.bridge = build_bridge(
-            app, settings, engine, client, drains.hub, skip_shards=skip_shards
+        database_url = settings.database_url
+        assert database_url is not None
+        supervisor = PartitionSupervisor(
+            app=app,
+            engine=engine,
+            client=client,
+            starter=_starter(client, settings, skip_shards),
+            settings=settings,
+            hub=drains.hub,
+        )
+        self.bridge = Bridge(
+            app=app,
+            engine=engine,
+            listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
+            settings=settings,
+            supervisor=supervisor,
+            hub=drains.hub,
         )
         self._stop = asyncio.Event()
         self._bridge_task: asyncio.Task[None] | None = None
@@ -269,9 +230,13 @@ class RunningOutbox:
             self._bridge_task,
         ]
 
-    async def ended(self) -> None:
-        """Return when a worker or the bridge has stopped on its own (:meth:`failure` says why)."""
-        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+    async def until(self, stop: asyncio.Event) -> bool:
+        """Return once ``stop`` is set or a worker or the bridge has stopped on its own;
+        whether one has (:meth:`failure` says why)."""
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        return not stop.is_set()
 
     def failure(self) -> BaseException | None:
         """Why a part of the outbox stopped before it was asked to, if one did."""
@@ -336,9 +301,17 @@ async def run_outbox(
     drains = build_drains(engine, app, settings)
     try:
         await check_database(engine, app.metadata, Role.WORKER)
-        own = outbox_client(client, settings)
+        # The client's connection and namespace with the outbox's own data converter (with the
+        # payload_codec setting's codec) and interceptors: an application's converter, codec
+        # and plugins stay on its own client.
+        own = Client(
+            client.service_client,
+            namespace=client.namespace,
+            data_converter=outbox_data_converter(settings),
+            interceptors=[tracing_interceptor()],
+        )
         await ensure_search_attributes(own)
-        outbox = RunningOutbox(app, settings, engine=engine, drains=drains, client=own)
+        outbox = RunningOutbox(settings, drains, own)
         outbox.start()
         try:
             yield outbox

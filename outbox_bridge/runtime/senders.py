@@ -62,38 +62,6 @@ async def update_sender(
     return await _newest(client, workflow_id, run_id, accepted)
 
 
-async def handler_sender(
-    client: Client,
-    workflow_id: str | None,
-    run_id: str | None,
-    name: str,
-    took: Callable[[Any], bool],
-) -> str | None:
-    """The sender of the newest signal or update ``name`` of the run whose argument (as plain
-    JSON values) the workflow applied (``took``), None if none is found."""
-
-    async def sent(event: HistoryEvent) -> str | None:
-        if event.event_type == SIGNALED:
-            signaled = event.workflow_execution_signaled_event_attributes
-            if signaled.signal_name == name and await _took(client, signaled.input, took):
-                return sender(signaled.identity, event)
-        elif event.event_type == UPDATE_ACCEPTED:
-            request = event.workflow_execution_update_accepted_event_attributes.accepted_request
-            if request.input.name == name and await _took(client, request.input.args, took):
-                return sender(request.meta.identity, event)
-        return None
-
-    return await _newest(client, workflow_id, run_id, sent)
-
-
-async def _took(client: Client, payloads: Any, took: Callable[[Any], bool]) -> bool:
-    try:
-        values = await client.data_converter.decode(payloads.payloads)
-    except Exception:  # an argument the workflow refused as well
-        return False
-    return len(values) == 1 and took(values[0])
-
-
 async def _newest(
     client: Client,
     workflow_id: str | None,
@@ -126,13 +94,30 @@ async def _newest(
 async def skip_sender(
     client: Client, workflow_id: str | None, run_id: str | None, skip: SkipInfo
 ) -> str | None:
-    """The sender of the newest ``skip`` signal or update of the run that asked for ``skip``."""
+    """The sender of the newest ``skip`` signal or update of the run whose argument (as plain
+    JSON values) asked for ``skip``, None if none is found."""
 
-    def took(value: Any) -> bool:
+    async def took(payloads: Any) -> bool:
+        try:
+            values = await client.data_converter.decode(payloads.payloads)
+        except Exception:  # an argument the workflow refused as well
+            return False
+        value = values[0] if len(values) == 1 else None
         return (
             isinstance(value, dict)
             and str(value.get("reason") or "").strip() == skip.reason
             and value.get("by") == skip.by
         )
 
-    return await handler_sender(client, workflow_id, run_id, "skip", took)
+    async def sent(event: HistoryEvent) -> str | None:
+        if event.event_type == SIGNALED:
+            signaled = event.workflow_execution_signaled_event_attributes
+            if signaled.signal_name == "skip" and await took(signaled.input):
+                return sender(signaled.identity, event)
+        elif event.event_type == UPDATE_ACCEPTED:
+            request = event.workflow_execution_update_accepted_event_attributes.accepted_request
+            if request.input.name == "skip" and await took(request.input.args):
+                return sender(request.meta.identity, event)
+        return None
+
+    return await _newest(client, workflow_id, run_id, sent)

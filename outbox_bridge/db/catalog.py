@@ -144,9 +144,3 @@ async def read_table_state(conn: AsyncConnection, table: Table) -> TableState:
 async def read_schema_state(conn: AsyncConnection, metadata: MetaData) -> list[TableState]:
     """:func:`read_table_state` of every table of ``metadata``, in creation order."""
     return [await read_table_state(conn, table) for table in metadata.sorted_tables]
-
-
-async def schema_problems(conn: AsyncConnection, metadata: MetaData) -> list[str]:
-    """Every difference between the database and ``metadata`` (empty: the schema is current)."""
-    states = await read_schema_state(conn, metadata)
-    return [problem for state in states for problem in state.problems()]

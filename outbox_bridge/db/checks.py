@@ -9,7 +9,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.config import safe_url
-from outbox_bridge.db.catalog import schema_problems
+from outbox_bridge.db.catalog import read_schema_state
 from outbox_bridge.db.grants import (
     CURRENT_ROLE,
     Role,
@@ -38,7 +38,8 @@ async def check_database(engine: AsyncEngine, metadata: MetaData, role: Role) ->
     where = safe_url(engine.url)
     try:
         async with engine.connect() as conn:
-            problems = await schema_problems(conn, metadata)
+            states = await read_schema_state(conn, metadata)
+            problems = [problem for state in states for problem in state.problems()]
             missing = (
                 [] if problems else await missing_privileges(conn, outbox_tables(metadata), role)
             )

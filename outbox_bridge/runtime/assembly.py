@@ -185,7 +185,7 @@ def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains)
 
 
 class RunningOutbox:
-    """The outbox's workers and bridge, running (see :func:`run_outbox`)."""
+    """The outbox's workers and bridge, running from its creation (see :func:`run_outbox`)."""
 
     def __init__(self, settings: OutboxSettings, drains: Drains, client: Client) -> None:
         app, engine = drains.engine.app, drains.engine.engine
@@ -200,8 +200,6 @@ class RunningOutbox:
             client, settings, drains, skip_shards=skip_shards, interceptors=[self._grace]
         )
         self._flush_worker = build_flush_worker(client, settings, drains)
-        database_url = settings.database_url
-        assert database_url is not None
         supervisor = PartitionSupervisor(
             app=app,
             engine=engine,
@@ -213,16 +211,12 @@ class RunningOutbox:
         self.bridge = Bridge(
             app=app,
             engine=engine,
-            listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
+            listen_url=libpq_url(engine.url),
             settings=settings,
             supervisor=supervisor,
             hub=drains.hub,
         )
         self._stop = asyncio.Event()
-        self._bridge_task: asyncio.Task[None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
         self._bridge_task = asyncio.create_task(self.bridge.run(self._stop), name="outbox bridge")
         self._tasks = [
             asyncio.create_task(self.worker.run(), name="outbox worker"),
@@ -257,8 +251,7 @@ class RunningOutbox:
         self._stop.set()
         self._drains.hub.close()
         # Now: its sweep's status queries would time out once this worker stops.
-        if self._bridge_task is not None:
-            self._bridge_task.cancel()
+        self._bridge_task.cancel()
         workers = [task for task in self._tasks if task is not self._bridge_task]
         try:
             if any(task.cancelling() or task.cancelled() for task in workers):
@@ -312,7 +305,6 @@ async def run_outbox(
         )
         await ensure_search_attributes(own)
         outbox = RunningOutbox(settings, drains, own)
-        outbox.start()
         try:
             yield outbox
         except BaseException:

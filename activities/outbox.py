@@ -63,12 +63,7 @@ class OutboxActivities:
         skip's sender as Temporal recorded it (``temporal:<identity>``), if found."""
         with log_context(shard=request.shard.key):
             await self._drainer.hold(request)
-            if request.skip is None:
-                return None
-            info = activity.info()
-            return await skip_sender(
-                activity.client(), info.workflow_id, info.workflow_run_id, request.skip
-            )
+            return None if request.skip is None else await skip_sender(request.skip)
 
     @activity.defn(name="flush_check")
     async def flush_check(self, request: FlushCheckInput) -> FlushCheck:

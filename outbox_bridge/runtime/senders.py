@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
-from temporalio.client import Client
 from temporalio.service import RPCError
 
 from outbox_bridge.workflows.models import SkipInfo
@@ -46,10 +46,9 @@ def sender(identity: str, event: HistoryEvent) -> str:
     return shown
 
 
-async def update_sender(
-    client: Client, workflow_id: str | None, run_id: str | None, update_id: str
-) -> str | None:
-    """The sender of update ``update_id`` of the run, None if it cannot be found."""
+async def update_sender(update_id: str) -> str | None:
+    """The sender of update ``update_id`` of the current activity's workflow run, None if it
+    cannot be found."""
 
     async def accepted(event: HistoryEvent) -> str | None:
         if event.event_type != UPDATE_ACCEPTED:
@@ -59,16 +58,14 @@ async def update_sender(
             return None
         return sender(request.meta.identity, event)
 
-    return await _newest(client, workflow_id, run_id, accepted)
+    return await _newest(accepted)
 
 
-async def _newest(
-    client: Client,
-    workflow_id: str | None,
-    run_id: str | None,
-    found: Callable[[HistoryEvent], Any],
-) -> str | None:
-    """The first non-None ``found(event)``, reading the run's history newest first."""
+async def _newest(found: Callable[[HistoryEvent], Any]) -> str | None:
+    """The first non-None ``found(event)``, reading the current activity's workflow run's
+    history newest first."""
+    client, info = activity.client(), activity.info()
+    workflow_id, run_id = info.workflow_id, info.workflow_run_id
     if not workflow_id or not run_id:
         return None  # not an activity of a workflow
     request = GetWorkflowExecutionHistoryReverseRequest(
@@ -91,15 +88,13 @@ async def _newest(
     return None
 
 
-async def skip_sender(
-    client: Client, workflow_id: str | None, run_id: str | None, skip: SkipInfo
-) -> str | None:
-    """The sender of the newest ``skip`` signal or update of the run whose argument (as plain
-    JSON values) asked for ``skip``, None if none is found."""
+async def skip_sender(skip: SkipInfo) -> str | None:
+    """The sender of the newest ``skip`` signal or update of the current activity's workflow
+    run whose argument (as plain JSON values) asked for ``skip``, None if none is found."""
 
     async def took(payloads: Any) -> bool:
         try:
-            values = await client.data_converter.decode(payloads.payloads)
+            values = await activity.client().data_converter.decode(payloads.payloads)
         except Exception:  # an argument the workflow refused as well
             return False
         value = values[0] if len(values) == 1 else None
@@ -120,4 +115,4 @@ async def skip_sender(
                 return sender(request.meta.identity, event)
         return None
 
-    return await _newest(client, workflow_id, run_id, sent)
+    return await _newest(sent)

@@ -30,14 +30,13 @@ from outbox_bridge.workflows.models import (
     PartitionRound,
 )
 
-# Runs one partition's drain for a while: (request, heartbeat) -> what it did.
-PartitionDrainer = Callable[
-    [PartitionDrainInput, Callable[[PartitionRound], None]], Awaitable[PartitionRound]
-]
+# Runs one partition's drain for a while, heartbeating what it does: request -> what it did.
+PartitionDrainer = Callable[[PartitionDrainInput], Awaitable[PartitionRound]]
 
 
 class OutboxActivities:
-    """Activity implementations bound to one :class:`ShardDrainer`."""
+    """Activity implementations bound to one :class:`ShardDrainer` and, for
+    ``drain_partition``, one ``PartitionDrainer`` (none in the flush queue's worker)."""
 
     def __init__(self, drainer: ShardDrainer, partitions: PartitionDrainer | None = None) -> None:
         self._drainer = drainer
@@ -49,7 +48,7 @@ class OutboxActivities:
         does (the Temporal UI shows it as the pending activity's details)."""
         assert self._partitions is not None, "the flush task queue drains no partition"
         with log_context(shard=request.partition.workflow_id):
-            return await self._partitions(request, activity.heartbeat)
+            return await self._partitions(request)
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, request: DrainInput) -> DrainResult:

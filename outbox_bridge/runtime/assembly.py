@@ -9,7 +9,7 @@ import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -137,16 +137,14 @@ def build_worker(
         drains.engine.app, settings.max_unhandled_shards, drains.engine.engine, drains.hub
     )
 
-    async def drain_partition(
-        request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
-    ) -> PartitionRound:
+    async def drain_partition(request: PartitionDrainInput) -> PartitionRound:
         info = activity.info()
         drain = PartitionDrain(
             drains.engine,
             starter,
             drains.hub,
             request,
-            heartbeat=heartbeat,
+            heartbeat=activity.heartbeat,
             share=share,
             attempt=info.attempt,
             carried=carried_round(info.heartbeat_details),

@@ -133,9 +133,7 @@ class PartitionSupervisor:
         """True once configured if this worker runs the drain of ``ref``: its workflow runs
         (were it gone, the drain's next heartbeat would end the drain, and the next sweep start
         it), so the sweep does not start it; it still checks its options."""
-        return self._configured and self._hub.drains_partition(
-            ref.table, ref.partition, ref.partitions
-        )
+        return self._configured and self._hub.drains_partition(ref)
 
     async def _start(self, ref: PartitionRef) -> bool:
         try:

@@ -61,33 +61,6 @@ async def update_sender(update_id: str) -> str | None:
     return await _newest(accepted)
 
 
-async def _newest(found: Callable[[HistoryEvent], Any]) -> str | None:
-    """The first non-None ``found(event)``, reading the current activity's workflow run's
-    history newest first."""
-    client, info = activity.client(), activity.info()
-    workflow_id, run_id = info.workflow_id, info.workflow_run_id
-    if not workflow_id or not run_id:
-        return None  # not an activity of a workflow
-    request = GetWorkflowExecutionHistoryReverseRequest(
-        namespace=client.namespace,
-        execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id),
-        maximum_page_size=PAGE,
-    )
-    try:
-        for _ in range(MAX_PAGES):
-            page = await client.workflow_service.get_workflow_execution_history_reverse(request)
-            for event in page.history.events:
-                who = await found(event)
-                if who is not None:
-                    return str(who)
-            if not page.next_page_token:
-                break
-            request.next_page_token = page.next_page_token
-    except RPCError as exc:
-        log.warning("cannot read the history of %s for a sender: %s", workflow_id, exc.message)
-    return None
-
-
 async def skip_sender(skip: SkipInfo) -> str | None:
     """The sender of the newest ``skip`` signal or update of the current activity's workflow
     run whose argument (as plain JSON values) asked for ``skip``, None if none is found."""
@@ -116,3 +89,30 @@ async def skip_sender(skip: SkipInfo) -> str | None:
         return None
 
     return await _newest(sent)
+
+
+async def _newest(found: Callable[[HistoryEvent], Any]) -> str | None:
+    """The first non-None ``found(event)``, reading the current activity's workflow run's
+    history newest first."""
+    client, info = activity.client(), activity.info()
+    workflow_id, run_id = info.workflow_id, info.workflow_run_id
+    if not workflow_id or not run_id:
+        return None  # not an activity of a workflow
+    request = GetWorkflowExecutionHistoryReverseRequest(
+        namespace=client.namespace,
+        execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id),
+        maximum_page_size=PAGE,
+    )
+    try:
+        for _ in range(MAX_PAGES):
+            page = await client.workflow_service.get_workflow_execution_history_reverse(request)
+            for event in page.history.events:
+                who = await found(event)
+                if who is not None:
+                    return str(who)
+            if not page.next_page_token:
+                break
+            request.next_page_token = page.next_page_token
+    except RPCError as exc:
+        log.warning("cannot read the history of %s for a sender: %s", workflow_id, exc.message)
+    return None

@@ -22,8 +22,7 @@ import outbox_bridge
 from outbox_bridge.activities.control import ControlActivities
 from outbox_bridge.activities.outbox import OutboxActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
-from outbox_bridge.db.checks import check_database
-from outbox_bridge.db.grants import Role
+from outbox_bridge.db.grants import Role, check_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.db.tls import refuse_tls_failures
 from outbox_bridge.observability.sdk import tracing_interceptor

@@ -24,10 +24,7 @@ class ControlActivities:
         pause records its sender as Temporal recorded the update (``temporal:<identity>``)."""
         via = None
         if request.paused and request.update_id:
-            info = activity.info()
-            via = await update_sender(
-                activity.client(), info.workflow_id, info.workflow_run_id, request.update_id
-            )
+            via = await update_sender(request.update_id)
         return await self._control.change(request, via=via)
 
     def all(self) -> list[Callable[..., Any]]:

@@ -30,16 +30,15 @@ from outbox_bridge.workflows.models import (
     PartitionRound,
 )
 
-# Runs one partition's drain for a while: (request, heartbeat) -> what it did.
-PartitionDrainer = Callable[
-    [PartitionDrainInput, Callable[[PartitionRound], None]], Awaitable[PartitionRound]
-]
+# Runs one partition's drain for a while, heartbeating what it does: request -> what it did.
+PartitionDrainer = Callable[[PartitionDrainInput], Awaitable[PartitionRound]]
 
 
 class OutboxActivities:
-    """Activity implementations bound to one :class:`ShardDrainer`."""
+    """Activity implementations bound to one :class:`ShardDrainer` and, for
+    ``drain_partition``, one ``PartitionDrainer`` (none in the flush queue's worker)."""
 
-    def __init__(self, drainer: ShardDrainer, partitions: PartitionDrainer) -> None:
+    def __init__(self, drainer: ShardDrainer, partitions: PartitionDrainer | None = None) -> None:
         self._drainer = drainer
         self._partitions = partitions
 
@@ -47,8 +46,9 @@ class OutboxActivities:
     async def drain_partition(self, request: PartitionDrainInput) -> PartitionRound:
         """Drain the partition's healthy shards for ``round_seconds``, heartbeating what it
         does (the Temporal UI shows it as the pending activity's details)."""
+        assert self._partitions is not None, "the flush task queue drains no partition"
         with log_context(shard=request.partition.workflow_id):
-            return await self._partitions(request, activity.heartbeat)
+            return await self._partitions(request)
 
     @activity.defn(name="drain_shard")
     async def drain_shard(self, request: DrainInput) -> DrainResult:
@@ -62,12 +62,7 @@ class OutboxActivities:
         skip's sender as Temporal recorded it (``temporal:<identity>``), if found."""
         with log_context(shard=request.shard.key):
             await self._drainer.hold(request)
-            if request.skip is None:
-                return None
-            info = activity.info()
-            return await skip_sender(
-                activity.client(), info.workflow_id, info.workflow_run_id, request.skip
-            )
+            return None if request.skip is None else await skip_sender(request.skip)
 
     @activity.defn(name="flush_check")
     async def flush_check(self, request: FlushCheckInput) -> FlushCheck:

@@ -68,11 +68,13 @@ class TableState:
     def missing_columns(self) -> list[Column[object]]:
         return [c for c in self.table.columns if c.name not in self.columns]
 
-    def mistyped_columns(self) -> list[tuple[Column[object], str]]:
+    def mistyped_columns(self) -> list[str]:
+        """A phrase for each column whose type differs from the metadata's."""
+        name, found = self.table.name, self.columns
         return [
-            (c, self.columns[c.name])
+            f"column {name}.{c.name} is {found[c.name]}, expected {column_type(c)}"
             for c in self.table.columns
-            if c.name in self.columns and self.columns[c.name] != column_type(c)
+            if c.name in found and found[c.name] != column_type(c)
         ]
 
     def missing_indexes(self) -> list[str]:
@@ -94,10 +96,7 @@ class TableState:
         if not self.exists:
             return [f"table {name} is missing"]
         found = [f"column {name}.{c.name} is missing" for c in self.missing_columns()]
-        found += [
-            f"column {name}.{c.name} is {actual}, expected {column_type(c)}"
-            for c, actual in self.mistyped_columns()
-        ]
+        found += self.mistyped_columns()
         found += [f"index {index} on {name} is missing" for index in self.missing_indexes()]
         found += [f"constraint {c.name} on {name} is missing" for c in self.missing_checks()]
         if not self.function_current:
@@ -145,9 +144,3 @@ async def read_table_state(conn: AsyncConnection, table: Table) -> TableState:
 async def read_schema_state(conn: AsyncConnection, metadata: MetaData) -> list[TableState]:
     """:func:`read_table_state` of every table of ``metadata``, in creation order."""
     return [await read_table_state(conn, table) for table in metadata.sorted_tables]
-
-
-async def schema_problems(conn: AsyncConnection, metadata: MetaData) -> list[str]:
-    """Every difference between the database and ``metadata`` (empty: the schema is current)."""
-    states = await read_schema_state(conn, metadata)
-    return [problem for state in states for problem in state.problems()]

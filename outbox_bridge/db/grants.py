@@ -1,6 +1,8 @@
 """The database roles of an outbox and the privileges each needs on the outbox tables: the
-GRANT statements (``outbox-bridge grants``), and the check of a role's privileges that names what
-it lacks.
+GRANT statements (``outbox-bridge grants``), the check of a role's privileges that names what
+it lacks, and the worker's check of the database at start (the schema is this version's and its
+role has the privileges a worker needs). Only the catalog is read (no lock, no DDL): what
+differs is refused with the command that fixes it, run by the schema owner.
 
 The schema owner (who runs ``init-db`` or the migrations) owns the tables and needs no grant.
 A worker changes only rows; a producer only inserts; a reader only reads; an operator reads and
@@ -18,9 +20,15 @@ from sqlalchemy import MetaData, Table, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from outbox_bridge.db.catalog import is_outbox
+from outbox_bridge.config import safe_url
+from outbox_bridge.db.catalog import is_outbox, read_schema_state
 from outbox_bridge.db.schema import limits_of, owners_of, parked_of, pauses_of
-from outbox_bridge.errors import MissingPrivilegeError, OutboxError
+from outbox_bridge.errors import (
+    ConfigurationError,
+    MissingPrivilegeError,
+    OutboxError,
+    SchemaMismatchError,
+)
 
 
 class Role(enum.StrEnum):
@@ -205,3 +213,41 @@ def describe_missing(role_name: str, missing: Sequence[MissingPrivilege], role: 
         f"`{grants_command(role, role_name)}` (with the app's --app; add --apply to run the "
         "GRANTs as the tables' owner)"
     )
+
+
+SCHEMA_FIX = (
+    "a schema owner runs `outbox-bridge init-db` with the worker's --app (or your migrations: "
+    "outbox_bridge.db.migrations.upgrade_outbox for Alembic, the UpgradeOutbox operation for "
+    "Django); the worker never changes the schema itself"
+)
+
+
+async def check_database(engine: AsyncEngine, metadata: MetaData, role: Role) -> None:
+    """Refuse a database whose outbox schema differs from ``metadata``, or whose connecting
+    role lacks a privilege that ``role`` needs.
+
+    Raises:
+        SchemaMismatchError: what is missing or different, and the command that fixes it.
+        MissingPrivilegeError: the privileges and tables the role lacks, and the GRANT command.
+        ConfigurationError: the database cannot be reached.
+    """
+    where = safe_url(engine.url)
+    try:
+        async with engine.connect() as conn:
+            states = await read_schema_state(conn, metadata)
+            problems = [problem for state in states for problem in state.problems()]
+            missing = (
+                [] if problems else await missing_privileges(conn, outbox_tables(metadata), role)
+            )
+            name = str((await conn.execute(CURRENT_ROLE)).scalar_one())
+    except DBAPIError as exc:
+        raise ConfigurationError(
+            f"cannot read the outbox tables' catalog in {where}: {str(exc.orig).strip()}"
+        ) from None
+    if problems:
+        raise SchemaMismatchError(
+            f"the outbox schema in {where} is not this version's: {'; '.join(problems)}. "
+            f"To fix it, {SCHEMA_FIX}"
+        )
+    if missing:
+        raise MissingPrivilegeError(f"{describe_missing(name, missing, role)} ({where})")

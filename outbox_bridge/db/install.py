@@ -13,14 +13,14 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import CheckConstraint, MetaData, TextClause, text
+from sqlalchemy import CheckConstraint, MetaData, Table, TextClause, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable, ExecutableDDLElement
 
 from outbox_bridge.config import safe_url
-from outbox_bridge.db.catalog import TableState, column_type, is_outbox, read_schema_state
+from outbox_bridge.db.catalog import TableState, is_outbox, read_schema_state
 from outbox_bridge.db.schema import notify_function_ddl, notify_trigger_ddl
 from outbox_bridge.errors import ConfigurationError, SchemaLockError, SchemaMismatchError
 
@@ -55,6 +55,15 @@ def ddl_sql(statement: ExecutableDDLElement | CreateColumn | str) -> str:
     return str(statement.compile(dialect=_DIALECT)).strip()
 
 
+def create_table_ddl(table: Table, *, if_not_exists: bool = False) -> list[ExecutableDDLElement]:
+    """The statements that create ``table`` and its indexes (in the order of their names)."""
+    indexes = sorted(table.indexes, key=lambda index: str(index.name))
+    return [
+        CreateTable(table, if_not_exists=if_not_exists),
+        *(CreateIndex(index, if_not_exists=if_not_exists) for index in indexes),
+    ]
+
+
 def add_column_ddl(table: str, column_sql: str) -> str:
     """The statement that adds a column (``CreateColumn``'s text) to an existing table when it
     is missing. The columns a version adds are nullable or have a constant (or
@@ -75,9 +84,7 @@ def changes_for(state: TableState) -> list[SchemaChange]:
     name = table.name
     changes: list[str] = []
     if not state.exists:
-        changes.append(ddl_sql(CreateTable(table)))
-        indexes = sorted(table.indexes, key=lambda index: str(index.name))
-        changes += [ddl_sql(CreateIndex(index)) for index in indexes]
+        changes += [ddl_sql(statement) for statement in create_table_ddl(table)]
     else:
         changes += [
             add_column_ddl(name, ddl_sql(CreateColumn(column)))
@@ -110,11 +117,7 @@ async def create_outbox_tables(
     """
     await _execute(conn, "the advisory lock of another init-db", _INSTALL_LOCK)
     states = await read_schema_state(conn, metadata)
-    mistyped = [
-        f"column {state.table.name}.{column.name} is {actual}, expected {column_type(column)}"
-        for state in states
-        for column, actual in state.mistyped_columns()
-    ]
+    mistyped = [phrase for state in states for phrase in state.mistyped_columns()]
     if mistyped:
         raise SchemaMismatchError(
             f"{'; '.join(mistyped)}: init-db changes no column's type (that could rewrite the "

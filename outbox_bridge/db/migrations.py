@@ -38,7 +38,12 @@ from sqlalchemy.schema import (
     ExecutableDDLElement,
 )
 
-from outbox_bridge.db.install import add_column_ddl, ddl_sql, lock_timeout_statement
+from outbox_bridge.db.install import (
+    add_column_ddl,
+    create_table_ddl,
+    ddl_sql,
+    lock_timeout_statement,
+)
 from outbox_bridge.db.schema import (
     drop_notify_ddl,
     limits_name,
@@ -73,15 +78,9 @@ def create_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) ->
     order."""
     statements: list[DDL] = []
     for table in _tables(app, tables):
-        statements.append(CreateTable(table))
-        statements += [
-            CreateIndex(index) for index in sorted(table.indexes, key=lambda i: str(i.name))
-        ]
-        statements += notify_ddl(table)
-        statements.append(CreateTable(owners_of(table)))
-        statements += _create_parked(table)
-        statements.append(CreateTable(pauses_of(table)))
-        statements.append(CreateTable(limits_of(table)))
+        statements += [*create_table_ddl(table), *notify_ddl(table)]
+        for side in (owners_of, parked_of, pauses_of, limits_of):
+            statements += create_table_ddl(side(table))
     return statements
 
 
@@ -109,14 +108,6 @@ def upgrade_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -
             ]
         statements += notify_ddl(table)
     return statements
-
-
-def _create_parked(table: Table, *, if_not_exists: bool = False) -> list[DDL]:
-    parked = parked_of(table)
-    return [
-        CreateTable(parked, if_not_exists=if_not_exists),
-        *(CreateIndex(index, if_not_exists=if_not_exists) for index in parked.indexes),
-    ]
 
 
 def drop_statements(app: OutboxApp, *, tables: Iterable[str] | None = None) -> list[DDL]:
@@ -155,7 +146,7 @@ def create_parked_groups(
     migrated with :func:`create_outbox` before them. (``init-db`` and :func:`upgrade_outbox`
     too.)"""
     for table in _tables(app, tables):
-        for statement in _create_parked(table, if_not_exists=True):
+        for statement in create_table_ddl(parked_of(table), if_not_exists=True):
             op.execute(statement)
 
 

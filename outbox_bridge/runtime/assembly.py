@@ -9,7 +9,7 @@ import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,9 +22,8 @@ import outbox_bridge
 from outbox_bridge.activities.control import ControlActivities
 from outbox_bridge.activities.outbox import OutboxActivities
 from outbox_bridge.config import OutboxSettings, libpq_url, sqlalchemy_url
-from outbox_bridge.db.checks import check_database
 from outbox_bridge.db.disconnects import ping_idle_connections
-from outbox_bridge.db.grants import Role
+from outbox_bridge.db.grants import Role, check_database
 from outbox_bridge.db.timestamps import load_infinite_timestamps
 from outbox_bridge.db.tls import refuse_tls_failures
 from outbox_bridge.observability.sdk import tracing_interceptor
@@ -134,18 +133,18 @@ def build_worker(
 ) -> Worker:
     starter = _starter(client, settings, skip_shards)
     share = PartitionShare(client, settings.task_queue, list(drains.engine.app.tables))
-    unhandled = UnhandledShards(drains.engine.app, settings.max_unhandled_shards)
+    unhandled = UnhandledShards(
+        drains.engine.app, settings.max_unhandled_shards, drains.engine.engine, drains.hub
+    )
 
-    async def drain_partition(
-        request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
-    ) -> PartitionRound:
+    async def drain_partition(request: PartitionDrainInput) -> PartitionRound:
         info = activity.info()
         drain = PartitionDrain(
             drains.engine,
             starter,
             drains.hub,
             request,
-            heartbeat=heartbeat,
+            heartbeat=activity.heartbeat,
             share=share,
             attempt=info.attempt,
             carried=carried_round(info.heartbeat_details),
@@ -176,72 +175,18 @@ def build_flush_worker(client: Client, settings: OutboxSettings, drains: Drains)
     return Worker(
         client,
         task_queue=flush_queue(settings.task_queue),
-        activities=[OutboxActivities(drains.shards, _no_partitions).flush_check],
+        activities=[OutboxActivities(drains.shards).flush_check],
         build_id=build_id(),
         max_concurrent_activities=settings.max_concurrent_flushes,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
     )
 
 
-async def _no_partitions(
-    request: PartitionDrainInput, heartbeat: Callable[[PartitionRound], None]
-) -> PartitionRound:
-    raise RuntimeError("the flush task queue drains no partition")
-
-
-def outbox_client(client: Client, settings: OutboxSettings) -> Client:
-    """``client``'s connection and namespace with the outbox's data converter (the default
-    one, with the ``payload_codec`` setting's codec if set) and interceptors only (an
-    application's converter, codec and plugins stay on its own client)."""
-    return Client(
-        client.service_client,
-        namespace=client.namespace,
-        data_converter=outbox_data_converter(settings),
-        interceptors=[tracing_interceptor()],
-    )
-
-
-def build_bridge(
-    app: OutboxApp,
-    settings: OutboxSettings,
-    engine: AsyncEngine,
-    client: Client,
-    hub: ShardHub,
-    *,
-    skip_shards: frozenset[str],
-) -> Bridge:
-    database_url = settings.database_url
-    assert database_url is not None
-    supervisor = PartitionSupervisor(
-        app=app,
-        engine=engine,
-        client=client,
-        starter=_starter(client, settings, skip_shards),
-        settings=settings,
-        hub=hub,
-    )
-    return Bridge(
-        app=app,
-        engine=engine,
-        listen_url=libpq_url(sqlalchemy_url(database_url.get_secret_value())),
-        settings=settings,
-        supervisor=supervisor,
-        hub=hub,
-    )
-
-
 class RunningOutbox:
-    """The outbox's workers and bridge, running (see :func:`run_outbox`)."""
+    """The outbox's workers and bridge, running from its creation (see :func:`run_outbox`)."""
 
-    def __init__(
-        self,
-        app: OutboxApp,
-        settings: OutboxSettings,
-        *,
-        engine: AsyncEngine,
-        drains: Drains,
-        client: Client,
-    ) -> None:
+    def __init__(self, settings: OutboxSettings, drains: Drains, client: Client) -> None:
+        app, engine = drains.engine.app, drains.engine.engine
         self.engine = engine
         self.client = client
         self._drains = drains
@@ -253,14 +198,23 @@ class RunningOutbox:
             client, settings, drains, skip_shards=skip_shards, interceptors=[self._grace]
         )
         self._flush_worker = build_flush_worker(client, settings, drains)
-        self.bridge = build_bridge(
-            app, settings, engine, client, drains.hub, skip_shards=skip_shards
+        supervisor = PartitionSupervisor(
+            app=app,
+            engine=engine,
+            client=client,
+            starter=_starter(client, settings, skip_shards),
+            settings=settings,
+            hub=drains.hub,
+        )
+        self.bridge = Bridge(
+            app=app,
+            engine=engine,
+            listen_url=libpq_url(engine.url),
+            settings=settings,
+            supervisor=supervisor,
+            hub=drains.hub,
         )
         self._stop = asyncio.Event()
-        self._bridge_task: asyncio.Task[None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
         self._bridge_task = asyncio.create_task(self.bridge.run(self._stop), name="outbox bridge")
         self._tasks = [
             asyncio.create_task(self.worker.run(), name="outbox worker"),
@@ -268,9 +222,13 @@ class RunningOutbox:
             self._bridge_task,
         ]
 
-    async def ended(self) -> None:
-        """Return when a worker or the bridge has stopped on its own (:meth:`failure` says why)."""
-        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+    async def until(self, stop: asyncio.Event) -> bool:
+        """Return once ``stop`` is set or a worker or the bridge has stopped on its own;
+        whether one has (:meth:`failure` says why)."""
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        return not stop.is_set()
 
     def failure(self) -> BaseException | None:
         """Why a part of the outbox stopped before it was asked to, if one did."""
@@ -291,8 +249,7 @@ class RunningOutbox:
         self._stop.set()
         self._drains.hub.close()
         # Now: its sweep's status queries would time out once this worker stops.
-        if self._bridge_task is not None:
-            self._bridge_task.cancel()
+        self._bridge_task.cancel()
         workers = [task for task in self._tasks if task is not self._bridge_task]
         try:
             if any(task.cancelling() or task.cancelled() for task in workers):
@@ -335,10 +292,17 @@ async def run_outbox(
     drains = build_drains(engine, app, settings)
     try:
         await check_database(engine, app.metadata, Role.WORKER)
-        own = outbox_client(client, settings)
+        # The client's connection and namespace with the outbox's own data converter (with the
+        # payload_codec setting's codec) and interceptors: an application's converter, codec
+        # and plugins stay on its own client.
+        own = Client(
+            client.service_client,
+            namespace=client.namespace,
+            data_converter=outbox_data_converter(settings),
+            interceptors=[tracing_interceptor()],
+        )
         await ensure_search_attributes(own)
-        outbox = RunningOutbox(app, settings, engine=engine, drains=drains, client=own)
-        outbox.start()
+        outbox = RunningOutbox(settings, drains, own)
         try:
             yield outbox
         except BaseException:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from contextlib import nullcontext
 
 import psycopg
 from sqlalchemy import Table
@@ -29,6 +30,7 @@ from outbox_bridge.observability.telemetry import active_tracer
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.hub import ShardHub, in_regions, shard_of, wait_any
 from outbox_bridge.runtime.notifications import RefusalLog, Throttle, parse_notification
+from outbox_bridge.runtime.pause_control import ControlViews, PauseControl
 from outbox_bridge.runtime.supervisor import PartitionSupervisor
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ class Bridge:
         self._listen_url = listen_url
         self._settings = settings
         self._supervisor = supervisor
+        self._controls = ControlViews(
+            PauseControl(app, engine), supervisor.client, settings.task_queue
+        )
         self._hub = hub
         self._wake = asyncio.Event()
         # A pause changed: the held shards that waited for it go on.
@@ -234,33 +239,28 @@ class Bridge:
     # -- the sweep ------------------------------------------------------------------------------
 
     async def _sweep(self) -> None:
-        """Keep the partitions running, make Temporal match the owner table, and measure the
-        backlog (metrics on)."""
+        """Keep the partitions running, each table's ``OutboxControl`` workflow showing its
+        pauses (the timed pauses that have ended deleted first), make Temporal match the owner
+        table, and measure the backlog (metrics on)."""
         tracer = active_tracer()
-        if tracer is None:
-            await self._sweep_tables()
-            return
-        with tracer.start_as_current_span("outbox.bridge.sweep"):
-            await self._sweep_tables()
-
-    async def _sweep_tables(self) -> None:
-        for table in self._tables():
-            await self._ensure_statistics(table)
-        await self._supervisor.ensure_partitions()
-        await self._supervisor.show_pauses()
-        await self._supervisor.check_held()
-        metrics = active_metrics()
-        if metrics is None:
-            return  # the partitions find the rows; only the metrics need the aggregate
-        for table in self._tables():
-            async with self._engine.connect() as conn:
-                ranges = await read_shard_ranges(
-                    conn, table, after_id=None, regions=self._settings.regions
-                )
-                await observe_backlog(metrics, self, conn, self._app, table, ranges)
-        await observe_shard_states(
-            metrics, self, self._supervisor.client, self._settings.task_queue
-        )
+        with tracer.start_as_current_span("outbox.bridge.sweep") if tracer else nullcontext():
+            for table in self._tables():
+                await self._ensure_statistics(table)
+            await self._supervisor.ensure_partitions()
+            await self._controls.refresh(list(self._app.tables))
+            await self._supervisor.check_held()
+            metrics = active_metrics()
+            if metrics is None:
+                return  # the partitions find the rows; only the metrics need the aggregate
+            for table in self._tables():
+                async with self._engine.connect() as conn:
+                    ranges = await read_shard_ranges(
+                        conn, table, after_id=None, regions=self._settings.regions
+                    )
+                    await observe_backlog(metrics, self, conn, self._app, table, ranges)
+            await observe_shard_states(
+                metrics, self, self._supervisor.client, self._settings.task_queue
+            )
 
     async def _ensure_statistics(self, table: Table) -> None:
         """Analyze a table that has rows and no planner statistics (the drains' plans need them;

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from outbox_bridge.db.scans import partition_number
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.workflows.models import PartitionRef, ShardRef
 
 if TYPE_CHECKING:
     from outbox_bridge.registry import OutboxApp
@@ -103,10 +103,10 @@ class ShardHub:
         """This worker's partition drains, the oldest first."""
         return list(self._partitions.values())
 
-    def drains_partition(self, table: str, partition: int, partitions: int) -> bool:
-        """True if this worker runs the drain of ``partition`` (of ``partitions``) of ``table``."""
-        inbox = self._partitions.get((table, partition))
-        return inbox is not None and inbox.partitions == partitions
+    def drains_partition(self, ref: PartitionRef) -> bool:
+        """True if this worker runs the drain of ``ref`` (of as many partitions)."""
+        inbox = self._partitions.get((ref.table, ref.partition))
+        return inbox is not None and inbox.partitions == ref.partitions
 
     def close_partition(self, inbox: PartitionInbox) -> None:
         if self._partitions.get((inbox.table, inbox.partition)) is inbox:

@@ -174,12 +174,7 @@ class OutboxPlugin(temporalio.worker.Plugin):
         could not start or stopped on its own."""
         try:
             async with self.running(client) as outbox:
-                ended = asyncio.ensure_future(outbox.ended())
-                waited = asyncio.ensure_future(stopped.wait())
-                await asyncio.wait([ended, waited], return_when=asyncio.FIRST_COMPLETED)
-                ended.cancel()
-                waited.cancel()
-                if not stopped.is_set():
+                if await outbox.until(stopped):
                     log.error("the outbox stopped (%s); stopping the worker", outbox.failure())
         except BaseException:
             if not stopped.is_set():

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import heapq
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -172,7 +171,8 @@ class PartitionDrain:
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
                 wake = min(next_poll, scans.next_rescan, next_beat, end)
-                wake = min(wake, await self._count_unhandled())
+                if self._unhandled is not None:
+                    wake = min(wake, await self._unhandled.recount(self._table))
                 await self._wait(inbox, wake - time.monotonic())
             # Rounds end within their time budget (or their handlers' timeout): finish them.
             while rounds:
@@ -382,26 +382,6 @@ class PartitionDrain:
         if cap is not None and cap.applies(outcome.failure) and not cap.admit(outcome.shard):
             return
         round_.hold(outcome.shard, handover.held_for, if_free=True)
-
-    async def _count_unhandled(self) -> float:
-        """Count the held shards the app cannot handle when shards wait for room (a scan of
-        every shard of this worker's partitions meets the ones that have it now); returns when
-        to count next (the loop's clock)."""
-        cap = self._unhandled
-        due = None if cap is None else cap.count_due(self._table.name)
-        if cap is None or due is None:
-            return math.inf
-        if due > 0:
-            return time.monotonic() + due
-        try:
-            async with self._engine.engine.connect() as conn:
-                released = await cap.count(conn, self._table)
-        except SQLAlchemyError as exc:
-            log.warning("partition %s cannot count its held shards: %s", self._ref.workflow_id, exc)
-            released = []
-        if released:
-            self._hub.rescan(self._table.name)
-        return time.monotonic() + (cap.count_due(self._table.name) or math.inf)
 
     def _count(self, outcomes: list[ShardOutcome], queued: set[ShardRef]) -> None:
         """Count what the round did; queue again its shards with more rows (but ``queued``)."""

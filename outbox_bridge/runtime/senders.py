@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
-from temporalio.client import Client
 from temporalio.service import RPCError
 
 from outbox_bridge.workflows.models import SkipInfo
@@ -46,10 +46,9 @@ def sender(identity: str, event: HistoryEvent) -> str:
     return shown
 
 
-async def update_sender(
-    client: Client, workflow_id: str | None, run_id: str | None, update_id: str
-) -> str | None:
-    """The sender of update ``update_id`` of the run, None if it cannot be found."""
+async def update_sender(update_id: str) -> str | None:
+    """The sender of update ``update_id`` of the current activity's workflow run, None if it
+    cannot be found."""
 
     async def accepted(event: HistoryEvent) -> str | None:
         if event.event_type != UPDATE_ACCEPTED:
@@ -59,48 +58,44 @@ async def update_sender(
             return None
         return sender(request.meta.identity, event)
 
-    return await _newest(client, workflow_id, run_id, accepted)
+    return await _newest(accepted)
 
 
-async def handler_sender(
-    client: Client,
-    workflow_id: str | None,
-    run_id: str | None,
-    name: str,
-    took: Callable[[Any], bool],
-) -> str | None:
-    """The sender of the newest signal or update ``name`` of the run whose argument (as plain
-    JSON values) the workflow applied (``took``), None if none is found."""
+async def skip_sender(skip: SkipInfo) -> str | None:
+    """The sender of the newest ``skip`` signal or update of the current activity's workflow
+    run whose argument (as plain JSON values) asked for ``skip``, None if none is found."""
+
+    async def took(payloads: Any) -> bool:
+        try:
+            values = await activity.client().data_converter.decode(payloads.payloads)
+        except Exception:  # an argument the workflow refused as well
+            return False
+        value = values[0] if len(values) == 1 else None
+        return (
+            isinstance(value, dict)
+            and str(value.get("reason") or "").strip() == skip.reason
+            and value.get("by") == skip.by
+        )
 
     async def sent(event: HistoryEvent) -> str | None:
         if event.event_type == SIGNALED:
             signaled = event.workflow_execution_signaled_event_attributes
-            if signaled.signal_name == name and await _took(client, signaled.input, took):
+            if signaled.signal_name == "skip" and await took(signaled.input):
                 return sender(signaled.identity, event)
         elif event.event_type == UPDATE_ACCEPTED:
             request = event.workflow_execution_update_accepted_event_attributes.accepted_request
-            if request.input.name == name and await _took(client, request.input.args, took):
+            if request.input.name == "skip" and await took(request.input.args):
                 return sender(request.meta.identity, event)
         return None
 
-    return await _newest(client, workflow_id, run_id, sent)
+    return await _newest(sent)
 
 
-async def _took(client: Client, payloads: Any, took: Callable[[Any], bool]) -> bool:
-    try:
-        values = await client.data_converter.decode(payloads.payloads)
-    except Exception:  # an argument the workflow refused as well
-        return False
-    return len(values) == 1 and took(values[0])
-
-
-async def _newest(
-    client: Client,
-    workflow_id: str | None,
-    run_id: str | None,
-    found: Callable[[HistoryEvent], Any],
-) -> str | None:
-    """The first non-None ``found(event)``, reading the run's history newest first."""
+async def _newest(found: Callable[[HistoryEvent], Any]) -> str | None:
+    """The first non-None ``found(event)``, reading the current activity's workflow run's
+    history newest first."""
+    client, info = activity.client(), activity.info()
+    workflow_id, run_id = info.workflow_id, info.workflow_run_id
     if not workflow_id or not run_id:
         return None  # not an activity of a workflow
     request = GetWorkflowExecutionHistoryReverseRequest(
@@ -121,18 +116,3 @@ async def _newest(
     except RPCError as exc:
         log.warning("cannot read the history of %s for a sender: %s", workflow_id, exc.message)
     return None
-
-
-async def skip_sender(
-    client: Client, workflow_id: str | None, run_id: str | None, skip: SkipInfo
-) -> str | None:
-    """The sender of the newest ``skip`` signal or update of the run that asked for ``skip``."""
-
-    def took(value: Any) -> bool:
-        return (
-            isinstance(value, dict)
-            and str(value.get("reason") or "").strip() == skip.reason
-            and value.get("by") == skip.by
-        )
-
-    return await handler_sender(client, workflow_id, run_id, "skip", took)

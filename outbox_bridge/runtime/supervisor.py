@@ -28,7 +28,6 @@ from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.hub import ShardHub, in_regions, shard_of
-from outbox_bridge.runtime.pause_control import ControlViews, PauseControl
 from outbox_bridge.runtime.shards import (
     STATUS_QUERY_TIMEOUT,
     WORKFLOW,
@@ -85,17 +84,11 @@ class PartitionSupervisor:
         self._regions = tuple(sorted(settings.regions)) if settings.regions else None
         self._configured = False
         self.restarted = 0  # held shards whose workflow the sweep started again
-        self._controls = ControlViews(PauseControl(app, engine), client, settings.task_queue)
 
     def partition_refs(self, table: str) -> list[PartitionRef]:
         return [
             PartitionRef(table, n, self._partitions, self._regions) for n in range(self._partitions)
         ]
-
-    async def show_pauses(self) -> None:
-        """Keep each table's ``OutboxControl`` workflow running and showing its pauses (the
-        timed pauses that have ended deleted first)."""
-        await self._controls.refresh(list(self._app.tables))
 
     # -- partitions ----------------------------------------------------------------------------
 
@@ -140,9 +133,7 @@ class PartitionSupervisor:
         """True once configured if this worker runs the drain of ``ref``: its workflow runs
         (were it gone, the drain's next heartbeat would end the drain, and the next sweep start
         it), so the sweep does not start it; it still checks its options."""
-        return self._configured and self._hub.drains_partition(
-            ref.table, ref.partition, ref.partitions
-        )
+        return self._configured and self._hub.drains_partition(ref)
 
     async def _start(self, ref: PartitionRef) -> bool:
         try:

@@ -10,18 +10,19 @@ again every :data:`COUNT_INTERVAL` seconds while shards wait."""
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy import Table
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge.db.ownership import read_held_shards
 from outbox_bridge.errors import CategoryScopeError, UnknownCategoryError
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.hub import shard_of
+from outbox_bridge.runtime.hub import ShardHub, shard_of
 from outbox_bridge.workflows.models import HandlerFailure, HeldFor, ShardRef
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,14 @@ class _TableCap:
 
 
 class UnhandledShards:
-    """One worker's books of the cap, by table."""
+    """One worker's books of the cap, by table, counted on ``engine``; ``hub`` reaches this
+    worker's partition drains."""
 
-    def __init__(
-        self, app: OutboxApp, cap: int, *, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, app: OutboxApp, cap: int, engine: AsyncEngine, hub: ShardHub) -> None:
         self._app = app
         self.cap = cap
-        self._clock = clock
+        self._engine = engine
+        self._hub = hub
         self._tables: dict[str, _TableCap] = {}
 
     @staticmethod
@@ -86,31 +87,36 @@ class UnhandledShards:
         books = self._tables.get(key.table)
         return books is not None and key in books.waiting
 
-    def count_due(self, table: str) -> float | None:
-        """Seconds until ``table``'s held shards should be counted again (0: now); None when
-        no shard waits."""
-        books = self._tables.get(table)
+    async def recount(self, table: Table) -> float:
+        """While shards of ``table`` wait for room, count its shards held for such a row every
+        :data:`COUNT_INTERVAL` seconds; the waiting shards that now have room wait no more, and
+        this worker's partitions of ``table`` scan every shard (the next round that meets them
+        admits them). Returns when to count next (by ``time.monotonic()``; inf: none waits)."""
+        books = self._tables.get(table.name)
         if books is None or not books.waiting:
-            return None
-        return max(0.0, books.counted_at + COUNT_INTERVAL - self._clock())
-
-    async def count(self, conn: AsyncConnection, table: Table) -> list[ShardRef]:
-        """Count the shards of ``table`` held for such a row; returns the waiting shards that
-        now have room (no longer waiting: the next round that meets them admits them)."""
-        books = self._books(table.name)
-        books.counted_at = self._clock()
+            return math.inf
+        if time.monotonic() < books.counted_at + COUNT_INTERVAL:
+            return books.counted_at + COUNT_INTERVAL
+        books.counted_at = time.monotonic()
+        try:
+            async with self._engine.connect() as conn:
+                held = await read_held_shards(conn, table)
+        except SQLAlchemyError as exc:
+            log.warning("cannot count the held shards of %s: %s", table.name, exc)
+            return books.counted_at + COUNT_INTERVAL
         books.held = {
-            shard_of(self._app, table.name, held.region, held.scope, held.shard_identifier)
-            for held in await read_held_shards(conn, table)
-            if held.held_for == HeldFor.FAILED
-            and held.head is not None
-            and not self._handleable(held.scope, held.head.category)
+            shard_of(self._app, table.name, shard.region, shard.scope, shard.shard_identifier)
+            for shard in held
+            if shard.held_for == HeldFor.FAILED
+            and shard.head is not None
+            and not self._handleable(shard.scope, shard.head.category)
         }
-        room = max(0, self.cap - len(books.held))
-        released = list(books.waiting)[:room]
+        released = list(books.waiting)[: max(0, self.cap - len(books.held))]
         for key in released:
             del books.waiting[key]
-        return released
+        if released:
+            self._hub.rescan(table.name)
+        return books.counted_at + COUNT_INTERVAL if books.waiting else math.inf
 
     def _handleable(self, scope: int, category: int) -> bool:
         owner = self._app.scope_of(category)
@@ -120,7 +126,7 @@ class UnhandledShards:
         return self._tables.setdefault(table, _TableCap())
 
     def _log(self, table: str, books: _TableCap) -> None:
-        now = self._clock()
+        now = time.monotonic()
         if now - books.logged_at < LOG_INTERVAL:
             return
         log.warning(

@@ -88,12 +88,11 @@ async def _run_until_stopped(
     if tally is not None:
         view = WorkerSummary(app, outbox.engine, outbox.client, settings.task_queue, tally=tally)
         tasks.append(asyncio.create_task(view.run(stop), name="summary"))
+    for task in tasks:  # the demo or the summary ending stops the worker too
+        task.add_done_callback(lambda _: stop.set())
     announcer = asyncio.create_task(_announce(outbox.bridge.ready, ready))
-    stopper = asyncio.create_task(stop.wait())
-    ended = asyncio.create_task(outbox.ended())
-    await asyncio.wait([stopper, ended, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    await outbox.until(stop)
     announcer.cancel()
-    ended.cancel()
     stop.set()
     for task in tasks:
         await task

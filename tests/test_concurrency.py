@@ -16,7 +16,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable, RegistryError
-from outbox_bridge.runtime.call_slots import RoundShards, Slots
+from outbox_bridge.runtime.call_slots import Slots
+from outbox_bridge.runtime.waiters import RoundShards
 from outbox_bridge.workflows.models import PartitionOptions
 from tests.harness import (
     SCOPES,

@@ -33,14 +33,10 @@ from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_contex
 from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.producer import byte_size
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
-from outbox_bridge.runtime.call_slots import (
-    MAX_CONCURRENT_CALLS,
-    CallSlots,
-    Limit,
-    RoundShards,
-)
+from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Limit
 from outbox_bridge.runtime.rate_limits import RateLimits, turn
 from outbox_bridge.runtime.scrub import scrub_credentials
+from outbox_bridge.runtime.waiters import RoundShards
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
 
 log = logging.getLogger(__name__)

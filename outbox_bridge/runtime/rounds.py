@@ -28,11 +28,11 @@ from outbox_bridge.db.scans import read_first_row
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
 from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import RoundShards
 from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
 from outbox_bridge.runtime.heads import ShardHead, read_shard_heads
 from outbox_bridge.runtime.payload_budget import PAYLOAD_BUDGET_BYTES, PayloadBudget
 from outbox_bridge.runtime.round_writes import RoundWrites, ShardOutcome, Undeleted
+from outbox_bridge.runtime.waiters import RoundShards
 from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)

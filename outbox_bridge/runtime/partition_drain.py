@@ -32,8 +32,8 @@ from outbox_bridge.runtime.hub import (
     shard_of,
     wait_any,
 )
-from outbox_bridge.runtime.round_writes import ShardOutcome
-from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.round_writes import Round, ShardOutcome
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_queue import ShardQueue
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare

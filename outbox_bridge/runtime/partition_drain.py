@@ -125,7 +125,6 @@ class PartitionDrain:
         unhandled: UnhandledShards | None = None,
     ) -> None:
         self._engine = engine
-        self._app = engine.app
         self._starter = starter
         self._hub = hub
         self._ref = request.partition
@@ -172,7 +171,7 @@ class PartitionDrain:
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
                 wake = min(next_poll, scans.next_rescan, next_beat, end)
-                wake = min(wake, await self._count_unhandled())
+                wake = min(wake, await _count_unhandled(self, self._unhandled))
                 await self._wait(inbox, wake - time.monotonic())
             # Rounds end within their time budget (or their handlers' timeout): finish them.
             while rounds:
@@ -302,7 +301,7 @@ class PartitionDrain:
         return bool(ranges)
 
     def _key(self, r: ShardRange) -> ShardRef:
-        return shard_of(self._app, self._table.name, r.region, r.scope, r.shard_identifier)
+        return shard_of(self._engine.app, self._table.name, r.region, r.scope, r.shard_identifier)
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -383,26 +382,6 @@ class PartitionDrain:
             return
         round_.hold(outcome.shard, handover.held_for, if_free=True)
 
-    async def _count_unhandled(self) -> float:
-        """Count the held shards the app cannot handle when shards wait for room (a scan of
-        every shard of this worker's partitions meets the ones that have it now); returns when
-        to count next (the loop's clock)."""
-        cap = self._unhandled
-        due = None if cap is None else cap.count_due(self._table.name)
-        if cap is None or due is None:
-            return math.inf
-        if due > 0:
-            return time.monotonic() + due
-        try:
-            async with self._engine.engine.connect() as conn:
-                released = await cap.count(conn, self._table)
-        except SQLAlchemyError as exc:
-            log.warning("partition %s cannot count its held shards: %s", self._ref.workflow_id, exc)
-            released = []
-        if released:
-            self._hub.rescan(self._table.name)
-        return time.monotonic() + (cap.count_due(self._table.name) or math.inf)
-
     def _count(self, outcomes: list[ShardOutcome], queued: set[ShardRef]) -> None:
         """Count what the round did; queue again its shards with more rows (but ``queued``)."""
         stats = self._stats
@@ -461,6 +440,26 @@ def _leave_round(
     if outcome.more:
         drain._queue.add(shard)
         drain._round_done.set()
+
+
+async def _count_unhandled(drain: PartitionDrain, cap: UnhandledShards | None) -> float:
+    """Count the held shards the app cannot handle when shards wait for room (a scan of every
+    shard of this worker's partitions meets the ones that have it now); returns when to count
+    next (the loop's clock)."""
+    table = drain._table
+    if cap is None or (due := cap.count_due(table.name)) is None:
+        return math.inf
+    if due > 0:
+        return time.monotonic() + due
+    try:
+        async with drain._engine.engine.connect() as conn:
+            released = await cap.count(conn, table)
+    except SQLAlchemyError as exc:
+        log.warning("partition %s cannot count its held shards: %s", drain._ref.workflow_id, exc)
+        released = []
+    if released:
+        drain._hub.rescan(table.name)
+    return time.monotonic() + (cap.count_due(table.name) or math.inf)
 
 
 def _log_failed_round(partition: str, exc: Exception) -> None:

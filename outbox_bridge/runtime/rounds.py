@@ -62,7 +62,6 @@ class DrainEngine:
         self.app = app
         self.calls = calls
         # Payload bytes one round reads, and all the rounds of this worker hold, at most.
-        self.max_round_bytes = max_round_bytes
         self._payloads = PayloadBudget(max_round_bytes)
         self._running: dict[ShardRef, int] = {}
         # By default the work in flight bounds the repeats: as many as the calls under way.
@@ -208,7 +207,7 @@ class DrainEngine:
             skip_held=skip_held,
             skip_paused=skip_paused,
             with_trace_context=RoundObserver.tracing(),
-            max_bytes=self.max_round_bytes,
+            max_bytes=self._payloads.limit,
             max_payload_bytes=self.calls.max_payload_bytes,
             reserve=functools.partial(round_.reserve, self._payloads),
             rated=None

@@ -322,7 +322,6 @@ class PartitionDrain:
             async with self._engine.locked(self._table, shards) as round_:
                 held = round_.held
                 round_.unlocked = functools.partial(_leave_round, self, round_, released)
-                round_.went_idle = went_idle
                 skipped = await _hold_skipped(round_, self._skip)
                 heads = await self._engine.read_heads(
                     round_,
@@ -337,6 +336,7 @@ class PartitionDrain:
                     deadline=deadline,
                     settle=self._settle,
                     partition=self._ref.workflow_id,
+                    went_idle=went_idle,
                 )
             lost = round_.lost
         except Exception as exc:

@@ -140,8 +140,6 @@ class Round(ShardLocks):
         self.unwritten: list[Handled] = []
         self.held: set[ShardRef] = set()  # shards whose hold this round wrote
         self.unlocked: Callable[[ShardRef], None] | None = None  # told of each shard unlocked
-        # Told once no shard of the round is busy (the rest wait for a slot or a token).
-        self.went_idle: Callable[[], None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
 

@@ -235,14 +235,16 @@ class DrainEngine:
         unlock_each: bool = True,
         settle: Settle | None = None,
         partition: str | None = None,
+        went_idle: Callable[[], None] | None = None,
     ) -> list[ShardOutcome]:
         """Handle every shard's head groups, the shards concurrently, each in order; a shard
         stops at its first failure, or at the deadline (after at least one group). With
         ``unlock_each``, each shard is unlocked once done, after ``settle`` queued what else
-        must be written under its lock."""
+        must be written under its lock. ``went_idle`` is told once no shard of the round is
+        busy (the rest wait for a slot or a token)."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         round_.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
-        busy = RoundShards(len(heads), round_.went_idle)
+        busy = RoundShards(len(heads), went_idle)
 
         async def run_shard(head: ShardHead, outcome: ShardOutcome) -> None:
             shard = head.shard

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 import threading
 import time
@@ -16,7 +17,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable, RegistryError
-from outbox_bridge.runtime.call_slots import RoundShards, Slots
+from outbox_bridge.runtime.call_slots import Slots
+from outbox_bridge.runtime.waiters import RoundShards, await_turn
 from outbox_bridge.workflows.models import PartitionOptions
 from tests.harness import (
     SCOPES,
@@ -287,6 +289,30 @@ async def test_a_round_goes_idle_once_when_its_busy_shards_are_done_or_waiting()
     busy.woken(waiter)
     busy.done()
     assert told == [True]
+
+
+async def test_a_wait_with_a_grace_gives_up_that_much_after_its_round_went_idle() -> None:
+    """A wait for a rate limit's token lingers when its round goes idle (its token may be due):
+    served within the grace it goes on, else it gives up once the grace has passed; a wait for a
+    slot gives up at once."""
+    loop = asyncio.get_running_loop()
+    busy = RoundShards(4)
+    slot, late, served = (loop.create_future() for _ in range(3))
+    waits = [
+        asyncio.create_task(await_turn(slot, math.inf, busy, lambda: None)),
+        asyncio.create_task(await_turn(late, math.inf, busy, lambda: None, grace=0.2)),
+        asyncio.create_task(await_turn(served, math.inf, busy, lambda: None, grace=0.2)),
+    ]
+    await asyncio.sleep(0)  # all three wait
+    went_idle = time.monotonic()
+    busy.done()  # the round's one busy shard is done: the round is idle
+    assert busy.idle
+    assert not await waits[0]  # a slot's wait gives up at once
+    assert not late.done() and not served.done()
+    served.set_result(None)  # its token came within the grace
+    assert await waits[2]
+    assert not await waits[1]
+    assert time.monotonic() - went_idle >= 0.19
 
 
 async def test_slots_go_first_come_first_served_and_a_wait_ends_at_its_deadline() -> None:

@@ -14,8 +14,9 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox_bridge import OutboxApp, OutboxMessage, OutboxTable
-from outbox_bridge.runtime.call_slots import CallSlots, FleetSlots, Slots
+from outbox_bridge.runtime.call_slots import CallSlots, Slots
 from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.runtime.fleet_slots import FleetLimit
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (
@@ -96,9 +97,9 @@ class Worker:
             if not await self.round(shards):
                 await asyncio.sleep(0.005)  # every shard is the other engine's: let it run
 
-    def fleet_slots(self, category: Category) -> FleetSlots:
+    def fleet_slots(self, category: Category) -> FleetLimit:
         slots = self.calls.slots.limits(category)[0]
-        assert isinstance(slots, FleetSlots)
+        assert isinstance(slots, FleetLimit)
         return slots
 
     async def close(self) -> None:
@@ -152,7 +153,7 @@ async def test_two_workers_never_run_more_calls_than_the_fleet_limit(
     assert gauge.peak == FLEET_LIMIT
     assert set(gauge.by_engine) == {"first", "second"}
     # Every slot was given back.
-    prefix = first.fleet_slots(Category.ORGANIZATION_UPDATE)._limit.prefix
+    prefix = first.fleet_slots(Category.ORGANIZATION_UPDATE).prefix
     for slot in range(FLEET_LIMIT):
         assert await lock_holders(engine, f"{prefix}{slot}") == []
 
@@ -177,14 +178,14 @@ async def test_a_killed_fleet_connection_frees_its_slots_and_comes_back(
         first.round([*shards_of(first, range(1, 3)), *shards_of(first, range(4, 5))])
     )
     await wait_until(lambda: first.gauge.running == FLEET_LIMIT, what="two calls holding slots")
-    prefix = first.fleet_slots(LIMITED[0])._limit.prefix
+    prefix = first.fleet_slots(LIMITED[0]).prefix
     keys = [f"{prefix}{slot}" for slot in range(FLEET_LIMIT)]
     holders = [await lock_holders(engine, key) for key in keys]
     assert holders[0] == holders[1] and len(holders[0]) == 1, holders
     killed = holders[0][0]
     waiting = asyncio.create_task(second.round(shards_of(second, range(3, 4))))
-    await wait_until(second.fleet_slots(LIMITED[0])._limit.queued, what="a call waiting")
-    await wait_until(first.fleet_slots(LIMITED[0])._limit.queued, what="a call waiting")
+    await wait_until(second.fleet_slots(LIMITED[0]).queued, what="a call waiting")
+    await wait_until(first.fleet_slots(LIMITED[0]).queued, what="a call waiting")
     assert second.handled == [] and first.gauge.by_engine["first"] == FLEET_LIMIT
 
     await sql(engine, "SELECT pg_terminate_backend(:pid)", pid=killed)
@@ -219,14 +220,14 @@ async def test_the_fleet_slots_are_locks_of_the_app_s_first_table_and_the_handle
     first, _ = workers
     slots = first.fleet_slots(LIMITED[1])
     assert slots is first.fleet_slots(LIMITED[0])
-    assert slots._limit.prefix == f"outbox-fleet:{first.app.table().name}:1+2:"
+    assert slots.prefix == f"outbox-fleet:{first.app.table().name}:1+2:"
     assert await slots.take() and await slots.take()
     assert not await slots.take(deadline=0)  # both taken, and the deadline is past
-    holders = [await lock_holders(engine, f"{slots._limit.prefix}{slot}") for slot in (0, 1, 2)]
+    holders = [await lock_holders(engine, f"{slots.prefix}{slot}") for slot in (0, 1, 2)]
     assert holders[0] == holders[1] and len(holders[0]) == 1 and holders[2] == []
     slots.give()
     slots.give()
-    keys = [f"{slots._limit.prefix}{slot}" for slot in (0, 1)]
+    keys = [f"{slots.prefix}{slot}" for slot in (0, 1)]
 
     async def given_back() -> bool:
         return all([await lock_holders(engine, key) == [] for key in keys])

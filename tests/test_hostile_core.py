@@ -32,7 +32,7 @@ from outbox_bridge import OutboxMessage
 from outbox_bridge.config import OutboxSettings
 from outbox_bridge.db.locks import lock_key
 from outbox_bridge.flush import Flusher
-from outbox_bridge.runtime.rounds import Round
+from outbox_bridge.runtime.round_writes import Round
 from outbox_bridge.runtime.shards import parse_shard
 from outbox_bridge.workflows.models import Deferred, ShardInput, ShardRef, ShardStatus, SkipInput
 from tests.harness import (

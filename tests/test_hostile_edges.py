@@ -29,7 +29,8 @@ from outbox_bridge.db import reads
 from outbox_bridge.db.locks import lock_key
 from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime.calls import MAX_ERROR_MESSAGE, HandlerCalls
-from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.round_writes import Round
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shards import parse_shard, shard_status
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import (

@@ -16,8 +16,8 @@ from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.runtime.assembly import build_drains
 from outbox_bridge.runtime.calls import HandlerCalls
-from outbox_bridge.runtime.round_writes import ShardOutcome, Undeleted
-from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.round_writes import Round, ShardOutcome, Undeleted
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import ShardRef
 from tests.harness import SCOPES, Category, Scope
 

@@ -12,9 +12,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -33,15 +33,14 @@ from outbox_bridge.observability.logs import FAILED_CALL, FailedCall, log_contex
 from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.producer import byte_size
 from outbox_bridge.registry import Handler, OutboxApp, OutboxMessage
-from outbox_bridge.runtime.call_slots import (
-    MAX_CONCURRENT_CALLS,
-    CallSlots,
-    Limit,
-    RoundShards,
-)
+from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS, CallSlots, Limit
 from outbox_bridge.runtime.rate_limits import RateLimits, turn
 from outbox_bridge.runtime.scrub import scrub_credentials
+from outbox_bridge.runtime.waiters import RoundShards
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, ShardRef
+
+if TYPE_CHECKING:
+    from outbox_bridge.runtime.round_writes import Round
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +76,6 @@ class Call:
 
     def __post_init__(self) -> None:
         self.is_sync = self.handler is not None and not OutboxApp.is_async_handler(self.handler)
-
-
-@dataclasses.dataclass(frozen=True)
-class Pace:
-    """Keeps the drains from running far ahead of what they deleted: ``wait`` is awaited before
-    every call; a thread hop runs at most ``hop`` sync handlers, stops when ``ahead`` says so,
-    and reports each group it handled to ``unreported`` at once (``-1`` once the loop knows)."""
-
-    wait: Callable[[], Awaitable[None]]
-    ahead: Callable[[], bool]
-    unreported: Callable[[int], None]
-    hop: int
 
 
 class HandlerCalls:
@@ -171,16 +158,20 @@ class HandlerCalls:
         deadline: float = math.inf,
         attempt: int = 1,
         may_continue: Callable[[], bool] = lambda: True,
-        pace: Pace | None = None,
+        pace: Round | None = None,
         round_: RoundShards | None = None,
     ) -> bool:
         """Call the handlers of ``calls`` in order, reporting each success to ``handled``.
         Raises :class:`HandlerFailed` at the first failure; returns False when ``may_continue``,
         the deadline (after the first call) or a slot that did not come free stopped it early.
-        Consecutive sync handlers under the same limits run in one thread hop."""
+        Consecutive sync handlers under the same limits run in one thread hop.
+
+        ``pace``'s deletes keep the calls from running far ahead (its ``undeleted`` bound): a
+        call starts once they caught up, and a thread hop runs at most that bound's limit of
+        sync handlers, stops when it is reached, and counts each group it handled at once."""
         index = 0
         clock: _CallClock | None = None  # the handler timeout of the async calls
-        hop = len(calls) if pace is None else pace.hop
+        hop = len(calls) if pace is None else pace.undeleted.limit
         try:
             while index < len(calls):
                 call = calls[index]
@@ -296,7 +287,7 @@ class HandlerCalls:
         offset: int,
         attempt: int,
         may_continue: Callable[[], bool],
-        pace: Pace | None,
+        pace: Round | None,
     ) -> tuple[int, BaseException | None, bool]:
         """Call the sync handlers of ``run`` in one worker thread; returns how many succeeded,
         the exception of the one that failed, and whether ``pace`` stopped it early."""
@@ -304,6 +295,7 @@ class HandlerCalls:
         count = 0
         paused = False
         loop = asyncio.get_running_loop()
+        undeleted = None if pace is None else pace.undeleted
 
         def call_all() -> BaseException | None:
             nonlocal count, paused
@@ -313,7 +305,7 @@ class HandlerCalls:
                 if not may_continue() or (offset + count and time.monotonic() > deadline):
                     return None
                 # Also before the first call: other drains may have gone ahead meanwhile.
-                if pace is not None and pace.ahead():
+                if undeleted is not None and undeleted.ahead():
                     paused = True
                     return None
                 assert call.handler is not None
@@ -324,15 +316,15 @@ class HandlerCalls:
                     return exc
                 _check_returned(self._app, call, returned)
                 # Reported on the event loop's thread, which alone keeps the round's books.
-                if pace is not None:
-                    pace.unreported(1)
+                if undeleted is not None:
+                    undeleted.unreported(1)
                 loop.call_soon_threadsafe(report, call)
                 count += 1
             return None
 
         def report(call: Call) -> None:
-            if pace is not None:
-                pace.unreported(-1)
+            if undeleted is not None:
+                undeleted.unreported(-1)
             handled(call)
 
         future = loop.run_in_executor(self._executor, contextvars.copy_context().run, call_all)
@@ -440,12 +432,12 @@ def _decode_payload(shard: ShardRef, row: Row[Any], limit: int) -> tuple[Any, Ou
 
 
 async def _may_start(
-    index: int, deadline: float, may_continue: Callable[[], bool], pace: Pace | None
+    index: int, deadline: float, may_continue: Callable[[], bool], pace: Round | None
 ) -> bool:
-    """Whether the call at ``index`` may start: once the deletes caught up (``pace``), while
-    the round goes on, and before the deadline unless it is the first call."""
+    """Whether the call at ``index`` may start: once ``pace``'s deletes caught up, while the
+    round goes on, and before the deadline unless it is the first call."""
     if pace is not None:
-        await pace.wait()
+        await pace.pace()
     return may_continue() and not (index and time.monotonic() > deadline)
 
 

@@ -12,11 +12,13 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import random
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox_bridge.db.locks import try_slots, unlock_keys
+from outbox_bridge.runtime.waiters import RoundShards, await_turn
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,9 @@ RECONNECT = 2.0  # the longest it waits between two attempts to connect again
 
 
 class FleetLimit:
-    """The slots of one handler's fleet limit that this worker holds or waits for."""
+    """The slots of one handler's fleet limit that this worker holds or waits for, taken like
+    :class:`~outbox_bridge.runtime.call_slots.Slots`: at once if one is free and no call of
+    this worker waits, else in turn."""
 
     def __init__(self, locks: FleetLocks, prefix: str, size: int) -> None:
         self.prefix = prefix
@@ -36,6 +40,13 @@ class FleetLimit:
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.tries: list[asyncio.Future[bool]] = []
         self._locks = locks
+
+    async def take(self, deadline: float = math.inf, round_: RoundShards | None = None) -> bool:
+        if not self.queued() and await self.try_take():
+            return True
+        if round_ is not None and round_.idle:
+            return False
+        return await await_turn(self.queue(), deadline, round_, self.give)
 
     def queued(self) -> bool:
         """Whether a call of this worker waits for a slot (it goes first)."""

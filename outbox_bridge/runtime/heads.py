@@ -26,7 +26,7 @@ from outbox_bridge.db.reads import (
 from outbox_bridge.workflows.models import HandlerFailure, ShardRef
 
 # Runs one statement on the connection that holds the shards' locks: ``execute(work)`` awaits
-# ``work(conn)`` (see RoundWrites.execute).
+# ``work(conn)`` (see Round.execute).
 Execute = Callable[[Callable[[AsyncConnection], Awaitable[Any]]], Awaitable[Any]]
 
 

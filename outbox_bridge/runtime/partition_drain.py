@@ -31,8 +31,8 @@ from outbox_bridge.runtime.hub import (
     shard_of,
     wait_any,
 )
-from outbox_bridge.runtime.round_writes import ShardOutcome
-from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.round_writes import Round, ShardOutcome
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_queue import ShardQueue
 from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare
@@ -124,7 +124,6 @@ class PartitionDrain:
         unhandled: UnhandledShards | None = None,
     ) -> None:
         self._engine = engine
-        self._app = engine.app
         self._starter = starter
         self._hub = hub
         self._ref = request.partition
@@ -302,7 +301,7 @@ class PartitionDrain:
         return bool(ranges)
 
     def _key(self, r: ShardRange) -> ShardRef:
-        return shard_of(self._app, self._table.name, r.region, r.scope, r.shard_identifier)
+        return shard_of(self._engine.app, self._table.name, r.region, r.scope, r.shard_identifier)
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -323,7 +322,6 @@ class PartitionDrain:
             async with self._engine.locked(self._table, shards) as round_:
                 held = round_.held
                 round_.unlocked = functools.partial(_leave_round, self, round_, released)
-                round_.went_idle = went_idle
                 skipped = await _hold_skipped(round_, self._skip)
                 heads = await self._engine.read_heads(
                     round_,
@@ -338,6 +336,7 @@ class PartitionDrain:
                     deadline=deadline,
                     settle=self._settle,
                     partition=self._ref.workflow_id,
+                    went_idle=went_idle,
                 )
             lost = round_.lost
         except Exception as exc:

@@ -30,7 +30,8 @@ from outbox_bridge.db.grants import Role, privilege_advice
 from outbox_bridge.db.limits import Grant, RateLimit, read_limits, take_tokens
 from outbox_bridge.observability.metrics import active_metrics
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import Held, Limit, RoundShards, expire, granted
+from outbox_bridge.runtime.call_slots import Held, Limit
+from outbox_bridge.runtime.waiters import RoundShards, await_turn, granted
 from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
@@ -99,42 +100,23 @@ class Bucket:
         return True
 
     async def _wait(self, tenant: str, deadline: float, round_: RoundShards | None) -> bool:
-        """Queue behind ``tenant``'s turn for the next token handed out."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        """Queue behind ``tenant``'s turn for the next token handed out; when the round gives
+        its waiters up, this one waits :data:`IDLE_ROUND_GRACE` more (its token may be due)."""
+        waiter = asyncio.get_running_loop().create_future()
         self._turns.setdefault(tenant, collections.deque()).append(waiter)
         self.waiting += 1
-        timer = None if deadline == math.inf else loop.call_at(deadline, expire, waiter)
-        # The round sees the wait through a stand-in: when the round gives its waiters up, this
-        # one waits a moment more (its token may be due), then gives up too.
-        stand_in = loop.create_future()
-        stand_in.add_done_callback(lambda done: _expire_soon(done, waiter, deadline))
-        if round_ is not None:
-            round_.waiting(stand_in)
         if self.filler is None or self.filler.done():
             self.filler = asyncio.create_task(self._fill())
         try:
-            await waiter
-        except asyncio.CancelledError:
-            if granted(waiter):  # handed a token, then cancelled: it passes on
-                self.tokens += 1
-                self._hand_out()
-            raise
-        except TimeoutError:
-            return False
+            return await await_turn(waiter, deadline, round_, self._pass_on, IDLE_ROUND_GRACE)
         finally:
-            self._left(waiter, timer)
-            stand_in.cancel()
-            if round_ is not None:
-                round_.woken(stand_in)
-        return True
+            if not granted(waiter):  # a token handed out to it was counted then
+                self.waiting -= 1
 
-    def _left(self, waiter: asyncio.Future[None], timer: asyncio.TimerHandle | None) -> None:
-        """``waiter`` stopped waiting (a token handed out to it was counted then)."""
-        if not granted(waiter):
-            self.waiting -= 1
-        if timer is not None:
-            timer.cancel()
+    def _pass_on(self) -> None:
+        """A token handed out to a call that was then cancelled goes to the next waiter."""
+        self.tokens += 1
+        self._hand_out()
 
     async def _fill(self) -> None:
         """Take tokens for the waiters, in batches, until none waits."""
@@ -181,50 +163,6 @@ class Bucket:
             turns.move_to_end(tenant)
             if not queue:
                 del turns[tenant]
-
-
-class Rated:
-    """A token of ``rates``, then the slots of ``held``, for an ``async with`` block, which gets
-    True, or False (holding nothing) if either did not come in time."""
-
-    __slots__ = ("_category", "_deadline", "_held", "_rates", "_round", "_shard")
-
-    def __init__(
-        self,
-        rates: RateLimits,
-        shard: ShardRef,
-        category: int,
-        held: Held,
-        deadline: float,
-        round_: RoundShards | None,
-    ) -> None:
-        self._rates = rates
-        self._shard = shard
-        self._category = category
-        self._held = held
-        self._deadline = deadline
-        self._round = round_
-
-    async def __aenter__(self) -> bool:
-        token = self._rates.token(self._shard, self._category, self._deadline, self._round)
-        if not await token:
-            return False
-        return await self._held.__aenter__()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._held.__aexit__(*exc)
-
-
-def _expire_soon(
-    stand_in: asyncio.Future[None], waiter: asyncio.Future[None], deadline: float
-) -> None:
-    """The round gave ``stand_in`` up: give ``waiter`` up :data:`IDLE_ROUND_GRACE` from now
-    (by ``deadline`` at the latest)."""
-    if not stand_in.cancelled():
-        stand_in.exception()  # seen: the round's expiry is no error
-    if not waiter.done():
-        loop = asyncio.get_running_loop()
-        loop.call_at(min(deadline, loop.time() + IDLE_ROUND_GRACE), expire, waiter)
 
 
 class RateLimits:
@@ -374,10 +312,9 @@ def turn(
     limits: list[Limit],
     deadline: float,
     round_: RoundShards | None,
-) -> Held | Rated:
-    """A slot of each of ``limits``, after a token when ``category`` is rate limited (the
-    call waits for its token first, holding no slot meanwhile)."""
-    held = Held(limits, deadline, round_)
+) -> Held:
+    """A slot of each of ``limits``, after a token when ``category`` is rate limited."""
     if rates is None or not rates.limited(shard.table, category):
-        return held
-    return Rated(rates, shard, category, held, deadline, round_)
+        return Held(limits, deadline, round_)
+    token = functools.partial(rates.token, shard, category, deadline, round_)
+    return Held(limits, deadline, round_, token)

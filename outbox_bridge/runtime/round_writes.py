@@ -1,5 +1,5 @@
-"""What a round writes under its shard locks, queued and written in order on their connection:
-deletes, holds, releases, unlocks.
+"""A drain round (:class:`Round`): what it did in each shard, and what it writes under its shard
+locks, queued and written in order on their connection: deletes, holds, releases, unlocks.
 
 Deletes are pipelined, and no round takes a further group while the worker's rounds have
 ``max_undeleted_groups`` handled and not deleted: a crash repeats at most those and the calls
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -26,6 +26,10 @@ from outbox_bridge.runtime.call_slots import MAX_CONCURRENT_CALLS
 from outbox_bridge.runtime.fence import ShardLocks, Work
 from outbox_bridge.runtime.waiters import Waiters
 from outbox_bridge.workflows.models import HandlerFailure, HeadGroup, HeldFor, ShardRef
+
+if TYPE_CHECKING:
+    from outbox_bridge.runtime.calls import HandlerCalls
+    from outbox_bridge.runtime.payload_budget import PayloadBudget
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +110,9 @@ class Queued:
         return bool(self.deletes or self.holds or self.releases or self.unlocks)
 
 
-class RoundWrites(ShardLocks):
-    """The writes of one round on the connection of its locks.
+class Round(ShardLocks):
+    """One round's locked shards, its writes on the connection of its locks, and what it did
+    in each shard.
 
     A write that fails for one shard's reason (a trigger refusing its delete, say) is done
     again shard by shard; only the shards whose own write fails stop, held with why
@@ -120,9 +125,13 @@ class RoundWrites(ShardLocks):
         table: Table,
         locked: list[ShardRef],
         undeleted: Undeleted | None = None,
+        calls: HandlerCalls | None = None,
     ) -> None:
         super().__init__(conn, table, locked)
         self.undeleted = undeleted or Undeleted()
+        self.outcomes: dict[ShardRef, ShardOutcome] = {}  # of the shards the round runs
+        self._calls = calls
+        self.payload_bytes = 0  # taken from the worker's payload budget by this round
         self._queued = Queued([], [], [], {})
         # Unlocks under way: not to queue again (PostgreSQL warns of a second unlock).
         self._unlocking: set[ShardRef] = set()
@@ -131,16 +140,33 @@ class RoundWrites(ShardLocks):
         self.unwritten: list[Handled] = []
         self.held: set[ShardRef] = set()  # shards whose hold this round wrote
         self.unlocked: Callable[[ShardRef], None] | None = None  # told of each shard unlocked
-        # Told once no shard of the round is busy (the rest wait for a slot or a token).
-        self.went_idle: Callable[[], None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
 
     def fault(
         self, shard: ShardRef, group: GroupRows | None, what: str, exc: BaseException
     ) -> None:
-        """A write failed for ``shard`` alone; a round without isolation raises it."""
-        raise exc
+        """A step of the round failed for ``shard`` alone: it stops as if its handler had
+        failed on ``group``, keeps its rows, and is held for its workflow with why."""
+        if self._calls is None:  # a round built by hand (tests): no isolation
+            raise exc
+        outcome = self.outcomes.setdefault(shard, ShardOutcome(shard))
+        if outcome.failure is None:
+            outcome.failure = self._calls.fault(shard, what, exc)
+            outcome.failed = None if group is None else self._calls.head(group)
+
+    async def reserve(self, budget: PayloadBudget, size: int) -> None:
+        """Take ``size`` payload bytes of ``budget`` for this round, waiting for room the first
+        time; then count what it read instead."""
+        if self.payload_bytes:
+            budget.add(size)
+        else:
+            await budget.take(size)
+        self.payload_bytes += size
+
+    def may_continue(self, outcome: ShardOutcome) -> bool:
+        """Whether ``outcome``'s shard may take a further group (asked from handler threads)."""
+        return outcome.failure is None and self.alive()
 
     async def execute(self, work: Work) -> Any:
         """Run ``work(conn)`` on the round's connection, after every write queued before."""

@@ -28,56 +28,14 @@ from outbox_bridge.db.scans import read_first_row
 from outbox_bridge.db.schema import TRACE_CONTEXT_COLUMN
 from outbox_bridge.observability.observe import RoundObserver
 from outbox_bridge.registry import OutboxApp
-from outbox_bridge.runtime.call_slots import RoundShards
-from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed, Pace
+from outbox_bridge.runtime.calls import Call, HandlerCalls, HandlerFailed
 from outbox_bridge.runtime.heads import ShardHead, read_shard_heads
 from outbox_bridge.runtime.payload_budget import PAYLOAD_BUDGET_BYTES, PayloadBudget
-from outbox_bridge.runtime.round_writes import RoundWrites, ShardOutcome, Undeleted
+from outbox_bridge.runtime.round_writes import Round, ShardOutcome, Undeleted
+from outbox_bridge.runtime.waiters import RoundShards
 from outbox_bridge.workflows.models import ShardRef
 
 log = logging.getLogger(__name__)
-
-
-class Round(RoundWrites):
-    """One round's locked shards, its writes, and what it did in each shard."""
-
-    def __init__(
-        self,
-        conn: AsyncConnection,
-        table: Table,
-        locked: list[ShardRef],
-        undeleted: Undeleted | None = None,
-        calls: HandlerCalls | None = None,
-    ) -> None:
-        super().__init__(conn, table, locked, undeleted)
-        self.outcomes: dict[ShardRef, ShardOutcome] = {}  # of the shards the round runs
-        self._calls = calls
-        self.payload_bytes = 0  # taken from the worker's payload budget by this round
-
-    def fault(
-        self, shard: ShardRef, group: GroupRows | None, what: str, exc: BaseException
-    ) -> None:
-        """A step of the round failed for ``shard`` alone: it stops as if its handler had
-        failed on ``group``, keeps its rows, and is held for its workflow with why."""
-        if self._calls is None:  # a round built by hand (tests): no isolation
-            raise exc
-        outcome = self.outcomes.setdefault(shard, ShardOutcome(shard))
-        if outcome.failure is None:
-            outcome.failure = self._calls.fault(shard, what, exc)
-            outcome.failed = None if group is None else self._calls.head(group)
-
-    async def reserve(self, budget: PayloadBudget, size: int) -> None:
-        """Take ``size`` payload bytes of ``budget`` for this round, waiting for room the first
-        time; then count what it read instead."""
-        if self.payload_bytes:
-            budget.add(size)
-        else:
-            await budget.take(size)
-        self.payload_bytes += size
-
-    def may_continue(self, outcome: ShardOutcome) -> bool:
-        """Whether ``outcome``'s shard may take a further group (asked from handler threads)."""
-        return outcome.failure is None and self.alive()
 
 
 # Queues, under a shard's lock, what a round writes about its outcome (a hold, a release).
@@ -104,7 +62,6 @@ class DrainEngine:
         self.app = app
         self.calls = calls
         # Payload bytes one round reads, and all the rounds of this worker hold, at most.
-        self.max_round_bytes = max_round_bytes
         self._payloads = PayloadBudget(max_round_bytes)
         self._running: dict[ShardRef, int] = {}
         # By default the work in flight bounds the repeats: as many as the calls under way.
@@ -250,7 +207,7 @@ class DrainEngine:
             skip_held=skip_held,
             skip_paused=skip_paused,
             with_trace_context=RoundObserver.tracing(),
-            max_bytes=self.max_round_bytes,
+            max_bytes=self._payloads.limit,
             max_payload_bytes=self.calls.max_payload_bytes,
             reserve=functools.partial(round_.reserve, self._payloads),
             rated=None
@@ -278,14 +235,16 @@ class DrainEngine:
         unlock_each: bool = True,
         settle: Settle | None = None,
         partition: str | None = None,
+        went_idle: Callable[[], None] | None = None,
     ) -> list[ShardOutcome]:
         """Handle every shard's head groups, the shards concurrently, each in order; a shard
         stops at its first failure, or at the deadline (after at least one group). With
         ``unlock_each``, each shard is unlocked once done, after ``settle`` queued what else
-        must be written under its lock."""
+        must be written under its lock. ``went_idle`` is told once no shard of the round is
+        busy (the rest wait for a slot or a token)."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         round_.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
-        busy = RoundShards(len(heads), round_.went_idle)
+        busy = RoundShards(len(heads), went_idle)
 
         async def run_shard(head: ShardHead, outcome: ShardOutcome) -> None:
             shard = head.shard
@@ -356,12 +315,7 @@ class DrainEngine:
                 deadline=deadline,
                 attempt=attempt,
                 may_continue=functools.partial(round_.may_continue, outcome),
-                pace=Pace(
-                    round_.pace,
-                    round_.undeleted.ahead,
-                    round_.undeleted.unreported,
-                    round_.undeleted.limit,
-                ),
+                pace=round_,
                 round_=busy,
             )
             outcome.more = head.more or len(calls) < len(head.groups) or not finished

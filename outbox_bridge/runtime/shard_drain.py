@@ -24,8 +24,8 @@ from outbox_bridge.db.timestamps import iso_utc
 from outbox_bridge.errors import ShardFaultError, ShardLockedError
 from outbox_bridge.runtime.calls import HandlerFailed
 from outbox_bridge.runtime.pause_control import member_name, view_of
-from outbox_bridge.runtime.round_writes import ShardOutcome
-from outbox_bridge.runtime.rounds import DrainEngine, Round
+from outbox_bridge.runtime.round_writes import Round, ShardOutcome
+from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import (
     DrainInput,
     DrainResult,

@@ -191,7 +191,9 @@ def test_the_report_renders_tables_json_and_a_chart(tmp_path: Path) -> None:
     paths = report.write(tmp_path, result)
     assert json.loads(paths[0].read_text())["workloads"]["backlog"]["entries"][0]["p99_ms"] == 340
     text = paths[1].read_text()
-    assert "| outbox-bridge | completed | 5,000 | 1,234 | 12.0 | 340 | 0.50 | 0.25 | - | 3.20" in text
+    assert (
+        "| outbox-bridge | completed | 5,000 | 1,234 | 12.0 | 340 | 0.50 | 0.25 | - | 3.20" in text
+    )
     assert "| absent | not run |" in text
     assert "- absent: missing: not installed (outbox-bridge-no-such-distribution, " in text
     if sys.version_info < (3, 12):

@@ -68,6 +68,9 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
             ids = await conn.execute(text(f"SELECT id FROM {table} ORDER BY id"))
             return list(ids.scalars())
 
+    async def rows_are(expected: list[int]) -> bool:
+        return await remaining() == expected
+
     # A blocked head is tried again, and the sweep looks at held shards, every two minutes:
     # only the wake-ups of park and unpark let the shard go on within the test's timeouts.
     settings = fast_settings(
@@ -89,7 +92,8 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
         )
         await wait_until(lambda: other in recorder.ids(), what="a row written after the park")
         assert later not in recorder.ids()
-        assert await remaining() == [stuck, later]
+        # The handler's call is recorded before its round deletes the row: wait for the delete.
+        await wait_until(lambda: rows_are([stuck, later]), what="the handled rows deleted")
 
         status = await run("status", SHARD)
         assert isinstance(status, dict)
@@ -106,7 +110,7 @@ async def test_a_parked_group_lets_its_shard_go_on_and_comes_back_when_unparked(
     async with running_worker(servers, app, settings):
         [after_restart] = await write_rows(engine, app, [row(Category.MEMBER_UPDATE, 84)])
         await wait_until(lambda: after_restart in recorder.ids(), what="a row after a restart")
-        assert await remaining() == [stuck, later]
+        await wait_until(lambda: rows_are([stuck, later]), what="the handled row deleted")
         parked = await run("parked")
         assert isinstance(parked, list)
         assert [(p["shard"], p["reason"], p["unparked_at"]) for p in parked] == [

@@ -5,6 +5,8 @@ The worker runs in the benchmark's process, so a run can set, for itself alone:
 - ``max_undeleted_groups``: how many groups the worker's drain rounds may have handled and not
   deleted before they take no further group (the worker's setting of that name, by default as
   many as the worker can run calls at once; what a kill -9 repeats besides the calls under way);
+- ``handover_after``: seconds a partition retries a shard whose handler failed before the shard
+  goes to a workflow of its own (the worker's setting of that name; 0 hands it over at once);
 - ``partition_options``: fields of the :class:`~outbox_bridge.workflows.models.PartitionOptions`
   the bridge hands its partitions (``max_shards``, ``max_groups``, ``max_rounds``, ...).
 
@@ -30,6 +32,7 @@ PARTITION_FIELDS = {f.name: f.type for f in dataclasses.fields(PartitionOptions)
 class Tuning:
     max_undeleted_groups: int | None = None
     partition_options: dict[str, Any] = field(default_factory=dict)
+    handover_after: float | None = None
 
     def describe(self) -> dict[str, Any]:
         """What this run changed (for the results; the settings in force, this one's included,
@@ -41,13 +44,16 @@ class Tuning:
 
     def settings(self) -> dict[str, Any]:
         """The worker settings this run changes."""
-        if self.max_undeleted_groups is None:
-            return {}
-        return {"max_undeleted_groups": self.max_undeleted_groups}
+        changed: dict[str, Any] = {}
+        if self.max_undeleted_groups is not None:
+            changed["max_undeleted_groups"] = self.max_undeleted_groups
+        if self.handover_after is not None:
+            changed["handover_after"] = self.handover_after
+        return changed
 
     @property
     def changed(self) -> bool:
-        return bool(self.max_undeleted_groups or self.partition_options)
+        return bool(self.settings() or self.partition_options)
 
 
 def parse_partition_option(text: str) -> tuple[str, Any]:
@@ -74,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as the worker can run calls at once)",
     )
     parser.add_argument(
+        "--handover-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="A/B runs: seconds a partition retries a failing shard before its handover "
+        "(default: the setting's, 5; 0: at the first failure)",
+    )
+    parser.add_argument(
         "--partition-option",
         action="append",
         default=[],
@@ -90,7 +104,9 @@ def from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(str(exc))
     if args.max_undeleted_groups is not None and args.max_undeleted_groups < 1:
         parser.error("--max-undeleted-groups must be at least 1")
-    return Tuning(args.max_undeleted_groups, options)
+    if args.handover_after is not None and not 0 <= args.handover_after <= 3600:
+        parser.error("--handover-after must be between 0 and 3600 seconds")
+    return Tuning(args.max_undeleted_groups, options, args.handover_after)
 
 
 @contextlib.contextmanager

@@ -37,8 +37,10 @@ those groups fails on its first 3 calls, whichever drain, attempt or workflow ma
 baseline retries a failing shard's head after the bridge's ``initial_retry_interval`` (1 s),
 at the first shard boundary after that, and goes on with its other shards meanwhile (see
 :mod:`bench.baseline`): a group that fails 3 times waits 3 s in all on both sides (the bridge
-retries at once, then after 1 s and 2 s). On demand, exactly the shards with a failing group
-should get an ``OutboxShard`` workflow: the entry compares the two counts.
+retries at once, then after 1 s and 2 s). The bridge's partitions make those retries themselves
+(``handover_after``, 5 s): no shard should get an ``OutboxShard`` workflow, unless the
+setting is lowered so that a group fails more often than its partition tries it, when exactly
+the shards with a failing group should: the entry compares the counts.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from bench.progress import say
 from bench.proxy import proxied_database
 from bench.rows import RowSet, backlog_rows, distinct_rows, grouped_rows
 from bench.sides import SideResult, baseline_side, bridge_side
+from outbox_bridge.runtime.local_retries import attempt_offsets
+from outbox_bridge.workflows.models import ShardOptions
 
 RESERVE = 60.0  # seconds kept for closing workflows, counting events and stopping servers
 FLAKY_SHARE = 0.02  # of the coalescing groups
@@ -319,13 +323,22 @@ def _flaky_entry(
     failing_shards: set[tuple[int, int]],
     entry: dict[str, Any],
 ) -> dict[str, Any]:
-    """Failures: how many groups and shards, and whether exactly the shards with a failing
-    group got a workflow of their own (on demand)."""
+    """Failures: how many groups and shards, and how many shards should get a workflow of
+    their own: those with a failing group if it fails more often than its partition tries it
+    (``handover_after``), none otherwise."""
     expected_calls = entry["groups"] + workload.failures * len(failing)
+    settings = entry["settings"]
+    options = ShardOptions(
+        initial_retry_seconds=settings["initial_retry_interval"],
+        max_retry_interval_seconds=settings["max_retry_interval"],
+    )
+    tries = 1 + len(attempt_offsets(options, settings["handover_after"]))
     return {
         "failing_groups": len(failing),
         "failures_per_group": workload.failures,
         "shards_with_failing_group": len(failing_shards),
+        "partition_attempts": tries,
+        "expected_shard_workflows": len(failing_shards) if workload.failures >= tries else 0,
         "expected_handler_calls": expected_calls,
         "duplicate_handler_calls": max(0, entry["handler_calls"] - expected_calls)
         if entry["bridge_completed"]

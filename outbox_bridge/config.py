@@ -223,6 +223,14 @@ class OutboxSettings(LocationSettings):
     max_retry_interval: float = Field(
         3600.0, gt=0, le=604_800, description="Cap of the exponential retry delay (seconds)."
     )
+    handover_after: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="Seconds a shard whose handler failed is retried by its partition, at once "
+        "and then on the same backoff, before it goes to a workflow of its own: a transient "
+        "failure costs no workflow start. 0: at its first failure.",
+    )
     drain_max_groups: int = Field(
         1000, ge=1, le=10_000, description="Coalescing groups handled per drain call at most."
     )

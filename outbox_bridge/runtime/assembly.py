@@ -31,6 +31,7 @@ from outbox_bridge.registry import OutboxApp
 from outbox_bridge.runtime.bridge import Bridge
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.hub import ShardHub
+from outbox_bridge.runtime.local_retries import LocalRetries
 from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
 from outbox_bridge.runtime.pause_control import PauseControl
 from outbox_bridge.runtime.rate_limits import RateLimits
@@ -149,6 +150,7 @@ def build_worker(
             attempt=info.attempt,
             carried=carried_round(info.heartbeat_details),
             unhandled=unhandled,
+            retries=LocalRetries(starter.options, settings.handover_after),
         )
         return await drain.run()
 

@@ -197,13 +197,16 @@ class HandlerCalls:
                         )
                         index += count
                         if error is not None:
-                            raise failure(shard, calls[index], error, attempt, self._redact)
+                            number = nth_attempt(attempt, index)
+                            raise failure(shard, calls[index], error, number, self._redact)
                         if index < end and not paused:
                             return False
                         continue
                     if clock is None and self._timeout != math.inf:
                         clock = _CallClock(self._timeout)
-                    await self._call_async(shard, call, observer, attempt, clock)
+                    await self._call_async(
+                        shard, call, observer, nth_attempt(attempt, index), clock
+                    )
                 handled(call)
                 index += 1
             return True
@@ -310,7 +313,8 @@ class HandlerCalls:
                     return None
                 assert call.handler is not None
                 try:
-                    with observer.call(call.group, call.message, call.category, attempt):
+                    number = nth_attempt(attempt, offset + count)
+                    with observer.call(call.group, call.message, call.category, number):
                         returned = call.handler(call.message)
                 except BaseException as exc:  # reported by the caller, like an async handler's
                     return exc
@@ -493,6 +497,12 @@ def _check_returned(app: OutboxApp, call: Call, returned: object) -> None:
             app.category_name(call.group.category),
             type(returned).__name__,
         )
+
+
+def nth_attempt(attempt: int, index: int) -> int:
+    """The attempt of a run's call at ``index``: ``attempt`` for its first, the group a failure
+    before may have tried; the groups after it are tried for the first time."""
+    return attempt if index == 0 else 1
 
 
 def failure(

@@ -31,6 +31,7 @@ from outbox_bridge.runtime.hub import (
     shard_of,
     wait_any,
 )
+from outbox_bridge.runtime.local_retries import LocalRetries
 from outbox_bridge.runtime.round_writes import Round, ShardOutcome
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.runtime.shard_queue import ShardQueue
@@ -44,6 +45,7 @@ from outbox_bridge.workflows.models import (
     PartitionOptions,
     PartitionRound,
     ShardBacklog,
+    ShardOptions,
     ShardRef,
 )
 
@@ -122,6 +124,7 @@ class PartitionDrain:
         attempt: int = 1,
         carried: PartitionRound | None = None,
         unhandled: UnhandledShards | None = None,
+        retries: LocalRetries | None = None,
     ) -> None:
         self._engine = engine
         self._starter = starter
@@ -130,7 +133,9 @@ class PartitionDrain:
         self._options = request.options
         self._table: Table = engine.app.table(self._ref.table)
         self._heartbeat = heartbeat
-        self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled)
+        # Failing shards tried again here before their handover (none by default).
+        self._retries = retries if retries is not None else LocalRetries(ShardOptions(), 0.0)
+        self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled, self._retries)
         self._watermark = 0
         # What the attempt before, on a worker that left, handled: this run counts on from it.
         self._stats = carried if carried is not None else PartitionRound()
@@ -169,7 +174,7 @@ class PartitionDrain:
                     next_beat = now + HEARTBEAT_SECONDS
                     if await self._give_back(inbox):
                         end = now  # the rounds in flight finish; no new one starts
-                wake = min(next_poll, scans.next_rescan, next_beat, end)
+                wake = min(next_poll, scans.next_rescan, next_beat, end, self._retries.next_due())
                 if self._unhandled is not None:
                     wake = min(wake, await self._unhandled.recount(self._table))
                 await self._wait(inbox, wake - time.monotonic())
@@ -241,9 +246,10 @@ class PartitionDrain:
         await wait_any(inbox.event, self._round_done, timeout=seconds)
 
     def _take_news(self, inbox: PartitionInbox) -> bool:
-        """Queue the shards the notifications named; True if one asked for a full scan."""
+        """Queue the shards the notifications named and those due for a retry; True if a
+        notification asked for a full scan."""
         rescan, inbox.rescan = inbox.rescan, False
-        for key in inbox.take():
+        for key in [*self._retries.due(time.monotonic()), *inbox.take()]:
             self._queue.add(key)
         return rescan
 
@@ -337,6 +343,7 @@ class PartitionDrain:
                     settle=self._settle,
                     partition=self._ref.workflow_id,
                     went_idle=went_idle,
+                    attempt=self._retries.attempt,
                 )
             lost = round_.lost
         except Exception as exc:
@@ -348,15 +355,7 @@ class PartitionDrain:
             for shard in shards:
                 self._queue.in_flight.discard(shard)
             self._round_done.set()
-        handovers = [
-            (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, self._skip)))
-            for s in skipped
-        ]
-        handovers += [
-            (outcome.shard, handover)
-            for outcome in outcomes
-            if outcome.shard in held and (handover := _handover(outcome)) is not None
-        ]
+        handovers = _handovers(skipped, outcomes, held, self._skip)
         handed = {shard for shard, _ in handovers}
         if lost:
             for shard in shards:  # nothing else this round wrote can be trusted: read them again
@@ -372,10 +371,13 @@ class PartitionDrain:
 
     def _settle(self, round_: Round, outcome: ShardOutcome) -> None:
         """Under the shard's lock: a shard that failed or waits for a deferred head is held for
-        its workflow, unless one holds it already, or it failed on a row the app cannot handle
-        and the cap on such shards is reached (it waits, unheld)."""
+        its workflow, unless one holds it already, its handler failed and it is tried again
+        here first, or it failed on a row the app cannot handle and the cap on such shards is
+        reached (it waits, unheld)."""
         handover = _handover(outcome)
-        if handover is None or outcome.lock_lost:
+        if handover is None or outcome.groups_handled:  # a group succeeded: a new streak
+            self._retries.succeeded(outcome.shard)
+        if handover is None or outcome.lock_lost or self._retries.later(outcome, time.monotonic()):
             return
         cap = self._unhandled
         if cap is not None and cap.applies(outcome.failure) and not cap.admit(outcome.shard):
@@ -406,6 +408,25 @@ class PartitionDrain:
         return stats
 
 
+def _handovers(
+    skipped: list[ShardRef],
+    outcomes: list[ShardOutcome],
+    held: set[ShardRef],
+    skip: frozenset[str],
+) -> list[tuple[ShardRef, HandoverInput]]:
+    """What a round gives the workflows of the shards it held: the skipped ones, and those
+    whose outcome asks for one."""
+    handovers = [
+        (s, HandoverInput(held_for=HeldFor.SKIPPED, skip=static_skip(s, skip))) for s in skipped
+    ]
+    handovers += [
+        (outcome.shard, handover)
+        for outcome in outcomes
+        if outcome.shard in held and (handover := _handover(outcome)) is not None
+    ]
+    return handovers
+
+
 def _handover(outcome: ShardOutcome) -> HandoverInput | None:
     """What a shard's workflow is told when the round gives it the shard: its failure or its
     deferred head."""
@@ -429,11 +450,13 @@ def _handover(outcome: ShardOutcome) -> HandoverInput | None:
 def _leave_round(
     drain: PartitionDrain, round_: Round, released: set[ShardRef], shard: ShardRef
 ) -> None:
-    """``shard`` is done and unlocked: with nothing to hand over, it leaves its round now, not
-    when the round's last shard is done (one waiting for a rate limit's token, say), and a next
-    round of ``drain`` drains its further rows meanwhile."""
+    """``shard`` is done and unlocked: with nothing to hand over (or waiting for its retry),
+    it leaves its round now, not when the round's last shard is done (one waiting for a rate
+    limit's token, say), and a next round of ``drain`` drains its further rows meanwhile."""
     outcome = round_.outcomes.get(shard)
-    if outcome is None or round_.lost or shard in round_.held or _handover(outcome):
+    if outcome is None or round_.lost or shard in round_.held:
+        return
+    if _handover(outcome) and not drain._retries.waits(shard):
         return
     released.add(shard)
     drain._queue.in_flight.discard(shard)

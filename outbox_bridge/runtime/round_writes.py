@@ -81,6 +81,7 @@ class ShardOutcome:
     deferred_until: datetime | None = None
     failed: HeadGroup | None = None
     failure: HandlerFailure | None = None
+    handler_raised: bool = False  # the failure is the handler's own (not a read or a fault)
     lock_lost: bool = False
 
     @property

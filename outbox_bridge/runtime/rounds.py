@@ -231,17 +231,18 @@ class DrainEngine:
         heads: Sequence[ShardHead],
         *,
         deadline: float,
-        attempt: int = 1,
+        attempt: int | Callable[[ShardRef], int] = 1,
         unlock_each: bool = True,
         settle: Settle | None = None,
         partition: str | None = None,
         went_idle: Callable[[], None] | None = None,
     ) -> list[ShardOutcome]:
         """Handle every shard's head groups, the shards concurrently, each in order; a shard
-        stops at its first failure, or at the deadline (after at least one group). With
-        ``unlock_each``, each shard is unlocked once done, after ``settle`` queued what else
-        must be written under its lock. ``went_idle`` is told once no shard of the round is
-        busy (the rest wait for a slot or a token)."""
+        stops at its first failure, or at the deadline (after at least one group). ``attempt``
+        numbers the calls (of each shard, if a function). With ``unlock_each``, each shard is
+        unlocked once done, after ``settle`` queued what else must be written under its lock.
+        ``went_idle`` is told once no shard of the round is busy (the rest wait for a slot or a
+        token)."""
         outcomes = [ShardOutcome(head.shard, highest_seen_id=head.highest_id) for head in heads]
         round_.outcomes.update((outcome.shard, outcome) for outcome in outcomes)
         busy = RoundShards(len(heads), went_idle)
@@ -250,7 +251,8 @@ class DrainEngine:
             shard = head.shard
             self._running[shard] = self._running.get(shard, 0) + 1
             try:
-                await self._handle(round_, head, outcome, deadline, attempt, partition, busy)
+                number = attempt if isinstance(attempt, int) else attempt(shard)
+                await self._handle(round_, head, outcome, deadline, number, partition, busy)
             finally:
                 busy.done()
                 self._running[shard] -= 1
@@ -326,6 +328,7 @@ class DrainEngine:
             if outcome.failure is None:
                 outcome.failed = self.calls.head(failed.group)
                 outcome.failure = failed.failure
+                outcome.handler_raised = True
         except Exception as exc:  # one shard's trouble, whatever it is, stays with it
             unhandled = head.groups[outcome.groups_handled :]
             round_.fault(shard, unhandled[0] if unhandled else None, step, exc)

@@ -6,6 +6,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 
+from outbox_bridge.runtime.local_retries import LocalRetries
 from outbox_bridge.runtime.unhandled import UnhandledShards
 from outbox_bridge.workflows.models import ShardRef
 
@@ -16,10 +17,17 @@ class ShardQueue:
     """At most ``limit`` shards queued; the shards left out are found by a scan of every shard
     once the queue has emptied (:attr:`overflowed`)."""
 
-    def __init__(self, partition: str, limit: int, unhandled: UnhandledShards | None) -> None:
+    def __init__(
+        self,
+        partition: str,
+        limit: int,
+        unhandled: UnhandledShards | None,
+        retries: LocalRetries | None = None,
+    ) -> None:
         self._partition = partition  # the partition's workflow id, for the log
         self._limit = limit
         self._unhandled = unhandled
+        self._retries = retries
         self._queued: dict[ShardRef, None] = {}
         self.in_flight: set[ShardRef] = set()
         self.overflowed = False  # shards were left out of the queue: scan every shard again
@@ -35,8 +43,12 @@ class ShardQueue:
 
     def add(self, shard: ShardRef) -> None:
         """Queue ``shard`` unless it is queued already, waits for room under the cap on shards
-        the app cannot handle, or the queue is full."""
-        if shard in self._queued or (self._unhandled is not None and self._unhandled.waits(shard)):
+        the app cannot handle or for its retry, or the queue is full."""
+        if (
+            shard in self._queued
+            or (self._unhandled is not None and self._unhandled.waits(shard))
+            or (self._retries is not None and self._retries.waits(shard))
+        ):
             return
         if len(self._queued) >= self._limit:
             if not self.overflowed:

@@ -12,6 +12,7 @@ import os
 import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -564,7 +565,12 @@ def test_a_partition_drain_queues_news_up_to_its_cap() -> None:
     overflow (the next scan of every shard finds the others)."""
     hub = ShardHub()
     drain = PartitionDrain(
-        DrainEngine(None, _tiny_app(), calls=None, max_undeleted_groups=10),  # type: ignore[arg-type]
+        DrainEngine(
+            None,  # type: ignore[arg-type]
+            _tiny_app(),
+            calls=SimpleNamespace(at_once=1000),  # type: ignore[arg-type]
+            max_undeleted_groups=10,
+        ),
         NoHandovers(),  # type: ignore[arg-type]
         hub,
         PartitionDrainInput(PartitionRef("t_tiny", 0, 1), PartitionOptions()),

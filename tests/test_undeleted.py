@@ -16,9 +16,17 @@ from outbox_bridge import OutboxApp, OutboxMessage, OutboxSettings, OutboxTable
 from outbox_bridge.db.reads import GroupRows
 from outbox_bridge.runtime.assembly import build_drains
 from outbox_bridge.runtime.calls import HandlerCalls
+from outbox_bridge.runtime.hub import ShardHub
+from outbox_bridge.runtime.partition_drain import PartitionDrain
 from outbox_bridge.runtime.round_writes import Round, ShardOutcome, Undeleted
 from outbox_bridge.runtime.rounds import DrainEngine
-from outbox_bridge.workflows.models import ShardRef
+from outbox_bridge.runtime.shards import ShardStarter
+from outbox_bridge.workflows.models import (
+    PartitionDrainInput,
+    PartitionOptions,
+    PartitionRef,
+    ShardRef,
+)
 from tests.harness import SCOPES, Category, Scope
 
 NO_ENGINE = cast(AsyncEngine, None)  # building a drain engine touches no database
@@ -66,6 +74,32 @@ def test_by_default_the_bound_is_the_calls_the_worker_can_run_at_once(
         assert drain.max_undeleted_groups == expected
         explicit = DrainEngine(NO_ENGINE, calls._app, calls=calls, max_undeleted_groups=3)
         assert explicit.max_undeleted_groups == 3
+    finally:
+        calls.close()
+
+
+@pytest.mark.parametrize(
+    ("plain", "asynchronous", "expected"),
+    [(True, False, 8), (False, True, 200), (True, True, 200)],
+    ids=["plain-def", "async", "both"],
+)
+def test_a_round_locks_no_more_shards_than_the_worker_runs_calls_at_once(
+    plain: bool, asynchronous: bool, expected: int
+) -> None:
+    """A partition's round of plain-def handlers locks as many shards as there are threads, not
+    the 200 of the partition's options: what it read and could not run was read again."""
+    calls = HandlerCalls(
+        app_with(plain=plain, asynchronous=asynchronous), redact_errors=False, threads=8
+    )
+    try:
+        drain = PartitionDrain(
+            DrainEngine(NO_ENGINE, calls._app, calls=calls),
+            cast(ShardStarter, SimpleNamespace(skip_shards=frozenset())),
+            ShardHub(),
+            PartitionDrainInput(PartitionRef("undeleted", 0, 1), PartitionOptions()),
+        )
+        assert PartitionOptions().max_shards == 200
+        assert drain._options.max_shards == expected
     finally:
         calls.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import heapq
 import logging
@@ -130,7 +131,9 @@ class PartitionDrain:
         self._starter = starter
         self._hub = hub
         self._ref = request.partition
-        self._options = request.options
+        # A round locks no more shards than the worker runs calls at once (plain def: threads).
+        at_most = min(request.options.max_shards, engine.calls.at_once)
+        self._options = dataclasses.replace(request.options, max_shards=at_most)
         self._table: Table = engine.app.table(self._ref.table)
         self._heartbeat = heartbeat
         # Failing shards tried again here before their handover (none by default).

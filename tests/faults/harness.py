@@ -72,6 +72,9 @@ def worker_env(
         "OUTBOX_SWEEP_INTERVAL": "3",
         "OUTBOX_INITIAL_RETRY_INTERVAL": "0.2",
         "OUTBOX_MAX_RETRY_INTERVAL": "1",
+        # A failing shard gets its workflow at its first failure, as in the testing toolkit:
+        # the scenarios that watch, terminate or reset it find it at once.
+        "OUTBOX_HANDOVER_AFTER": "0",
         "OUTBOX_HANDLER_TIMEOUT": "20",
         "OUTBOX_HEARTBEAT_TIMEOUT": "3",
         "OUTBOX_SHUTDOWN_GRACE": "2",

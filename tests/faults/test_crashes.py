@@ -52,7 +52,10 @@ async def test_kill_9_at_random_moments_during_a_drain_with_failing_handlers(
     await scenario.prepare(failure_rate=0.1)
     shards = mixed_shards(size.shards)
     workload = scenario.workload(shards, seed=size.rows)
-    worker = scenario.worker(OUTBOX_REDACT_ERRORS="true", **COUNTED_WORKER)
+    # The default window: failing shards are retried by their partition, killed mid-way too.
+    worker = scenario.worker(
+        OUTBOX_REDACT_ERRORS="true", OUTBOX_HANDOVER_AFTER="5", **COUNTED_WORKER
+    )
     moments = random.Random(size.kills)
     per_cycle = size.rows // (size.kills + 1)
     for kill in range(size.kills):

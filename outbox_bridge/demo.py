@@ -158,7 +158,7 @@ def banner(settings: OutboxSettings, ui: str | None) -> list[str]:
         ]
     lines += [
         f"- One other PROJECT_UPDATE call in {round(1 / FLAKY_SHARE)} fails at random: its "
-        "shard blocks and recovers at its next retry.",
+        "partition tries it again at once, and it goes on without a workflow of its own.",
         "- One row in thirty provisions an organization 5 to 30 s later: its shard waits for "
         "it (deferred).",
     ]

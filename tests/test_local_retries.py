@@ -59,7 +59,7 @@ def test_a_failing_shard_waits_for_each_retry_then_is_handed_over() -> None:
         now += wait
     assert retries.attempt(SHARD) == 4
     assert not retries.later(failed(), now)  # the fourth failure: its workflow takes over
-    assert retries.attempt(SHARD) == 1 and not retries.waits(SHARD) and len(retries) == 0
+    assert retries.attempt(SHARD) == 1 and not retries.waits(SHARD) and retries.waiting == 0
 
 
 def test_a_success_forgets_the_failures_and_other_shards_keep_their_own() -> None:

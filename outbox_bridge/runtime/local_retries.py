@@ -90,5 +90,8 @@ class LocalRetries:
         """When the next retry is due (monotonic), infinity if none waits."""
         return self._heap[0][0] if self._heap else math.inf
 
-    def __len__(self) -> int:
+    @property
+    def waiting(self) -> int:
+        """How many shards wait for their retry (a count, not a truth value: an instance with
+        none waiting is still an instance)."""
         return len(self._due)

@@ -137,7 +137,7 @@ class PartitionDrain:
         self._table: Table = engine.app.table(self._ref.table)
         self._heartbeat = heartbeat
         # Failing shards tried again here before their handover (none by default).
-        self._retries = retries if retries is not None else LocalRetries(ShardOptions(), 0.0)
+        self._retries = retries or LocalRetries(ShardOptions(), 0.0)
         self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled, self._retries)
         self._watermark = 0
         # What the attempt before, on a worker that left, handled: this run counts on from it.

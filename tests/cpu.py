@@ -1,7 +1,9 @@
 """Where the suite's CPU goes: with ``OUTBOX_TEST_CPU=<file>``, every test process appends a
 line per test to ``<file>``: the CPU seconds (user + system) that the test's process, the
 programs it ran and the session's servers used while the test ran (setup and teardown
-included), and the test's id. The summary then lists the test files that used the most.
+included), the test's id, and when it started and ended (seconds since the epoch). The summary
+then lists the test files that used the most, and for how long fewer test processes were busy
+than the machine has cores (the run's tail, and its waits).
 
 A server's CPU counts against the test that was running in the process that started it; the
 servers of the other test processes are not counted against it.
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
+import time
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from pathlib import Path
 
 import pytest
@@ -72,22 +76,105 @@ class CpuPlugin:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, object, object]:
-        before = used_cpu()
+        before, started = used_cpu(), time.time()
         try:
             return (yield)
         finally:
+            used, ended = used_cpu() - before, time.time()
             with self.path.open("a") as out:  # one short write: lines of processes never mix
-                out.write(f"{used_cpu() - before:.3f}\t{item.nodeid}\n")
+                out.write(f"{used:.3f}\t{item.nodeid}\t{started:.3f}\t{ended:.3f}\n")
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if hasattr(terminalreporter.config, "workerinput") or not self.path.exists():
             return
-        per_file: dict[str, float] = defaultdict(float)
-        for line in self.path.read_text().splitlines():
-            used, _, test = line.partition("\t")
-            per_file[test.split("::", 1)[0]] += float(used)
+        per_file, spans = read_lines(self.path)
         terminalreporter.write_sep("-", f"CPU per test file ({self.path})")
         ranked = sorted(per_file.items(), key=lambda item: -item[1])
         for name, seconds in ranked[:LISTED_FILES]:
             terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
         terminalreporter.write_line(f"{sum(per_file.values()):8.1f} s  in all")
+        cores = os.cpu_count() or 1
+        for busy, seconds in enumerate(underused(spans, cores)):
+            terminalreporter.write_line(f"{seconds:8.1f} s  with {busy} of {cores} cores' tests")
+
+
+def read_lines(path: Path) -> tuple[dict[str, float], list[tuple[float, float]]]:
+    """The CPU seconds of each test file, and each test's span, from a file of such lines."""
+    per_file: dict[str, float] = defaultdict(float)
+    spans: list[tuple[float, float]] = []
+    for line in path.read_text().splitlines():
+        used, test, started, ended = line.split("\t")
+        per_file[test.split("::", 1)[0]] += float(used)
+        spans.append((float(started), float(ended)))
+    return per_file, spans
+
+
+# -- the order files are handed out in ------------------------------------------------------------
+#
+# pytest-xdist hands a test process a file at a time (``--dist loadfile``), in the order of the
+# collection (``--no-loadscope-reorder``; by default it would put the files with the most tests
+# first, and the heaviest, with one or two tests each, last). The collection puts the files that
+# used the most CPU first (tests/file_costs.txt), so that the run ends on small files instead of
+# one heavy file running alone. Refresh it after a run with OUTBOX_TEST_CPU set:
+#
+#     python -m tests.cpu /tmp/cpu.txt > tests/file_costs.txt
+
+COSTS_FILE = Path(__file__).with_name("file_costs.txt")
+
+
+def file_costs(path: Path = COSTS_FILE) -> dict[str, float]:
+    """The CPU seconds each test file used in the run that wrote ``path`` (none if absent)."""
+    if not path.exists():
+        return {}
+    costs = {}
+    for line in path.read_text().splitlines():
+        seconds, _, name = line.strip().partition(" ")
+        if name:
+            costs[name.strip()] = float(seconds)
+    return costs
+
+
+def heaviest_files_first(items: list[pytest.Item], costs: Mapping[str, float]) -> None:
+    """Order ``items`` by the cost of their file, heaviest first, keeping each file's tests
+    together and in their order (files of no known cost last, in their order)."""
+    position: dict[str, int] = {}
+    for item in items:
+        position.setdefault(item.nodeid.split("::", 1)[0], len(position))
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        name = item.nodeid.split("::", 1)[0]
+        return (-costs.get(name, 0.0), position[name])
+
+    items.sort(key=key)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-django's own order (its database tests first)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    heaviest_files_first(items, file_costs())
+
+
+def underused(spans: list[tuple[float, float]], cores: int) -> list[float]:
+    """How long 0, 1, ... ``cores - 1`` tests were running at once, from their spans."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    seconds = [0.0] * cores
+    running, last = 0, events[0][0] if events else 0.0
+    for moment, change in events:
+        if running < cores:
+            seconds[running] += moment - last
+        running, last = running + change, moment
+    return seconds
+
+
+def main(argv: list[str]) -> int:
+    """Print the CPU seconds of each test file of a run, heaviest first: tests/file_costs.txt."""
+    if len(argv) != 1 or not Path(argv[0]).is_file():
+        print("usage: python -m tests.cpu <file written by OUTBOX_TEST_CPU>", file=sys.stderr)
+        return 2
+    per_file, _ = read_lines(Path(argv[0]))
+    for name, seconds in sorted(per_file.items(), key=lambda item: -item[1]):
+        print(f"{max(seconds, 0.0):.1f} {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -210,9 +210,11 @@ async def test_io_remote_workload(servers: Servers, out: Path, drawn: Drawn) -> 
         # The worker drained through the proxy, and the same rows directly just before.
         assert entry["db_delay_ms"] == 2.0 and entry["db_proxy_connections"] > 0
         assert entry["local_bridge_completed"] is True
-        assert entry["remote_ratio"] == pytest.approx(
-            entry["bridge_rows_per_s"] / entry["local_bridge_rows_per_s"], rel=1e-3
-        )
+        # Both rates are rounded to 0.1 row/s and the ratio to 4 places: at the smoke's small
+        # rates that rounding alone moves the quotient by more than 0.1 %.
+        remote, local = entry["bridge_rows_per_s"], entry["local_bridge_rows_per_s"]
+        low, high = (remote - 0.05) / (local + 0.05), (remote + 0.05) / (local - 0.05)
+        assert low - 5e-5 <= entry["remote_ratio"] <= high + 5e-5, (entry, low, high)
         assert entry["baseline_database"] == "local"
         assert_targets(entry, ["remote_ratio"])
 

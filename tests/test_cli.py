@@ -459,16 +459,10 @@ async def demo_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
     return done.code, done.output
 
 
-# What `status` says of a shard its partition still retries itself (OUTBOX_HANDOVER_AFTER).
-NOT_HANDED_OVER = "has no workflow of its own"
-
-
-async def demo_state(env: dict[str, str], *, handed_over: bool = True) -> dict[str, object]:
-    """The outage shard's ``status --json``. With ``handed_over=False`` the shard may still be
-    retried by its partition, without a workflow yet: then ``{"state": "in its partition"}``."""
+async def demo_state(env: dict[str, str]) -> dict[str, object]:
+    """The outage shard's ``status --json``: state ``none`` while its partition still retries it
+    (the first OUTBOX_HANDOVER_AFTER seconds), its workflow's state once handed over."""
     code, output = await demo_cli(env, "status", OUTAGE_SHARD, "--json")
-    if not handed_over and code == 1 and NOT_HANDED_OVER in output:
-        return {"state": "in its partition"}
     assert code == 0, output
     found: dict[str, object] = json.loads(output)
     return found
@@ -525,7 +519,7 @@ async def test_demo_blocks_a_shard_to_skip_and_resume_and_summarises_failures(
 
         async def blocked_on_the_outage() -> bool:
             # The first failures are retried by the partition for 5 s before the handover.
-            state = await demo_state(env, handed_over=False)
+            state = await demo_state(env)  # "none" until then
             error = state.get("last_error") or {}
             return (
                 state["state"] == "blocked"

@@ -141,6 +141,45 @@ async def test_status_of_a_shard_without_workflow_says_so(servers) -> None:
     assert "unknown scope" in err
 
 
+async def test_status_of_a_shard_its_partition_drains_shows_its_pending_rows(
+    servers, engine
+) -> None:
+    # No worker runs: the rows wait, as they do while a partition retries a failing handler
+    # before the shard gets a workflow of its own.
+    _, table, app = await fresh_app(engine)
+    rows = [
+        (Category.PROJECT_UPDATE, 90),
+        (Category.PROJECT_UPDATE, 90),
+        (Category.ORGANIZATION_UPDATE, 91),
+    ]
+    first, *_ = await write_rows(
+        engine,
+        app,
+        [{"category": c, "shard_identifier": 9, "object_identifier": o} for c, o in rows],
+    )
+    code, out, err = await cli(servers, table, "status", "ORGANIZATION:9", env={"COLUMNS": "200"})
+    assert code == 0, err
+    assert "has no workflow of its own: a partition drains it" in out, out
+    assert f"pending: 3 rows in 2 groups, lowest id {first}, the oldest written at" in out, out
+    code, out, err = await cli(servers, table, "status", "ORGANIZATION:9", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert (shown["state"], shown["workflow_running"], shown["parked_groups"]) == (
+        "none",
+        False,
+        [],
+    )
+    assert shown["pending"] | {"oldest": None} == {
+        "rows": 3,
+        "groups": 2,
+        "lowest_id": first,
+        "oldest": None,
+    }, shown
+    # Another shard of the same table, with no rows: nothing to show, as before.
+    code, _, err = await cli(servers, table, "status", "ORGANIZATION:10")
+    assert code == 1 and "has no workflow of its own" in err, err
+
+
 async def _attempts_at_least(shown, minimum: int) -> bool:
     return int((await shown)["attempts"]) >= minimum
 

@@ -14,6 +14,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
 from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
@@ -25,9 +26,9 @@ from outbox_bridge.cli.flags import build_settings, shard_options, tool_command
 from outbox_bridge.cli.limit_commands import shard_limit
 from outbox_bridge.cli.park_commands import parked_table, shard_parked
 from outbox_bridge.cli.pause_commands import PAUSED, describe, shard_pause
-from outbox_bridge.config import SettingGroup
+from outbox_bridge.config import OutboxSettings, SettingGroup
 from outbox_bridge.db.parked import ParkedGroup
-from outbox_bridge.db.scans import read_shard_max_id
+from outbox_bridge.db.scans import ShardPending, read_shard_max_id, read_shard_pending
 from outbox_bridge.errors import ConfigurationError
 from outbox_bridge.flush import Flusher
 from outbox_bridge.runtime.shards import (
@@ -43,6 +44,7 @@ from outbox_bridge.workflows.models import (
     FlushOutcome,
     FlushResult,
     ResumeInput,
+    ShardRef,
     ShardStatus,
     SkipInput,
     via_text,
@@ -52,6 +54,14 @@ from outbox_bridge.workflows.models import (
 NO_PENDING_ROWS = "no pending rows"
 # How long skip waits for Temporal to say whether a worker polls the task queue.
 POLLERS_WAIT = 5.0
+
+
+# What `status` shows: the shard's workflow (None: it has none), its parked groups (or why they
+# could not be read), the pause it waits for, its rate limit, and its pending rows (read only
+# when it has no workflow).
+StatusParts = tuple[
+    ShardReport | None, list[ParkedGroup] | str, str | None, str | None, ShardPending | None
+]
 
 
 @tool_command("status")
@@ -64,23 +74,32 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
     regional table), SCOPE a name or a number."""
     settings = build_settings(overrides)
 
-    async def work() -> tuple[ShardReport | None, list[ParkedGroup] | str, str | None, str | None]:
+    async def work() -> StatusParts:
         client, ref = await named_shard(settings, shard, table)
         parked = await shard_parked(settings, ref)
         pause = await shard_pause(settings, ref)
         paused = None if pause is None else describe(command_app(settings), pause)
         limited = await shard_limit(settings, ref)
         try:
-            return await shard_report(client, ref), parked, paused, limited
+            return await shard_report(client, ref), parked, paused, limited, None
         except RPCError as exc:
             # No workflow of its own: what the database says of the shard is shown, if anything.
-            if exc.status != RPCStatusCode.NOT_FOUND or not (parked_list(parked) or limited):
+            if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
-            return None, parked, paused, limited
+            pending = await shard_pending(settings, ref)
+            if not (parked_list(parked) or limited or pending):
+                raise
+            return None, parked, paused, limited, pending
 
-    report, parked, paused, limited = run_or_exit(work(), shard=shard)
+    report, parked, paused, limited, pending = run_or_exit(work(), shard=shard)
     if as_json:
-        shown: dict[str, Any] = {"shard": shard} if report is None else _status_json(report, paused)
+        shown: dict[str, Any] = (
+            # As `shards` shows a shard without a running workflow of its own.
+            {"shard": shard, "state": "none", "workflow_running": False}
+            | {"pending": _pending_json(pending)}
+            if report is None
+            else _status_json(report, paused)
+        )
         shown["rate_limited"] = limited
         groups = [dataclasses.asdict(g) for g in parked] if isinstance(parked, list) else parked
         click.echo(json.dumps(shown | {"parked_groups": groups}, indent=2, default=str))
@@ -92,6 +111,14 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         Console().print(view)
     else:
         click.echo(f"shard {shard} has no workflow of its own: a partition drains it")
+        if pending is not None:
+            click.echo(
+                f"pending: {plural(pending.rows, 'row')} in {plural(pending.groups, 'group')}, "
+                f"lowest id "
+                f"{pending.lowest_id}, the oldest written at {_iso(pending.oldest)}; a handler "
+                "that fails is retried by the partition first, and the shard gets a workflow of "
+                "its own if it still fails after OUTBOX_HANDOVER_AFTER seconds"
+            )
         if limited is not None:
             click.echo(f"rate limited: {limited}")
     if isinstance(parked, str):
@@ -100,6 +127,27 @@ def status(shard: str, table: str | None, as_json: bool, **overrides: Any) -> No
         app = command_app(settings)
         title = f"parked groups of shard {shard}"
         Console().print(parked_table(parked, app, title=title, one_shard=True))
+
+
+async def shard_pending(settings: OutboxSettings, ref: ShardRef) -> ShardPending | None:
+    """:func:`read_shard_pending` of ``ref``; None when the database cannot be read (``status``
+    then says what Temporal says alone)."""
+    try:
+        async with connected(settings, ref.table, read_only=True) as conn:
+            table = shard_app(settings, ref).table(ref.table)
+            return await read_shard_pending(conn, table, ref)
+    except (ConfigurationError, SQLAlchemyError):
+        return None
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _pending_json(pending: ShardPending | None) -> dict[str, Any] | None:
+    if pending is None:
+        return None
+    return dataclasses.asdict(pending) | {"oldest": _iso(pending.oldest)}
 
 
 def parked_list(parked: list[ParkedGroup] | str) -> list[ParkedGroup]:

@@ -95,6 +95,27 @@ async def read_shard_max_id(conn: AsyncConnection, table: Table, shard: ShardRef
     return value
 
 
+@dataclass(frozen=True)
+class ShardPending:
+    """A shard's pending rows that are not parked: how many, in how many groups, its lowest id
+    and when its oldest was written."""
+
+    rows: int
+    groups: int
+    lowest_id: int
+    oldest: datetime
+
+
+async def read_shard_pending(
+    conn: AsyncConnection, table: Table, shard: ShardRef
+) -> ShardPending | None:
+    """:class:`ShardPending` of ``shard``, if it has such rows (one aggregate on its index)."""
+    groups = func.count(func.distinct(func.row(table.c.category, table.c.object_identifier)))
+    query = select(func.count(), groups, func.min(table.c.id), func.min(table.c.date_added))
+    found = (await conn.execute(query.where(shard_where(table, shard), visible(table)))).one()
+    return None if not found[0] else ShardPending(*found)
+
+
 async def read_row_ages(
     conn: AsyncConnection, table: Table, ids: Sequence[int]
 ) -> dict[int, float]:

@@ -41,7 +41,7 @@ def mixed_shards(count: int) -> list[Shard]:
 @pytest.mark.parametrize(
     "size",
     variants(
-        Size(rows=1_000, kills=2, shards=30),
+        Size(rows=1_000, kills=1, shards=30),
         Size(rows=20_000, kills=20, shards=150),
     ),
 )
@@ -215,7 +215,7 @@ async def calls_of(engine, table: str, pid: int) -> int:
 @pytest.mark.parametrize(
     "size",
     variants(
-        Backlog(rows=2_000, kills=1, shards=30),
+        Backlog(rows=1_000, kills=1, shards=30),
         Backlog(rows=20_000, kills=10, shards=200),
     ),
 )

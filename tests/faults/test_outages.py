@@ -196,7 +196,7 @@ class Terminations:
 @pytest.mark.parametrize(
     "size",
     variants(
-        Terminations(rows=5_000, terminations=3, shards=100),
+        Terminations(rows=2_000, terminations=2, shards=100),
         Terminations(rows=20_000, terminations=5, shards=200),
     ),
 )

@@ -24,7 +24,7 @@ from temporalio.worker import (
     WorkflowReplayResult,
     WorkflowRunner,
 )
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from outbox_bridge.runtime.loop_thread import settle_native_threads_at_exit
 from outbox_bridge.workflows.control import OutboxControl
@@ -37,6 +37,13 @@ WORKFLOWS = (OutboxShard, OutboxPartition, OutboxControl)
 # Replay workers at once: a replay is a long chain of hand-offs with the SDK's core threads, so a
 # few overlap their waits (one per history would cost more in starts than replays).
 REPLAY_WORKERS = 4
+
+# The sandbox imports the workflow modules afresh for each history. Under pytest, those of a
+# package that provides a pytest plugin (this one, outbox_bridge.testing) can be assertion-
+# rewritten, and a rewritten module imports ``_pytest.assertion.rewrite``: re-imported in every
+# sandbox, with pytest, pluggy and pygments behind it, that cost about a CPU-second per history.
+# pytest is no workflow code: the sandbox takes the host's, as it takes the standard library's.
+SANDBOX_RESTRICTIONS = SandboxRestrictions.default.with_passthrough_modules("_pytest")
 
 
 @functools.cache
@@ -126,7 +133,9 @@ class HistoryReplayer:
         settle_native_threads_at_exit()
         runners: list[tuple[str, WorkflowRunner]] = [("unsandboxed", UnsandboxedWorkflowRunner())]
         if sandboxed:
-            runners.append(("sandboxed", SandboxedWorkflowRunner()))
+            runners.append(
+                ("sandboxed", SandboxedWorkflowRunner(restrictions=SANDBOX_RESTRICTIONS))
+            )
         self._replayers = [
             (
                 name,

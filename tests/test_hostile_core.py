@@ -233,7 +233,8 @@ async def test_a_long_blocked_shard_continues_as_new_carrying_its_block(
     recorder, _, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
-    cap = 150  # a run continues as new after a few dozen flushes, slow on a loaded machine
+    # The least cap the settings take: a run continues as new after a dozen or so flushes.
+    cap = 100
     settings = fast_settings(
         max_history_events=cap, initial_retry_interval=0.2, max_retry_interval=2.0
     )
@@ -286,9 +287,11 @@ async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
     recorder, _, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
-    cap_seconds = 8.0
+    # A cap four times the initial interval: a run that began its backoff again (1 or 2 s)
+    # shows as a gap far below it. The least history cap: a run lasts a dozen or so flushes.
+    cap_seconds = 4.0
     settings = fast_settings(
-        max_history_events=200, initial_retry_interval=1.0, max_retry_interval=cap_seconds
+        max_history_events=100, initial_retry_interval=1.0, max_retry_interval=cap_seconds
     )
     shard = parse_shard("ORGANIZATION:32", app)
     handle = client.get_workflow_handle(shard.workflow_id)
@@ -297,11 +300,11 @@ async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
         await wait_until(lambda: in_state(handle, "blocked"), what="the blocked shard")
         first_run = (await handle.describe()).run_id
         assert first_run is not None
-        # 1 + 2 + 4 s of backoff: the interval is at its cap from then on.
-        await asyncio.sleep(7.5)
+        # 1 + 2 s of backoff: the interval is at its cap from then on.
+        await asyncio.sleep(3.5)
         capped_from = time.monotonic()
         flusher = Flusher(app, settings, client=client)
-        # On a quiet machine six runs can pass within one capped interval: flushing goes on
+        # On a quiet machine several runs can pass within one capped interval: flushing goes on
         # until the capped attempts show two gaps.
         await keep_flushing(
             engine,
@@ -312,7 +315,7 @@ async def test_a_long_blocked_shard_retries_no_faster_than_the_cap_across_runs(
             first_run,
             runs=6,
             seconds=30,
-            every=0.05,
+            every=0.1,
             until=lambda: sum(at >= capped_from for at in gate.attempts) >= 3,
         )
         chain = await runs_from(client, shard.workflow_id, first_run)
@@ -332,7 +335,7 @@ async def test_a_long_skipped_shard_continues_as_new_carrying_its_skip(
     recorder, _, app = await fresh_app(engine)
     gate = Gate()
     recorder.behaviour[Category.PROJECT_UPDATE] = gate
-    cap = 200
+    cap = 100  # the least the settings take: fewer flushes make the runs
     settings = fast_settings(max_history_events=cap)
     shard = parse_shard("ORGANIZATION:33", app)
     handle = client.get_workflow_handle(shard.workflow_id)
@@ -371,7 +374,7 @@ async def test_a_long_deferred_shard_continues_as_new_carrying_its_deferral(
     time, and nothing behind the head runs; once the head is moved to now, everything runs in
     order."""
     recorder, table, app = await fresh_app(engine)
-    cap = 200
+    cap = 100  # the least the settings take: fewer flushes make the runs
     settings = fast_settings(max_history_events=cap)
     shard = parse_shard("ORGANIZATION:34", app)
     handle = client.get_workflow_handle(shard.workflow_id)

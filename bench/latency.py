@@ -68,10 +68,12 @@ class Phase:
 
 
 def duration(ctx: Context, phases: int = 3) -> float:
-    """The writer's duration: 60 s × scale (at least 3 s), shortened to fit the phases into
-    what is left of the invocation's budget."""
+    """The writer's duration: 60 s × scale (at least 3 s) or ``latency_seconds`` when given,
+    shortened to fit the phases into what is left of the invocation's budget (to 3 s at
+    least, or to a shorter duration that was asked for)."""
     wanted = ctx.config.latency_seconds or max(3.0, 60.0 * ctx.config.scale)
-    return max(3.0, min(wanted, (ctx.left() - 120.0) / phases - 20.0))
+    floor = min(3.0, wanted) if wanted > 0 else 3.0
+    return max(floor, min(wanted, (ctx.left() - 120.0) / phases - 20.0))
 
 
 async def _write_and_settle(

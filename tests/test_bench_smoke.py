@@ -9,6 +9,8 @@ chart of each workload must be drawn from results that include it, and be writte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import json
 import os
 import signal
@@ -29,6 +31,7 @@ from bench import workers as workers_module
 from bench.context import BenchConfig
 from bench.proxy import DelayProxy, Upstream, proxied_database
 from bench.runner import run
+from bench.worker_process import peak_rss_mb
 from outbox_bridge.config import libpq_url, sqlalchemy_url
 from tests.harness import Servers
 
@@ -48,18 +51,29 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("bench-results")
 
 
-def tiny_config(servers: Servers, out: Path) -> BenchConfig:
-    return BenchConfig(
+def tiny_config(servers: Servers, out: Path, **changes: Any) -> BenchConfig:
+    config = BenchConfig(
         scale=0.003,
         out=out,
         database_url=servers.database_url,
         temporal_address=servers.temporal_address,
-        latency_seconds=3.0,
+        latency_seconds=1.5,  # 30 rows per phase at 20 rows/s over 10 shards
         latency_grace=1.0,
         latency_rate=20.0,
         latency_shards=10,
         budget=300.0,
     )
+    return dataclasses.replace(config, **changes)
+
+
+# Workloads run smaller than the smoke's 0.003 where that keeps every check meaningful:
+# ``flaky`` at 0.002 has 200 rows in 2 shards with one failing group each (at 0.003, 9 groups
+# fail, up to 5 in one shard, and each waits out 3 s of retries on both sides, in series);
+# ``wide`` at 0.001 has 200 shards of a row each, its worker still in a process of its own;
+# ``io`` (and ``workers``, on the same rows) at 0.001 has 8 shards × 10 rows: calls still
+# overlap (up to 8 at once) while each drain waits through 80 rows of 50 ms calls, not 240.
+SCALES = {"flaky": 0.002, "wide": 0.001}
+IO_SCALE = 0.001
 
 
 def load(out: Path, workload: str) -> list[dict[str, Any]]:
@@ -134,7 +148,7 @@ async def test_throughput_workload(
     servers: Servers, out: Path, workload: str, drawn: Drawn
 ) -> None:
     before = mtime(out / "throughput.png")
-    await run([workload], tiny_config(servers, out))
+    await run([workload], tiny_config(servers, out, scale=SCALES.get(workload, 0.003)))
     for entry in load(out, workload):
         expected = 10 if workload == "coalesce" else entry["groups"]
         if workload == "flaky":
@@ -184,7 +198,7 @@ async def run_io(
 ) -> list[dict[str, Any]]:
     """Run an ``io`` workload; check what every variant of it must hold; return its entries."""
     before = mtime(out / "throughput.png")
-    await run([workload], tiny_config(servers, out))
+    await run([workload], tiny_config(servers, out, scale=IO_SCALE))
     entries = []
     for variant in variants:
         [entry] = load(out, variant)
@@ -223,7 +237,9 @@ def test_a_worker_process_reports_its_own_peak_memory_not_its_parent_s() -> None
     # Linux keeps a parent's peak in a child's ru_maxrss; the worker's figure must not be it.
     ballast = b"\x01" * (256 * 2**20)  # every page written, so resident
     parent = psutil.Process().memory_info().rss / 2**20
-    code = "from bench.worker_process import peak_rss_mb; print(peak_rss_mb())"
+    # The function itself, without the imports of its module (seconds of CPU in the child).
+    source = inspect.getsource(peak_rss_mb)
+    code = f"from pathlib import Path\n{source}\nprint(peak_rss_mb())"
     child = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
@@ -308,13 +324,15 @@ async def test_latency_workload(servers: Servers, out: Path, drawn: Drawn) -> No
 
 
 async def test_workers_workload(
-    servers: Servers, out: Path, monkeypatch: pytest.MonkeyPatch
+    servers: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One worker process, then two on one task queue: both ran a partition drain, every row
     was handled, and each entry reports the CPU of each worker and of the servers."""
     monkeypatch.setattr(workers_module, "WORKER_COUNTS", (1, 2))
-    await run(["workers"], tiny_config(servers, out))
-    result = json.loads((out / "workers.json").read_text())
+    # Its results alone in their folder: this workload has no chart, and the runner would
+    # redraw the other workloads' charts after it.
+    await run(["workers"], tiny_config(servers, tmp_path, scale=IO_SCALE))
+    result = json.loads((tmp_path / "workers.json").read_text())
     one, two = result["entries"]
     assert (one["workers"], two["workers"]) == (1, 2)
     for entry in (one, two):

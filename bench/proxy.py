@@ -25,8 +25,6 @@ from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox_bridge.config import libpq_url, sqlalchemy_url
-
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING, CLOSED = "listening", "closed"
 START_TIMEOUT = STOP_TIMEOUT = 30.0
@@ -186,6 +184,9 @@ async def proxied_database(database_url: str, delay_ms: float) -> AsyncIterator[
     """Run ``python -m bench.proxy`` in front of ``database_url``'s server for the block and
     give the URL through it. A proxy that does not stop cleanly (an exit code, or a leaked task
     or socket reported on its stderr) is an error."""
+    # Imported here: the proxy's own process needs none of the settings (pydantic, SQLAlchemy).
+    from outbox_bridge.config import libpq_url, sqlalchemy_url
+
     url = sqlalchemy_url(database_url)
     upstream = Upstream.of_database(libpq_url(url))
     process = await asyncio.create_subprocess_exec(

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
 
+from outbox_bridge.dev.embedded import EmbeddedTemporal
 from outbox_bridge.testing.server_folder import OWNER_FILE, PREFIX, ServerFolder
 from tests.harness import Servers
 from tests.support import ROOT
@@ -267,3 +268,22 @@ def test_a_folder_being_made_is_left_alone_one_never_claimed_is_removed(tmp_path
 
     assert being_made.exists() and not_yet.exists()
     assert not never.exists()
+
+
+def test_the_session_s_dev_server_gives_each_task_queue_one_partition(servers: Servers) -> None:
+    """Partitions left loaded by the tests' workers kept four-partition dev servers busy after
+    those workers had gone (CONTRIBUTING.md); the running server was started with one."""
+    pid = int(servers.temporal.pid_file.read_text().split()[0])
+    words = psutil.Process(pid).cmdline()
+    given = {words[i + 1] for i, word in enumerate(words[:-1]) if word == "--dynamic-config-value"}
+    assert given == {
+        "matching.numTaskqueueReadPartitions=1",
+        "matching.numTaskqueueWritePartitions=1",
+    }
+
+
+def test_a_dev_server_s_dynamic_config_can_be_replaced(tmp_path: Path) -> None:
+    server = EmbeddedTemporal(tmp_path, ui_port=None, dynamic_config={"limit.maxIDLength": 300})
+    words = server.command()
+    assert words.count("--dynamic-config-value") == 1, words
+    assert words[words.index("--dynamic-config-value") + 1] == "limit.maxIDLength=300"

@@ -87,7 +87,7 @@ class CpuPlugin:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if hasattr(terminalreporter.config, "workerinput") or not self.path.exists():
             return
-        per_file, spans = read_lines(self.path)
+        per_file, spans, _ = read_lines(self.path)
         terminalreporter.write_sep("-", f"CPU per test file ({self.path})")
         ranked = sorted(per_file.items(), key=lambda item: -item[1])
         for name, seconds in ranked[:LISTED_FILES]:
@@ -98,24 +98,32 @@ class CpuPlugin:
             terminalreporter.write_line(f"{seconds:8.1f} s  with {busy} of {cores} cores' tests")
 
 
-def read_lines(path: Path) -> tuple[dict[str, float], list[tuple[float, float]]]:
-    """The CPU seconds of each test file, and each test's span, from a file of such lines."""
+def read_lines(
+    path: Path,
+) -> tuple[dict[str, float], list[tuple[float, float]], dict[str, float]]:
+    """The CPU seconds of each test file, each test's span, and the seconds each file's tests
+    took, from a file of such lines."""
     per_file: dict[str, float] = defaultdict(float)
+    took: dict[str, float] = defaultdict(float)
     spans: list[tuple[float, float]] = []
     for line in path.read_text().splitlines():
         used, test, started, ended = line.split("\t")
-        per_file[test.split("::", 1)[0]] += float(used)
+        name = test.split("::", 1)[0]
+        per_file[name] += float(used)
+        took[name] += float(ended) - float(started)
         spans.append((float(started), float(ended)))
-    return per_file, spans
+    return per_file, spans, took
 
 
 # -- the order files are handed out in ------------------------------------------------------------
 #
 # pytest-xdist hands a test process a file at a time (``--dist loadfile``), in the order of the
 # collection (``--no-loadscope-reorder``; by default it would put the files with the most tests
-# first, and the heaviest, with one or two tests each, last). The collection puts the files that
-# used the most CPU first (tests/file_costs.txt), so that the run ends on small files instead of
-# one heavy file running alone. Refresh it after a run with OUTBOX_TEST_CPU set:
+# first, and the longest, with one or two tests each, last). The collection puts the files whose
+# tests took longest first (tests/file_costs.txt: seconds of wall time, not CPU, as a file that
+# mostly waits holds the end of a run as long as one that computes), so that the run ends on
+# short files instead of one long file running alone. Refresh it after a run with
+# OUTBOX_TEST_CPU set:
 #
 #     python -m tests.cpu /tmp/cpu.txt > tests/file_costs.txt
 
@@ -123,7 +131,8 @@ COSTS_FILE = Path(__file__).with_name("file_costs.txt")
 
 
 def file_costs(path: Path = COSTS_FILE) -> dict[str, float]:
-    """The CPU seconds each test file used in the run that wrote ``path`` (none if absent)."""
+    """The seconds each test file's tests took in the run that wrote ``path`` (none if
+    absent)."""
     if not path.exists():
         return {}
     costs = {}
@@ -134,8 +143,8 @@ def file_costs(path: Path = COSTS_FILE) -> dict[str, float]:
     return costs
 
 
-def heaviest_files_first(items: list[pytest.Item], costs: Mapping[str, float]) -> None:
-    """Order ``items`` by the cost of their file, heaviest first, keeping each file's tests
+def longest_files_first(items: list[pytest.Item], costs: Mapping[str, float]) -> None:
+    """Order ``items`` by the cost of their file, longest first, keeping each file's tests
     together and in their order (files of no known cost last, in their order)."""
     position: dict[str, int] = {}
     for item in items:
@@ -150,7 +159,7 @@ def heaviest_files_first(items: list[pytest.Item], costs: Mapping[str, float]) -
 
 @pytest.hookimpl(trylast=True)  # after pytest-django's own order (its database tests first)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    heaviest_files_first(items, file_costs())
+    longest_files_first(items, file_costs())
 
 
 def underused(spans: list[tuple[float, float]], cores: int) -> list[float]:
@@ -166,12 +175,13 @@ def underused(spans: list[tuple[float, float]], cores: int) -> list[float]:
 
 
 def main(argv: list[str]) -> int:
-    """Print the CPU seconds of each test file of a run, heaviest first: tests/file_costs.txt."""
+    """Print the seconds each test file's tests took in a run, longest first:
+    tests/file_costs.txt."""
     if len(argv) != 1 or not Path(argv[0]).is_file():
         print("usage: python -m tests.cpu <file written by OUTBOX_TEST_CPU>", file=sys.stderr)
         return 2
-    per_file, _ = read_lines(Path(argv[0]))
-    for name, seconds in sorted(per_file.items(), key=lambda item: -item[1]):
+    _, _, took = read_lines(Path(argv[0]))
+    for name, seconds in sorted(took.items(), key=lambda item: -item[1]):
         print(f"{max(seconds, 0.0):.1f} {name}")
     return 0
 

@@ -10,7 +10,7 @@ from typing import cast
 
 import pytest
 
-from tests.cpu import file_costs, heaviest_files_first, underused
+from tests.cpu import file_costs, longest_files_first, underused
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,10 +28,10 @@ class FakeItem:
     nodeid: str
 
 
-def test_the_heaviest_files_come_first_each_with_its_tests_in_their_order() -> None:
+def test_the_longest_files_come_first_each_with_its_tests_in_their_order() -> None:
     names = ["a.py::one", "a.py::two", "b.py::one", "c.py::one", "b.py::two", "d.py::one"]
     items = [FakeItem(name) for name in names]
-    heaviest_files_first(cast(list[pytest.Item], items), {"b.py": 9.0, "c.py": 20.0, "a.py": 1})
+    longest_files_first(cast(list[pytest.Item], items), {"b.py": 9.0, "c.py": 20.0, "a.py": 1})
     assert [item.nodeid for item in items] == [
         "c.py::one",
         "b.py::one",
@@ -52,9 +52,9 @@ def test_the_costs_file_is_read_back_as_written(tmp_path: Path) -> None:
         [sys.executable, "-m", "tests.cpu", str(cpu)], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "4.0 t/x.py\n0.0 t/y.py\n"
+    assert result.stdout == "3.0 t/x.py\n2.0 t/y.py\n"  # the seconds the tests took
     costs.write_text(result.stdout)
-    assert file_costs(costs) == {"t/x.py": 4.0, "t/y.py": 0.0}
+    assert file_costs(costs) == {"t/x.py": 3.0, "t/y.py": 2.0}
     assert file_costs(tmp_path / "absent.txt") == {}
 
 

@@ -25,18 +25,22 @@ from outbox_bridge.db.reads import read_rows as store_read_rows
 from outbox_bridge.db.scans import read_shard_ranges
 from outbox_bridge.runtime import heads as heads_module
 from outbox_bridge.runtime import hub as hub_module
+from outbox_bridge.runtime import partition_drain as partition_drain_module
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.heads import ShardHead, _keep_within, head_of
 from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, partition_of
 from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
+from outbox_bridge.runtime.round_writes import ShardOutcome
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import (
+    SHARDS_COUNTED,
     PartitionDrainInput,
     PartitionOptions,
     PartitionRef,
     PartitionRound,
     ShardRef,
 )
+from outbox_bridge.workflows.partition import _at_least
 from tests.harness import (
     Category,
     Recorder,
@@ -406,7 +410,7 @@ async def test_a_partition_s_queue_stays_bounded_and_overflow_is_found_by_a_scan
     engine, monkeypatch
 ) -> None:
     """More shards with rows than the queue holds: the queue never holds more than its cap,
-    and the shards left out are found by a scan of every shard once the queue has emptied
+    and the shards left out are found by a scan of every shard once the queue runs low
     (the regular one is an hour away here); every row is handled."""
     recorder, _, app = await fresh_app(engine)
     await write_rows(
@@ -564,18 +568,7 @@ def test_a_partition_drain_queues_news_up_to_its_cap() -> None:
     """News of more shards than the cap: the queue keeps the first ones and notes the
     overflow (the next scan of every shard finds the others)."""
     hub = ShardHub()
-    drain = PartitionDrain(
-        DrainEngine(
-            None,  # type: ignore[arg-type]
-            _tiny_app(),
-            calls=SimpleNamespace(at_once=1000),  # type: ignore[arg-type]
-            max_undeleted_groups=10,
-        ),
-        NoHandovers(),  # type: ignore[arg-type]
-        hub,
-        PartitionDrainInput(PartitionRef("t_tiny", 0, 1), PartitionOptions()),
-        max_queued=10,
-    )
+    drain = _tiny_drain(hub, max_queued=10)
     inbox = hub.open_partition("t_tiny", 0, 1)
     for n in range(1000):
         inbox.offer(ShardRef("t_tiny", 1, "ORGANIZATION", n), n + 1)
@@ -586,6 +579,73 @@ def test_a_partition_drain_queues_news_up_to_its_cap() -> None:
     for _ in range(100):
         drain._queue.next_round(drain._options.max_shards)
     assert time.monotonic() - started < 1.0
+
+
+def _tiny_drain(
+    hub: ShardHub,
+    partition: int = 0,
+    partitions: int = 1,
+    *,
+    engine: Any = None,
+    max_queued: int = 20_000,
+) -> PartitionDrain:
+    """A drain of partition ``partition`` (of ``partitions``) of a table ``t_tiny``."""
+    return PartitionDrain(
+        DrainEngine(
+            engine,
+            _tiny_app(),
+            calls=SimpleNamespace(at_once=1000, rates=None),  # type: ignore[arg-type]
+            max_undeleted_groups=10,
+        ),
+        NoHandovers(),  # type: ignore[arg-type]
+        hub,
+        PartitionDrainInput(PartitionRef("t_tiny", partition, partitions), PartitionOptions()),
+        max_queued=max_queued,
+    )
+
+
+async def test_the_drains_of_one_worker_scan_one_at_a_time(engine, monkeypatch) -> None:
+    """A scan's rows are the most a worker holds at once (every partition scans at start): the
+    drains sharing a hub scan in turn, full scans and scans for new rows alike."""
+    await create_tables(engine, _tiny_app())
+    scanning = peak = 0
+    real = read_shard_ranges
+
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        nonlocal scanning, peak
+        scanning += 1
+        peak = max(peak, scanning)
+        try:
+            await asyncio.sleep(0.05)
+            return await real(*args, **kwargs)
+        finally:
+            scanning -= 1
+
+    monkeypatch.setattr(partition_drain_module, "read_shard_ranges", watched)
+    hub = ShardHub()
+    drains = [_tiny_drain(hub, n, 3, engine=engine) for n in range(3)]
+    scans = [drains[0]._scan(full=True), drains[1]._scan(full=True), drains[2]._scan(full=False)]
+    assert await asyncio.gather(*scans) == [False, False, False]  # the table is empty
+    assert peak == 1
+    others = [_tiny_drain(ShardHub(), n, 2, engine=engine) for n in range(2)]
+    await asyncio.gather(*(drain._scan(full=True) for drain in others))
+    assert peak == 2  # drains of different workers do not wait for each other
+
+
+def test_a_drain_counts_distinct_shards_up_to_its_cap(monkeypatch) -> None:
+    """The shards a drain reports as drained are distinct, and counted up to SHARDS_COUNTED
+    only (each counted one is kept): past it, the partition's details say "at least"."""
+    monkeypatch.setattr(partition_drain_module, "SHARDS_COUNTED", 3)
+    drain = _tiny_drain(ShardHub())
+    shards = [ShardRef("t_tiny", 1, "ORGANIZATION", n) for n in range(5)]
+    drain._count([ShardOutcome(shards[0], groups_handled=1, rows_handled=1)] * 2, set())
+    drain._count([ShardOutcome(shards[1])], set())  # no group handled: not drained
+    assert drain._report(time.monotonic()).shards_drained == 1
+    drain._count([ShardOutcome(s, groups_handled=1, rows_handled=2) for s in shards], set())
+    report = drain._report(time.monotonic())
+    assert (report.shards_drained, report.rows_handled, report.groups_handled) == (3, 12, 7)
+    assert _at_least(SHARDS_COUNTED - 1) == f"{SHARDS_COUNTED - 1} shards"
+    assert _at_least(SHARDS_COUNTED) == f"at least {SHARDS_COUNTED} shards"
 
 
 def _tiny_app() -> Any:

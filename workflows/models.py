@@ -613,13 +613,18 @@ class ShardBacklog:
     age_seconds: float
 
 
+# The distinct shards a drain counts at most (it keeps each one it counts): past this many, its
+# round reports "at least" as many, in bounded memory however wide the outbox.
+SHARDS_COUNTED = 10_000
+
+
 @dataclass
 class PartitionRound:
     """What one drain activity of a partition did (its result, and its heartbeat details)."""
 
     rows_handled: int = 0
     groups_handled: int = 0
-    shards_drained: int = 0
+    shards_drained: int = 0  # distinct shards, counted up to SHARDS_COUNTED ("at least" then)
     handed_over: int = 0
     seconds: float = 0.0
     queued: int = 0  # shards waiting when it ended

@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         refused,
     )
     from outbox_bridge.workflows.models import (
+        SHARDS_COUNTED,
         PartitionCarry,
         PartitionDrainInput,
         PartitionInput,
@@ -32,6 +33,11 @@ with workflow.unsafe.imports_passed_through():
 
 # How long a drain activity may outlast its round (its rounds in flight end first).
 ROUND_GRACE = timedelta(minutes=10)
+
+
+def _at_least(shards: int) -> str:
+    """``shards`` drained, as a drain counts them (up to ``SHARDS_COUNTED``)."""
+    return f"at least {shards} shards" if shards >= SHARDS_COUNTED else f"{shards} shards"
 
 
 @workflow.defn(name="OutboxPartition")
@@ -151,7 +157,7 @@ class OutboxPartition:
         if last is not None:
             rate = last.rows_handled / last.seconds if last.seconds else 0.0
             lines.append(
-                f"**Last round** {last.rows_handled} rows from {last.shards_drained} shards in "
+                f"**Last round** {last.rows_handled} rows from {_at_least(last.shards_drained)} in "
                 f"{last.seconds:.0f} s ({rate:.0f} rows/s); {last.queued} shards waiting"
             )
             if last.deepest:

@@ -32,7 +32,7 @@ from outbox_bridge.db.schema import shard_columns, shard_where
 from outbox_bridge.workflows.models import ShardRef
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardRange:
     """A shard with pending rows, as seen by a sweep."""
 

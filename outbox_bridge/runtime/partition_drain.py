@@ -40,6 +40,7 @@ from outbox_bridge.runtime.shards import ShardStarter, static_skip
 from outbox_bridge.runtime.share import PartitionShare
 from outbox_bridge.runtime.unhandled import UnhandledShards
 from outbox_bridge.workflows.models import (
+    SHARDS_COUNTED,
     HandoverInput,
     HeldFor,
     PartitionDrainInput,
@@ -54,9 +55,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
 BACKLOG_SHOWN = 3  # deepest and oldest shards in a partition's details
-# Shards a partition's drain keeps queued at most; the shards left out are found by a scan of
-# every shard once the queue has emptied.
-MAX_QUEUED_SHARDS = 100_000
+# Shards a partition's drain keeps queued at most (a scan reads no more); the shards left out are
+# found by a scan of every shard once the queue runs low. Each costs about 150 bytes.
+MAX_QUEUED_SHARDS = 20_000
 MAX_GROUPS_PER_SHARD = 1000  # of one shard in one round, however few shards the round has
 
 
@@ -139,10 +140,11 @@ class PartitionDrain:
         # Failing shards tried again here before their handover (none by default).
         self._retries = retries or LocalRetries(ShardOptions(), 0.0)
         self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled, self._retries)
+        self._low_water = max_queued // 2  # shards left out are scanned for below this many
         self._watermark = 0
         # What the attempt before, on a worker that left, handled: this run counts on from it.
         self._stats = carried if carried is not None else PartitionRound()
-        self._drained: set[ShardRef] = set()
+        self._drained: set[ShardRef] = set()  # those this run drained, up to SHARDS_COUNTED
         # The partition's skip list and this worker's (a new list applies at once).
         self._skip = frozenset(request.options.skip_shards) | starter.skip_shards
         self._round_done = asyncio.Event()
@@ -215,7 +217,7 @@ class PartitionDrain:
         """Scan every shard, or for new rows, when it is time (or ``rescan`` asks for a full
         scan); returns when the next scan for new rows is due."""
         next_poll = scans.next_poll(self._options, self._hub.listening)
-        if self._queue.overflowed and not self._queue:
+        if self._queue.overflowed and len(self._queue) < self._low_water:
             scans.next_rescan = min(scans.next_rescan, next_poll)  # the left-out shards are next
         if now >= scans.next_rescan or rescan:
             await self._scan(full=True)
@@ -278,7 +280,12 @@ class PartitionDrain:
         """Queue this partition's shards with rows: every one (``full``), or those with rows
         above the newest id seen so far; True if it found any. The database returns only this
         partition's shards, and no more than the queue has room for (those with the oldest rows
-        first): a scan holds a page of shards, however many the table has."""
+        first): a scan holds a page of shards, however many the table has. The drains of one
+        worker scan in turn, so that it holds one page at a time."""
+        async with self._hub.scanning:
+            return await self._scan_alone(full=full)
+
+    async def _scan_alone(self, *, full: bool) -> bool:
         room = self._queue.room()
         try:
             async with self._engine.engine.connect() as conn:
@@ -394,7 +401,7 @@ class PartitionDrain:
             key = outcome.shard
             stats.rows_handled += outcome.rows_handled
             stats.groups_handled += outcome.groups_handled
-            if outcome.groups_handled:
+            if outcome.groups_handled and len(self._drained) < SHARDS_COUNTED:
                 self._drained.add(key)
             if outcome.more and key not in queued:
                 self._queue.add(key)

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 class ShardQueue:
     """At most ``limit`` shards queued; the shards left out are found by a scan of every shard
-    once the queue has emptied (:attr:`overflowed`)."""
+    once the queue runs low (:attr:`overflowed`)."""
 
     def __init__(
         self,

@@ -29,7 +29,7 @@ from outbox_bridge.runtime import partition_drain as partition_drain_module
 from outbox_bridge.runtime.calls import HandlerCalls
 from outbox_bridge.runtime.heads import ShardHead, _keep_within, head_of
 from outbox_bridge.runtime.hub import PartitionInbox, ShardHub, partition_of
-from outbox_bridge.runtime.partition_drain import PartitionDrain, carried_round
+from outbox_bridge.runtime.partition_drain import PartitionDrain, _ScanTimes, carried_round
 from outbox_bridge.runtime.round_writes import ShardOutcome
 from outbox_bridge.runtime.rounds import DrainEngine
 from outbox_bridge.workflows.models import (
@@ -604,32 +604,29 @@ def _tiny_drain(
     )
 
 
-async def test_the_drains_of_one_worker_scan_one_at_a_time(engine, monkeypatch) -> None:
-    """A scan's rows are the most a worker holds at once (every partition scans at start): the
-    drains sharing a hub scan in turn, full scans and scans for new rows alike."""
-    await create_tables(engine, _tiny_app())
-    scanning = peak = 0
-    real = read_shard_ranges
+async def test_a_drain_scans_every_shard_once_its_overflowed_queue_runs_low(monkeypatch) -> None:
+    """Shards were left out of a full queue: once fewer than half its cap are queued (not only
+    when it is empty), the next scan due is a scan of every shard, not one for new rows."""
+    drain = _tiny_drain(ShardHub(), max_queued=10)
+    scanned: list[bool] = []
 
-    async def watched(*args: Any, **kwargs: Any) -> Any:
-        nonlocal scanning, peak
-        scanning += 1
-        peak = max(peak, scanning)
-        try:
-            await asyncio.sleep(0.05)
-            return await real(*args, **kwargs)
-        finally:
-            scanning -= 1
+    async def scan(*, full: bool) -> bool:
+        scanned.append(full)
+        return False
 
-    monkeypatch.setattr(partition_drain_module, "read_shard_ranges", watched)
-    hub = ShardHub()
-    drains = [_tiny_drain(hub, n, 3, engine=engine) for n in range(3)]
-    scans = [drains[0]._scan(full=True), drains[1]._scan(full=True), drains[2]._scan(full=False)]
-    assert await asyncio.gather(*scans) == [False, False, False]  # the table is empty
-    assert peak == 1
-    others = [_tiny_drain(ShardHub(), n, 2, engine=engine) for n in range(2)]
-    await asyncio.gather(*(drain._scan(full=True) for drain in others))
-    assert peak == 2  # drains of different workers do not wait for each other
+    monkeypatch.setattr(drain, "_scan", scan)
+    for n in range(6):
+        drain._queue.add(ShardRef("t_tiny", 1, "ORGANIZATION", n))
+    drain._queue.overflowed = True
+    now = time.monotonic()
+    scans = _ScanTimes(last_poll=now - 5.0, next_rescan=now + 3600.0)
+    await drain._scan_if_due(scans, False, now)
+    assert scanned == [False]  # 6 of 10 queued: a scan for new rows
+    drain._queue.next_round(2)  # 4 left
+    scans.last_poll = now - 5.0
+    await drain._scan_if_due(scans, False, now)
+    assert scanned == [False, True]
+    assert scans.next_rescan >= now + drain._options.rescan_interval_seconds
 
 
 def test_a_drain_counts_distinct_shards_up_to_its_cap(monkeypatch) -> None:

@@ -75,9 +75,6 @@ class ShardHub:
         self._partitions: dict[tuple[str, int], PartitionInbox] = {}
         self.closed = False
         self.listening = False  # the bridge LISTENs: notifications bring the new rows
-        # One drain of this worker scans at a time: a scan's rows are the most a worker holds at
-        # once (50,000 shards a partition at start), and the drains start together.
-        self.scanning = asyncio.Lock()
 
     def set_listening(self, listening: bool) -> None:
         """The bridge started or stopped listening. Every drain scans every shard now (rows

@@ -280,12 +280,7 @@ class PartitionDrain:
         """Queue this partition's shards with rows: every one (``full``), or those with rows
         above the newest id seen so far; True if it found any. The database returns only this
         partition's shards, and no more than the queue has room for (those with the oldest rows
-        first): a scan holds a page of shards, however many the table has. The drains of one
-        worker scan in turn, so that it holds one page at a time."""
-        async with self._hub.scanning:
-            return await self._scan_alone(full=full)
-
-    async def _scan_alone(self, *, full: bool) -> bool:
+        first): a scan holds a page of shards, however many the table has."""
         room = self._queue.room()
         try:
             async with self._engine.engine.connect() as conn:

@@ -140,7 +140,6 @@ class PartitionDrain:
         # Failing shards tried again here before their handover (none by default).
         self._retries = retries or LocalRetries(ShardOptions(), 0.0)
         self._queue = ShardQueue(self._ref.workflow_id, max_queued, unhandled, self._retries)
-        self._low_water = max_queued // 2  # shards left out are scanned for below this many
         self._watermark = 0
         # What the attempt before, on a worker that left, handled: this run counts on from it.
         self._stats = carried if carried is not None else PartitionRound()
@@ -217,7 +216,7 @@ class PartitionDrain:
         """Scan every shard, or for new rows, when it is time (or ``rescan`` asks for a full
         scan); returns when the next scan for new rows is due."""
         next_poll = scans.next_poll(self._options, self._hub.listening)
-        if self._queue.overflowed and len(self._queue) < self._low_water:
+        if self._queue.overflowed and self._queue.runs_low():
             scans.next_rescan = min(scans.next_rescan, next_poll)  # the left-out shards are next
         if now >= scans.next_rescan or rescan:
             await self._scan(full=True)

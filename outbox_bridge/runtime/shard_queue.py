@@ -41,6 +41,10 @@ class ShardQueue:
     def room(self) -> int:
         return self._limit - len(self._queued)
 
+    def runs_low(self) -> bool:
+        """Fewer than half the cap queued: the time to scan for the shards left out, if any."""
+        return len(self._queued) < self._limit // 2
+
     def add(self, shard: ShardRef) -> None:
         """Queue ``shard`` unless it is queued already, waits for room under the cap on shards
         the app cannot handle or for its retry, or the queue is full."""
